@@ -1,0 +1,266 @@
+"""HuggingFace folder <-> model params.
+
+Module attribute names mirror HF, so the key table is the model's own state paths: `model.layers.0.mlp.up_proj.weight`
+is the NNX path ('model', 'layers', 0, 'mlp', 'up_proj', 'weight'). Each Param declares its HF shape (`hf_shape`
+metadata), so the per-tensor transform is a shape check and a reshape (never a transpose, which keeps both
+directions at memory-copy speed).
+
+Import streams tensor by tensor: each tensor is read from safetensors on the host, cast, and placed straight into its
+target sharding (`jax.make_array_from_callback`), so peak host memory is one tensor, not the model.
+Export streams the other way into a `.tmp` folder that is renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, SingleDeviceSharding
+from safetensors import SafetensorError, safe_open
+
+from arpo_jax import models, sharding
+from arpo_jax.models import hf_config
+from arpo_jax.models.transformer import CausalLM, Config
+
+# Checkpoint keys that carry no parameters and are skipped: RoPE buffers of old checkpoints.
+IGNORED_KEYS = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
+MAX_SHARD_BYTES = 5 * 1024**3
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt", "added_tokens.json", "tokenizer.model")
+_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+_ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float16): "F16"}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Import
+
+
+def read_config(path: str | os.PathLike, **runtime) -> tuple[Config, dict]:
+    """(Config, raw config.json dict) of an HF folder. `runtime` sets dtype, param_dtype, remat, ..."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{cfg_file} not found: not a HuggingFace model folder")
+    raw = json.loads(cfg_file.read_text())
+    return models.config_from_hf(raw, **runtime), raw
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / f for f in sorted(set(weight_map.values()))]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
+        raise FileNotFoundError(f"{path}: no model.safetensors, no model.safetensors.index.json, no *.safetensors")
+    return found
+
+
+def _param_key(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def iter_checkpoint(path: Path) -> Iterator[tuple[str, str, object]]:
+    """Yields (key, file name, safetensors slice) for every tensor; duplicate keys across files raise."""
+    seen: dict[str, str] = {}
+    for file in _safetensors_files(path):
+        try:
+            handle = safe_open(str(file), framework="np")
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{file}: not a readable safetensors file ({e})") from e
+        with handle as f:
+            for key in f.keys():
+                if key in seen:
+                    raise ValueError(f"tensor {key!r} appears twice: in {seen[key]} and {file.name}")
+                seen[key] = file.name
+                yield key, file.name, f.get_slice(key)
+
+
+def load_state(path: str | os.PathLike, cfg: Config, mesh: Mesh | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+    """Reads an HF folder's safetensors into (graphdef, nnx.State of params) in `cfg.param_dtype`, sharded over `mesh`."""
+    path = Path(path)
+    graphdef, abstract = nnx.split(models.abstract_model(cfg))
+    expected = {_param_key(p): v for p, v in nnx.to_flat_state(abstract)}
+    rules = sharding.get_rules(cfg.sharding_rules)
+    target_dtype = _NP_DTYPES[cfg.param_dtype]
+    loaded: dict[str, jax.Array] = {}
+    for key, fname, tensor in iter_checkpoint(path):
+        if any(p.fullmatch(key) for p in IGNORED_KEYS):
+            continue
+        if key == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # some tied checkpoints store the (identical) head anyway; transformers ignores it too
+        if key not in expected:
+            raise ValueError(f"{fname}: unexpected tensor {key!r} for model_type={cfg.model_type!r} "
+                             f"(tie_word_embeddings={cfg.tie_word_embeddings}, layers={cfg.num_layers})")
+        var = expected[key]
+        hf_shape = tuple(var.get_metadata()["hf_shape"])
+        if tuple(tensor.get_shape()) != hf_shape:
+            raise ValueError(f"{fname}: tensor {key!r} has shape {tuple(tensor.get_shape())}, expected {hf_shape}")
+        try:
+            host = tensor[:].reshape(var.shape).astype(target_dtype, copy=False)
+        except (SafetensorError, ValueError, OSError) as e:
+            raise ValueError(f"{fname}: cannot read tensor {key!r} ({e})") from e
+        if mesh is None:
+            target = SingleDeviceSharding(jax.devices()[0])
+        else:
+            target = sharding.param_sharding(var.get_metadata()["axes"], var.shape, mesh, rules)
+        loaded[key] = jax.make_array_from_callback(var.shape, target, lambda idx, h=host: h[idx])
+    missing = sorted(set(expected) - set(loaded))
+    if missing:
+        raise ValueError(f"{path}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                         f"({len(missing)} of {len(expected)})")
+    state = nnx.from_flat_state([(p, v.replace(loaded[_param_key(p)])) for p, v in nnx.to_flat_state(abstract)])
+    return graphdef, state
+
+
+def from_pretrained(path: str | os.PathLike, *, dtype: str = "float32", mesh: Mesh | None = None,
+                    param_dtype: str | None = None, **runtime) -> CausalLM:
+    """Loads a local HF folder (Qwen2/2.5, Qwen3, Llama 3.x) as a CausalLM.
+
+    Args:
+      path: folder with config.json and safetensors (single file or sharded with an index).
+      dtype: compute dtype; also the param dtype unless `param_dtype` is given.
+      mesh: shard params over this ('data', 'fsdp', 'tensor') mesh; None = the first device.
+      **runtime: remat, attention_impl, sharding_rules (see models.Config).
+    """
+    cfg, _ = read_config(path, dtype=dtype, param_dtype=param_dtype or dtype, **runtime)
+    graphdef, state = load_state(path, cfg, mesh)
+    return nnx.merge(graphdef, state)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Export
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    if not x.is_fully_addressable:  # multi-host: gather the global value (every process must call this)
+        from jax.experimental import multihost_utils
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
+
+
+def _write_safetensors(file: Path, tensors: list[tuple[str, tuple, np.dtype, callable]]) -> None:
+    """Streams tensors into one safetensors file: header first, then each tensor fetched and written in turn.
+
+    The format is an 8-byte little-endian header size, a JSON header of dtype/shape/offsets, then raw bytes.
+    safetensors' own `save_file` needs every tensor of the shard in host memory at once and copies each to bytes;
+    this writer holds one tensor at a time (files are verified with safetensors' reader in the tests).
+    """
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape, dtype, _ in tensors:
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name, shape, dtype, fetch in tensors:
+            arr = np.ascontiguousarray(fetch())
+            if arr.shape != tuple(shape) or arr.dtype != dtype:
+                raise AssertionError(f"{name}: got {arr.shape} {arr.dtype}, header says {shape} {dtype}")
+            f.write(arr.reshape(-1).view(np.uint8).data)  # zero-copy; bf16 has no buffer format code
+
+
+def _shard_plan(entries, max_shard_bytes: int) -> list[list]:
+    shards, size = [[]], 0
+    for e in entries:
+        nbytes = math.prod(e[1]) * e[2].itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += nbytes
+    return shards
+
+
+def save_state(state: nnx.State, cfg: Config, path: str | os.PathLike, *, tokenizer=None, dtype: str | None = None,
+               max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Writes params as an HF folder (config.json, generation_config.json, safetensors, tokenizer files).
+
+    Written into a temporary sibling folder and renamed into place at the end, so `path` is always either the
+    previous complete export or the new complete one. In a multi-host run every process must call this (the
+    params are gathered collectively); only process 0 writes.
+    """
+    path = Path(path)
+    dtype = dtype or cfg.param_dtype
+    np_dtype = np.dtype(_NP_DTYPES[dtype])
+    entries = []
+    for p, var in nnx.to_flat_state(state):
+        hf_shape = tuple(var.get_metadata()["hf_shape"])
+        fetch = (lambda v=var, s=hf_shape: _to_host(v[...]).reshape(s).astype(np_dtype, copy=False))
+        entries.append((_param_key(p), hf_shape, np_dtype, fetch))
+    if jax.process_index() != 0:
+        for e in entries:  # take part in the collective gathers, write nothing
+            e[3]()
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        shards = _shard_plan(entries, max_shard_bytes)
+        names = (["model.safetensors"] if len(shards) == 1 else
+                 [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+        for name, shard in zip(names, shards):
+            _write_safetensors(tmp / name, shard)
+        if len(shards) > 1:
+            total = sum(math.prod(e[1]) * np_dtype.itemsize for e in entries)
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {e[0]: n for n, shard in zip(names, shards) for e in shard}}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        hf = models.config_to_hf(cfg) | {"dtype": dtype, "torch_dtype": dtype}
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+        gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        if tokenizer is not None:
+            _save_tokenizer(tokenizer, tmp)
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _save_tokenizer(tokenizer, out: Path) -> None:
+    if isinstance(tokenizer, (str, os.PathLike)):  # a folder holding tokenizer files
+        src = Path(tokenizer)
+        copied = [shutil.copy2(src / f, out / f) for f in TOKENIZER_FILES if (src / f).is_file()]
+        if not copied:
+            raise FileNotFoundError(f"{src}: no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, ...)")
+    else:
+        tokenizer.save_pretrained(str(out))
+
+
+def _replace_dir(new: Path, dest: Path) -> None:
+    """Puts `new` at `dest`. An old `dest` is moved aside first and deleted after, never left half-replaced."""
+    if not dest.exists():
+        os.rename(new, dest)
+        return
+    old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+    os.rename(dest, old)
+    os.rename(new, dest)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_pretrained(model: CausalLM, path: str | os.PathLike, tokenizer=None, *, dtype: str | None = None,
+                    max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Exports a CausalLM as an HF folder that transformers and vLLM load. See `save_state`."""
+    return save_state(nnx.state(model, nnx.Param), model.config, path, tokenizer=tokenizer, dtype=dtype,
+                      max_shard_bytes=max_shard_bytes)
+
+
+def checkpoint_dtype(path: str | os.PathLike) -> str:
+    return hf_config.checkpoint_dtype(json.loads((Path(path) / "config.json").read_text()))

@@ -1,0 +1,394 @@
+"""The decoder-only transformer shared by Qwen2/2.5, Qwen3 and Llama 3.x, in Flax NNX.
+
+These families differ only in switches of one architecture (q/k/v bias, q/k RMSNorm, RoPE scaling, tied
+embeddings), so they share this module; `qwen.py` and `llama.py` read their HF configs into `Config`.
+
+Parameter layout follows HuggingFace exactly up to a free reshape (no transposes): a Linear weight is stored as
+`[out..., in...]` (e.g. q_proj `[N, H, D]` for HF's `[N*H, D]`) and applied with an einsum. Module attribute
+names equal HF's, so an NNX state path *is* the HF key (`model.layers.3.self_attn.q_proj.weight`). Import and
+export are therefore a reshape per tensor, and every Param carries `axes` (logical sharding names) and
+`hf_shape` metadata, declared once here and used by sharding, conversion and checkpointing.
+
+Shape letters: B batch, T query length, S key length, D hidden, N query heads, K kv heads, H head dim,
+F MLP width, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from arpo_jax.sharding import constrain
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+ATTENTION_IMPLS = (None, "xla", "cudnn")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 `llama3` RoPE frequency scaling (the only scaling these families use)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Architecture (from the HF config) plus runtime choices. Frozen and hashable: it is static under jit."""
+
+    model_type: str  # "qwen2", "qwen3" or "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2/2.5
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    # Runtime choices, not part of the architecture.
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"  # storage dtype of params (and of their gradients / optimizer moments)
+    remat: str = "none"  # one of REMAT_POLICIES
+    attention_impl: str | None = None  # None: let JAX choose (cuDNN on GPU when it can), "xla", "cudnn"
+    sharding_rules: str = "fsdp_tp"  # name of a table in arpo_jax.sharding.RULES
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        for field, allowed in (("dtype", DTYPES), ("param_dtype", DTYPES), ("remat", tuple(REMAT_POLICIES)),
+                               ("attention_impl", ATTENTION_IMPLS)):
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"model config {field}={getattr(self, field)!r}; allowed: {allowed}")
+
+    def replace(self, **kw) -> Config:
+        return dataclasses.replace(self, **kw)
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype)
+
+
+def _param(rngs: nnx.Rngs, cfg: Config, shape, axes, hf_shape=None, init="normal") -> nnx.Param:
+    dtype = jnp.dtype(cfg.param_dtype)
+    if init == "normal":
+        value = 0.02 * jax.random.normal(rngs.params(), shape, dtype)
+    else:
+        value = (jnp.ones if init == "ones" else jnp.zeros)(shape, dtype)
+    return nnx.Param(value, axes=tuple(axes), hf_shape=tuple(hf_shape or shape))
+
+
+class Linear(nnx.Module):
+    """`y = einsum(x, W) (+ b)` with W in HF layout `[out..., in...]`; `spec` is the einsum, e.g. 'btd,nhd->btnh'."""
+
+    def __init__(self, cfg: Config, spec: str, shape, axes, hf_shape, *, bias: bool = False, rngs: nnx.Rngs):
+        self.spec = spec
+        self.cfg = cfg
+        self.weight = _param(rngs, cfg, shape, axes, hf_shape)
+        n_out = len(spec.split("->")[1]) - 2  # output dims after b, t
+        out_shape, out_axes = tuple(shape[:n_out]), tuple(axes[:n_out])
+        self.bias = _param(rngs, cfg, out_shape, out_axes, (math.prod(out_shape),), "zeros") if bias else None
+
+    def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
+        dt = self.cfg.compute_dtype
+        y = jnp.einsum(self.spec, x, self.weight[...].astype(dt), preferred_element_type=out_dtype)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(y.dtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: Config, dim: int, *, rngs: nnx.Rngs):
+        self.eps = cfg.rms_norm_eps
+        self.weight = _param(rngs, cfg, (dim,), ("norm",), init="ones")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # As HF: normalise in float32, cast back to the activation dtype, then scale.
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * xf.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: Config) -> jax.Array:
+    """Inverse RoPE frequencies `[H/2]` in float32, with Llama 3.1 `llama3` scaling when configured."""
+    h = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq
+    # Same piecewise rule as transformers' _compute_llama3_parameters: keep high frequencies, divide low ones by
+    # `factor`, interpolate smoothly in between.
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(is_medium, smoothed, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (HF convention). x: [B, T, N, H]; positions: [B, T]."""
+    freqs = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, H]
+    # HF casts cos/sin to the activation dtype before rotating; do the same for bf16 parity.
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+class KVCache(NamedTuple):
+    """Per-layer keys/values for the sampler. Slots are written left to right per row.
+
+    `positions[b, s]` is the RoPE position of the token in slot s, or -1 for an empty or padding slot; attention
+    masks by it, so rows may hold different lengths, left padding and holes. `lengths[b]` is the next free slot.
+    """
+
+    k: jax.Array  # [L, B, S, K, H]
+    v: jax.Array  # [L, B, S, K, H]
+    positions: jax.Array  # [B, S] int32
+    lengths: jax.Array  # [B] int32
+
+    @classmethod
+    def init(cls, cfg: Config, batch: int, max_len: int, dtype=None) -> KVCache:
+        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        dtype = dtype or cfg.compute_dtype
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.full((batch, max_len), -1, jnp.int32),
+                   jnp.zeros((batch,), jnp.int32))
+
+    def take_rows(self, rows) -> KVCache:
+        """The cache of rows `rows` [B'] (a branch copies its parent's row; finished rows are dropped)."""
+        rows = jnp.asarray(rows)
+        return KVCache(self.k[:, rows], self.v[:, rows], self.positions[rows], self.lengths[rows])
+
+
+def _write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """buf [B, S, ...] <- new [B, T, ...] at per-row slot offsets start [B]."""
+    def one(b, n, s):
+        return jax.lax.dynamic_update_slice_in_dim(b, n, s, axis=0)
+    return jax.vmap(one)(buf, new, start)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = Linear(cfg, "btd,nhd->btnh", (n, h, d), ("q_heads", "head_dim", "embed"), (n * h, d),
+                             bias=cfg.qkv_bias, rngs=rngs)
+        self.k_proj = Linear(cfg, "btd,khd->btkh", (k, h, d), ("kv_heads", "head_dim", "embed"), (k * h, d),
+                             bias=cfg.qkv_bias, rngs=rngs)
+        self.v_proj = Linear(cfg, "btd,khd->btkh", (k, h, d), ("kv_heads", "head_dim", "embed"), (k * h, d),
+                             bias=cfg.qkv_bias, rngs=rngs)
+        self.o_proj = Linear(cfg, "btnh,dnh->btd", (d, n, h), ("embed", "q_heads", "head_dim"), (d, n * h),
+                             rngs=rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg, h, rngs=rngs)
+            self.k_norm = RMSNorm(cfg, h, rngs=rngs)
+
+    def qkv(self, x: jax.Array, positions: jax.Array):
+        cfg = self.cfg
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B,T,N,H], [B,T,K,H], [B,T,K,H]
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = rope_inv_freq(cfg)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q = constrain(q, ("batch", "seq", "act_heads", None), cfg.sharding_rules)
+        k = constrain(k, ("batch", "seq", "act_kv_heads", None), cfg.sharding_rules)
+        return q, k, v
+
+    def attend(self, q, k, v, mask):
+        # mask: [B, 1, T, S] bool. GQA is native: K kv heads serve N query heads.
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=self.cfg.head_dim ** -0.5,
+                                           implementation=self.cfg.attention_impl)
+        return self.o_proj(out)  # [B, T, D]
+
+    def __call__(self, x, positions, mask):
+        q, k, v = self.qkv(x, positions)
+        return self.attend(q, k, v, mask)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(cfg, "btd,fd->btf", (f, d), ("mlp", "embed"), (f, d), rngs=rngs)
+        self.up_proj = Linear(cfg, "btd,fd->btf", (f, d), ("mlp", "embed"), (f, d), rngs=rngs)
+        self.down_proj = Linear(cfg, "btf,df->btd", (d, f), ("embed", "mlp"), (d, f), rngs=rngs)
+
+    def __call__(self, x):
+        h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)  # [B, T, F]
+        h = constrain(h, ("batch", "seq", "act_mlp"), self.cfg.sharding_rules)
+        return self.down_proj(h)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(cfg, cfg.hidden_size, rngs=rngs)
+        self.self_attn = Attention(cfg, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg, cfg.hidden_size, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x, positions, mask):
+        x = x + self.self_attn(self.input_layernorm(x), positions, mask)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return constrain(x, ("batch", "seq", "act_embed"), self.cfg.sharding_rules)
+
+    def extend(self, x, positions, mask, k_all, v_all, i, start):
+        """Cached step of layer i: writes this chunk's k/v at slots `start` [B] of the cache, attends over it."""
+        q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions)
+        # Slice, update and write back: XLA turns this into an in-place update of the (donated) cache buffer.
+        k_all = k_all.at[i].set(_write_rows(k_all[i], k.astype(k_all.dtype), start))
+        v_all = v_all.at[i].set(_write_rows(v_all[i], v.astype(v_all.dtype), start))
+        dt = self.cfg.compute_dtype
+        x = x + self.self_attn.attend(q, k_all[i].astype(dt), v_all[i].astype(dt), mask)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k_all, v_all
+
+
+class Embed(nnx.Module):
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        self.weight = _param(rngs, cfg, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"))
+
+
+class Decoder(nnx.Module):
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        self.embed_tokens = Embed(cfg, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg, cfg.hidden_size, rngs=rngs)
+
+
+def default_positions(attention_mask: jax.Array | None, segment_ids: jax.Array | None, shape) -> jax.Array:
+    """Positions as the reference computes them: cumsum(mask) - 1 clipped at 0; restarting at each segment."""
+    b, t = shape
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if segment_ids is not None:
+        starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+        return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+    if attention_mask is not None:
+        return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1, 0)
+    return idx
+
+
+def attention_mask_4d(attention_mask: jax.Array | None, segment_ids: jax.Array | None, shape) -> jax.Array:
+    """[B, 1, T, T] bool: causal, within a segment (segment id 0 = padding), keys not padded."""
+    b, t = shape
+    mask = jnp.tril(jnp.ones((t, t), bool))[None]  # [1, T, T]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids != 0)[:, None, :]
+    if attention_mask is not None:
+        mask = mask & attention_mask.astype(bool)[:, None, :]
+    return jnp.broadcast_to(mask, (b, t, t))[:, None]
+
+
+class CausalLM(nnx.Module):
+    """Qwen2/2.5/3 or Llama 3.x causal LM. `model(input_ids, positions, attention_mask, segment_ids) -> logits`."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.model = Decoder(cfg, rngs=rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg, "btd,vd->btv", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
+                                  (cfg.vocab_size, cfg.hidden_size), rngs=rngs)
+
+    def unembedding(self) -> jax.Array:
+        """The output projection `[V, D]` (the embedding itself when tied)."""
+        w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return w[...]
+
+    def embed(self, input_ids: jax.Array) -> jax.Array:
+        cfg = self.config
+        x = jnp.take(self.model.embed_tokens.weight[...], input_ids, axis=0).astype(cfg.compute_dtype)
+        return constrain(x, ("batch", "seq", "act_embed"), cfg.sharding_rules)
+
+    def hidden_states(self, input_ids, positions=None, attention_mask=None, segment_ids=None) -> jax.Array:
+        """Final-norm hidden states `[B, T, D]` (compute dtype), for chunked log-prob computation."""
+        cfg = self.config
+        shape = input_ids.shape
+        if positions is None:
+            positions = default_positions(attention_mask, segment_ids, shape)
+        mask = attention_mask_4d(attention_mask, segment_ids, shape)
+        x = self.embed(input_ids)
+        for layer in self.model.layers:
+            x = _remat_layer(cfg.remat)(layer, x, positions, mask)
+        return self.model.norm(x)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """float32 logits `[B, T, V]` from hidden states (the matmul accumulates in float32)."""
+        cfg = self.config
+        w = self.unembedding().astype(cfg.compute_dtype)
+        out = jnp.einsum("btd,vd->btv", hidden, w, preferred_element_type=jnp.float32)
+        return constrain(out, ("batch", "seq", "act_vocab"), cfg.sharding_rules)
+
+    def __call__(self, input_ids, positions=None, attention_mask=None, segment_ids=None) -> jax.Array:
+        return self.logits(self.hidden_states(input_ids, positions, attention_mask, segment_ids))
+
+    def extend(self, input_ids, positions, cache: KVCache, valid=None) -> tuple[jax.Array, KVCache]:
+        """Appends a chunk to the KV cache and returns its logits: prefill (empty cache) and decode (T = 1).
+
+        Args:
+          input_ids: [B, T] tokens; positions: [B, T] their RoPE positions.
+          cache: the KVCache; the chunk is written at slots `lengths[b] .. lengths[b] + T - 1` of each row. The
+            caller keeps `lengths + T <= max_len` (a dynamic slice past the end would be clamped, not raised).
+          valid: [B, T] bool, False for padding tokens (they get position -1 and are never attended to).
+            Trailing padding slots are reclaimed by the next write; leading/middle padding stays as a hole.
+        Returns:
+          (float32 logits [B, T, V], the updated cache).
+        """
+        b, t = input_ids.shape
+        if valid is None:
+            valid = jnp.ones((b, t), bool)
+        start = cache.lengths
+        kv_pos = _write_rows(cache.positions, jnp.where(valid, positions, -1).astype(jnp.int32), start)
+        # Attend to every filled slot at or before the query's position (positions are increasing along a row).
+        mask = (kv_pos[:, None, :] >= 0) & (kv_pos[:, None, :] <= positions[:, :, None])  # [B, T, S]
+        mask = mask[:, None]
+        x = self.embed(input_ids)
+        k_all, v_all = cache.k, cache.v
+        for i, layer in enumerate(self.model.layers):
+            x, k_all, v_all = layer.extend(x, positions, mask, k_all, v_all, i, start)
+        logits = self.logits(self.model.norm(x))
+        last_valid = jnp.max(jnp.where(valid, jnp.arange(t)[None] + 1, 0), axis=1)
+        new_cache = KVCache(k_all, v_all, kv_pos, cache.lengths + last_valid.astype(jnp.int32))
+        return logits, new_cache
+
+
+def _remat_layer(policy_name: str):
+    def call(layer, x, positions, mask):
+        return layer(x, positions, mask)
+    if policy_name == "none":
+        return call
+    return nnx.remat(call, policy=REMAT_POLICIES[policy_name])
+
+
+def abstract_model(cfg: Config) -> CausalLM:
+    """The model with ShapeDtypeStruct leaves: shapes, dtypes and metadata without allocating anything."""
+    return nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
+
+
+def param_count(model_or_state: Any) -> int:
+    state = nnx.state(model_or_state, nnx.Param) if isinstance(model_or_state, nnx.Module) else model_or_state
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(state))

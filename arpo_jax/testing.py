@@ -1,0 +1,109 @@
+"""Test and demo fixtures: tiny HF models and a byte-level BPE tokenizer, built offline.
+
+The tiny models use head_dim >= 32 so the same folders can be served by vLLM's CPU attention later.
+torch/transformers are imported lazily: they are only needed where an HF reference model is built.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Tiny variants of each supported family. Every feature that differs between them is switched on somewhere:
+# q/k/v bias (qwen2), tied and untied embeddings, q/k norm with explicit head_dim (qwen3), llama3 RoPE scaling.
+TINY_VARIANTS = {
+    "qwen2": dict(model_type="qwen2", tie_word_embeddings=False),
+    "qwen2_tied": dict(model_type="qwen2", tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", tie_word_embeddings=False, head_dim=48),
+    "llama31": dict(model_type="llama", tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 64}),
+    "llama32_tied": dict(model_type="llama", tie_word_embeddings=True),
+}
+
+
+def tiny_hf_config_dict(variant: str = "qwen2", *, vocab_size: int = 512, hidden_size: int = 128,
+                        num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 256,
+                        **overrides) -> dict:
+    d = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+             num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+             head_dim=hidden_size // num_heads, max_position_embeddings=512, rms_norm_eps=1e-6,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, bos_token_id=1, eos_token_id=2,
+             pad_token_id=0, hidden_act="silu")
+    d.update(TINY_VARIANTS[variant])
+    d.update(overrides)
+    return d
+
+
+def make_tiny_hf_model(path: str | Path, variant: str = "qwen2", *, seed: int = 0, dtype: str = "float32",
+                       scale: float = 0.08, **config_overrides):
+    """Builds a random HF torch model, saves it (safetensors) under `path` and returns the torch model.
+
+    Every weight is random, norms and biases included (HF initialises those to 1 and 0, which would hide a
+    missing bias or a mis-mapped norm in a parity test).
+    """
+    import torch
+    import transformers
+
+    d = tiny_hf_config_dict(variant, **config_overrides)
+    config = transformers.AutoConfig.for_model(**d)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(scale * torch.randn_like(p))
+    model = model.to(getattr(torch, dtype)).eval()
+    model.save_pretrained(str(path))
+    return model
+
+
+def make_tiny_tokenizer(path: str | Path | None = None, *, vocab_size: int = 512, corpus: list[str] | None = None):
+    """A byte-level BPE tokenizer trained offline with Qwen2's pre-tokenizer pipeline, as PreTrainedTokenizerFast.
+
+    Special tokens: <|endoftext|> (pad), <|im_start|>, <|im_end|> (eos), with a ChatML chat template.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    corpus = corpus or _default_corpus()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None)
+    fast.chat_template = CHATML_TEMPLATE
+    if path is not None:
+        fast.save_pretrained(str(path))
+    return fast
+
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _default_corpus() -> list[str]:
+    words = ("the of and to in is was for on that with as by at from his her an which or be are were this "
+             "search python result answer think print import math sum range def return value number year").split()
+    lines = []
+    for i in range(400):
+        lines.append(" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(12)) + f" {i} {i * 37 % 1000}")
+    lines += ["<think> x </think> <search> q </search> <result>\n r \n</result> <python> print(1+2) </python>",
+              "<answer> The final answer is \\[ \\boxed{42} \\] </answer>"]
+    return lines
+
+

@@ -1,0 +1,29 @@
+"""Runs every test on 8 fake CPU devices, so sharding tests build real meshes with the production axis names."""
+
+import os
+
+# Must be set before JAX initialises its backend (the first jax import in the session happens after this).
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from arpo_jax import testing  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory):
+    """`tiny_hf_dir(variant)` -> (folder, torch model), built once per variant per session."""
+    cache = {}
+
+    def build(variant="qwen2", **kw):
+        key = (variant, tuple(sorted(kw.items())))
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"hf_{variant}")
+            cache[key] = (path, testing.make_tiny_hf_model(path, variant, **kw))
+        return cache[key]
+
+    return build

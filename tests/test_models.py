@@ -1,0 +1,178 @@
+"""Numerical parity of the Flax models with transformers on the same random weights, and model invariances."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import arpo_jax
+from arpo_jax import hf, models, testing
+from arpo_jax.models import KVCache
+
+VARIANTS = list(testing.TINY_VARIANTS)
+# bf16 tolerance on logits of magnitude ~4 (documented in README): both sides round weights and activations to
+# bf16 (8 bits of mantissa) at different points of the same computation.
+BF16_MAX_ABS = 0.15
+BF16_MEAN_ABS = 0.03
+
+
+def _ids(shape, seed=0, vocab=512):
+    return np.random.RandomState(seed).randint(3, vocab, shape)
+
+
+def _torch_logits(model, ids, attention_mask=None, position_ids=None):
+    kw = {}
+    if attention_mask is not None:
+        kw["attention_mask"] = torch.tensor(attention_mask)
+    if position_ids is not None:
+        kw["position_ids"] = torch.tensor(position_ids)
+    with torch.no_grad():
+        return model(torch.tensor(ids), **kw).logits.float().numpy()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_float32_parity(tiny_hf_dir, variant):
+    path, ref = tiny_hf_dir(variant)
+    model = arpo_jax.from_pretrained(path)
+    ids = _ids((2, 19))
+    ours = np.asarray(model(jnp.asarray(ids)))
+    theirs = _torch_logits(ref, ids)
+    assert ours.shape == theirs.shape == (2, 19, 512)
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "qwen3", "llama31"])
+def test_bfloat16_parity(tiny_hf_dir, variant):
+    import transformers
+
+    path, _ = tiny_hf_dir(variant)
+    ids = _ids((2, 19), seed=1)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
+    theirs = _torch_logits(ref, ids)
+    model = arpo_jax.from_pretrained(path, dtype="bfloat16")
+    assert model.model.embed_tokens.weight[...].dtype == jnp.bfloat16
+    diff = np.abs(np.asarray(model(jnp.asarray(ids))) - theirs)
+    assert diff.max() <= BF16_MAX_ABS and diff.mean() <= BF16_MEAN_ABS, (diff.max(), diff.mean())
+
+
+def test_left_padding_matches_transformers(tiny_hf_dir):
+    """Batched prompts of different lengths, left-padded as the rollout does, with positions from the mask."""
+    path, ref = tiny_hf_dir("qwen2")
+    model = arpo_jax.from_pretrained(path)
+    ids = _ids((3, 12), seed=2)
+    mask = np.ones_like(ids)
+    mask[0, :5] = 0
+    mask[1, :1] = 0
+    ids = np.where(mask == 1, ids, 0)
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    theirs = _torch_logits(ref, ids, attention_mask=mask, position_ids=positions)
+    ours = np.asarray(model(jnp.asarray(ids), attention_mask=jnp.asarray(mask)))  # default positions = same rule
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(ours[valid], theirs[valid], atol=1e-4, rtol=0)
+
+
+def test_packed_segments_equal_separate_sequences(tiny_hf_dir):
+    path, _ = tiny_hf_dir("qwen3")
+    model = arpo_jax.from_pretrained(path)
+    a, b = _ids((1, 7), seed=3), _ids((1, 5), seed=4)
+    packed = np.concatenate([a, b, np.zeros((1, 4), int)], axis=1)  # two sequences and padding in one row
+    seg = np.array([[1] * 7 + [2] * 5 + [0] * 4])
+    out = np.asarray(model(jnp.asarray(packed), segment_ids=jnp.asarray(seg)))
+    np.testing.assert_allclose(out[0, :7], np.asarray(model(jnp.asarray(a)))[0], atol=1e-5)
+    np.testing.assert_allclose(out[0, 7:12], np.asarray(model(jnp.asarray(b)))[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["qwen2_tied", "llama31"])
+def test_kv_cache_prefill_decode_equals_full_forward(tiny_hf_dir, variant):
+    """Left-padded prefill, token-by-token decode, then a multi-token append (a tool result) through the cache."""
+    path, _ = tiny_hf_dir(variant)
+    model = arpo_jax.from_pretrained(path)
+    cfg = model.config
+    full = _ids((2, 14), seed=5)
+    pad = np.array([3, 0])  # row 0 has 3 left-padding tokens
+    valid = np.arange(14)[None] >= pad[:, None]
+    positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0)
+    expected = np.asarray(model(jnp.asarray(full), attention_mask=jnp.asarray(valid)))
+
+    extend = jax.jit(lambda m, ids, pos, c, v: m.extend(ids, pos, c, v))
+    cache = KVCache.init(cfg, batch=2, max_len=32)
+    logits, cache = extend(model, jnp.asarray(full[:, :8]), jnp.asarray(positions[:, :8]), cache,
+                           jnp.asarray(valid[:, :8]))
+    got = [np.asarray(logits)]
+    for t in range(8, 10):  # decode one token at a time
+        logits, cache = extend(model, jnp.asarray(full[:, t:t + 1]), jnp.asarray(positions[:, t:t + 1]), cache,
+                               jnp.asarray(valid[:, t:t + 1]))
+        got.append(np.asarray(logits))
+    logits, cache = extend(model, jnp.asarray(full[:, 10:]), jnp.asarray(positions[:, 10:]), cache,
+                           jnp.asarray(valid[:, 10:]))
+    got.append(np.asarray(logits))
+    got = np.concatenate(got, axis=1)
+    np.testing.assert_allclose(got[valid], expected[valid], atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [14, 14])
+
+
+def test_kv_cache_rows_with_ragged_appends_and_branch_copy(tiny_hf_dir):
+    """Right-padded chunks reclaim their padding slots; a copied cache row continues like its parent."""
+    path, _ = tiny_hf_dir("qwen2")
+    model = arpo_jax.from_pretrained(path)
+    seq = _ids((1, 10), seed=6)[0]
+    cache = KVCache.init(model.config, batch=2, max_len=24)
+    # Both rows get the same 10 tokens, split differently: row 0 as 6 + 4 (+3 padding), row 1 as 3 (+3 padding) + 7.
+    chunk1 = np.stack([seq[:6], np.concatenate([seq[:3], [0, 0, 0]])])
+    valid1 = np.array([[1] * 6, [1, 1, 1, 0, 0, 0]], bool)
+    pos1 = np.stack([np.arange(6), np.array([0, 1, 2, 0, 0, 0])])
+    _, cache = model.extend(jnp.asarray(chunk1), jnp.asarray(pos1), cache, jnp.asarray(valid1))
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [6, 3])
+    chunk2 = np.stack([np.concatenate([seq[6:], [0, 0, 0]]), seq[3:]])
+    valid2 = np.array([[1] * 4 + [0] * 3, [1] * 7], bool)
+    pos2 = np.stack([np.array([6, 7, 8, 9, 0, 0, 0]), np.arange(3, 10)])
+    logits, cache = model.extend(jnp.asarray(chunk2), jnp.asarray(pos2), cache, jnp.asarray(valid2))
+    np.testing.assert_allclose(np.asarray(logits)[0, 3], np.asarray(logits)[1, 6], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [10, 10])
+    # Branch: copy row 0 into both rows, decode the same token, get the same logits as the full forward.
+    branched = cache.take_rows([0, 0])
+    nxt = jnp.asarray([[5], [5]])
+    logits_b, _ = model.extend(nxt, jnp.asarray([[10], [10]]), branched)
+    full = np.asarray(model(jnp.asarray(np.concatenate([seq, [5]])[None])))[0, -1]
+    np.testing.assert_allclose(np.asarray(logits_b)[:, 0], np.stack([full, full]), atol=1e-4)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots", "dots_no_batch"])
+def test_remat_policies_give_the_same_gradients(tiny_hf_dir, remat):
+    from flax import nnx
+
+    path, _ = tiny_hf_dir("qwen3")
+    ids = jnp.asarray(_ids((2, 9), seed=7))
+
+    def grads(model):
+        def loss(m):
+            return jax.nn.log_softmax(m(ids)).mean()
+        return nnx.grad(loss)(model)
+
+    g0 = grads(arpo_jax.from_pretrained(path))
+    g1 = grads(arpo_jax.from_pretrained(path, remat=remat))
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_llama3_rope_scaling_is_applied(tiny_hf_dir):
+    """Dropping the llama3 scaling changes the logits: the parity test above does exercise it."""
+    from flax import nnx
+
+    path, _ = tiny_hf_dir("llama31")
+    cfg, _ = hf.read_config(path)
+    assert cfg.rope_scaling is not None
+    graphdef, state = hf.load_state(path, cfg)
+    unscaled_graphdef, _ = nnx.split(models.abstract_model(cfg.replace(rope_scaling=None)))
+    ids = jnp.asarray(_ids((1, 40), seed=8))
+    scaled = np.asarray(nnx.merge(graphdef, state)(ids))
+    unscaled = np.asarray(nnx.merge(unscaled_graphdef, state)(ids))
+    assert np.abs(unscaled - scaled).max() > 1e-2
+
+
+@pytest.mark.parametrize("field,value", [("dtype", "float64"), ("remat", "some"), ("attention_impl", "flash")])
+def test_invalid_runtime_choice_names_the_field(field, value):
+    cfg = models.config_from_hf(testing.tiny_hf_config_dict("qwen2"))
+    with pytest.raises(ValueError, match=field):
+        cfg.replace(**{field: value})
