@@ -6,7 +6,6 @@ torch/transformers are imported lazily: they are only needed where an HF referen
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 # Tiny variants of each supported family. Every feature that differs between them is switched on somewhere:
@@ -62,38 +61,10 @@ def make_tiny_hf_model(path: str | Path, variant: str = "qwen2", *, seed: int = 
 
 
 def make_tiny_tokenizer(path: str | Path | None = None, *, vocab_size: int = 512, corpus: list[str] | None = None):
-    """A byte-level BPE tokenizer trained offline with Qwen2's pre-tokenizer pipeline, as PreTrainedTokenizerFast.
+    """A byte-level BPE tokenizer (Qwen2 pipeline, ChatML template) trained offline on a small fixed corpus."""
+    from arpo_jax import bpe
 
-    Special tokens: <|endoftext|> (pad), <|im_start|>, <|im_end|> (eos), with a ChatML chat template.
-    """
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    corpus = corpus or _default_corpus()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   bos_token=None, unk_token=None)
-    fast.chat_template = CHATML_TEMPLATE
-    if path is not None:
-        fast.save_pretrained(str(path))
-    return fast
-
-
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+    return bpe.train_bpe_tokenizer(corpus or _default_corpus(), vocab_size=vocab_size, path=path)
 
 
 def _default_corpus() -> list[str]:

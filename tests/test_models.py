@@ -11,10 +11,11 @@ from arpo_jax import hf, models, testing
 from arpo_jax.models import KVCache
 
 VARIANTS = list(testing.TINY_VARIANTS)
-# bf16 tolerance on logits of magnitude ~4 (documented in README): both sides round weights and activations to
+# bf16 tolerance on logits of magnitude ~4 (documented in README; measured: max 0.04-0.06, mean 0.008-0.009, less than
+# transformers' own bf16-vs-float32 error of max 0.06-0.09). Both sides round weights and activations to
 # bf16 (8 bits of mantissa) at different points of the same computation.
-BF16_MAX_ABS = 0.15
-BF16_MEAN_ABS = 0.03
+BF16_MAX_ABS = 0.1
+BF16_MEAN_ABS = 0.015
 
 
 def _ids(shape, seed=0, vocab=512):

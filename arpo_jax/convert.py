@@ -1,0 +1,47 @@
+"""HF folder <-> orbax checkpoint conversion (the logic behind `arpo-jax convert` and conversion/*.py)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from flax import nnx
+
+from arpo_jax import checkpoint, hf
+
+TOKENIZER_SUBDIR = "tokenizer"
+
+
+def hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None, step: int = 0,
+                mesh=None) -> dict:
+    """Imports an HF folder and saves it as an orbax checkpoint at `step`; tokenizer files are kept alongside."""
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    t0 = time.perf_counter()
+    dtype = dtype or hf.checkpoint_dtype(hf_dir)
+    model = hf.from_pretrained(hf_dir, dtype=dtype, mesh=mesh)
+    t1 = time.perf_counter()
+    with checkpoint.Checkpointer(out_dir) as ckpt:
+        if step in ckpt.all_steps():
+            raise ValueError(f"{out_dir} already holds a checkpoint for step {step}: pick another --out or --step")
+        ckpt.save(step, nnx.state(model, nnx.Param), config=model.config, meta={"source": str(hf_dir)}, force=True)
+    tok_files = [f for f in hf.TOKENIZER_FILES if (hf_dir / f).is_file()]
+    if tok_files:
+        (out_dir / TOKENIZER_SUBDIR).mkdir(parents=True, exist_ok=True)
+        for f in tok_files:
+            shutil.copy2(hf_dir / f, out_dir / TOKENIZER_SUBDIR / f)
+    return {"import_s": t1 - t0, "save_s": time.perf_counter() - t1, "step": step, "dtype": dtype,
+            "tokenizer_files": len(tok_files)}
+
+
+def orbax_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
+                tokenizer: str | Path | None = None, dtype: str | None = None) -> dict:
+    """Exports the params of an orbax checkpoint (default: latest step) as an HF folder."""
+    ckpt_dir = Path(ckpt_dir)
+    t0 = time.perf_counter()
+    model = checkpoint.Checkpointer(ckpt_dir).restore_model(step)
+    t1 = time.perf_counter()
+    if tokenizer is None and (ckpt_dir / TOKENIZER_SUBDIR).is_dir():
+        tokenizer = ckpt_dir / TOKENIZER_SUBDIR
+    hf.save_pretrained(model, out_dir, tokenizer=tokenizer, dtype=dtype)
+    return {"restore_s": t1 - t0, "export_s": time.perf_counter() - t1, "tokenizer": str(tokenizer or "")}

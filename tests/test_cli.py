@@ -1,0 +1,61 @@
+"""The `arpo-jax` entry point and the conversion CLIs, run as a user runs them."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
+
+from arpo_jax import cli, testing
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(*args):
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, timeout=300)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_convert_round_trip_through_the_cli_scripts(tiny_hf_dir, tmp_path):
+    path = tmp_path / "hf_in"
+    shutil.copytree(tiny_hf_dir("qwen3")[0], path)
+    testing.make_tiny_tokenizer(path)  # tokenizer files next to the weights are carried along
+    code, out, err = _run("conversion/hf_to_orbax.py", "--hf", str(path), "--out", str(tmp_path / "ckpt"))
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["tokenizer_files"] >= 2
+    code, out, err = _run("-m", "arpo_jax.cli", "convert", "orbax-to-hf", "--ckpt", str(tmp_path / "ckpt"),
+                          "--out", str(tmp_path / "hf"))
+    assert code == 0, err
+    a, b = load_file(str(path / "model.safetensors")), load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    # Converting into an existing step is refused with a message that says what to do.
+    code, _, err = _run("conversion/hf_to_orbax.py", "--hf", str(path), "--out", str(tmp_path / "ckpt"))
+    assert code == 2 and "already holds a checkpoint for step 0" in err
+
+
+def test_convert_bfloat16_export(tiny_hf_dir, tmp_path, capsys):
+    path, _ = tiny_hf_dir("llama32_tied")
+    assert cli.main(["convert", "hf-to-orbax", "--hf", str(path), "--out", str(tmp_path / "c")]) == 0
+    assert cli.main(["convert", "orbax-to-hf", "--ckpt", str(tmp_path / "c"), "--out", str(tmp_path / "h"),
+                     "--dtype", "bfloat16"]) == 0
+    cfg = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert cfg["dtype"] == "bfloat16" and cfg["tie_word_embeddings"] is True
+    assert str(load_file(str(tmp_path / "h" / "model.safetensors"))["model.norm.weight"].dtype) == "bfloat16"
+
+
+def test_missing_input_is_a_clear_error(tmp_path, capsys):
+    assert cli.main(["convert", "orbax-to-hf", "--ckpt", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
+    assert "no checkpoint found" in capsys.readouterr().err
+
+
+def test_quickstart_runs_end_to_end(tmp_path, capsys):
+    assert cli.main(["quickstart", "--workdir", str(tmp_path / "qs")]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["round_trip_bit_identical"] is True
+    assert summary["transformers_max_abs_diff"] < 1e-4
+    assert summary["loss_last"] < summary["loss_first"] / 3  # the tiny model did fit its corpus
+    assert (tmp_path / "qs" / "export" / "tokenizer.json").is_file()
