@@ -1,0 +1,501 @@
+"""Pure RL maths for ARPO / AEPO: advantages, policy losses, KL estimators, entropy, loss aggregation.
+
+Everything here is a pure function of arrays plus explicit Python scalars: no model, no config object, no
+host sync, no Python loop over the batch, so every function can be jitted (string arguments such as
+``agg_mode`` or ``kind`` are static). Computation is float32 whatever the input dtype.
+
+Semantics follow ``spec/arpo_aepo_reference.md`` sections 8-10 (verl 0.3.1 ``core_algos.py`` and the AEPO
+fork). Where the reference divides by zero (single-token whitening, single-token entropy std, all-masked
+rows) we return the finite value the formula intends and say so next to the code.
+
+Shape letters: B = sequences, T = response length, V = vocabulary, D = model width.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+# verl's masked_mean / token-mean denominator guard (keeps an all-masked batch at 0 instead of NaN).
+_MASK_EPS = 1e-8
+
+
+def _f32(x) -> Array:
+    return jnp.asarray(x, jnp.float32)
+
+
+def masked_mean(values: Array, mask: Array) -> Array:
+    """Mean of ``values`` over ``mask`` (any shape, same for both); 0 when the mask is empty."""
+    mask = _f32(mask)
+    return jnp.sum(jnp.where(mask > 0, _f32(values) * mask, 0.0)) / (jnp.sum(mask) + _MASK_EPS)
+
+
+def masked_whiten(values: Array, mask: Array) -> Array:
+    """verl ``masked_whiten``: ``(x - mean_m) * rsqrt(var_m + 1e-8)`` with the unbiased masked variance.
+
+    The reference raises when the mask holds fewer than two tokens; we skip the Bessel factor there instead
+    (variance of one token = 0), which keeps the result finite.
+    """
+    values, mask = _f32(values), _f32(mask)
+    mean = masked_mean(values, mask)
+    var = masked_mean(jnp.square(values - mean), mask)
+    n = jnp.sum(mask)
+    var = var * jnp.where(n > 1, n / jnp.maximum(n - 1, 1.0), 1.0)
+    return (values - mean) * jax.lax.rsqrt(var + 1e-8)
+
+
+# --------------------------------------------------------------------------------------------------
+# Outcome advantages (spec 8.1, 8.2)
+# --------------------------------------------------------------------------------------------------
+
+
+def _dense_group_index(group_ids: Array) -> Array:
+    """Maps arbitrary integer ids [B] to dense segment ids in [0, B) (sort-based, no jnp.unique)."""
+    order = jnp.argsort(group_ids, stable=True)
+    sorted_ids = group_ids[order]
+    # A new segment starts wherever the sorted id changes.
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), (sorted_ids[1:] != sorted_ids[:-1]).astype(jnp.int32)])
+    return jnp.zeros_like(order).at[order].set(jnp.cumsum(starts))
+
+
+def _sequence_scores(rewards: Array) -> Array:
+    """Scalar score per sequence: rewards [B] as is, token-level rewards [B, T] summed over T (spec 8.1)."""
+    rewards = _f32(rewards)
+    return rewards if rewards.ndim == 1 else jnp.sum(rewards, axis=-1)
+
+
+def _group_stats(scores: Array, group_ids: Array) -> tuple[Array, Array, Array]:
+    """Per-sequence group size, mean and unbiased std, each [B], gathered back from segment reductions."""
+    n = scores.shape[0]
+    seg = _dense_group_index(jnp.asarray(group_ids))
+    seg_count = jax.ops.segment_sum(jnp.ones_like(scores), seg, num_segments=n)  # [B] (unused segments: 0)
+    seg_mean = jax.ops.segment_sum(scores, seg, num_segments=n) / jnp.maximum(seg_count, 1.0)
+    count, mean = seg_count[seg], seg_mean[seg]
+    # Two-pass variance (sum of squared deviations) is as accurate as torch.std.
+    sq_dev = jax.ops.segment_sum(jnp.square(scores - mean), seg, num_segments=n)[seg]
+    std = jnp.sqrt(sq_dev / jnp.maximum(count - 1.0, 1.0))
+    return count, mean, std
+
+
+def grpo_advantages(rewards: Array, group_ids: Array, *, norm_by_std: bool = True, eps: float = 1e-6) -> Array:
+    """GRPO outcome advantage (verl ``compute_grpo_outcome_advantage``, spec 8.1, B15).
+
+    ``A_i = (s_i - mean_g) / (std_g + eps)`` with the unbiased (N-1) std of the group, or ``s_i - mean_g``
+    when ``norm_by_std=False`` (Dr.GRPO). A group of size 1 uses mean 0 and std 1, as the reference does,
+    so its advantage is ``s_i / (1 + eps)`` (GRPO) or ``s_i`` (Dr.GRPO).
+
+    Args:
+      rewards: [B] scalar reward per sequence, or [B, T] token-level rewards (summed over T).
+      group_ids: [B] integer group id per sequence (one per prompt); any values, any order.
+      norm_by_std: divide by the group std (``norm_adv_by_std_in_grpo``; static under jit).
+      eps: added to the std.
+
+    Returns:
+      [B] float32 advantages; broadcast them to tokens with ``broadcast_to_tokens``.
+    """
+    scores = _sequence_scores(rewards)
+    count, mean, std = _group_stats(scores, group_ids)
+    single = count < 2
+    mean = jnp.where(single, 0.0, mean)
+    if not norm_by_std:
+        return scores - mean
+    std = jnp.where(single, 1.0, std)
+    return (scores - mean) / (std + eps)
+
+
+def dr_grpo_advantages(rewards: Array, group_ids: Array, **unused) -> Array:
+    """Dr.GRPO: GRPO without the std division, ``A_i = s_i - mean_g`` (spec 8.1). Shapes as ``grpo_advantages``."""
+    return grpo_advantages(rewards, group_ids, norm_by_std=False)
+
+
+def rloo_advantages(rewards: Array, group_ids: Array, **unused) -> Array:
+    """RLOO (verl ``compute_rloo_outcome_advantage``, spec 8.2): ``A_i = n/(n-1) * (s_i - mean_g)``.
+
+    This equals ``s_i`` minus the mean of the *other* members of the group. A group of size 1 keeps its raw
+    score, as in the reference.
+
+    Args:
+      rewards: [B] or [B, T] (summed over T).
+      group_ids: [B] integer group ids.
+
+    Returns:
+      [B] float32 advantages.
+    """
+    scores = _sequence_scores(rewards)
+    count, mean, _ = _group_stats(scores, group_ids)
+    loo = count / jnp.maximum(count - 1.0, 1.0) * (scores - mean)
+    return jnp.where(count < 2, scores, loo)
+
+
+# Name -> estimator(rewards, group_ids, **kwargs) -> [B]. Extra kwargs (norm_by_std, eps) go to GRPO only.
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Array]] = {
+    "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+    "rloo": rloo_advantages,
+}
+
+
+def compute_advantages(name: str, rewards: Array, group_ids: Array, **kwargs) -> Array:
+    """Outcome advantages by estimator name (``ADVANTAGE_ESTIMATORS``); returns [B] float32."""
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; choose from {sorted(ADVANTAGE_ESTIMATORS)}")
+    return ADVANTAGE_ESTIMATORS[name](rewards, group_ids, **kwargs)
+
+
+def broadcast_to_tokens(seq_advantages: Array, mask: Array) -> Array:
+    """``A[b, t] = A_b * mask[b, t]`` (spec 8.1): [B] x [B, T] -> [B, T] float32."""
+    return _f32(seq_advantages)[:, None] * _f32(mask)
+
+
+def gae_advantages(rewards: Array, values: Array, mask: Array, *, gamma: float = 1.0,
+                   lam: float = 1.0) -> tuple[Array, Array]:
+    """GAE with masked whitening (verl ``compute_gae_advantage_return``, spec 8.2).
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` (V beyond the last index = 0) and
+    ``A_t = delta_t + gamma * lam * A_{t+1}``, a reverse scan over the full padded length, as in the
+    reference; ``returns = A + V`` before whitening; then ``A <- masked_whiten(A, mask)`` over the whole batch.
+    Padding positions are not zeroed (the loss masks them), matching the reference.
+
+    Args:
+      rewards: [B, T] token-level rewards.
+      values: [B, T] critic values.
+      mask: [B, T] response mask (1 = valid token).
+      gamma: discount.
+      lam: GAE lambda.
+
+    Returns:
+      (advantages [B, T], returns [B, T]), float32.
+    """
+    rewards, values = _f32(rewards), _f32(values)
+    next_values = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
+    deltas = rewards + gamma * next_values - values  # [B, T]
+
+    def step(carry, delta_b):  # carry, delta_b: [B]
+        adv = delta_b + gamma * lam * carry
+        return adv, adv
+
+    _, adv_tb = jax.lax.scan(step, jnp.zeros_like(deltas[:, 0]), deltas.T, reverse=True)
+    advantages = adv_tb.T  # [T, B] -> [B, T]
+    returns = advantages + values
+    return masked_whiten(advantages, mask), returns
+
+
+# --------------------------------------------------------------------------------------------------
+# Loss aggregation (spec 8.3)
+# --------------------------------------------------------------------------------------------------
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def agg_loss(loss: Array, mask: Array, mode: str = "token-mean", *, num_tokens=None, num_seqs=None) -> Array:
+    """Aggregates a per-token loss matrix to a scalar (verl ``agg_loss``, spec 8.3).
+
+    Normalisers (``m`` = mask, ``S_b = sum_t L[b,t] m[b,t]``):
+      * ``token-mean``: ``sum_{b,t} L m / (N + 1e-8)`` with ``N = sum m`` by default.
+      * ``seq-mean-token-sum``: ``sum_b S_b / N_seq``.
+      * ``seq-mean-token-mean``: ``sum_b (S_b / sum_t m[b,t]) / N_seq``.
+      * ``seq-mean-token-sum-norm``: ``sum_{b,t} L m / T`` (T = padded length ``loss.shape[-1]``, fixed).
+    ``N_seq`` counts the rows with at least one valid token by default. The reference averages over all rows,
+    which is the same there (it has no empty rows); here an all-masked padding row adds neither NaN nor weight.
+
+    Micro-batching: pass the mini-batch totals as ``num_tokens`` (token-mean) or ``num_seqs`` (seq-mean-*) and
+    *sum* the micro-batch losses; the result is then independent of the micro-batch split (also true of
+    ``seq-mean-token-sum-norm``, whose normaliser is a constant).
+
+    Args:
+      loss: [B, T] per-token loss.
+      mask: [B, T] 0/1 (or bool) loss mask.
+      mode: one of ``AGG_MODES`` (static).
+      num_tokens: optional explicit token-mean normaliser (scalar, may be a traced array).
+      num_seqs: optional explicit sequence count for the ``seq-mean-*`` modes.
+
+    Returns:
+      Scalar float32 loss.
+    """
+    mask = _f32(mask)
+    lm = jnp.where(mask > 0, _f32(loss) * mask, 0.0)  # where: NaN/inf at padding must not leak
+    if mode == "token-mean":
+        denom = jnp.sum(mask) if num_tokens is None else _f32(num_tokens)
+        return jnp.sum(lm) / (denom + _MASK_EPS)
+    if mode == "seq-mean-token-sum-norm":
+        return jnp.sum(lm) / loss.shape[-1]
+    seq_tokens = jnp.sum(mask, axis=-1)  # [B]
+    seq_loss = jnp.sum(lm, axis=-1)  # [B]
+    if mode == "seq-mean-token-mean":
+        seq_loss = seq_loss / jnp.maximum(seq_tokens, 1.0)
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; choose from {AGG_MODES}")
+    n_seq = jnp.sum((seq_tokens > 0).astype(jnp.float32)) if num_seqs is None else _f32(num_seqs)
+    return jnp.sum(seq_loss) / jnp.maximum(n_seq, 1.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Policy losses: PPO-clip (spec 8.3) and AEPO entropy-balanced clipping (spec 10.1)
+# --------------------------------------------------------------------------------------------------
+
+
+def _clipped_policy_loss(logp, old_logp, advantages, mask, *, clip_low, clip_high, clip_c, agg_mode,
+                         num_tokens, num_seqs, entropy_balanced: bool) -> tuple[Array, dict[str, Array]]:
+    """Shared PPO / AEPO body; only the upper clip bound differs (see the public functions)."""
+    if isinstance(clip_c, (int, float)) and not clip_c > 1.0:
+        raise ValueError(f"dual-clip constant clip_c must be > 1, got {clip_c}")  # the reference asserts this
+    mask = _f32(mask)
+    valid = mask > 0
+    # Double-where: padding may hold garbage log-probs; a zero log-ratio there keeps exp() and its gradient finite.
+    log_ratio = jnp.where(valid, _f32(logp) - _f32(old_logp), 0.0)
+    adv = jnp.where(valid, _f32(advantages), 0.0)
+    # Clamp log r to [-20, 20] (as later verl does) so exp() cannot overflow into an inf*0 = NaN gradient. Beyond
+    # it every PPO branch is already clipped or O(e^-20), so values move by <= |A| e^-20 and gradients by as much.
+    ratio = jnp.exp(jnp.clip(log_ratio, -20.0, 20.0))
+
+    lower = 1.0 - clip_low  # constant: no gradient when the lower bound is selected
+    if entropy_balanced:
+        # AEPO: (1+eps_h) * r / sg(r), value 1+eps_h, gradient (1+eps_h) * dlogpi, so an A>0 token above the
+        # bound keeps its gradient. Written as exp(x - sg(x)): same value and gradient, but no 0/0 when r underflows.
+        upper = (1.0 + clip_high) * jnp.exp(log_ratio - jax.lax.stop_gradient(log_ratio))
+    else:
+        upper = 1.0 + clip_high
+    # min(max(.)) rather than jnp.clip so the gradient flows into whichever (tensor) bound is selected.
+    clipped_ratio = jnp.minimum(jnp.maximum(ratio, lower), upper)
+
+    loss1 = -adv * ratio
+    loss2 = -adv * clipped_ratio
+    loss_clip = jnp.maximum(loss1, loss2)
+    loss3 = -adv * clip_c  # dual clip: bounds the loss of A<0 tokens whose ratio explodes
+    per_token = jnp.where(adv < 0, jnp.minimum(loss_clip, loss3), loss_clip)  # [B, T]
+
+    loss = agg_loss(per_token, mask, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    metrics = {
+        "pg_loss": loss,
+        "pg_clipfrac": masked_mean((loss2 > loss1).astype(jnp.float32), mask),
+        "pg_clipfrac_lower": masked_mean(((loss_clip > loss3) & (adv < 0)).astype(jnp.float32), mask),
+        "ppo_kl": masked_mean(-log_ratio, mask),
+    }
+    return loss, metrics
+
+
+def ppo_policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *, clip_low: float = 0.2,
+                    clip_high: float = 0.2, clip_c: float = 3.0, agg_mode: str = "token-mean",
+                    num_tokens=None, num_seqs=None) -> tuple[Array, dict[str, Array]]:
+    """PPO-clip policy loss with dual clip (verl ``compute_policy_loss``, spec 8.3).
+
+    With ``r = exp(clip(logp - old_logp, -20, 20))`` (the clamp only avoids overflow, see the code):
+    ``L1 = -A r``, ``L2 = -A clip(r, 1-eps_l, 1+eps_h)``, ``L_clip = max(L1, L2)``;
+    for ``A < 0`` the loss is ``min(L_clip, -A c)``, else ``L_clip``.
+
+    Args:
+      logp: [B, T] log-probs of the sampled tokens under the current policy (differentiated).
+      old_logp: [B, T] log-probs under the behaviour (old) policy.
+      advantages: [B, T] per-token advantages.
+      mask: [B, T] loss mask (1 = model-generated response token).
+      clip_low: eps_l (``clip_ratio_low``).
+      clip_high: eps_h (``clip_ratio_high``).
+      clip_c: dual-clip constant c > 1 (``clip_ratio_c``).
+      agg_mode: loss aggregation, see ``agg_loss`` (static).
+      num_tokens: optional token-mean normaliser forwarded to ``agg_loss``.
+      num_seqs: optional sequence-count normaliser forwarded to ``agg_loss``.
+
+    Returns:
+      (scalar loss, metrics) where metrics holds scalars ``pg_loss``, ``pg_clipfrac`` (share of tokens with
+      ``L2 > L1``), ``pg_clipfrac_lower`` (share with ``A < 0`` and ``L_clip > -A c``) and ``ppo_kl``
+      (masked mean of ``old_logp - logp``).
+    """
+    return _clipped_policy_loss(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
+                                clip_c=clip_c, agg_mode=agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                                entropy_balanced=False)
+
+
+def entropy_balanced_policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
+                                 clip_low: float = 0.2, clip_high: float = 0.2, clip_c: float = 3.0,
+                                 agg_mode: str = "token-mean", num_tokens=None,
+                                 num_seqs=None) -> tuple[Array, dict[str, Array]]:
+    """AEPO entropy-balanced clipping (``compute_policy_loss_entropy_balanced_clipping``, spec 10.1, B7).
+
+    Same as ``ppo_policy_loss`` except that the upper bound of the clipped ratio is the tensor
+    ``(1 + eps_h) * r / stop_gradient(r)``: its value is ``1 + eps_h`` (loss values and metrics are unchanged)
+    but an ``A > 0`` token with ``r > 1 + eps_h`` now gets the gradient ``-A (1 + eps_h)`` w.r.t. ``logp``
+    instead of 0. The lower bound stays a constant, and, as in the reference (B7), no entropy threshold is
+    applied: every such token keeps its gradient. Entropy-aware advantages are a separate step
+    (``entropy_aware_advantages``), applied to ``advantages`` before this call.
+
+    Args:
+      logp, old_logp, advantages, mask: [B, T], as in ``ppo_policy_loss``.
+      clip_low, clip_high, clip_c, agg_mode, num_tokens, num_seqs: as in ``ppo_policy_loss``.
+
+    Returns:
+      (scalar loss, metrics), the same keys as ``ppo_policy_loss``.
+    """
+    return _clipped_policy_loss(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
+                                clip_c=clip_c, agg_mode=agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                                entropy_balanced=True)
+
+
+# Name -> policy loss with the ppo_policy_loss signature.
+POLICY_LOSSES: dict[str, Callable[..., tuple[Array, dict[str, Array]]]] = {
+    "ppo": ppo_policy_loss,
+    "aepo": entropy_balanced_policy_loss,
+}
+
+
+def entropy_aware_advantages(advantages: Array, entropy: Array, mask: Array, *, alpha: float = 0.2) -> Array:
+    """AEPO entropy-aware advantage (spec 10.2): ``A <- A * (1 + alpha * stop_gradient(H_hat))``.
+
+    ``H_hat = (H - mean(H[M])) / std(H[M])`` with the unbiased std pooled over every valid token of the
+    arrays given (the reference pools one micro-batch; pass a whole mini-batch to pool that instead).
+    ``std == 0`` is replaced by 1 as in the reference; with fewer than two valid tokens the reference std is
+    NaN, here it is 1, so a single valid token gets ``H_hat = 0`` and keeps its advantage (finite, not NaN).
+    Padding positions get ``H_hat = 0`` (advantage unchanged; the loss masks them anyway).
+
+    Args:
+      advantages: [B, T] per-token advantages.
+      entropy: [B, T] current-policy token entropies (no gradient flows into them).
+      mask: [B, T] loss mask (model tokens only).
+      alpha: scale of the entropy term (hard-coded 0.2 in the reference).
+
+    Returns:
+      [B, T] float32 advantages. For ``H_hat < -1/alpha`` the factor is negative, as in the reference.
+    """
+    mask = _f32(mask)
+    valid = mask > 0
+    h = jnp.where(valid, jax.lax.stop_gradient(_f32(entropy)), 0.0)
+    n = jnp.sum(mask)
+    mean = jnp.sum(h * mask) / jnp.maximum(n, 1.0)
+    var = jnp.sum(jnp.where(valid, jnp.square(h - mean) * mask, 0.0)) / jnp.maximum(n - 1.0, 1.0)
+    std = jnp.sqrt(var)
+    std = jnp.where((std == 0) | (n < 2), 1.0, std)
+    h_hat = jnp.where(valid, (h - mean) / std, 0.0)
+    return _f32(advantages) * (1.0 + alpha * h_hat)
+
+
+# --------------------------------------------------------------------------------------------------
+# KL estimators (spec 8.4)
+# --------------------------------------------------------------------------------------------------
+
+KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+
+
+def kl_penalty(logp: Array, ref_logp: Array, kind: str = "low_var_kl") -> Array:
+    """Per-token KL estimate between the policy and the reference (verl ``kl_penalty``, spec 8.4).
+
+    * ``k1`` / ``kl``: ``logp - ref``;  ``abs``: ``|logp - ref|``;  ``k2`` / ``mse``: ``0.5 (logp - ref)^2``;
+    * ``k3`` / ``low_var_kl``: with ``kappa = ref - logp``, ``exp(kappa) - kappa - 1`` clamped to [-10, 10].
+      ``kappa`` is first clamped to [-20, 20]: k3 already exceeds 10 there, so values and gradients are
+      unchanged, but ``exp`` can no longer overflow into an inf/NaN gradient.
+
+    Args:
+      logp: [...] log-probs under the policy.
+      ref_logp: [...] log-probs under the reference model.
+      kind: estimator name (static); ``full`` raises NotImplementedError as in the reference.
+
+    Returns:
+      [...] float32 per-token KL; aggregate with ``agg_loss``.
+    """
+    logp, ref_logp = _f32(logp), _f32(ref_logp)
+    if kind in ("k1", "kl"):
+        return logp - ref_logp
+    if kind == "abs":
+        return jnp.abs(logp - ref_logp)
+    if kind in ("k2", "mse"):
+        return 0.5 * jnp.square(logp - ref_logp)
+    if kind in ("k3", "low_var_kl"):
+        kappa = jnp.clip(ref_logp - logp, -20.0, 20.0)
+        return jnp.clip(jnp.exp(kappa) - kappa - 1.0, -10.0, 10.0)
+    if kind == "full":
+        raise NotImplementedError("full-distribution KL is not implemented (nor in the reference)")
+    raise ValueError(f"unknown KL kind {kind!r}; choose from {KL_KINDS}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Token log-probs and entropy, chunked along the sequence
+# --------------------------------------------------------------------------------------------------
+
+
+def _logprob_entropy(z: Array, targets: Array) -> tuple[Array, Array]:
+    """float32 logits z [..., V], targets [...] -> (log p(target) [...], entropy [...])."""
+    lse = jax.nn.logsumexp(z, axis=-1)
+    target_logit = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
+    probs = jnp.exp(z - lse[..., None])
+    # H = logsumexp(z) - sum softmax(z) z  (finite logits assumed).
+    return target_logit - lse, lse - jnp.sum(probs * z, axis=-1)
+
+
+def _chunked_over_time(chunk_fn: Callable[[int | Array, int], tuple[Array, Array]], t: int,
+                       chunk_size: int | None) -> tuple[Array, Array]:
+    """Runs ``chunk_fn(start, size) -> ([B, size], [B, size])`` over T in chunks and concatenates along T.
+
+    Full chunks go through a rematerialised ``lax.scan`` so neither the forward nor the backward pass keeps
+    more than one chunk of [B, chunk, V] float32 logits alive; a static tail handles ``T % chunk_size``.
+    """
+    size = t if chunk_size is None else max(1, min(int(chunk_size), t))
+    n_full, tail = divmod(t, size)
+    step = jax.checkpoint(lambda start: chunk_fn(start, size))  # recompute the chunk's softmax in backward
+
+    def body(carry, i):
+        return carry, step(i * size)
+
+    _, (lp_cbs, ent_cbs) = jax.lax.scan(body, None, jnp.arange(n_full))  # [C, B, size]
+    b = lp_cbs.shape[1]
+    logp = jnp.moveaxis(lp_cbs, 0, 1).reshape(b, n_full * size)  # [B, C*size]
+    ent = jnp.moveaxis(ent_cbs, 0, 1).reshape(b, n_full * size)
+    if tail:
+        lp_tail, ent_tail = chunk_fn(n_full * size, tail)
+        logp, ent = jnp.concatenate([logp, lp_tail], 1), jnp.concatenate([ent, ent_tail], 1)
+    return logp, ent
+
+
+def token_logprobs_and_entropy(logits: Array, targets: Array, *, temperature: float = 1.0,
+                               chunk_size: int | None = 256) -> tuple[Array, Array]:
+    """Log-prob of each target token and the full-vocabulary entropy, from logits, in float32.
+
+    ``z = logits / temperature`` (spec 9: divide before log-softmax), ``log p = z[target] - logsumexp(z)``,
+    ``H = logsumexp(z) - sum softmax(z) z``. The sequence axis is processed ``chunk_size`` positions at a
+    time, so float32 temporaries stay at [B, chunk_size, V] even when ``logits`` is bf16 [B, T, V].
+
+    Args:
+      logits: [B, T, V] logits (any float dtype); ``logits[b, t]`` predicts ``targets[b, t]``.
+      targets: [B, T] integer token ids.
+      temperature: sampling temperature.
+      chunk_size: positions per chunk along T (static); None = one chunk.
+
+    Returns:
+      (logp [B, T], entropy [B, T]), float32.
+    """
+    t = logits.shape[1]
+
+    def chunk_fn(start, size):
+        z = jax.lax.dynamic_slice_in_dim(logits, start, size, axis=1).astype(jnp.float32) / temperature
+        return _logprob_entropy(z, jax.lax.dynamic_slice_in_dim(targets, start, size, axis=1))
+
+    return _chunked_over_time(chunk_fn, t, chunk_size)
+
+
+def token_logprobs_and_entropy_from_hidden(hidden: Array, unembed: Array, targets: Array, *,
+                                           temperature: float = 1.0,
+                                           chunk_size: int | None = 256) -> tuple[Array, Array]:
+    """Like ``token_logprobs_and_entropy`` but from final hidden states and the unembedding matrix.
+
+    Logits are formed chunk by chunk along T (``bcd,dv->bcv`` with float32 accumulation) and rematerialised in
+    the backward pass, so the [B, T, V] logits are never materialised, forward or backward.
+
+    Args:
+      hidden: [B, T, D] final (post-norm) hidden states.
+      unembed: [D, V] output projection (for tied embeddings pass ``embedding.T``).
+      targets: [B, T] integer token ids.
+      temperature: sampling temperature.
+      chunk_size: positions per chunk along T (static); None = one chunk.
+
+    Returns:
+      (logp [B, T], entropy [B, T]), float32.
+    """
+    t = hidden.shape[1]
+
+    def chunk_fn(start, size):
+        h_bcd = jax.lax.dynamic_slice_in_dim(hidden, start, size, axis=1)
+        z_bcv = jnp.einsum("bcd,dv->bcv", h_bcd, unembed, preferred_element_type=jnp.float32) / temperature
+        return _logprob_entropy(z_bcv, jax.lax.dynamic_slice_in_dim(targets, start, size, axis=1))
+
+    return _chunked_over_time(chunk_fn, t, chunk_size)
