@@ -1,0 +1,394 @@
+"""The Python tool: model-written code in a sandboxed interpreter process (never in the trainer).
+
+Reference semantics (spec 6.1): the last bare expression becomes a ``print``; exit 0 returns stdout, otherwise
+stderr (the traceback), both stripped. On top of the reference: Markdown fences are stripped, the process runs
+with resource limits, a scrubbed environment, a private working directory, no network, a private uid (when the
+trainer runs as root) and new pid/mount namespaces, and the output is truncated.
+
+Start-up: by default calls are forked from a warm *zygote* interpreter (``pool=True``) that has already imported
+the common modules; every call is a fresh fork of the same pristine image, so no state leaks between calls.
+The child side lives in ``_sandbox_child.py``; see docs/tools.md for what holds where the OS refuses namespaces.
+"""
+
+import ast
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import select
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from arpo_jax.tools.base import Tool
+
+_CHILD_SOURCE = (pathlib.Path(__file__).parent / "_sandbox_child.py").read_text()
+_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Threads count against RLIMIT_NPROC and a 64-thread BLAS pool per call would starve the node.
+_BASE_ENV = {"LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+             "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
+_REFERENCE_TIMEOUT_TEXT = "Execution timeout (超过 120 秒）"
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:\n[ \t]*```|\Z)", re.DOTALL | re.IGNORECASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class PythonSandboxConfig:
+    """Settings of the Python tool. Limits are per call; ``None`` leaves a limit unset."""
+
+    python_path: str = sys.executable  # the reference runs <conda>/envs/<env>/bin/python
+    timeout_s: float = 120.0  # wall clock, enforced by killing the whole process tree
+    cpu_time_s: int | None = 120  # RLIMIT_CPU (SIGXCPU, then SIGKILL one second later)
+    memory_mb: int | None = 4096  # RLIMIT_AS (address space; numpy+BLAS need a few hundred MB)
+    max_processes: int | None = 64  # RLIMIT_NPROC (processes *and threads* of the sandbox uid)
+    max_file_size_mb: int | None = 64  # RLIMIT_FSIZE
+    max_open_files: int | None = 256  # RLIMIT_NOFILE
+    max_output_chars: int = 16384  # per returned text; the rest is replaced by a note
+    isolate_network: bool = True  # new network namespace: no interface but a downed loopback
+    isolate_processes: bool = True  # new pid + mount namespace: every descendant dies with the call
+    drop_privileges: bool = True  # when running as root, run the code under a private per-slot uid
+    uid_base: int = 100000  # private uids are uid_base + (pid % 1000) * 1000 + slot
+    pool: bool = True  # fork calls from a warm zygote instead of starting an interpreter per call
+    preload_modules: tuple[str, ...] = ("math", "json", "re", "random", "itertools", "collections", "fractions",
+                                        "decimal", "datetime", "statistics", "numpy", "sympy")
+    tmp_root: str | None = None  # parent of the per-call working directories (default: the system temp dir)
+    extra_env: tuple[tuple[str, str], ...] = ()  # explicit additions to the environment allow-list
+    strip_fences: bool = True  # take the code out of ```python fences (the reference does not)
+    reference_compat: bool = False  # reference timeout text and no truncation
+
+
+@dataclasses.dataclass
+class RunResult:
+    stdout: str
+    stderr: str
+    exit_code: int | None  # None when killed by a signal
+    signal: int | None
+    timed_out: bool
+    truncated: bool
+    elapsed_s: float
+    namespaces: tuple[str, ...] = ()
+    error: str | None = None  # the sandbox itself failed (not the user code)
+
+
+def strip_code_fences(text: str) -> str:
+    """Returns the code inside Markdown fences (all fenced blocks joined), or the text unchanged if none."""
+    blocks = _FENCE.findall(text)
+    return "\n".join(b for b in blocks) if blocks else text
+
+
+def preprocess_code(code: str, strip_fences: bool = True) -> str:
+    """Reference preprocessing: a last bare expression that is not a ``print(...)`` call gets printed."""
+    if strip_fences:
+        code = strip_code_fences(code)
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError):
+        return code  # keep it unchanged: the interpreter reports the error to the model
+    if not tree.body or not isinstance(tree.body[-1], ast.Expr):
+        return code
+    expr = tree.body[-1].value
+    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "print":
+        return code
+    tree.body[-1] = ast.Expr(ast.Call(ast.Name("print", ast.Load()), [expr], []))
+    return ast.unparse(ast.fix_missing_locations(tree))
+
+
+def sandbox_env(workdir: str, extra: tuple[tuple[str, str], ...] = ()) -> dict[str, str]:
+    """The whole environment of the code: an allow-list, nothing inherited (no keys, tokens or proxies)."""
+    return {"PATH": _DEFAULT_PATH, "HOME": workdir, "TMPDIR": workdir, **_BASE_ENV, **dict(extra)}
+
+
+class _UidSlots:
+    """Hands out private uids so concurrent calls never share RLIMIT_NPROC accounting or files."""
+
+    def __init__(self, base: int):
+        self._base = base + (os.getpid() % 1000) * 1000
+        self._free: list[int] = []
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def acquire(self) -> int:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            self._next += 1
+            return self._base + self._next - 1
+
+    def release(self, uid: int) -> None:
+        with self._lock:
+            self._free.append(uid)
+
+
+class _Zygote:
+    """A warm interpreter that forks one monitor per call (see _sandbox_child.zygote)."""
+
+    def __init__(self, python_path: str, preload: tuple[str, ...], start_timeout_s: float = 120.0):
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.proc = subprocess.Popen(
+            [python_path, "-I", "-c", _CHILD_SOURCE, "zygote", str(child.fileno()), ",".join(preload)],
+            pass_fds=[child.fileno()], env=sandbox_env(tempfile.gettempdir()), stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd="/")
+        child.close()
+        self.sock = parent
+        self.lock = threading.Lock()
+        self.sock.settimeout(start_timeout_s)
+        ready = self.sock.recv(1)
+        self.sock.settimeout(None)
+        if ready != b"R":
+            self.close()
+            raise RuntimeError(f"zygote failed to start with {python_path}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def submit(self, req: dict, fds: list[int]) -> None:
+        payload = json.dumps(req).encode()
+        with self.lock:
+            socket.send_fds(self.sock, [struct.pack("!I", len(payload))], fds)
+            self.sock.sendall(payload)
+
+    def close(self) -> None:
+        self.sock.close()  # the zygote sees EOF and exits; running calls finish on their own
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _check_traversable(path: str) -> None:
+    """The private uid must reach its working directory by absolute path (HOME, TMPDIR, tempfile)."""
+    parts = pathlib.Path(path).resolve().parts
+    for i in range(2, len(parts) + 1):
+        ancestor = pathlib.Path(*parts[:i])
+        if not ancestor.stat().st_mode & 0o001:
+            raise ValueError(f"tmp_root {path!r}: {ancestor} is not traversable by other users (mode o+x), so the "
+                             "sandbox's private uid could not reach its working directory; pick another tmp_root")
+
+
+class PythonSandbox:
+    """Runs code strings in sandboxed processes; thread-safe (one call per thread at a time)."""
+
+    def __init__(self, config: PythonSandboxConfig = PythonSandboxConfig()):
+        self.config = config
+        self._as_root = os.geteuid() == 0
+        self._uids = _UidSlots(config.uid_base)
+        if self._as_root and config.drop_privileges:
+            _check_traversable(config.tmp_root or tempfile.gettempdir())
+        self._zygote: _Zygote | None = None
+        self._zygote_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"PythonSandbox({self.config!r})"
+
+    def start(self) -> None:
+        """Starts the warm zygote now (otherwise the first call does)."""
+        if self.config.pool:
+            self._get_zygote()
+
+    def close(self) -> None:
+        with self._zygote_lock:
+            if self._zygote is not None:
+                self._zygote.close()
+                self._zygote = None
+
+    def _get_zygote(self) -> _Zygote:
+        with self._zygote_lock:
+            if self._zygote is None or not self._zygote.alive():
+                self._zygote = _Zygote(self.config.python_path, self.config.preload_modules)
+            return self._zygote
+
+    def _limits(self) -> dict[str, int | None]:
+        c, mb = self.config, 1 << 20
+        return {"RLIMIT_CPU": c.cpu_time_s, "RLIMIT_AS": c.memory_mb and c.memory_mb * mb,
+                "RLIMIT_NPROC": c.max_processes, "RLIMIT_FSIZE": c.max_file_size_mb and c.max_file_size_mb * mb,
+                "RLIMIT_NOFILE": c.max_open_files, "RLIMIT_CORE": 0}
+
+    def run(self, code: str) -> RunResult:
+        """Runs ``code`` (no preprocessing) and returns what happened; never raises for user-code failures."""
+        uid = self._uids.acquire() if self._as_root and self.config.drop_privileges else None
+        try:
+            workdir = tempfile.mkdtemp(prefix="arpo_py_", dir=self.config.tmp_root)
+        except OSError as e:  # e.g. a full or read-only tmp_root
+            if uid is not None:
+                self._uids.release(uid)
+            return RunResult("", "", None, None, False, False, 0.0, error=repr(e))
+        try:
+            if uid is not None:
+                os.chown(workdir, uid, uid)
+            os.chmod(workdir, 0o700)
+            req = {"code": code, "cwd": workdir, "env": sandbox_env(workdir, self.config.extra_env),
+                   "limits": self._limits(), "uid": uid, "gid": uid, "timeout_s": self.config.timeout_s,
+                   "isolate_network": self.config.isolate_network,
+                   "isolate_processes": self.config.isolate_processes}
+            return self._run_request(req)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+            if uid is not None:
+                self._uids.release(uid)
+
+    def _run_request(self, req: dict) -> RunResult:
+        start = time.monotonic()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        status_parent, status_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        child_fds = [out_w, err_w, status_child.fileno()]
+        bootstrap = None
+        try:
+            try:
+                if self.config.pool:
+                    self._submit_to_zygote(req, child_fds)
+                else:
+                    bootstrap = self._start_cold(req, child_fds)
+            finally:
+                os.close(out_w)
+                os.close(err_w)
+                status_child.close()
+            result = _collect(out_r, err_r, status_parent, start, self.config)
+        except Exception as e:  # the sandbox machinery failed; report it instead of raising into the rollout
+            result = RunResult("", "", None, None, False, False, time.monotonic() - start, error=repr(e))
+        finally:
+            for fd in (out_r, err_r):
+                os.close(fd)
+            status_parent.close()
+            if bootstrap is not None:
+                _reap(bootstrap)
+        return result
+
+    def _submit_to_zygote(self, req: dict, fds: list[int]) -> None:
+        try:
+            self._get_zygote().submit(req, fds)
+        except OSError:  # the zygote died (e.g. OOM-killed): start a new one and try once more
+            with self._zygote_lock:
+                self._zygote = None
+            self._get_zygote().submit(req, fds)
+
+    def _start_cold(self, req: dict, fds: list[int]) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [self.config.python_path, "-I", "-c", _CHILD_SOURCE, "once"], pass_fds=fds, stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=req["env"], cwd=req["cwd"],
+            start_new_session=True)
+        proc.stdin.write(json.dumps({**req, "fds": fds}).encode())
+        proc.stdin.close()
+        return proc
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _collect(out_r: int, err_r: int, status: socket.socket, start: float, cfg: PythonSandboxConfig) -> RunResult:
+    """Reads stdout/stderr and the monitor's status lines until the call is over.
+
+    The monitor enforces the timeout; this loop only adds a backstop (timeout + 5 s) in case the monitor itself
+    hangs, and asks the monitor to kill the code once the output exceeds the cap (no need to read 100 MB).
+    """
+    cap = 4 * cfg.max_output_chars + 4096 if not cfg.reference_compat else None  # bytes; UTF-8 is <= 4 B/char
+    bufs = {out_r: bytearray(), err_r: bytearray()}
+    open_fds, status_buf, msgs = {out_r, err_r}, b"", []
+    truncated, killed, drain_until = False, False, None
+    backstop = start + cfg.timeout_s + 5.0
+    while True:
+        final = next((m for m in msgs if "status" in m or "error" in m), None)
+        now = time.monotonic()
+        if final is not None and (not open_fds or (drain_until is not None and now > drain_until)):
+            break
+        if final is not None and drain_until is None:
+            drain_until = now + 0.5  # a daemonised grandchild (no pid namespace) may hold the pipes open
+        if now > backstop:
+            raise TimeoutError("sandbox monitor did not report back")
+        watch = list(open_fds) + ([status] if final is None else [])
+        ready, _, _ = select.select(watch, [], [], 0.1)
+        for fd in ready:
+            if fd is status:
+                chunk = status.recv(65536)
+                if not chunk:
+                    if final is None:
+                        raise RuntimeError("sandbox monitor exited without a status")
+                    continue
+                status_buf += chunk
+                *lines, status_buf = status_buf.split(b"\n")
+                msgs.extend(json.loads(line) for line in lines if line)
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                open_fds.discard(fd)
+            elif cap is None or len(bufs[fd]) < cap:
+                bufs[fd] += chunk
+            if cap is not None and len(bufs[out_r]) + len(bufs[err_r]) >= cap and not killed:
+                truncated, killed = True, True
+                try:
+                    status.send(b"K")
+                except OSError:
+                    pass  # the monitor is already gone: the code has exited
+    final = next(m for m in msgs if "status" in m or "error" in m)
+    namespaces = tuple(next((m["namespaces"] for m in msgs if "namespaces" in m), ()))
+    elapsed = time.monotonic() - start
+    if "error" in final:
+        return RunResult("", "", None, None, False, False, elapsed, namespaces, error=final["error"])
+    raw = final["status"]
+    exit_code = os.WEXITSTATUS(raw) if os.WIFEXITED(raw) else None
+    sig = os.WTERMSIG(raw) if os.WIFSIGNALED(raw) else None
+    decode = lambda b: bytes(b).decode("utf-8", errors="replace")  # noqa: E731
+    return RunResult(decode(bufs[out_r]), decode(bufs[err_r]), exit_code, sig, final["reason"] == "timeout",
+                     truncated, elapsed, namespaces)
+
+
+def _truncate(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"\n... [output truncated: more than {limit} characters]"
+
+
+def _kill_note(sig: int) -> str:
+    why = {signal.SIGXCPU: " (CPU time limit exceeded)", signal.SIGKILL: " (killed: memory, CPU or process limit)"}
+    return f"Process killed by signal {signal.Signals(sig).name}{why.get(sig, '')}."
+
+
+def format_result(r: RunResult, cfg: PythonSandboxConfig) -> str:
+    """The text the model sees (reference: stdout on success, the traceback otherwise)."""
+    if r.error is not None:
+        lines = r.error.strip().splitlines()
+        return f"Execution exception: {lines[-1] if lines else 'sandbox failure'}"
+    if r.timed_out:
+        return _REFERENCE_TIMEOUT_TEXT if cfg.reference_compat else f"Execution timed out after {cfg.timeout_s:g} s."
+    if r.truncated:  # the code was stopped for flooding the output: show the beginning of both streams
+        return _truncate((r.stdout.strip() + "\n" + r.stderr.strip()).strip(), cfg.max_output_chars)
+    text = r.stdout.strip() if r.exit_code == 0 else r.stderr.strip()
+    if cfg.reference_compat:
+        return text
+    if r.signal is not None and not text:
+        text = (r.stdout.strip() + "\n" + _kill_note(r.signal)).strip()
+    elif r.exit_code not in (0, None) and not text:
+        text = (r.stdout.strip() + f"\nProcess exited with status {r.exit_code}.").strip()
+    return _truncate(text, cfg.max_output_chars)
+
+
+class PythonTool(Tool):
+    """``<python>`` tool: preprocess, run in the sandbox, format (spec 6.1 plus the sandbox)."""
+
+    tag = "python"
+
+    def __init__(self, config: PythonSandboxConfig | None = None, **params):
+        self.config = config or PythonSandboxConfig(**params)
+        self.sandbox = PythonSandbox(self.config)
+
+    def __repr__(self) -> str:
+        return f"PythonTool({self.config!r})"
+
+    def execute(self, content: str) -> str:
+        code = preprocess_code(content, self.config.strip_fences)
+        return format_result(self.sandbox.run(code), self.config)
+
+    def close(self) -> None:
+        self.sandbox.close()
