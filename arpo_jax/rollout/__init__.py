@@ -1,0 +1,5 @@
+"""Rollout: sampler engines behind one interface, the multi-turn tool loop, ARPO/AEPO branching."""
+
+from arpo_jax.rollout.sampler import FinishReason, SampleRequest, SampleResult, Sampler, SamplingSettings
+
+__all__ = ["FinishReason", "SampleRequest", "SampleResult", "Sampler", "SamplingSettings"]

@@ -1,0 +1,70 @@
+"""The sampler interface shared by the rollout engines (JAX KV-cache sampler, co-located vLLM).
+
+The agent loop (spec section 3) only needs: continue each trajectory from its token ids until a tool closer
+(`</python>`, `</search>`), EOS or `max_tokens`; report which stop string matched; and return the top-k
+log-probs of the first generated positions (ARPO's entropy, spec 4.1: top-10 over the first 20 tokens).
+
+Token ids of a matched stop string are *kept* in `token_ids` (the reference relies on it: vLLM's
+`include_stop_str_in_output=False` only strips the text). `text` is the decoded new tokens with the stop
+string removed, as vLLM returns it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Literal, Protocol
+
+FinishReason = Literal["stop", "eos", "length"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings:
+    """Settings shared by all requests of one `generate` call."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    stop: tuple[str, ...] = ("</python>", "</search>")  # stop strings (detected on decoded text)
+    logprobs: int = 10  # top-k log-probs per generated position (0 = none)
+    logprob_positions: int = 20  # how many leading generated positions need them (ARPO: 20)
+    seed: int = 0  # base seed; engines derive per-request keys from it explicitly
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleRequest:
+    """One trajectory to continue.
+
+    `slot_id` / `parent_id` are cache hints for engines that keep per-trajectory KV caches (the JAX sampler):
+    a request whose `slot_id` was in the previous `generate` call continues that slot's cache (only the new
+    suffix of `token_ids`, e.g. a tool result, is prefilled; the engine checks the cached prefix matches and
+    falls back to a full prefill if not); a new slot with `parent_id` starts from a copy of the parent's cache
+    (an ARPO branch). Slots absent from a call are finished and their cache may be freed. Engines with prefix
+    caching (vLLM) ignore the hints.
+    """
+
+    token_ids: Sequence[int]  # the whole context so far (prompt + response + tool results)
+    max_tokens: int  # new tokens at most
+    slot_id: int | None = None
+    parent_id: int | None = None
+
+
+@dataclasses.dataclass
+class SampleResult:
+    token_ids: list[int]  # new tokens, the matched stop string's tokens (or the EOS token) included
+    text: str  # decoded new tokens, stop string removed
+    finish_reason: FinishReason  # "stop": a stop string matched; "eos": EOS sampled; "length": max_tokens
+    stop_string: str | None  # the matched stop string (finish_reason == "stop")
+    # top_logprobs[t] = {token_id: logprob} for generated position t (t < logprob_positions): the top-k tokens,
+    # plus the sampled token if it is not among them (vLLM's convention: k or k + 1 entries).
+    top_logprobs: list[dict[int, float]]
+
+
+class Sampler(Protocol):
+    """A rollout engine. `generate` is batched: one result per request, in order."""
+
+    def generate(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[SampleResult]: ...
+
+    def update_weights(self, params_or_path) -> float:
+        """Makes later `generate` calls use new policy weights; returns the seconds it took."""
+        ...
