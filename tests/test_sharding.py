@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import arpo_jax
-from arpo_jax import models, sharding
+from arpo_jax import models, sharding, testing
 from tests.real_configs import REAL_CONFIGS
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -91,3 +91,14 @@ def test_sharding_plan_matches_golden_dump():
         golden.parent.mkdir(exist_ok=True)
         golden.write_text(json.dumps(plan, indent=1) + "\n")
     assert plan == json.loads(golden.read_text())
+
+
+def test_init_model_creates_params_in_their_shardings():
+    cfg = models.config_from_hf(testing.tiny_hf_config_dict("qwen3"))
+    mesh = sharding.make_mesh((2, 2, 2))
+    sharded = models.init_model(cfg, seed=3, mesh=mesh)
+    plain = models.init_model(cfg, seed=3)
+    up = sharded.model.layers[1].mlp.up_proj.weight[...]
+    assert up.sharding.spec == P("tensor", "fsdp")
+    for a, b in zip(jax.tree.leaves(nnx.state(sharded, nnx.Param)), jax.tree.leaves(nnx.state(plain, nnx.Param))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)  # same values; jit may fuse differently
