@@ -177,3 +177,23 @@ def test_invalid_runtime_choice_names_the_field(field, value):
     cfg = models.config_from_hf(testing.tiny_hf_config_dict("qwen2"))
     with pytest.raises(ValueError, match=field):
         cfg.replace(**{field: value})
+
+
+def test_fully_masked_rows_stay_finite_in_forward_and_gradient(tiny_hf_dir):
+    """Padding queries attend to nothing; NaN there would poison gradients even when the loss masks them out."""
+    from flax import nnx
+
+    path, _ = tiny_hf_dir("qwen2")
+    model = arpo_jax.from_pretrained(path)
+    ids = jnp.asarray(_ids((2, 8), seed=9))
+    mask = jnp.asarray([[0, 0, 0, 0, 1, 1, 1, 1], [1] * 8])
+    seg = jnp.asarray([[0, 0, 1, 1, 1, 2, 2, 0], [1] * 8])
+    assert bool(jnp.isfinite(model(ids, attention_mask=mask)).all())
+    assert bool(jnp.isfinite(model(ids, segment_ids=seg)).all())
+
+    def loss(m):
+        logp = jax.nn.log_softmax(m(ids, attention_mask=mask))
+        return jnp.sum(jnp.where(mask[..., None] > 0, logp, 0.0))
+
+    grads = nnx.grad(loss)(model)
+    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
