@@ -19,7 +19,8 @@ import re
 import shutil
 import struct
 import tempfile
-from collections.abc import Iterator
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -36,6 +37,7 @@ from arpo_jax.models.transformer import CausalLM, Config
 # Checkpoint keys that carry no parameters and are skipped: RoPE buffers of old checkpoints.
 IGNORED_KEYS = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
 MAX_SHARD_BYTES = 5 * 1024**3
+IO_THREADS = min(8, os.cpu_count() or 1)  # tensors read/placed (import) or fetched/written (export) concurrently
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt", "added_tokens.json", "tokenizer.model")
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -73,55 +75,68 @@ def _param_key(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
-def iter_checkpoint(path: Path) -> Iterator[tuple[str, str, object]]:
-    """Yields (key, file name, safetensors slice) for every tensor; duplicate keys across files raise."""
-    seen: dict[str, str] = {}
+def checkpoint_index(path: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """{key: (file, shape)} of every tensor in the folder; unreadable files and duplicate keys raise."""
+    index: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for file in _safetensors_files(path):
         try:
-            handle = safe_open(str(file), framework="np")
+            with safe_open(str(file), framework="np") as f:
+                for key in f.keys():
+                    if key in index:
+                        raise ValueError(f"tensor {key!r} appears twice: in {index[key][0].name} and {file.name}")
+                    index[key] = (file, tuple(f.get_slice(key).get_shape()))
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{file}: not a readable safetensors file ({e})") from e
-        with handle as f:
-            for key in f.keys():
-                if key in seen:
-                    raise ValueError(f"tensor {key!r} appears twice: in {seen[key]} and {file.name}")
-                seen[key] = file.name
-                yield key, file.name, f.get_slice(key)
+    return index
 
 
 def load_state(path: str | os.PathLike, cfg: Config, mesh: Mesh | None = None) -> tuple[nnx.GraphDef, nnx.State]:
-    """Reads an HF folder's safetensors into (graphdef, nnx.State of params) in `cfg.param_dtype`, sharded over `mesh`."""
+    """Reads an HF folder's safetensors into (graphdef, params nnx.State) in `cfg.param_dtype`, sharded on `mesh`.
+
+    Every key and shape is checked against the model before any tensor is read; tensors are then read and placed
+    concurrently (reads and host-to-device copies release the GIL), each straight into its target sharding.
+    """
     path = Path(path)
     graphdef, abstract = nnx.split(models.abstract_model(cfg))
     expected = {_param_key(p): v for p, v in nnx.to_flat_state(abstract)}
-    rules = sharding.get_rules(cfg.sharding_rules)
-    target_dtype = _NP_DTYPES[cfg.param_dtype]
-    loaded: dict[str, jax.Array] = {}
-    for key, fname, tensor in iter_checkpoint(path):
+    plan = []
+    for key, (file, shape) in checkpoint_index(path).items():
         if any(p.fullmatch(key) for p in IGNORED_KEYS):
             continue
         if key == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # some tied checkpoints store the (identical) head anyway; transformers ignores it too
         if key not in expected:
-            raise ValueError(f"{fname}: unexpected tensor {key!r} for model_type={cfg.model_type!r} "
+            raise ValueError(f"{file.name}: unexpected tensor {key!r} for model_type={cfg.model_type!r} "
                              f"(tie_word_embeddings={cfg.tie_word_embeddings}, layers={cfg.num_layers})")
+        hf_shape = tuple(expected[key].get_metadata()["hf_shape"])
+        if shape != hf_shape:
+            raise ValueError(f"{file.name}: tensor {key!r} has shape {shape}, expected {hf_shape}")
+        plan.append((key, file))
+    missing = sorted(set(expected) - {key for key, _ in plan})
+    if missing:
+        raise ValueError(f"{path}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                         f"({len(missing)} of {len(expected)})")
+
+    rules = sharding.get_rules(cfg.sharding_rules)
+    target_dtype = _NP_DTYPES[cfg.param_dtype]
+
+    def load_one(item: tuple[str, Path]) -> tuple[str, jax.Array]:
+        key, file = item
         var = expected[key]
-        hf_shape = tuple(var.get_metadata()["hf_shape"])
-        if tuple(tensor.get_shape()) != hf_shape:
-            raise ValueError(f"{fname}: tensor {key!r} has shape {tuple(tensor.get_shape())}, expected {hf_shape}")
         try:
-            host = tensor[:].reshape(var.shape).astype(target_dtype, copy=False)
+            with safe_open(str(file), framework="np") as f:  # one handle per thread: cheap (an mmap)
+                host = f.get_tensor(key).reshape(var.shape).astype(target_dtype, copy=False)
         except (SafetensorError, ValueError, OSError) as e:
-            raise ValueError(f"{fname}: cannot read tensor {key!r} ({e})") from e
+            raise ValueError(f"{file.name}: cannot read tensor {key!r} ({e})") from e
         if mesh is None:
             target = SingleDeviceSharding(jax.devices()[0])
         else:
             target = sharding.param_sharding(var.get_metadata()["axes"], var.shape, mesh, rules)
-        loaded[key] = jax.make_array_from_callback(var.shape, target, lambda idx, h=host: h[idx])
-    missing = sorted(set(expected) - set(loaded))
-    if missing:
-        raise ValueError(f"{path}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} "
-                         f"({len(missing)} of {len(expected)})")
+        # Each device gets only its slice of the host tensor; the host copy is dropped when this returns.
+        return key, jax.make_array_from_callback(var.shape, target, lambda idx: host[idx])
+
+    with ThreadPoolExecutor(IO_THREADS) as pool:
+        loaded = dict(pool.map(load_one, plan))
     state = nnx.from_flat_state([(p, v.replace(loaded[_param_key(p)])) for p, v in nnx.to_flat_state(abstract)])
     return graphdef, state
 
@@ -152,28 +167,48 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def _write_safetensors(file: Path, tensors: list[tuple[str, tuple, np.dtype, callable]]) -> None:
-    """Streams tensors into one safetensors file: header first, then each tensor fetched and written in turn.
+def _write_safetensors(file: Path, tensors: list[tuple[str, tuple, np.dtype, callable]], *, threads: int) -> None:
+    """Streams tensors into one safetensors file: the header first, then each tensor fetched and written at its
+    offset.
 
     The format is an 8-byte little-endian header size, a JSON header of dtype/shape/offsets, then raw bytes.
     safetensors' own `save_file` needs every tensor of the shard in host memory at once and copies each to bytes;
-    this writer holds one tensor at a time (files are verified with safetensors' reader in the tests).
+    this writer holds at most `threads` tensors at a time and overlaps device-to-host copies with file writes
+    (both release the GIL). Files are verified with safetensors' own reader in the tests.
     """
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    header, offsets, offset = {"__metadata__": {"format": "pt"}}, [], 0
     for name, shape, dtype, _ in tensors:
         nbytes = math.prod(shape) * dtype.itemsize
         header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offsets.append(offset)
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
-    with open(file, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for name, shape, dtype, fetch in tensors:
+    data_start = 8 + len(blob)
+
+    fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, data_start + offset)
+        os.pwrite(fd, struct.pack("<Q", len(blob)) + blob, 0)
+
+        def write_one(i):
+            name, shape, dtype, fetch = tensors[i]
             arr = np.ascontiguousarray(fetch())
             if arr.shape != tuple(shape) or arr.dtype != dtype:
                 raise AssertionError(f"{name}: got {arr.shape} {arr.dtype}, header says {shape} {dtype}")
-            f.write(arr.reshape(-1).view(np.uint8).data)  # zero-copy; bf16 has no buffer format code
+            view = memoryview(arr.reshape(-1).view(np.uint8))  # zero-copy; bf16 has no buffer format code
+            done = 0
+            while done < len(view):  # pwrite may write less than asked
+                done += os.pwrite(fd, view[done:], data_start + offsets[i] + done)
+
+        if threads > 1:
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(write_one, range(len(tensors))))
+        else:
+            for i in range(len(tensors)):
+                write_one(i)
+    finally:
+        os.close(fd)
 
 
 def _shard_plan(entries, max_shard_bytes: int) -> list[list]:
@@ -214,8 +249,10 @@ def save_state(state: nnx.State, cfg: Config, path: str | os.PathLike, *, tokeni
         shards = _shard_plan(entries, max_shard_bytes)
         names = (["model.safetensors"] if len(shards) == 1 else
                  [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+        # Gathers across hosts are collectives that every process must issue in the same order: no threads then.
+        threads = IO_THREADS if all(var[...].is_fully_addressable for _, var in nnx.to_flat_state(state)) else 1
         for name, shard in zip(names, shards):
-            _write_safetensors(tmp / name, shard)
+            _write_safetensors(tmp / name, shard, threads=threads)
         if len(shards) > 1:
             total = sum(math.prod(e[1]) * np_dtype.itemsize for e in entries)
             index = {"metadata": {"total_size": total},
@@ -245,14 +282,15 @@ def _save_tokenizer(tokenizer, out: Path) -> None:
 
 
 def _replace_dir(new: Path, dest: Path) -> None:
-    """Puts `new` at `dest`. An old `dest` is moved aside first and deleted after, never left half-replaced."""
+    """Puts `new` at `dest`. An old `dest` is moved aside first, never left half-replaced, and deleted in the
+    background (freeing a large folder takes a while; the interpreter waits for non-daemon threads at exit)."""
     if not dest.exists():
         os.rename(new, dest)
         return
-    old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-    os.rename(dest, old)
+    old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+    os.rename(dest, old / dest.name)
     os.rename(new, dest)
-    shutil.rmtree(old, ignore_errors=True)
+    threading.Thread(target=shutil.rmtree, args=(old,), kwargs={"ignore_errors": True}, daemon=False).start()
 
 
 def save_pretrained(model: CausalLM, path: str | os.PathLike, tokenizer=None, *, dtype: str | None = None,

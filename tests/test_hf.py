@@ -3,6 +3,7 @@
 import json
 import shutil
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -106,7 +107,10 @@ def test_failed_export_keeps_the_previous_folder(tiny_hf_dir, tmp_path, monkeypa
     after = _tensors(dest)
     assert before.keys() == after.keys() and (dest / "config.json").is_file()
     assert [p.name for p in tmp_path.iterdir()] == ["sync"]  # no temporary folder left behind
-    arpo_jax.save_pretrained(model, dest)  # a later export replaces it in place
+    arpo_jax.save_pretrained(model, dest)  # a later export replaces it; the old copy is deleted in the background
+    deadline = time.monotonic() + 30
+    while [p.name for p in tmp_path.iterdir()] != ["sync"] and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert [p.name for p in tmp_path.iterdir()] == ["sync"]
 
 
