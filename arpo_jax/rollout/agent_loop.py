@@ -1,0 +1,538 @@
+"""The engine-agnostic multi-turn tool rollout with ARPO branching / AEPO dynamic rollouts (spec sections 3-5).
+
+`rollout(prompts, sampler, executor, tokenizer, config, settings, rng)` runs rounds until no trajectory slot is
+active. Each round: one batched `sampler.generate` over the active slots (max_tokens = the largest remaining
+budget, 3.3.1); the segment entropy of every slot (4.1); tool calls detected by the matched stop string, the
+call limit (the extra call appends EOS, mask 1), empty tool content (the slot ends silently); all tool calls of the
+round executed concurrently by the executor, results appended as `" <result>\\n{text}\\n</result>"` with loss-mask
+0; then branching (ARPO 4.2 / AEPO 5.2) and the refill rule (4.3), until every prompt has exactly n trajectories.
+The output is padded numpy arrays (3.4) plus per-trajectory metadata, branching trees and metrics.
+
+`RolloutConfig.reference_compat` (default False = the intended algorithm), quirk by quirk (spec section 14):
+
+* B1 entropy baseline. Default: H_init is the trajectory's own first-segment entropy, reset every call; a branch
+  inherits its parent's (it shares that first segment). Compat: a slot-id keyed dict that the caller keeps in
+  `RolloutState` across calls, so from the second call on slots compare against another prompt's entropy.
+* B3 AEPO's `p`. Default: the AEPO formula gets `1 - p`, so a larger p means more branching, as in ARPO (P = p + w*dH
+  at f = 1). Compat: the configured p as is (inverted meaning). Identical at p = 0.5.
+* B4 which segment decides. Default: a slot that appended its own tool result decides with the entropy of the
+  segment it generated right after that result (the paper's "k tokens after the tool call"); its branch copies the
+  state right after the tool result and re-samples that segment. Compat: slots still active after this round's tools
+  decide with the entropy of the segment *before* the tool call, and the branch copies the state after the result.
+  (Engines: with the default, a branch's context is a prefix of its parent's cached context, and the parent may
+  have finished in the previous round.)
+* B10 tool content. Default: `<tag>` and `</tag>` must both lie in the segment just generated (else the content is
+  empty and the slot ends). Compat: last `<tag>` before the last `</tag>` of the whole decoded prompt + response.
+* B10 attention. Default: response attention = real tokens up to and including the first EOS (padding 0). Compat:
+  `get_response_mask`, where the padding of a response without EOS also gets 1.
+* B11 tool text. Default: encoded with no special tokens added and special-token strings split as plain text.
+  Compat: `tokenizer.encode(text)` (a BOS for Llama; `<|im_end|>` inside a result becomes EOS and cuts attention).
+
+Both modes: the entropy is the spec's sum over <= 20 positions (`entropy_reduce="mean"` exists), the AEPO
+consecutive counter is per prompt and counts refills (B6), and max_tokens is the shared largest budget (3.3.1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from arpo_jax.rollout import branching
+from arpo_jax.rollout.branching import BranchAttempt, BranchParams, EntropyBaselines
+from arpo_jax.rollout.sampler import Sampler, SampleRequest, SampleResult, SamplingSettings
+
+PREMONITOR_SLOT_BASE = 1 << 30  # slot ids of AEPO's pre-monitoring requests (kept apart from the rollout's)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Static rollout settings (spec 4.2 and 11.3; script values: n 16, m 8, beam 2, p 0.5, w 0.2)."""
+
+    n: int = 16  # trajectories per prompt (GRPO group size)
+    initial_rollouts: int = 8  # root trajectories per prompt m (without dynamic rollouts)
+    beam_size: int = 2  # at most beam_size - 1 branches per source slot per round
+    branch_probability: float = 0.5  # p (see B3 for AEPO)
+    entropy_weight: float = 0.2  # w in P = p + w * dH
+    rule: str = "arpo"  # "arpo" (4.2) or "aepo" (5.2: consecutive-branch penalty)
+    consecutive_penalty: float = 0.05  # AEPO: f = max(0, 1 - penalty * c)
+    enable_dynamic_rollouts: bool = False  # AEPO entropy pre-monitoring decides m per prompt (5.1)
+    initial_entropy_tokens: int = 50  # pre-monitoring: max_tokens of the H_root generation
+    dynamic_beta: float = 0.5  # pre-monitoring: m = floor(n * sigmoid(beta * (H_root - H_tool))) + 1
+    call_limit: int = 5  # executed tool calls per trajectory (ARPO 5, AEPO 6; scripts' dr yaml 6)
+    response_length: int = 4096  # R: response tokens kept (tool results included)
+    prompt_length: int | None = None  # P: left-padded prompt width (None: longest prompt of the batch)
+    max_model_len: int | None = None  # pre-monitoring guards (5.1); None: P + R
+    entropy_window: int = 20  # leading positions of a segment that count (4.1)
+    entropy_top_k: int = 10  # top log-probs per position requested from the engine
+    entropy_reduce: str = "sum"  # "sum" over positions (reference) or "mean"
+    reference_compat: bool = False  # reproduce B1, B3, B4, B10, B11 (module docstring)
+
+    def __post_init__(self):
+        checks = [(self.n >= 1, "n must be >= 1"), (self.initial_rollouts >= 1, "initial_rollouts must be >= 1"),
+                  (self.beam_size >= 1, "beam_size must be >= 1"), (self.rule in ("arpo", "aepo"), "rule: arpo|aepo"),
+                  (self.call_limit >= 0, "call_limit must be >= 0"), (self.response_length >= 1, "R must be >= 1"),
+                  (self.entropy_window >= 1, "entropy_window must be >= 1"),
+                  (self.entropy_reduce in ("sum", "mean"), "entropy_reduce: sum|mean")]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"RolloutConfig: {msg}")
+
+    def for_validation(self) -> RolloutConfig:
+        """Spec 3.1 validation: n = 1, one root, no branching."""
+        return dataclasses.replace(self, n=1, initial_rollouts=1, beam_size=1, enable_dynamic_rollouts=False)
+
+
+def greedy_settings(settings: SamplingSettings) -> SamplingSettings:
+    """Spec 3.1 `do_sample=False`: temperature 0, top_p 1, top_k off."""
+    return dataclasses.replace(settings, temperature=0.0, top_p=1.0, top_k=-1)
+
+
+class Executor(Protocol):
+    """What the loop needs from `arpo_jax.tools.ToolExecutor`."""
+
+    stop_strings: list[str]
+
+    def execute_batch(self, requests: list[tuple[str, str]]) -> list[str]: ...
+
+
+@dataclasses.dataclass
+class RolloutState:
+    """State a rollout worker keeps across calls: only the reference's stale entropy dict (B1, compat mode)."""
+
+    baselines: EntropyBaselines = dataclasses.field(default_factory=EntropyBaselines)
+
+
+@dataclasses.dataclass
+class TreeNode:
+    slot_id: int
+    parent_id: int | None  # the slot it was copied from (branches only)
+    kind: str  # "root", "branch" or "refill"
+    round_created: int
+    branch_point: int  # response tokens inherited from the parent (0 for roots and refills)
+    baseline: float | None  # H_init used for this slot's decisions (default mode; None in compat mode)
+    segment_entropies: list[float]  # entropy of every segment this slot generated itself, in order
+
+
+@dataclasses.dataclass
+class PromptTree:
+    """Branching record of one prompt: its n trajectories as nodes, and every branching attempt."""
+
+    prompt_index: int
+    initial_rollouts: int
+    nodes: list[TreeNode]
+    attempts: list[BranchAttempt]
+    h_root: float | None = None  # AEPO pre-monitoring values (None when not run)
+    h_tool_mean: float | None = None
+
+
+@dataclasses.dataclass
+class RolloutOutput:
+    """Padded arrays (B = prompts, n per prompt, row i = prompt i // n) plus metadata. All numpy."""
+
+    input_ids: np.ndarray  # [B*n, P+R] int32: left-padded prompt | right-padded response
+    attention_mask: np.ndarray  # [B*n, P+R] int32: prompt mask | response attention
+    position_ids: np.ndarray  # [B*n, P+R] int32
+    responses: np.ndarray  # [B*n, R] int32
+    response_mask: np.ndarray  # [B*n, R] int32: response attention (up to and including the first EOS)
+    loss_mask: np.ndarray  # [B*n, R] int32: model tokens (not tool results) within the response attention
+    prompt_index: np.ndarray  # [B*n] int32
+    slot_id: np.ndarray  # [B*n] int32
+    parent_id: np.ndarray  # [B*n] int32, -1 for roots and refills
+    tool_calls: np.ndarray  # [B*n] int32: calls counted against call_limit
+    rounds: np.ndarray  # [B*n] int32: generated segments in the trajectory (inherited ones included)
+    response_length: np.ndarray  # [B*n] int32: kept response tokens (<= R)
+    truncated: np.ndarray  # [B*n] bool: the response was longer than R and was cut
+    finish_reason: np.ndarray  # [B*n] str: eos | call_limit | empty_tool_content | length | stop
+    trees: list[PromptTree]
+    metrics: dict[str, float]
+
+
+@dataclasses.dataclass
+class _Slot:
+    id: int
+    prompt: int
+    tokens: list[int]  # prompt + response so far
+    prompt_len: int
+    kind: str = "root"
+    round_created: int = 0
+    parent: int | None = None
+    mask: list[int] = dataclasses.field(default_factory=list)  # per response token: 1 model, 0 tool result
+    calls: int = 0
+    segments: int = 0
+    branch_point: int = 0
+    baseline: float | None = None
+    entropy: float = 0.0  # this round's segment entropy
+    entropies: list[float] = dataclasses.field(default_factory=list)
+    post_tool: bool = False  # the state ends with a tool result this slot appended itself
+    decision_point: tuple[int, int, int] | None = None  # (len(tokens), calls, segments) before this round (B4)
+    requested: bool = False
+    finish: str = ""
+
+    @property
+    def resp_len(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+def extract_tool_content(text: str, tag: str) -> str:
+    """The text between the last `<tag>` preceding the last `</tag>`, stripped ("" if either is missing)."""
+    end = text.rfind(f"</{tag}>")
+    start = text.rfind(f"<{tag}>", 0, max(end, 0))
+    if end < 0 or start < 0:
+        return ""
+    return text[start + len(tag) + 2:end].strip()
+
+
+def wrap_tool_result(text: str) -> str:
+    return " <result>\n" + text + "\n</result>"
+
+
+def encode_tool_result(tokenizer, text: str, reference_compat: bool = False) -> list[int]:
+    """Token ids of the wrapped result (B11: the reference's `encode` adds BOS and parses special tokens)."""
+    wrapped = wrap_tool_result(text)
+    if reference_compat:
+        return list(tokenizer.encode(wrapped))
+    try:
+        return list(tokenizer(wrapped, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    except TypeError:  # tokenizers without split_special_tokens
+        return list(tokenizer.encode(wrapped, add_special_tokens=False))
+
+
+def rollout(prompts_token_ids: Sequence[Sequence[int]], sampler: Sampler, executor: Executor, tokenizer,
+            config: RolloutConfig, settings: SamplingSettings | None = None,
+            rng: np.random.Generator | int = 0, *, state: RolloutState | None = None) -> RolloutOutput:
+    """Runs the tool rollout for a batch of (unpadded) prompts; returns exactly n trajectories per prompt.
+
+    `rng` drives every branching draw (an int seeds a fresh generator); the engine's own sampling randomness
+    comes from `settings.seed`. `state` matters only with `reference_compat` (B1); keep one per worker.
+    """
+    rng = np.random.default_rng(rng) if not isinstance(rng, np.random.Generator) else rng
+    settings = settings or SamplingSettings()
+    return _Loop(prompts_token_ids, sampler, executor, tokenizer, config, settings, rng,
+                 state or RolloutState()).run()
+
+
+class _Loop:
+    """One `rollout` call's state. Methods follow the round structure of spec 3.3."""
+
+    def __init__(self, prompts, sampler, executor, tokenizer, config: RolloutConfig, settings, rng, state):
+        self.prompts = [list(p) for p in prompts]
+        self.sampler, self.executor, self.tok, self.cfg, self.rng, self.state = (sampler, executor, tokenizer,
+                                                                                 config, rng, state)
+        self.compat = config.reference_compat
+        self.closers = tuple(executor.stop_strings)
+        self.settings = dataclasses.replace(settings, stop=self.closers, logprobs=config.entropy_top_k,
+                                            logprob_positions=config.entropy_window)
+        self.eos = tokenizer.eos_token_id
+        self.vocab_size = len(tokenizer.get_vocab())
+        self.R = config.response_length
+        self.P = config.prompt_length or max((len(p) for p in self.prompts), default=1)
+        if any(len(p) > self.P for p in self.prompts):
+            raise ValueError(f"a prompt is longer than prompt_length={self.P} (the reference's truncation: error)")
+        B = len(self.prompts)
+        self.slots: list[_Slot] = []
+        self.count = [0] * B
+        self.consecutive = [0] * B
+        p = config.branch_probability
+        if config.rule == "aepo" and not self.compat:
+            p = 1.0 - p  # B3: feed the AEPO formula so that larger p means more branching, as in ARPO
+        self.params = BranchParams(config.n, config.beam_size, p, config.entropy_weight, config.rule,
+                                   config.consecutive_penalty)
+        self.trees = [PromptTree(b, 0, [], []) for b in range(B)]
+        self.m = {k: 0.0 for k in ("rounds", "tool_calls", "branches", "branch_attempts", "refills",
+                                   "call_limit_reached", "empty_tool_content", "premonitor_tool_calls")}
+        self.times = {k: 0.0 for k in ("generate", "tools", "branching", "premonitor", "finalize")}
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def run(self) -> RolloutOutput:
+        t0 = time.perf_counter()
+        initial = self._initial_rollouts()
+        for b, m in enumerate(initial):
+            self.trees[b].initial_rollouts = m
+            for _ in range(m):
+                self._new_slot(b, "root", 0)
+        active = list(self.slots)
+        r = 0
+        while active:
+            results = self._generate(active)
+            queued = [q for s, res in zip(active, results) if (q := self._absorb(s, res)) is not None]
+            self._run_tools(queued)
+            keep = []
+            for s in active:
+                if not s.finish and s.resp_len >= self.R:
+                    s.finish = "length"  # spec 3.3 step 5: the budget is spent (possibly by a tool result)
+                if not s.finish:
+                    keep.append(s)
+            t = time.perf_counter()
+            active = keep + self._branch_and_refill(active, keep, r)
+            self.times["branching"] += time.perf_counter() - t
+            r += 1
+        self.m["rounds"] = r
+        t = time.perf_counter()
+        out = self._finalize()
+        self.times["finalize"] = time.perf_counter() - t
+        self.times["total"] = time.perf_counter() - t0
+        out.metrics.update({f"time/rollout_{k}_s": v for k, v in self.times.items()})
+        return out
+
+    def _new_slot(self, b: int, kind: str, r: int) -> _Slot:
+        s = _Slot(len(self.slots), b, list(self.prompts[b]), len(self.prompts[b]), kind, r)
+        self.slots.append(s)
+        self.count[b] += 1
+        return s
+
+    def _entropy(self, res: SampleResult) -> float:
+        # All returned entries count (top-k plus the sampled token when outside it), as in the reference.
+        return branching.segment_entropy(res.top_logprobs, self.vocab_size, window=self.cfg.entropy_window,
+                                         reduce=self.cfg.entropy_reduce)
+
+    def _generate(self, active: list[_Slot]) -> list[SampleResult]:
+        """Spec 3.3 steps 1-2: one batched call with the largest remaining budget; segment entropies."""
+        max_tokens = max(1, max(self.R - s.resp_len for s in active))
+        requests = []
+        for s in active:
+            parent = s.parent if not s.requested else None  # a branch's first request: copy the parent's cache
+            requests.append(SampleRequest(list(s.tokens), max_tokens, slot_id=s.id, parent_id=parent))
+            s.requested = True
+        t = time.perf_counter()
+        results = self.sampler.generate(requests, self.settings)
+        self.times["generate"] += time.perf_counter() - t
+        if len(results) != len(requests):
+            raise RuntimeError(f"sampler returned {len(results)} results for {len(requests)} requests")
+        for s, res in zip(active, results):
+            s.entropy = self._entropy(res)
+            s.entropies.append(s.entropy)
+            if self.compat:
+                self.state.baselines.observe(s.id, s.entropy)  # B1: set only for never-seen slot ids
+            elif s.baseline is None:
+                s.baseline = s.entropy  # the first segment from the prompt (branches inherit theirs)
+        return results
+
+    def _absorb(self, s: _Slot, res: SampleResult) -> tuple[_Slot, str, str] | None:
+        """Spec 3.3 step 3 for one slot: append the segment, detect a tool call; returns a queued call or None."""
+        s.decision_point = (len(s.tokens), s.calls, s.segments) if s.post_tool else None
+        s.post_tool = False
+        s.tokens.extend(res.token_ids)
+        s.mask.extend([1] * len(res.token_ids))
+        s.segments += 1
+        if res.finish_reason == "stop" and res.stop_string in self.closers:
+            tag = res.stop_string[2:-1]
+            if s.calls >= self.cfg.call_limit:
+                s.tokens.append(self.eos)  # the extra call: EOS, trained (mask 1)
+                s.mask.append(1)
+                s.finish = "call_limit"
+                self.m["call_limit_reached"] += 1
+                return None
+            s.calls += 1
+            text = self.tok.decode(s.tokens if self.compat else res.token_ids, skip_special_tokens=False)
+            content = extract_tool_content(text, tag)
+            if content:
+                return s, tag, content
+            s.finish = "empty_tool_content"  # ends silently, no EOS (B10)
+            self.m["empty_tool_content"] += 1
+        elif res.finish_reason == "length":
+            if not res.token_ids or s.resp_len >= self.R:
+                s.finish = "length"
+        else:
+            s.finish = "eos" if res.finish_reason == "eos" else "stop"
+        return None
+
+    def _run_tools(self, queued: list[tuple[_Slot, str, str]]) -> None:
+        """Spec 3.3 step 4: all calls of the round at once; results appended with mask 0."""
+        if not queued:
+            return
+        t = time.perf_counter()
+        texts = self.executor.execute_batch([(tag, content) for _, tag, content in queued])
+        self.times["tools"] += time.perf_counter() - t
+        self.m["tool_calls"] += len(queued)
+        for (s, _, _), text in zip(queued, texts):
+            ids = encode_tool_result(self.tok, text, self.compat)
+            s.tokens.extend(ids)
+            s.mask.extend([0] * len(ids))
+            s.post_tool = True
+
+    def _branch_and_refill(self, active: list[_Slot], keep: list[_Slot], r: int) -> list[_Slot]:
+        """Spec 4.2 / 5.2 branching, then the 4.3 refill, then AEPO's counter update; returns the new slots."""
+        if self.compat:  # B4 as in the reference: surviving slots, entropy of the segment before the tool call
+            sources = keep
+            entropy = {s.id: (s.entropy, self.state.baselines.get(s.id)) for s in sources}
+        else:  # the segment generated right after this slot's own tool result decides
+            sources = [s for s in active if s.decision_point is not None]
+            entropy = {s.id: (s.entropy, s.baseline) for s in sources}
+        by_id = {s.id: s for s in sources}
+        new: list[_Slot] = []
+        new_per_prompt = [0] * len(self.prompts)
+        for b in range(len(self.prompts)):
+            src = [s.id for s in sources if s.prompt == b]
+            if not src:
+                continue
+            attempts = branching.decide_branches(src, entropy.__getitem__, self.count[b], self.params, self.rng,
+                                                 round_index=r, consecutive=self.consecutive[b])
+            for a in attempts:
+                child = self._branch(by_id[a.source], r) if a.branched else None
+                self.trees[b].attempts.append(dataclasses.replace(a, child=child.id) if child else a)
+                if child:
+                    new.append(child)
+                    new_per_prompt[b] += 1
+            self.m["branch_attempts"] += len(attempts)
+        self.m["branches"] += len(new)
+        busy = {s.prompt for s in keep} | {s.prompt for s in new}
+        for b in range(len(self.prompts)):
+            if branching.needs_refill(b in busy, self.count[b], self.cfg.n):
+                new.append(self._new_slot(b, "refill", r + 1))
+                new_per_prompt[b] += 1
+                self.m["refills"] += 1
+        if self.cfg.rule == "aepo":
+            self.consecutive = branching.update_consecutive(self.consecutive, new_per_prompt)
+        return new
+
+    def _branch(self, src: _Slot, r: int) -> _Slot:
+        """A copy of `src`: its current state (compat) or its state right after its last tool result (default)."""
+        length, calls, segments = (len(src.tokens), src.calls, src.segments) if self.compat else src.decision_point
+        child = self._new_slot(src.prompt, "branch", r + 1)
+        child.tokens = list(src.tokens[:length])
+        child.mask = list(src.mask[:length - src.prompt_len])
+        child.calls, child.segments, child.parent = calls, segments, src.id
+        child.branch_point = length - src.prompt_len
+        child.baseline = None if self.compat else src.baseline
+        return child
+
+    # ------------------------------------------------------------------------------ AEPO pre-monitoring (5.1)
+    def _initial_rollouts(self) -> list[int]:
+        cfg = self.cfg
+        fixed = max(1, min(cfg.initial_rollouts, cfg.n))
+        if not cfg.enable_dynamic_rollouts or cfg.n == 1:  # n = 1: the formula gives 1 whatever the entropies
+            return [fixed] * len(self.prompts)
+        t = time.perf_counter()
+        max_len = cfg.max_model_len or (self.P + self.R)
+        valid = [b for b, p in enumerate(self.prompts) if len(p) < max_len]  # longer prompts are dropped
+        h_root = self._premonitor_root(valid, max_len)
+        h_tool = self._premonitor_tool_rollout(valid, max_len)
+        out = [fixed] * len(self.prompts)
+        for b in valid:
+            hs = h_tool[b]
+            mean = float(np.mean(hs)) if hs else h_root[b]
+            out[b] = branching.initial_rollouts_dynamic(cfg.n, h_root[b], mean, beta=cfg.dynamic_beta)
+            self.trees[b].h_root, self.trees[b].h_tool_mean = h_root[b], mean
+        self.times["premonitor"] = time.perf_counter() - t
+        return out
+
+    def _premonitor_root(self, valid: list[int], max_len: int) -> dict[int, float]:
+        """H_root: one generation of `initial_entropy_tokens` from each prompt."""
+        if not valid:
+            return {}
+        reqs = [SampleRequest(list(self.prompts[b]), max(1, min(self.cfg.initial_entropy_tokens,
+                                                                max_len - len(self.prompts[b]))),
+                              slot_id=PREMONITOR_SLOT_BASE + b) for b in valid]
+        results = self.sampler.generate(reqs, self.settings)
+        return {b: self._entropy(res) for b, res in zip(valid, results)}
+
+    def _premonitor_tool_rollout(self, valid: list[int], max_len: int) -> dict[int, list[float]]:
+        """H_tool: one complete, discarded tool rollout per prompt; every segment's entropy (the first included)."""
+        base = PREMONITOR_SLOT_BASE + len(self.prompts)
+        seqs = {b: list(self.prompts[b]) for b in valid}
+        calls = dict.fromkeys(valid, 0)
+        ents: dict[int, list[float]] = {b: [] for b in valid}
+        active = list(valid)
+        resp = lambda b: len(seqs[b]) - len(self.prompts[b])
+        while active:
+            budget = max(1, max(self.R - resp(b) for b in active))
+            cap = max_len - max(len(seqs[b]) for b in active)  # extra guard of this phase only
+            reqs = [SampleRequest(list(seqs[b]), max(1, min(budget, cap)), slot_id=base + b) for b in active]
+            results = self.sampler.generate(reqs, self.settings)
+            queued, keep = [], []
+            for b, res in zip(active, results):
+                ents[b].append(self._entropy(res))
+                seqs[b].extend(res.token_ids)
+                if res.finish_reason == "stop" and res.stop_string in self.closers and calls[b] < self.cfg.call_limit:
+                    tag = res.stop_string[2:-1]
+                    text = self.tok.decode(seqs[b] if self.compat else res.token_ids, skip_special_tokens=False)
+                    content = extract_tool_content(text, tag)
+                    if content:  # calls count only with content; an empty call or the limit ends it (no EOS)
+                        calls[b] += 1
+                        queued.append((b, tag, content))
+                elif res.finish_reason == "length" and res.token_ids and resp(b) < self.R:
+                    keep.append(b)
+            texts = self.executor.execute_batch([(tag, c) for _, tag, c in queued]) if queued else []
+            self.m["premonitor_tool_calls"] += len(queued)
+            for (b, _, _), text in zip(queued, texts):
+                ids = encode_tool_result(self.tok, text, self.compat)
+                if len(seqs[b]) + len(ids) > max_len:
+                    seqs[b] = seqs[b][:max(0, max_len - len(ids) - 100)]
+                seqs[b].extend(ids)
+                keep.append(b)
+            active = [b for b in sorted(keep) if resp(b) < self.R and len(seqs[b]) < max_len]
+        return ents
+
+    # ------------------------------------------------------------------------------------ finalisation (3.4)
+    def _members(self) -> list[_Slot]:
+        rows = []
+        for b in range(len(self.prompts)):
+            mine = [s for s in self.slots if s.prompt == b][: self.cfg.n]  # creation order
+            mine += [mine[-1]] * (self.cfg.n - len(mine))  # the reference's safeguard; unreachable (4.4)
+            rows.extend(mine)
+        return rows
+
+    def _finalize(self) -> RolloutOutput:
+        R, P, pad = self.R, self.P, self.tok.pad_token_id
+        pad = self.eos if pad is None else pad
+        rows = self._members()
+        N = len(rows)
+        responses = np.full((N, R), pad, np.int32)
+        mask = np.zeros((N, R), np.int32)
+        lengths = np.zeros(N, np.int32)
+        for i, s in enumerate(rows):
+            resp = s.tokens[s.prompt_len:s.prompt_len + R]
+            lengths[i] = len(resp)
+            responses[i, :len(resp)] = resp
+            mask[i, :len(resp)] = s.mask[:R]
+        is_eos = (responses == self.eos).astype(np.int32)
+        attn = (np.cumsum(is_eos, axis=1) - is_eos) == 0  # up to and including the first EOS
+        if not self.compat:
+            attn &= np.arange(R)[None, :] < lengths[:, None]  # B10: padding after a no-EOS response gets 0
+        attn = attn.astype(np.int32)
+        prompt_ids = np.full((len(self.prompts), P), pad, np.int32)
+        prompt_mask = np.zeros((len(self.prompts), P), np.int32)
+        for b, p in enumerate(self.prompts):
+            if p:
+                prompt_ids[b, P - len(p):] = p
+                prompt_mask[b, P - len(p):] = 1
+        pidx = np.asarray([s.prompt for s in rows], np.int32)
+        prompt_pos = np.clip(np.cumsum(prompt_mask, axis=1) - 1, 0, None)[pidx]
+        resp_pos = prompt_pos[:, -1:] + 1 + np.arange(R)[None, :]
+        return RolloutOutput(
+            input_ids=np.concatenate([prompt_ids[pidx], responses], axis=1),
+            attention_mask=np.concatenate([prompt_mask[pidx], attn], axis=1),
+            position_ids=np.concatenate([prompt_pos, resp_pos], axis=1).astype(np.int32),
+            responses=responses, response_mask=attn, loss_mask=mask * attn, prompt_index=pidx,
+            slot_id=np.asarray([s.id for s in rows], np.int32),
+            parent_id=np.asarray([-1 if s.parent is None else s.parent for s in rows], np.int32),
+            tool_calls=np.asarray([s.calls for s in rows], np.int32),
+            rounds=np.asarray([s.segments for s in rows], np.int32), response_length=lengths,
+            truncated=np.asarray([s.resp_len > R for s in rows]),
+            finish_reason=np.asarray([s.finish for s in rows], dtype=object),
+            trees=self._trees(), metrics=self._metrics(rows, lengths))
+
+    def _trees(self) -> list[PromptTree]:
+        for tree in self.trees:
+            tree.nodes = [TreeNode(s.id, s.parent, s.kind, s.round_created, s.branch_point,
+                                   None if self.compat else s.baseline, list(s.entropies))
+                          for s in self.slots if s.prompt == tree.prompt_index]
+        return self.trees
+
+    def _metrics(self, rows: list[_Slot], lengths: np.ndarray) -> dict[str, float]:
+        out = {f"rollout/{k}": float(v) for k, v in self.m.items()}
+        out["tools/call_limit_reached_count"] = out["rollout/call_limit_reached"]
+        ents = [e for s in self.slots for e in s.entropies]
+        out.update({
+            "rollout/trajectories": float(len(rows)),
+            "rollout/initial_rollouts_mean": float(np.mean([t.initial_rollouts for t in self.trees] or [0])),
+            "rollout/tool_calls_per_trajectory": float(np.mean([s.calls for s in rows] or [0])),
+            "rollout/response_length_mean": float(lengths.mean()) if lengths.size else 0.0,
+            "rollout/truncated_fraction": float(np.mean([s.resp_len > self.R for s in rows] or [0])),
+            "rollout/segment_entropy_mean": float(np.mean(ents)) if ents else 0.0,
+        })
+        return out
