@@ -13,7 +13,7 @@ Shape letters: B = sequences, T = response length, V = vocabulary, D = model wid
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

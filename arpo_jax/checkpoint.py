@@ -17,7 +17,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh

@@ -131,7 +131,8 @@ def run(workdir: str | Path, *, seed: int = 0, max_new_tokens: int = 40, fit_ste
     reloaded = hf.from_pretrained(workdir / "export")
     ids = np.asarray([tokenizer.encode("<search> who wrote book 12 </search>")])
     diff = _transformers_max_diff(workdir / "export", reloaded, ids)
-    _log("transformers parity: " + ("skipped (torch not installed)" if diff is None else f"max |logit diff| {diff:.2e}"))
+    parity = "skipped (torch not installed)" if diff is None else f"max |logit diff| {diff:.2e}"
+    _log(f"transformers parity: {parity}")
 
     prompt = "<search> who wrote book 123 </search> <python> print("
     t = time.perf_counter()

@@ -12,8 +12,14 @@ import time
 import pytest
 
 from arpo_jax.tools import make_tool
-from arpo_jax.tools.python_sandbox import (PythonSandbox, PythonSandboxConfig, PythonTool, preprocess_code,
-                                           sandbox_env, strip_code_fences)
+from arpo_jax.tools.python_sandbox import (
+    PythonSandbox,
+    PythonSandboxConfig,
+    PythonTool,
+    preprocess_code,
+    sandbox_env,
+    strip_code_fences,
+)
 
 SECRET = "planted-secret-7c1d9e0b5a"
 AS_ROOT = os.geteuid() == 0

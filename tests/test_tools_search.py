@@ -10,8 +10,16 @@ import pytest
 
 from arpo_jax.tools import make_tool
 from arpo_jax.tools.fake_brightdata import FakeBrightData, free_port, organic_from_text
-from arpo_jax.tools.search import (NO_RESULTS, BrightDataSearchTool, SearchConfig, build_request, clean_query,
-                                   detect_language, format_results, retry_after_s)
+from arpo_jax.tools.search import (
+    NO_RESULTS,
+    BrightDataSearchTool,
+    SearchConfig,
+    build_request,
+    clean_query,
+    detect_language,
+    format_results,
+    retry_after_s,
+)
 from arpo_jax.tools.search_cache import SearchCache
 
 REFERENCE_CACHE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "search" / "search_cache.json"

@@ -358,6 +358,12 @@ class CausalLM(nnx.Module):
         Returns:
           (float32 logits [B, T, V], the updated cache).
         """
+        hidden, cache = self.extend_hidden(input_ids, positions, cache, valid)
+        return self.logits(hidden), cache
+
+    def extend_hidden(self, input_ids, positions, cache: KVCache, valid=None) -> tuple[jax.Array, KVCache]:
+        """`extend` without the vocab projection: (final-norm hidden states [B, T, D], cache). A sampler that
+        needs logits at one position per row projects only those ([B, T, V] would dominate prefill memory)."""
         b, t = input_ids.shape
         if valid is None:
             valid = jnp.ones((b, t), bool)
@@ -370,10 +376,8 @@ class CausalLM(nnx.Module):
         k_all, v_all = cache.k, cache.v
         for i, layer in enumerate(self.model.layers):
             x, k_all, v_all = layer.extend(x, positions, mask, k_all, v_all, i, start)
-        logits = self.logits(self.model.norm(x))
         last_valid = jnp.max(jnp.where(valid, jnp.arange(t)[None] + 1, 0), axis=1)
-        new_cache = KVCache(k_all, v_all, kv_pos, cache.lengths + last_valid.astype(jnp.int32))
-        return logits, new_cache
+        return self.model.norm(x), KVCache(k_all, v_all, kv_pos, cache.lengths + last_valid.astype(jnp.int32))
 
 
 def _remat_layer(policy_name: str):

@@ -1,0 +1,494 @@
+"""The JAX KV-cache sampler: the embedded rollout engine (and the TPU path) behind `rollout.sampler.Sampler`.
+
+One `generate` call runs, for a batch of trajectories:
+  1. regather: the new call's cache rows are gathered from the previous call's cache (a continuing slot keeps its
+     row, a branch copies its parent's row, a new trajectory gets an empty row), each truncated to the longest
+     prefix that provably equals the request's token ids (host bookkeeping of what every row holds);
+  2. prefill: only the uncached suffix of each request (a tool result, or the whole prompt), in right-padded
+     chunks;
+  3. decode: `decode_chunk` steps per jitted call (a `lax.scan` over the donated cache); EOS and max_tokens are
+     detected on device, stop strings on the host between chunks, on incrementally decoded text (as vLLM does).
+
+Shapes are bucketed so compiles stay bounded: batch B to powers of two (a multiple of the mesh's batch axes), the
+cache length S to powers of two, prefill chunks T to powers of two up to `prefill_chunk`. Each jitted function
+counts its traces in `TRACE_COUNTS` (a trace = a compile); samplers of one model share the compiled functions.
+
+Cache invariant: every row is contiguous from slot 0 and slot index == RoPE position. Slots >= the row's
+`lengths` are free (position -1). The host records, per saved slot, the token ids its row holds.
+
+Log-probs (`settings.logprobs` > 0): top-k of the *processed* distribution, as vLLM V0 (the reference, spec 3.5)
+returns them: log_softmax over the logits restricted to tokenizer ids, divided by the temperature and with
+top-k/top-p truncation applied (truncated tokens have -inf and are not reported). At greedy (temperature 0) the
+temperature is taken as 1 and no truncation applies (vLLM forces top_p=1, top_k=-1 then). With the training
+settings (T=1, top_p=1, top_k=-1) this is the plain model log_softmax. `logprobs_mode="raw"` reports the model's
+log_softmax (restricted to tokenizer ids) regardless of temperature/top-k/top-p (vLLM V1's default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Sequence
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from arpo_jax.models.transformer import KVCache
+from arpo_jax.rollout.sampler import SampleRequest, SampleResult, SamplingSettings
+from arpo_jax.sharding import constrain, get_rules
+
+_SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's threshold)
+_DETOK_PRIME = 5  # prompt tokens that prime the incremental detokenizer (vLLM's initial offset)
+
+
+def pow2_buckets(lo: int, hi: int, *, half_steps: bool = False) -> tuple[int, ...]:
+    """Powers of two from `lo` up to the first one >= `hi` (with `half_steps`, also 1.5x each: 64, 96, 128, ...)."""
+    out = [lo]
+    while out[-1] < hi:
+        out.append(out[-1] * 2)
+    if half_steps:
+        out = sorted(set(out) | {b * 3 // 2 for b in out[:-1]})
+    return tuple(out)
+
+
+def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{what} {n} exceeds the largest bucket {buckets[-1]}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Device side
+
+
+def _constrain_cache(cache: KVCache, rules: str) -> KVCache:
+    kv_axes = (None, "batch", None, "act_kv_heads", None)
+    return KVCache(constrain(cache.k, kv_axes, rules), constrain(cache.v, kv_axes, rules),
+                   constrain(cache.positions, ("batch", None), rules), constrain(cache.lengths, ("batch",), rules))
+
+
+def process_logits(logits, allowed, temperature, top_k, top_p, *, greedy: bool, truncate: bool):
+    """Processed logits [B, V] as vLLM samples from them: tokenizer-id mask, then /T, top-k, top-p (-inf = cut).
+
+    top_k <= 0 is off; top-p keeps the smallest prefix of the sorted distribution whose mass before each kept
+    token is < top_p (vLLM's rule); ties at a threshold are kept.
+    """
+    z = jnp.where(allowed[None], logits, -jnp.inf) if allowed is not None else logits
+    if greedy:
+        return z
+    z = z / temperature
+    if truncate:
+        v = z.shape[-1]
+        desc = -jnp.sort(-z, axis=-1)  # [B, V]
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+        desc = jnp.where(jnp.arange(v)[None] < k, desc, -jnp.inf)
+        p = jax.nn.softmax(desc, axis=-1)
+        keep = (jnp.cumsum(p, axis=-1) - p) < top_p
+        keep = keep.at[:, 0].set(True)
+        thresh = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)  # smallest kept logit
+        z = jnp.where(z < thresh, -jnp.inf, z)
+    return z
+
+
+def _decode_chunk(graphdef, state, cache, h, active, ngen, row_ids, ctx_lens, limits, eos_ids, allowed, seed,
+                  temperature, top_k, top_p, *, n_steps, greedy, truncate, n_logprobs, raw_logprobs, rules):
+    """`n_steps` sampling steps. Each: logits from the carried hidden state -> sample -> feed the token.
+
+    A row samples while `active`; a sampled token is written to the cache unless it ends the row (EOS or the
+    row's limit), so a row holds context + its generated tokens but the last. Per-row PRNG key of generated
+    position t: fold_in(fold_in(fold_in(key(seed), request index), context length), t), independent of batching.
+    """
+    model = nnx.merge(graphdef, state)
+    base = jax.random.key(seed)
+    row_keys = jax.vmap(lambda i, c: jax.random.fold_in(jax.random.fold_in(base, i), c))(row_ids, ctx_lens)
+
+    def step(carry, _):
+        cache, h, active, ngen = carry
+        logits = model.logits(h[:, None])[:, 0]  # [B, V] float32
+        z = process_logits(logits, allowed, temperature, top_k, top_p, greedy=greedy, truncate=truncate)
+        if greedy:
+            tok = jnp.argmax(z, axis=-1)
+        else:
+            keys = jax.vmap(jax.random.fold_in)(row_keys, ngen)
+            tok = jax.vmap(jax.random.categorical)(keys, z)
+        tok = tok.astype(jnp.int32)
+        sampled = active
+        ngen = ngen + active.astype(jnp.int32)
+        done = jnp.isin(tok, eos_ids) | (ngen >= limits)
+        written = active & ~done
+        hidden, cache = model.extend_hidden(tok[:, None], (ctx_lens + ngen - 1)[:, None], cache, written[:, None])
+        h = jnp.where(written[:, None], hidden[:, 0], h)
+        out = {"tok": tok, "sampled": sampled, "written": written}
+        if n_logprobs:
+            if raw_logprobs:  # the model's distribution over tokenizer ids
+                lp = jax.nn.log_softmax(logits if allowed is None else jnp.where(allowed[None], logits, -jnp.inf))
+            else:  # the distribution sampled from
+                lp = jax.nn.log_softmax(z, axis=-1)
+            out["top_vals"], out["top_ids"] = jax.lax.top_k(lp, n_logprobs)
+            out["tok_lp"] = jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+        return (cache, h, active & ~done, ngen), out
+
+    (cache, h, active, ngen), outs = jax.lax.scan(step, (cache, h, active, ngen), None, length=n_steps)
+    outs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outs)  # [n, B, ...] -> [B, n, ...]
+    return _constrain_cache(cache, rules), h, active, ngen, outs
+
+
+def _prefill_chunk(graphdef, state, cache, h, ids, positions, valid, last_idx, *, rules):
+    """Appends one right-padded chunk [B, T]; keeps the hidden state of each row's last prompt token."""
+    model = nnx.merge(graphdef, state)
+    hidden, cache = model.extend_hidden(ids, positions, cache, valid)
+    sel = jnp.take_along_axis(hidden, jnp.maximum(last_idx, 0)[:, None, None], axis=1)[:, 0]  # [B, D]
+    h = jnp.where((last_idx >= 0)[:, None], sel.astype(h.dtype), h)
+    return _constrain_cache(cache, rules), h
+
+
+def _regather(cache, rows, keep, *, s_new, rules):
+    """New cache [B', s_new] from rows `rows` of the old one, row b truncated to its first keep[b] tokens."""
+    k, v, pos = cache.k[:, rows], cache.v[:, rows], cache.positions[rows]
+    s_old = pos.shape[1]
+    if s_new <= s_old:
+        k, v, pos = k[:, :, :s_new], v[:, :, :s_new], pos[:, :s_new]
+    else:
+        pad = s_new - s_old
+        k = jnp.pad(k, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0)))
+        v = jnp.pad(v, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0)))
+        pos = jnp.pad(pos, ((0, 0), (0, pad)), constant_values=-1)
+    pos = jnp.where(jnp.arange(s_new)[None] < keep[:, None], pos, -1)
+    return _constrain_cache(KVCache(k, v, pos, keep.astype(jnp.int32)), rules)
+
+
+# Traces (= compiles) of the jitted sampler functions, process-wide: samplers of the same model share them.
+TRACE_COUNTS: Counter[str] = Counter()
+
+
+def _counted(name, fn):
+    def traced(*args, **kw):
+        TRACE_COUNTS[name] += 1  # runs at trace time only
+        return fn(*args, **kw)
+    return traced
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted(graphdef, cfg) -> SimpleNamespace:
+    """The jitted prefill / decode / regather / init functions of one model architecture (cache donated)."""
+    rules = cfg.sharding_rules
+    return SimpleNamespace(
+        prefill=jax.jit(_counted("prefill", functools.partial(_prefill_chunk, graphdef, rules=rules)),
+                        donate_argnums=(1, 2)),
+        decode=jax.jit(_counted("decode", functools.partial(_decode_chunk, graphdef, rules=rules)),
+                       static_argnames=("n_steps", "greedy", "truncate", "n_logprobs", "raw_logprobs"),
+                       donate_argnums=(1, 2, 4)),
+        # Not donated: the new cache has another shape, so XLA could not reuse the old buffers anyway.
+        regather=jax.jit(_counted("regather", functools.partial(_regather, rules=rules)), static_argnames=("s_new",)),
+        init_cache=jax.jit(_counted("init_cache", lambda b, s: _constrain_cache(KVCache.init(cfg, b, s), rules)),
+                           static_argnums=(0, 1)),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host side
+
+
+class _Row:
+    """Host state of one request during a call: generated ids, incremental text, stop detection, log-probs."""
+
+    def __init__(self, tokenizer, context: np.ndarray, limit: int, stop: tuple[str, ...]):
+        from tokenizers.decoders import DecodeStream
+
+        self.tok = tokenizer.backend_tokenizer
+        self.stream = DecodeStream(skip_special_tokens=True)
+        self.limit, self.stop = limit, stop
+        self.gen: list[int] = []
+        self.top_logprobs: list[dict[int, float]] = []
+        self.text = ""
+        self.finish: str | None = None
+        self.stop_string: str | None = None
+        # Prime with the context's tail (as vLLM does) so the first generated token decodes in context; a tail that
+        # starts inside a multi-byte character is shortened until it decodes cleanly.
+        prime = [int(t) for t in context[-_DETOK_PRIME:]]
+        while prime and "\ufffd" in self.tok.decode(prime, skip_special_tokens=True):
+            prime = prime[1:]
+        for t in prime:
+            self.stream.step(self.tok, t)
+
+    def add(self, token: int, eos: frozenset[int], logprobs: dict[int, float] | None) -> None:
+        self.gen.append(token)
+        if logprobs is not None:
+            self.top_logprobs.append(logprobs)
+        piece = self.stream.step(self.tok, token) or ""
+        if piece and self.stop:
+            self.text += piece
+            # vLLM's check_stop_strings: search only where a match can end inside the new characters.
+            for s in self.stop:
+                idx = self.text.find(s, 1 - len(piece) - len(s))
+                if idx != -1:
+                    self.text, self.finish, self.stop_string = self.text[:idx], "stop", s
+                    return
+        else:
+            self.text += piece
+        if token in eos:
+            self.finish = "eos"
+        elif len(self.gen) >= self.limit:
+            self.finish = "length"
+
+
+@dataclasses.dataclass
+class _Slot:
+    row: int  # row of the cache kept from the last call
+    tokens: np.ndarray  # the token ids that row holds, slot by slot
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    m = min(len(a), len(b))
+    diff = np.flatnonzero(a[:m] != b[:m])
+    return int(diff[0]) if len(diff) else m
+
+
+class JaxSampler:
+    """Batched KV-cache sampler over a CausalLM (see the module docstring).
+
+    Args:
+      model: a CausalLM or its `(graphdef, state)` split (params may be sharded, as `from_pretrained(mesh=...)`).
+      tokenizer: a HF fast tokenizer (decoding for stop strings, EOS ids, the ids sampling is restricted to).
+      max_len: longest sequence (context + new tokens) a row may reach; generation stops there ("length").
+      mesh: run sharded over this mesh: the batch over the `batch` mesh axes, KV heads over `tensor`.
+      eos_ids: token ids that end generation; default: the tokenizer's EOS plus the model config's.
+      decode_chunk: sampling steps per jitted decode call (the host checks stop strings in between).
+      prefill_chunk: longest prefill chunk; longer suffixes are prefilled in several.
+      batch_buckets / length_buckets: allowed B and S (cache length); default powers of two.
+      logprobs_mode: "processed" (vLLM V0, the reference) or "raw" (see the module docstring).
+      restrict_to_tokenizer: sample only ids the tokenizer knows (the reference's allowed_token_ids).
+    """
+
+    def __init__(self, model, tokenizer, *, max_len: int, mesh: Mesh | None = None,
+                 eos_ids: Sequence[int] | None = None, decode_chunk: int = 16, prefill_chunk: int = 512,
+                 batch_buckets: Sequence[int] | None = None, length_buckets: Sequence[int] | None = None,
+                 logprobs_mode: str = "processed", restrict_to_tokenizer: bool = True):
+        graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
+        self._graphdef, self._state = graphdef, state
+        self.config = cfg = nnx.merge(graphdef, state).config
+        self.tokenizer, self.max_len, self.mesh = tokenizer, max_len, mesh
+        if logprobs_mode not in ("processed", "raw"):
+            raise ValueError(f"logprobs_mode={logprobs_mode!r}; allowed: 'processed', 'raw'")
+        self.logprobs_mode = logprobs_mode
+        self.decode_chunk, self.prefill_chunk = decode_chunk, prefill_chunk
+        self._batch_multiple = 1
+        if mesh is not None:
+            self._batch_multiple = math.prod(mesh.shape[a] for a in get_rules(cfg.sharding_rules)["batch"])
+        self.batch_buckets = tuple(batch_buckets or pow2_buckets(self._batch_multiple, 1 << 16))
+        if any(b % self._batch_multiple for b in self.batch_buckets):
+            raise ValueError(f"batch buckets {self.batch_buckets} must be multiples of {self._batch_multiple} "
+                             "(the mesh's batch axes)")
+        # Cache lengths step by 1.5x / 2x: attention cost per decode step is linear in S.
+        self.length_buckets = tuple(length_buckets or pow2_buckets(64, max_len + prefill_chunk, half_steps=True))
+        if eos_ids is None:
+            eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+            cfg_eos = cfg.eos_token_id
+            eos |= set(cfg_eos if isinstance(cfg_eos, tuple) else () if cfg_eos is None else (cfg_eos,))
+            eos_ids = sorted(eos)
+        self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self._eos_arr = np.asarray(sorted(self.eos_ids) or [-1], np.int32)
+        allowed = np.zeros(cfg.vocab_size, bool)
+        ids = [i for i in tokenizer.get_vocab().values() if i < cfg.vocab_size]
+        allowed[ids] = True
+        self._allowed = jnp.asarray(allowed) if restrict_to_tokenizer and not allowed.all() else None
+        self.trace_counts = TRACE_COUNTS
+        self._fns = _jitted(graphdef, cfg)
+        self._cache: KVCache | None = None
+        self._slots: dict[int, _Slot] = {}
+        self.last_stats: dict[str, int] = {}
+
+    def _mesh_ctx(self):
+        return jax.set_mesh(self.mesh) if self.mesh is not None else _NullCtx()
+
+    # -- the Sampler interface ----------------------------------------------------------------------------------
+
+    def update_weights(self, params_or_path) -> float:
+        """New policy weights: a CausalLM, its nnx.State, a pure dict of it (`nnx.to_pure_dict`), or an HF folder.
+
+        Returns the seconds taken. The arrays are used as given (no copy, no resharding): pass them in the
+        sampler's dtype; another sharding than the last call's only costs a recompile.
+        """
+        t0 = time.perf_counter()
+        if isinstance(params_or_path, nnx.Module):
+            state = nnx.state(params_or_path)
+        elif isinstance(params_or_path, (str, os.PathLike)):
+            from arpo_jax import hf
+            _, state = hf.load_state(params_or_path, self.config, self.mesh)
+        elif isinstance(params_or_path, dict) and not isinstance(params_or_path, nnx.State):
+            state = jax.tree.map(lambda x: x, self._state)  # a new State tree with the same leaves
+            nnx.replace_by_pure_dict(state, params_or_path)
+        else:
+            state = params_or_path
+        if jax.tree.structure(state) != jax.tree.structure(self._state):
+            raise ValueError("update_weights: the new params do not have the structure of the sampler's model")
+        self._state = jax.block_until_ready(state)
+        # The cached keys/values were computed by the old weights: no cached row may be reused.
+        self._slots.clear()
+        return time.perf_counter() - t0
+
+    def generate(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[SampleResult]:
+        if not requests:
+            self._slots.clear()
+            return []
+        _check_settings(settings)
+        with self._mesh_ctx():
+            plan = self._plan(requests)
+            h = self._prefill_all(plan)
+            rows = self._decode_all(plan, h, settings)
+        self._save_slots(requests, plan)
+        return [SampleResult(r.gen, r.text, r.finish, r.stop_string, r.top_logprobs) for r in rows]
+
+    # -- the three phases ---------------------------------------------------------------------------------------
+
+    def _plan(self, requests: Sequence[SampleRequest]) -> dict:
+        """Decides rows, reusable prefixes and bucket sizes; builds this call's cache from the last one's."""
+        n = len(requests)
+        contexts = [np.asarray(r.token_ids, np.int32) for r in requests]
+        src, keep = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        limits = np.zeros(n, np.int32)
+        for i, (r, ctx) in enumerate(zip(requests, contexts)):
+            if len(ctx) == 0 or len(ctx) >= self.max_len:
+                raise ValueError(f"request {i}: {len(ctx)} context tokens; need 1 .. max_len - 1 = {self.max_len - 1}")
+            if r.max_tokens < 1:
+                raise ValueError(f"request {i}: max_tokens={r.max_tokens} (must be >= 1)")
+            limits[i] = min(r.max_tokens, self.max_len - len(ctx))
+            slot = self._slots.get(r.slot_id) if r.slot_id is not None else None
+            if slot is None and r.parent_id is not None:
+                slot = self._slots.get(r.parent_id)
+            if slot is not None:
+                # At least one token must be fed to get next-token logits.
+                src[i], keep[i] = slot.row, min(_common_prefix(slot.tokens, ctx), len(ctx) - 1)
+        ctx_lens = np.asarray([len(c) for c in contexts], np.int32)
+        suffix_max = int((ctx_lens - keep).max())
+        t_buckets = pow2_buckets(16, self.prefill_chunk)
+        t = min(_bucket(min(suffix_max, self.prefill_chunk), t_buckets, "prefill length"), self.prefill_chunk)
+        # A prefill chunk writes T slots from each row's current length, so S must also cover max(ctx) + T.
+        s = _bucket(max(int((ctx_lens + limits).max()), int(ctx_lens.max()) + t), self.length_buckets, "cache length")
+        b = _bucket(n, self.batch_buckets, "batch size")
+        pad = b - n
+        src_b, keep_b = np.pad(src, (0, pad)), np.pad(keep, (0, pad))
+        if self._cache is None or not keep.any():
+            self._cache = None  # nothing reusable: free the old cache before allocating
+            cache = self._fns.init_cache(b, s)
+        else:
+            cache = self._fns.regather(self._cache, jnp.asarray(src_b), jnp.asarray(keep_b), s_new=s)
+        self._cache = None
+        self.last_stats = {"batch": n, "batch_bucket": b, "cache_len": s, "prefill_chunk": t,
+                           "reused_tokens": int(keep.sum()), "prefill_tokens": int((ctx_lens - keep).sum())}
+        return {"n": n, "b": b, "t": t, "s": s, "contexts": contexts, "keep": keep, "ctx_lens": ctx_lens,
+                "limits": limits, "cache": cache}
+
+    def _prefill_all(self, plan: dict) -> jax.Array:
+        """Prefills every row's uncached suffix; returns the hidden state [B, D] of each row's last token."""
+        b, t, keep, ctx_lens = plan["b"], plan["t"], plan["keep"], plan["ctx_lens"]
+        lens = ctx_lens - keep
+        n_chunks = -(-int(lens.max()) // t)
+        width = n_chunks * t
+        ids = np.zeros((b, width), np.int32)
+        valid = np.zeros((b, width), bool)
+        for i, ctx in enumerate(plan["contexts"]):
+            ids[i, :lens[i]] = ctx[keep[i]:]
+            valid[i, :lens[i]] = True
+        positions = np.pad(keep, (0, b - plan["n"]))[:, None] + np.arange(width)[None]
+        last = np.pad(lens - 1, (0, b - plan["n"]), constant_values=-1)  # index of each row's last token
+        cache = plan.pop("cache")
+        h = jnp.zeros((b, self.config.hidden_size), self.config.compute_dtype)
+        for c in range(n_chunks):
+            sl = slice(c * t, (c + 1) * t)
+            last_c = np.where((last >= c * t) & (last < (c + 1) * t), last - c * t, -1).astype(np.int32)
+            cache, h = self._fns.prefill(self._state, cache, h, jnp.asarray(ids[:, sl]),
+                                         jnp.asarray(positions[:, sl].astype(np.int32)), jnp.asarray(valid[:, sl]),
+                                         jnp.asarray(last_c))
+        plan["cache"] = cache
+        return h
+
+    def _decode_all(self, plan: dict, h: jax.Array, settings: SamplingSettings) -> list[_Row]:
+        n, b = plan["n"], plan["b"]
+        rows = [_Row(self.tokenizer, ctx, int(lim), tuple(settings.stop))
+                for ctx, lim in zip(plan["contexts"], plan["limits"])]
+        written: list[list[int]] = [[] for _ in range(n)]
+        greedy = settings.temperature < _SAMPLING_EPS
+        truncate = not greedy and (settings.top_k > 0 or settings.top_p < 1.0)
+        pad = (0, b - n)
+        fixed = {
+            "row_ids": jnp.arange(b, dtype=jnp.int32), "ctx_lens": jnp.asarray(np.pad(plan["ctx_lens"], pad)),
+            "limits": jnp.asarray(np.pad(plan["limits"], pad)), "eos_ids": jnp.asarray(self._eos_arr),
+            "allowed": self._allowed, "seed": jnp.uint32(settings.seed & 0xFFFFFFFF),
+            "temperature": jnp.float32(max(settings.temperature, _SAMPLING_EPS)), "top_k": jnp.int32(settings.top_k),
+            "top_p": jnp.float32(settings.top_p)}
+        cache, ngen = plan.pop("cache"), jnp.zeros((b,), jnp.int32)
+        active = np.zeros(b, bool)
+        active[:n] = True
+        step0, max_limit = 0, int(plan["limits"].max())
+        while active.any():
+            lp_k = settings.logprobs if step0 < settings.logprob_positions else 0
+            remaining = min(max_limit - step0, self.decode_chunk)
+            n_steps = min(self.decode_chunk, _bucket(remaining, pow2_buckets(1, self.decode_chunk), "steps"))
+            cache, h, dev_active, ngen, out = self._fns.decode(
+                self._state, cache, h, jnp.asarray(active), ngen, **fixed, n_steps=n_steps, greedy=greedy,
+                truncate=truncate, n_logprobs=lp_k, raw_logprobs=self.logprobs_mode == "raw")
+            out = jax.device_get(out)
+            for i in np.flatnonzero(active):
+                row = rows[i]
+                written[i].extend(out["tok"][i][out["written"][i]].tolist())
+                for j in np.flatnonzero(out["sampled"][i]):
+                    lps = None
+                    if lp_k and len(row.gen) < settings.logprob_positions:
+                        lps = _logprob_dict(out["top_vals"][i, j], out["top_ids"][i, j], out["tok"][i, j],
+                                            out["tok_lp"][i, j])
+                    row.add(int(out["tok"][i, j]), self.eos_ids, lps)
+                    if row.finish is not None:
+                        active[i] = False
+                        break
+            active &= np.asarray(dev_active)
+            step0 += n_steps
+        self._cache = cache
+        plan["written"] = written
+        return rows
+
+    def _save_slots(self, requests: Sequence[SampleRequest], plan: dict) -> None:
+        """Remembers what each slot's row holds; slots absent from this call are dropped (their rows freed)."""
+        self._slots = {}
+        for i, r in enumerate(requests):
+            if r.slot_id is not None:
+                held = np.concatenate([plan["contexts"][i], np.asarray(plan["written"][i], np.int32)])
+                self._slots[r.slot_id] = _Slot(i, held)
+        if not self._slots:
+            self._cache = None
+
+
+def _logprob_dict(vals, ids, tok, tok_lp) -> dict[int, float]:
+    """{id: logprob} of the top-k plus the sampled token (vLLM's k or k+1 entries); -inf (truncated) dropped."""
+    d = {int(i): float(v) for i, v in zip(ids, vals) if np.isfinite(v)}
+    if int(tok) not in d and np.isfinite(tok_lp):
+        d[int(tok)] = float(tok_lp)
+    return d
+
+
+def _check_settings(s: SamplingSettings) -> None:
+    if s.temperature < 0:
+        raise ValueError(f"temperature={s.temperature} must be >= 0")
+    if not 0 < s.top_p <= 1:
+        raise ValueError(f"top_p={s.top_p} must be in (0, 1]")
+    if s.top_k == 0 or s.top_k < -1:
+        raise ValueError(f"top_k={s.top_k} must be -1 (off) or >= 1")
+    if s.logprobs < 0 or s.logprob_positions < 0:
+        raise ValueError(f"logprobs={s.logprobs}, logprob_positions={s.logprob_positions} must be >= 0")
+
+
+class _NullCtx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

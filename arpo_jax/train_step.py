@@ -1,0 +1,414 @@
+"""The jitted, sharded policy update: one optimizer step of PPO-clip / AEPO over one mini-batch.
+
+One call of ``train_step(state, batch)`` is one optimizer step (spec 9): the mini-batch arrives as
+[M, B, T] arrays (M micro-batches of B rows of T tokens, built on the host by ``arpo_jax.packing``), gradients
+are accumulated over the micro-batches with ``lax.scan`` (float32 accumulators), then clipped to global norm
+1.0 and applied with AdamW. An update whose loss or gradient norm is not finite is skipped: params and
+optimizer state are returned unchanged and ``skipped`` is counted (the reference zeroes the gradients).
+
+The loss of a micro-batch is ``sum_t w_t * (pg_t + kl_coef * kl_t - entropy_coef * H_t)`` where ``w`` is the
+``loss_weight`` array the packer computed; the weights implement the aggregation mode and the micro-batch
+normalisation (``packing.loss_weights``), so the step needs no normaliser of its own and the default
+(``global_token_mean``) is exactly the mini-batch ``agg_loss`` whatever the split.
+
+Entropy-aware advantages (AEPO, spec 10.2) need the current-policy entropy H. It is always computed here (the
+chunked log-prob pass yields it at little cost), which fixes B2; ``reference_compat=True`` applies the
+advantage reshaping only when ``entropy_coef != 0``, reproducing the reference's silent no-op. The H
+statistics are pooled over the micro-batch in ``reference`` mode (as verl) and over the whole mini-batch in
+the default mode, which costs one extra forward pass but keeps the update independent of the split.
+
+Batch keys, each [M, B, T] (per-token values describe the *next* token, see ``packing``): ``input_ids``,
+``targets``, ``positions``, ``segment_ids`` (int32); ``loss_weight``, ``advantages``, ``old_logp`` and,
+when ``kl_coef != 0``, ``ref_logp`` (float32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from arpo_jax import algos, models, sharding
+from arpo_jax.models.transformer import CausalLM
+from arpo_jax.models.transformer import Config as ModelConfig
+
+Array = jax.Array
+Batch = dict[str, Array]
+SCHEDULES = ("constant", "cosine")
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+    """Loss and optimizer hyperparameters of the policy update. Frozen and hashable: static under jit."""
+
+    loss: str = "ppo"  # "ppo" (ARPO, spec 8.3) or "aepo" (entropy-balanced clipping, spec 10.1)
+    clip_low: float = 0.2  # eps_l, clip_ratio_low
+    clip_high: float = 0.2  # eps_h, clip_ratio_high
+    clip_c: float = 3.0  # dual-clip constant for A < 0
+    # Loss aggregation (algos.AGG_MODES) and micro-batch normalisation ("global_token_mean", or "reference": verl's
+    # per-micro-batch weighting, spec 9). Both act through the loss weights: pass the same values to
+    # packing.pack_batch. micro_norm also picks where entropy-aware advantages pool their statistics.
+    agg_mode: str = "token-mean"
+    micro_norm: str = "global_token_mean"
+    kl_coef: float = 0.0  # KL loss coefficient (scripts: 0.0); != 0 needs ref_logp in the batch
+    kl_kind: str = "low_var_kl"  # algos.KL_KINDS
+    entropy_coef: float = 0.0  # entropy bonus coefficient (scripts: 0.0)
+    entropy_adv: bool = False  # AEPO entropy-aware advantages (spec 10.2)
+    entropy_adv_alpha: float = 0.2
+    reference_compat: bool = False  # True: entropy-aware advantages only act when entropy_coef != 0 (B2)
+    temperature: float = 1.0  # logits / temperature before log-softmax (spec 9)
+    logprob_chunk: int = 256  # positions per chunk of the [B, chunk, V] logits
+    max_grad_norm: float = 1.0
+    lr: float = 1e-6
+    schedule: str = "constant"  # "constant" (after a linear warmup) or "cosine" (warmup + cosine to min_lr)
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # cosine end value as a fraction of lr
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+
+    def __post_init__(self):
+        checks = (("loss", self.loss, tuple(algos.POLICY_LOSSES)), ("agg_mode", self.agg_mode, algos.AGG_MODES),
+                  ("micro_norm", self.micro_norm, ("global_token_mean", "reference")),
+                  ("kl_kind", self.kl_kind, algos.KL_KINDS), ("schedule", self.schedule, SCHEDULES))
+        for name, value, allowed in checks:
+            if value not in allowed:
+                raise ValueError(f"UpdateConfig.{name}={value!r}; allowed: {allowed}")
+        if not self.clip_c > 1.0:
+            raise ValueError(f"UpdateConfig.clip_c={self.clip_c} must be > 1")
+
+    @property
+    def uses_entropy_adv(self) -> bool:
+        """Whether entropy-aware advantages take effect (the reference needs entropy_coef != 0: B2)."""
+        return self.entropy_adv and (not self.reference_compat or self.entropy_coef != 0)
+
+
+class TrainState(NamedTuple):
+    """Everything that changes across optimizer steps; a pytree of arrays."""
+
+    params: Any  # pure dict of the model's params (nnx.to_pure_dict)
+    opt_state: Any  # optax state; moments shaped and sharded like params
+    step: Array  # int32 scalar: train_step calls
+    skipped: Array  # int32 scalar: updates skipped because the loss or gradient norm was not finite
+
+
+# --------------------------------------------------------------------------------------------------
+# Optimizer
+# --------------------------------------------------------------------------------------------------
+
+
+def make_schedule(cfg: UpdateConfig, total_steps: int) -> optax.Schedule:
+    """Learning rate per optimizer step: linear warmup from 0, then constant or cosine to ``min_lr_ratio * lr``.
+
+    Same shapes as verl / transformers' ``get_constant_schedule_with_warmup`` and
+    ``get_cosine_schedule_with_warmup`` (half a cosine period over ``total_steps - warmup_steps``).
+    """
+    if cfg.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup_steps, max(total_steps, cfg.warmup_steps + 1),
+                                                  end_value=cfg.lr * cfg.min_lr_ratio)
+    if cfg.warmup_steps > 0:
+        return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps),
+                                     optax.constant_schedule(cfg.lr)], [cfg.warmup_steps])
+    return optax.constant_schedule(cfg.lr)
+
+
+def make_optimizer(cfg: UpdateConfig, total_steps: int) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW with decoupled weight decay on every param (torch AdamW as verl uses it)."""
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.max_grad_norm),
+        optax.adamw(make_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                    weight_decay=cfg.weight_decay),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Log-probs and the loss of one micro-batch
+# --------------------------------------------------------------------------------------------------
+
+
+def split_model(model: CausalLM) -> tuple[nnx.GraphDef, dict]:
+    """(graphdef, params as a pure dict); ``nnx.merge(graphdef, params)`` rebuilds the model inside jit."""
+    graphdef, params = nnx.split(model, nnx.Param)
+    return graphdef, nnx.to_pure_dict(params)
+
+
+def token_logprobs(graphdef: nnx.GraphDef, params, mb: Batch, *, temperature: float = 1.0,
+                   chunk: int = 256) -> tuple[Array, Array]:
+    """(log p(targets) [B, T], entropy [B, T]) float32 for one micro-batch of [B, T] arrays.
+
+    The final hidden states go through ``algos.token_logprobs_and_entropy_from_hidden``, so the [B, T, V] logits
+    are never materialised (only [B, chunk, V] at a time, recomputed in the backward pass).
+    """
+    model = nnx.merge(graphdef, params)
+    rules = model.config.sharding_rules
+    hidden_btd = model.hidden_states(mb["input_ids"], mb["positions"], segment_ids=mb["segment_ids"])
+    hidden_btd = sharding.constrain(hidden_btd, ("batch", "seq", "act_embed"), rules)
+    unembed_dv = model.unembedding().astype(hidden_btd.dtype).T  # [V, D] -> [D, V]; XLA folds the transpose
+    # FSDP: gather the (compute-dtype) unembedding over its embed shards, as the model's own logits() does through
+    # its output constraint; otherwise GSPMD contracts over the sharded D and all-reduces [B, chunk, V] logits of
+    # the *whole* batch on every device.
+    unembed_dv = sharding.constrain(unembed_dv, (None, "act_vocab"), rules)
+    return algos.token_logprobs_and_entropy_from_hidden(hidden_btd, unembed_dv, mb["targets"],
+                                                        temperature=temperature, chunk_size=chunk)
+
+
+def _entropy_stats(graphdef, params, batch: Batch, cfg: UpdateConfig) -> tuple[Array, Array]:
+    """Mean and unbiased std of the current-policy entropy over every loss token of the mini-batch [M, B, T]."""
+    def body(carry, mb):
+        _, ent = token_logprobs(graphdef, params, mb, temperature=cfg.temperature, chunk=cfg.logprob_chunk)
+        m = (mb["loss_weight"] > 0).astype(jnp.float32)
+        n_b = jnp.sum(m)
+        mean_b = jnp.sum(jnp.where(m > 0, ent, 0.0)) / jnp.maximum(n_b, 1.0)
+        m2_b = jnp.sum(jnp.where(m > 0, jnp.square(ent - mean_b), 0.0))
+        # Chan et al.'s pairwise combination of (count, mean, sum of squared deviations): float32 sum-of-squares
+        # minus squared-sum would cancel catastrophically (H ~ 6 nats, std ~ 0.1) and break split invariance.
+        n_a, mean_a, m2_a = carry
+        n = n_a + n_b
+        delta = mean_b - mean_a
+        frac = n_b / jnp.maximum(n, 1.0)
+        return (n, mean_a + delta * frac, m2_a + m2_b + jnp.square(delta) * n_a * frac), None
+
+    zero = jnp.zeros((), jnp.float32)
+    (n, mean, m2), _ = jax.lax.scan(body, (zero, zero, zero), batch)
+    std = jnp.sqrt(m2 / jnp.maximum(n - 1.0, 1.0))
+    # As algos.entropy_aware_advantages: std 0 (or fewer than two tokens) -> 1.
+    return mean, jnp.where((std == 0) | (n < 2), 1.0, std)
+
+
+def _micro_loss(params, graphdef, mb: Batch, h_stats, cfg: UpdateConfig) -> tuple[Array, dict[str, Array]]:
+    """Weighted loss of one micro-batch and its weighted metric sums (divided by the weight total later)."""
+    logp, ent = token_logprobs(graphdef, params, mb, temperature=cfg.temperature, chunk=cfg.logprob_chunk)
+    w = mb["loss_weight"].astype(jnp.float32)
+    mask = w > 0
+    adv = mb["advantages"]
+    if cfg.uses_entropy_adv:
+        if h_stats is None:  # reference: statistics of this micro-batch (spec 10.2)
+            adv = algos.entropy_aware_advantages(adv, ent, mask, alpha=cfg.entropy_adv_alpha)
+        else:  # default: statistics of the whole mini-batch, computed before the scan
+            h_hat = jnp.where(mask, (jax.lax.stop_gradient(ent) - h_stats[0]) / h_stats[1], 0.0)
+            adv = adv * (1.0 + cfg.entropy_adv_alpha * h_hat)
+    # mask=w with num_tokens=1 turns the token-mean into sum(w * loss): w already holds the normaliser.
+    pg_loss, pg_metrics = algos.POLICY_LOSSES[cfg.loss](
+        logp, mb["old_logp"], adv, w, clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c,
+        agg_mode="token-mean", num_tokens=1.0)
+    w_sum = jnp.sum(w)
+    ent_term = jnp.sum(jnp.where(mask, w * ent, 0.0))
+    loss = pg_loss - cfg.entropy_coef * ent_term if cfg.entropy_coef else pg_loss
+    metrics = {"pg_loss": pg_loss, "entropy": jax.lax.stop_gradient(ent_term), "weight": w_sum}
+    # pg_* metrics are w-weighted means within the micro-batch: times w_sum gives a sum over micro-batches.
+    metrics.update({k: v * w_sum for k, v in pg_metrics.items() if k != "pg_loss"})
+    if cfg.kl_coef:
+        kl_term = algos.agg_loss(algos.kl_penalty(logp, mb["ref_logp"], cfg.kl_kind), w, "token-mean",
+                                 num_tokens=1.0)
+        loss = loss + cfg.kl_coef * kl_term
+        metrics["kl_loss"] = kl_term
+    metrics["loss"] = loss
+    return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+# --------------------------------------------------------------------------------------------------
+# The step
+# --------------------------------------------------------------------------------------------------
+
+
+def _where_tree(ok: Array, new, old):
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+def train_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef, cfg: UpdateConfig,
+               optimizer: optax.GradientTransformation, grad_shardings=None) -> tuple[TrainState, dict[str, Array]]:
+    """One optimizer step over one mini-batch of [M, B, T] arrays; pure, jit it with ``jit_train_step``.
+
+    Args:
+      state: the TrainState.
+      batch: dict of [M, B, T] arrays (module docstring).
+      graphdef: the model's graph definition (static).
+      cfg: the UpdateConfig (static).
+      optimizer: from ``make_optimizer`` (static).
+      grad_shardings: optional shardings (params tree) for the gradient accumulators.
+
+    Returns:
+      (new state, metrics): scalar float32 metrics ``loss``, ``pg_loss``, ``kl_loss`` (when kl_coef != 0),
+      ``entropy``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` (loss-weighted means over the mini-batch;
+      with token-mean weights, plain token means), ``grad_norm`` (before clipping), ``skipped`` (0 or 1).
+    """
+    params = state.params
+    h_stats = None
+    if cfg.uses_entropy_adv and cfg.micro_norm == "global_token_mean":
+        h_stats = jax.lax.stop_gradient(_entropy_stats(graphdef, params, batch, cfg))
+    grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
+
+    def body(acc, mb):
+        (_, metrics), grads = grad_fn(params, graphdef, mb, h_stats, cfg)
+        acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+        return acc, metrics
+
+    acc = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    if grad_shardings is not None:
+        acc = jax.lax.with_sharding_constraint(acc, grad_shardings)
+    grads, micro_metrics = jax.lax.scan(body, acc, batch)  # micro_metrics: {name: [M]}
+    sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), micro_metrics)
+
+    grad_norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)
+    # Zeroed gradients keep NaN out of the optimizer arithmetic; the result is discarded anyway when not ok.
+    grads = jax.tree.map(lambda g, p: jnp.where(ok, g, 0.0).astype(p.dtype), grads, params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    skipped = 1 - ok.astype(jnp.int32)
+    new_state = TrainState(_where_tree(ok, new_params, params), _where_tree(ok, opt_state, state.opt_state),
+                           state.step + 1, state.skipped + skipped)
+
+    w_total = jnp.maximum(sums.pop("weight"), 1e-30)
+    metrics = {k: v if k in ("loss", "pg_loss", "kl_loss") else v / w_total for k, v in sums.items()}
+    metrics.update(grad_norm=grad_norm, skipped=skipped.astype(jnp.float32))
+    return new_state, metrics
+
+
+# --------------------------------------------------------------------------------------------------
+# Shardings, init and jit
+# --------------------------------------------------------------------------------------------------
+
+
+def batch_spec(mesh: Mesh, rules_name: str) -> PartitionSpec:
+    """[M, B, T] batch arrays: rows split over the mesh axes of the logical ``batch`` axis."""
+    axes = tuple(a for a in sharding.get_rules(rules_name)["batch"] if mesh.shape[a] > 1)
+    return PartitionSpec(None, axes or None, None)
+
+
+def param_shardings(model_cfg: ModelConfig, mesh: Mesh) -> dict:
+    """Pure dict of NamedSharding for the params, from their logical ``axes`` and the config's rules table."""
+    abstract = nnx.state(models.abstract_model(model_cfg), nnx.Param)
+    return nnx.to_pure_dict(sharding.state_shardings(abstract, mesh, sharding.get_rules(model_cfg.sharding_rules)))
+
+
+def state_shardings(optimizer: optax.GradientTransformation, p_shardings: dict, abstract_params,
+                    mesh: Mesh) -> TrainState:
+    """TrainState of shardings: optimizer moments follow their params, counters are replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+    opt = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, p_shardings,
+                                transform_non_params=lambda _: replicated)
+    return TrainState(p_shardings, opt, replicated, replicated)
+
+
+def init_train_state(params, optimizer: optax.GradientTransformation,
+                     shardings: TrainState | None = None) -> TrainState:
+    """TrainState for ``params``; with ``shardings`` the optimizer state is created directly in its shards.
+
+    The params are copied: the train step donates its state, which must not delete the caller's arrays.
+    """
+    def init(p):
+        p = jax.tree.map(jnp.copy, p)
+        return TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+    if shardings is None:
+        return jax.jit(init)(params)
+    return jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings)(params)
+
+
+class MeshJit:
+    """A jitted function that is traced, lowered and called inside ``jax.set_mesh(mesh)``.
+
+    Tracing inside the mesh context is what makes the model's activation sharding constraints take effect.
+    """
+
+    def __init__(self, jitted, mesh: Mesh | None):
+        self.jitted, self.mesh = jitted, mesh
+
+    def _ctx(self):
+        return jax.set_mesh(self.mesh) if self.mesh is not None else _nullcontext()
+
+    def __call__(self, *args):
+        with self._ctx():
+            return self.jitted(*args)
+
+    def lower(self, *args):
+        with self._ctx():
+            return self.jitted.lower(*args)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def jit_train_step(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: UpdateConfig,
+                   optimizer: optax.GradientTransformation, mesh: Mesh | None = None,
+                   shardings: TrainState | None = None) -> MeshJit:
+    """``train_step`` jitted once: state donated; with a mesh, explicit in/out shardings for state and batch.
+
+    ``shardings`` comes from ``state_shardings`` (required with a mesh). Batch arrays [M, B, T] are split along
+    B over the ``batch`` mesh axes, so B must be a multiple of their product.
+    """
+    fn = lambda state, batch: train_step(state, batch, graphdef=graphdef, cfg=cfg, optimizer=optimizer,
+                                         grad_shardings=None if shardings is None else shardings.params)
+    if mesh is None:
+        return MeshJit(jax.jit(fn, donate_argnums=0), None)
+    if shardings is None:
+        raise ValueError("jit_train_step with a mesh needs shardings=state_shardings(...)")
+    batch_sh = NamedSharding(mesh, batch_spec(mesh, model_cfg.sharding_rules))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    jitted = jax.jit(fn, in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated),
+                     donate_argnums=0)
+    return MeshJit(jitted, mesh)
+
+
+def forward_logprobs(graphdef: nnx.GraphDef, params, batch: Batch, *, temperature: float = 1.0,
+                     chunk: int = 256) -> tuple[Array, Array]:
+    """Forward-only (log p(targets), entropy) for old / reference log-probs, in the batch's own layout.
+
+    ``batch`` arrays are [..., B, T] (e.g. [K, M, B, T] for a whole rollout); the leading axes are walked one
+    [B, T] micro-batch at a time with ``lax.map``, so peak memory is that of one micro-batch. Returns float32
+    arrays shaped like ``batch["input_ids"]``. Only ``input_ids``, ``targets``, ``positions`` and
+    ``segment_ids`` are read.
+    """
+    keys = ("input_ids", "targets", "positions", "segment_ids")
+    lead = batch["input_ids"].shape[:-2]
+    flat = {k: batch[k].reshape((-1,) + batch[k].shape[-2:]) for k in keys}  # [prod(lead), B, T]
+    fn = lambda mb: token_logprobs(graphdef, params, mb, temperature=temperature, chunk=chunk)
+    logp, ent = jax.lax.map(fn, flat)
+    return logp.reshape(lead + logp.shape[-2:]), ent.reshape(lead + ent.shape[-2:])
+
+
+def jit_forward_logprobs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, *, temperature: float = 1.0,
+                         chunk: int = 256, mesh: Mesh | None = None) -> MeshJit:
+    """``forward_logprobs`` jitted; with a mesh the batch is sharded like the train step's, and the params (policy or
+    reference) keep the shardings they were created with."""
+    fn = lambda params, batch: forward_logprobs(graphdef, params, batch, temperature=temperature,
+                                                chunk=chunk)
+    jitted = jax.jit(fn)  # params arrive committed to their shardings, the batch is placed by _ShardBatch
+    if mesh is None:
+        return MeshJit(_ShardBatch(jitted, None), None)
+    spec = batch_spec(mesh, model_cfg.sharding_rules)
+    # Any number of leading axes: shard the trailing [B, T] as the train step does.
+    batch_sh = lambda x: NamedSharding(mesh, PartitionSpec(*(None,) * (x.ndim - 2), *spec[1:]))
+    return MeshJit(_ShardBatch(jitted, batch_sh), mesh)
+
+
+class _ShardBatch:
+    """Keeps the keys the forward reads and places them in their shardings before calling the jitted forward."""
+
+    keys = ("input_ids", "targets", "positions", "segment_ids")
+
+    def __init__(self, jitted, batch_sharding):
+        self.jitted, self.batch_sharding = jitted, batch_sharding
+
+    def _place(self, batch):
+        if self.batch_sharding is None:
+            return {k: jnp.asarray(batch[k]) for k in self.keys}
+        return {k: jax.device_put(batch[k], self.batch_sharding(batch[k])) for k in self.keys}
+
+    def __call__(self, params, batch):
+        return self.jitted(params, self._place(batch))
+
+    def lower(self, params, batch):
+        return self.jitted.lower(params, {k: batch[k] for k in self.keys})

@@ -1,0 +1,310 @@
+"""The JAX KV-cache sampler: parity with transformers, cache reuse across calls, stop strings, sampling, sharding."""
+
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+import arpo_jax
+from arpo_jax import sharding, testing
+from arpo_jax.rollout.jax_sampler import JaxSampler, _Row
+from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
+
+GREEDY = SamplingSettings(temperature=0.0, stop=(), logprobs=10, logprob_positions=20)
+EOS = 2  # the tiny models' and the tiny tokenizer's EOS (<|im_end|>)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return testing.make_tiny_tokenizer()
+
+
+def _prompts(lengths, seed=0, vocab=400):
+    rng = np.random.RandomState(seed)
+    return [rng.randint(3, vocab, n).tolist() for n in lengths]
+
+
+def _sampler(path, tokenizer, **kw):
+    kw.setdefault("restrict_to_tokenizer", False)  # the model's vocab (512) is larger than the tokenizer's (406)
+    return JaxSampler(arpo_jax.from_pretrained(path, mesh=kw.get("mesh")), tokenizer, max_len=kw.pop("max_len", 96),
+                      **kw)
+
+
+def _torch_logprobs(ref, ids):
+    with torch.no_grad():
+        return torch.log_softmax(ref(torch.tensor([ids])).logits.float(), -1)[0].numpy()
+
+
+def _assert_same_results(a, b, atol=1e-4):
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids
+        assert (x.finish_reason, x.stop_string, x.text) == (y.finish_reason, y.stop_string, y.text)
+        assert len(x.top_logprobs) == len(y.top_logprobs)
+        for dx, dy in zip(x.top_logprobs, y.top_logprobs):
+            assert dx.keys() == dy.keys()
+            np.testing.assert_allclose([dx[k] for k in dx], [dy[k] for k in dx], atol=atol)
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "llama31"])
+def test_greedy_tokens_and_logprobs_equal_transformers(tiny_hf_dir, tokenizer, variant):
+    path, ref = tiny_hf_dir(variant)
+    sampler = _sampler(path, tokenizer, decode_chunk=8, prefill_chunk=16)  # the 30-token prompt takes 2 chunks
+    prompts = _prompts([5, 13, 30], seed=1)  # ragged rows in one batch
+    results = sampler.generate([SampleRequest(p, 24) for p in prompts], GREEDY)
+    for prompt, res in zip(prompts, results):
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=EOS,
+                               pad_token_id=0)
+        assert res.token_ids == out[0, len(prompt):].tolist()
+        assert res.finish_reason == ("eos" if res.token_ids[-1] == EOS else "length")
+        # Top-10 log-probs of the first 20 positions == transformers' log_softmax there.
+        logp = _torch_logprobs(ref, prompt + res.token_ids)[len(prompt) - 1:]
+        assert len(res.top_logprobs) == min(20, len(res.token_ids))
+        for t, d in enumerate(res.top_logprobs):
+            top10 = np.argsort(-logp[t])[:10]
+            assert set(d) == set(top10.tolist()) | {res.token_ids[t]}
+            np.testing.assert_allclose([d[k] for k in d], logp[t][list(d)], atol=1e-4)
+
+
+def test_continuing_a_slot_after_a_tool_result_equals_a_fresh_prefill(tiny_hf_dir, tokenizer):
+    path, _ = tiny_hf_dir("qwen2")
+    cached, fresh = _sampler(path, tokenizer), _sampler(path, tokenizer)
+    p0, p1 = _prompts([9, 17], seed=2)
+    first = cached.generate([SampleRequest(p0, 10, slot_id=0), SampleRequest(p1, 10, slot_id=1)], GREEDY)
+    tool = tokenizer.encode(" <result>\n42\n</result>")
+    ctx0 = p0 + first[0].token_ids + tool
+    ctx1 = p1 + first[1].token_ids + tool
+    new = _prompts([6], seed=3)[0]  # a new trajectory in the same call
+    reqs = [SampleRequest(ctx0, 12, slot_id=0), SampleRequest(new, 12, slot_id=7), SampleRequest(ctx1, 12, slot_id=1)]
+    got = cached.generate(reqs, GREEDY)
+    # Only the last generated token (never written to the cache) and the tool result were prefilled.
+    held = len(p0) + len(first[0].token_ids) - 1 + len(p1) + len(first[1].token_ids) - 1
+    assert cached.last_stats["reused_tokens"] == held
+    assert cached.last_stats["prefill_tokens"] == 2 * (len(tool) + 1) + len(new)
+    want = fresh.generate([SampleRequest(r.token_ids, 12) for r in reqs], GREEDY)
+    assert fresh.last_stats["reused_tokens"] == 0
+    _assert_same_results(got, want)
+
+
+def test_a_branch_copies_its_parents_cache_row(tiny_hf_dir, tokenizer):
+    path, _ = tiny_hf_dir("qwen2")
+    cached, fresh = _sampler(path, tokenizer), _sampler(path, tokenizer)
+    prompt = _prompts([12], seed=4)[0]
+    first = cached.generate([SampleRequest(prompt, 8, slot_id=3)], GREEDY)[0]
+    ctx = prompt + first.token_ids + tokenizer.encode(" <result>\nok\n</result>")
+    settings = SamplingSettings(temperature=1.0, seed=5, stop=())
+    # The parent continues and two branches start from copies of its row (same context, different PRNG streams).
+    reqs = [SampleRequest(ctx, 10, slot_id=3), SampleRequest(ctx, 10, slot_id=4, parent_id=3),
+            SampleRequest(ctx, 10, slot_id=5, parent_id=3)]
+    got = cached.generate(reqs, settings)
+    assert cached.last_stats["reused_tokens"] == 3 * (len(prompt) + len(first.token_ids) - 1)
+    _assert_same_results(got, fresh.generate([SampleRequest(ctx, 10)] * 3, settings))
+    assert len({tuple(r.token_ids) for r in got}) > 1  # the branches sample independently
+
+
+def test_a_cached_prefix_that_does_not_match_falls_back_to_prefill(tiny_hf_dir, tokenizer):
+    path, _ = tiny_hf_dir("qwen2")
+    cached, fresh = _sampler(path, tokenizer), _sampler(path, tokenizer)
+    prompt = _prompts([15], seed=6)[0]
+    cached.generate([SampleRequest(prompt, 6, slot_id=0)], GREEDY)
+    edited = prompt[:7] + [prompt[7] + 1] + prompt[8:]  # differs from the cached row at token 7
+    got = cached.generate([SampleRequest(edited, 8, slot_id=0)], GREEDY)
+    assert cached.last_stats["reused_tokens"] == 7
+    _assert_same_results(got, fresh.generate([SampleRequest(edited, 8)], GREEDY))
+    # A slot absent from a call is freed: its id no longer gives a cached row.
+    cached.generate([SampleRequest(prompt, 2, slot_id=1)], GREEDY)
+    cached.generate([SampleRequest(edited, 2, slot_id=0)], GREEDY)
+    assert cached.last_stats["reused_tokens"] == 0
+
+
+def _feed(tokenizer, ids, stop, context=(3,)):
+    row = _Row(tokenizer, np.asarray(context), limit=1000, stop=stop)
+    for t in ids:
+        row.add(int(t), frozenset({EOS}), None)
+        if row.finish:
+            break
+    return row
+
+
+def _char_ends(tokenizer, ids):
+    return [len(tokenizer.decode(ids[:n + 1])) for n in range(len(ids))]
+
+
+def test_stop_strings_multi_token_and_straddling(tokenizer):
+    text = "print(1+2) </python> and the rest"
+    ids = tokenizer.encode(text)
+    ends = _char_ends(tokenizer, ids)
+    # A multi-token stop string: generation stops at the token that completes it; its ids are kept.
+    row = _feed(tokenizer, ids, ("</search>", "</python>"))
+    n = next(i for i, e in enumerate(ends) if e >= text.index("</python>") + len("</python>")) + 1
+    assert (row.finish, row.stop_string, row.text, row.gen) == ("stop", "</python>", "print(1+2) ", ids[:n])
+    assert len(tokenizer.encode("</python>")) > 1
+    # A stop string that ends inside a token: that token is the last one; the text is cut before the stop string.
+    end = next(e for e in ends if e > text.index("and") + 2) - 1  # strictly inside a multi-char token
+    a = text.index("python>")
+    stop = text[a:end]
+    row = _feed(tokenizer, ids, (stop,))
+    assert ends[len(row.gen) - 1] > end and (len(row.gen) < 2 or ends[len(row.gen) - 2] < end)
+    assert (row.finish, row.stop_string, row.text) == ("stop", stop, text[:a])
+    # No match: generation goes on; EOS ends it with reason "eos" (and is not in the text).
+    row = _feed(tokenizer, ids + [EOS, 7], ("</answer>",))
+    assert (row.finish, row.text, row.gen[-1]) == ("eos", text, EOS)
+
+
+def test_stop_strings_end_to_end(tiny_hf_dir, tokenizer):
+    path, _ = tiny_hf_dir("qwen2")
+    sampler = _sampler(path, tokenizer, restrict_to_tokenizer=True)
+    prompt = tokenizer.encode("the answer is")
+    base = sampler.generate([SampleRequest(prompt, 40)], GREEDY)[0]
+    ends = _char_ends(tokenizer, base.token_ids)
+    # A stop string from the generated text that spans >= 2 tokens and ends inside a token.
+    for n in range(2, len(ends)):
+        a, end = ends[n - 2], ends[n] - 1
+        stop = base.text[a:end]
+        clean = base.text[:ends[n]] == tokenizer.decode(base.token_ids[:n + 1]) and "\ufffd" not in stop
+        if ends[n] - ends[n - 1] >= 2 and clean and stop.isprintable() and base.text.find(stop) == a:
+            break
+    else:
+        pytest.skip("no clean multi-token span in the generated text")
+    res = sampler.generate([SampleRequest(prompt, 40), SampleRequest(prompt, 40)],
+                           SamplingSettings(temperature=0.0, stop=("zzzz", stop)))
+    for r in res:
+        assert (r.finish_reason, r.stop_string, r.text) == ("stop", stop, base.text[:a])
+        assert r.token_ids == base.token_ids[:n + 1]
+
+
+def test_finish_reasons_length_eos_and_max_len(tiny_hf_dir, tokenizer):
+    path, _ = tiny_hf_dir("qwen2")
+    prompt = _prompts([8], seed=7)[0]
+    base = _sampler(path, tokenizer).generate([SampleRequest(prompt, 12)], GREEDY)[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 12
+    eos_tok = base.token_ids[4]
+    first = base.token_ids.index(eos_tok)
+    sampler = _sampler(path, tokenizer, eos_ids=[eos_tok], max_len=24)
+    res = sampler.generate([SampleRequest(prompt, 12), SampleRequest(prompt, 3), SampleRequest(prompt * 2, 30)],
+                           GREEDY)
+    assert (res[0].finish_reason, res[0].token_ids) == ("eos", base.token_ids[:first + 1])
+    want = ("eos", base.token_ids[:first + 1]) if first < 3 else ("length", base.token_ids[:3])
+    assert (res[1].finish_reason, res[1].token_ids) == want
+    # max_len: 16 context tokens leave room for 8 new ones.
+    r = res[2]
+    assert len(r.token_ids) == 8 and r.finish_reason == "length" or r.finish_reason == "eos" and len(r.token_ids) <= 8
+    with pytest.raises(ValueError, match="max_len"):
+        sampler.generate([SampleRequest(prompt * 3, 4)], GREEDY)
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(tiny_hf_dir, tokenizer):
+    path, _ = tiny_hf_dir("qwen2")
+    sampler = _sampler(path, tokenizer)
+    reqs = [SampleRequest(p, 16) for p in _prompts([5, 9, 9, 20], seed=8)]
+    s1 = SamplingSettings(temperature=1.0, seed=1, stop=())
+    a, b = sampler.generate(reqs, s1), sampler.generate(reqs, s1)
+    c = sampler.generate(reqs, SamplingSettings(temperature=1.0, seed=2, stop=()))
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert [r.token_ids for r in a] != [r.token_ids for r in c]
+    assert a[1].token_ids != a[2].token_ids  # the same prompt in two rows: independent streams
+
+
+def _first_token_draws(sampler, prompt, settings, n=256):
+    res = sampler.generate([SampleRequest(prompt, 1)] * n, settings)
+    return np.array([r.token_ids[0] for r in res]), res
+
+
+def test_top_k_and_top_p_restrict_the_support(tiny_hf_dir, tokenizer):
+    path, ref = tiny_hf_dir("qwen2")
+    sampler = _sampler(path, tokenizer, restrict_to_tokenizer=True, batch_buckets=(256,))
+    prompt = _prompts([10], seed=9)[0]
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt])).logits[0, -1].double().numpy()
+    logits[len(tokenizer):] = -np.inf  # restricted to tokenizer ids
+    temp = 0.5
+    probs = np.exp((logits - logits.max()) / temp)
+    probs /= probs.sum()
+    order = np.argsort(-probs)
+
+    # top-k = 3: only the 3 most likely tokens, with their renormalised probabilities (binomial 5-sigma bounds).
+    draws, res = _first_token_draws(sampler, prompt, SamplingSettings(temperature=temp, top_k=3, seed=0))
+    top3 = order[:3]
+    assert set(draws) <= set(top3)
+    p3 = probs[top3] / probs[top3].sum()
+    freq = np.array([(draws == t).mean() for t in top3])
+    assert np.all(np.abs(freq - p3) <= 5 * np.sqrt(p3 * (1 - p3) / len(draws)) + 1e-9)
+    # The processed distribution's log-probs: 3 finite entries that sum to 1.
+    d = res[0].top_logprobs[0]
+    assert set(d) == set(top3.tolist()) and abs(sum(np.exp(list(d.values()))) - 1) < 1e-5
+
+    # top-p = 0.3: the smallest prefix whose mass before each kept token is < 0.3.
+    mass_before = np.cumsum(probs[order]) - probs[order]
+    nucleus = set(order[mass_before < 0.3].tolist())
+    draws, _ = _first_token_draws(sampler, prompt, SamplingSettings(temperature=temp, top_p=0.3, seed=1))
+    assert set(draws.tolist()) <= nucleus and len(set(draws.tolist())) > 1
+    # Without truncation, tokens outside both sets are drawn (so the checks above can fail).
+    draws, _ = _first_token_draws(sampler, prompt, SamplingSettings(temperature=temp, seed=2))
+    assert not set(draws.tolist()) <= nucleus | set(top3.tolist())
+
+
+def test_sampling_is_restricted_to_tokenizer_ids(tiny_hf_dir, tokenizer):
+    path, _ = tiny_hf_dir("qwen2")
+    prompt = _prompts([6], seed=10)[0]
+    settings = SamplingSettings(temperature=1.0, seed=3, stop=())
+    for restrict in (True, False):
+        sampler = _sampler(path, tokenizer, restrict_to_tokenizer=restrict)
+        ids = np.concatenate([r.token_ids for r in sampler.generate([SampleRequest(prompt, 32)] * 8, settings)])
+        assert (ids.max() < len(tokenizer)) == restrict
+
+
+def test_compiles_are_bounded_by_the_buckets(tiny_hf_dir, tokenizer):
+    path, _ = tiny_hf_dir("qwen2")
+    sampler = _sampler(path, tokenizer, max_len=64, decode_chunk=4, prefill_chunk=64)
+    rng = np.random.RandomState(11)
+
+    def run(batch, length, max_tokens):
+        reqs = [SampleRequest(rng.randint(3, 400, length).tolist(), max_tokens) for _ in range(batch)]
+        sampler.generate(reqs, GREEDY)
+        return tuple(sampler.last_stats[k] for k in ("batch_bucket", "cache_len", "prefill_chunk"))
+
+    before = dict(sampler.trace_counts)  # process-wide: other tests may have compiled some shapes already
+    shapes = {run(b, n, m) for b, n, m in [(1, 5, 4), (3, 9, 4), (6, 20, 4), (2, 40, 8)]}
+    counts = dict(sampler.trace_counts)
+    assert counts["prefill"] - before.get("prefill", 0) <= len(shapes)
+    # Other sizes that fall into the same buckets compile nothing new.
+    more = {run(b, n, m) for b, n, m in [(1, 7, 3), (4, 12, 4), (5, 17, 2), (2, 33, 7), (1, 2, 1)]}
+    assert more <= shapes
+    new = {k: v - counts.get(k, 0) for k, v in sampler.trace_counts.items() if v != counts.get(k, 0)}
+    assert set(new) <= {"decode"} and sum(new.values()) <= 2, new  # n_steps buckets 1 and 2 not seen before
+
+
+def test_update_weights_swaps_the_params(tiny_hf_dir, tokenizer):
+    path_a, _ = tiny_hf_dir("qwen2")
+    path_b, _ = tiny_hf_dir("qwen2", seed=1)
+    sampler = _sampler(path_a, tokenizer)
+    prompt = _prompts([7], seed=12)[0]
+    old = sampler.generate([SampleRequest(prompt, 8, slot_id=0)], GREEDY)
+    seconds = sampler.update_weights(arpo_jax.from_pretrained(path_b))
+    assert seconds >= 0
+    new = sampler.generate([SampleRequest(prompt, 8, slot_id=0)], GREEDY)
+    assert sampler.last_stats["reused_tokens"] == 0  # the old weights' cache is not reused
+    _assert_same_results(new, _sampler(path_b, tokenizer).generate([SampleRequest(prompt, 8)], GREEDY))
+    assert new[0].token_ids != old[0].token_ids
+    sampler.update_weights(str(path_a))  # an HF folder (the exported policy)
+    _assert_same_results(sampler.generate([SampleRequest(prompt, 8)], GREEDY), old)
+    sampler.update_weights(nnx.to_pure_dict(nnx.state(arpo_jax.from_pretrained(path_b))))  # a train-step param dict
+    _assert_same_results(sampler.generate([SampleRequest(prompt, 8)], GREEDY), new)
+
+
+def test_sharded_equals_unsharded(tiny_hf_dir, tokenizer):
+    path, _ = tiny_hf_dir("qwen2")
+    mesh = sharding.make_mesh((2, 2, 2))
+    sharded, single = _sampler(path, tokenizer, mesh=mesh), _sampler(path, tokenizer)
+    prompts = _prompts([4, 11, 19], seed=13)
+    reqs = [SampleRequest(p, 10, slot_id=i) for i, p in enumerate(prompts)]
+    got = sharded.generate(reqs, GREEDY)
+    assert sharded.last_stats["batch_bucket"] == 4  # a multiple of data * fsdp
+    assert sharded._cache.k.sharding.spec[1] == ("data", "fsdp")  # cache rows split over the batch axes
+    _assert_same_results(got, single.generate(reqs, GREEDY))
+    # Continuing through the sharded cache.
+    tool = tokenizer.encode(" <result>\n1\n</result>")
+    reqs = [SampleRequest(p + r.token_ids + tool, 6, slot_id=i) for i, (p, r) in enumerate(zip(prompts, got))]
+    got = sharded.generate(reqs[:2], GREEDY)
+    assert sharded.last_stats["reused_tokens"] > 0
+    _assert_same_results(got, single.generate([SampleRequest(r.token_ids, 6) for r in reqs[:2]], GREEDY))
