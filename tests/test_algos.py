@@ -27,10 +27,15 @@ def _np(x):
 # ------------------------------------------------------------------------------------------------
 
 
-def ref_grpo(scores, ids, norm_by_std=True, eps=1e-6):
+def _ref_groups(scores, ids):
     groups = {}
     for s, i in zip(scores, ids):
         groups.setdefault(int(i), []).append(float(s))
+    return groups
+
+
+def ref_grpo(scores, ids, norm_by_std=True, eps=1e-6):
+    groups = _ref_groups(scores, ids)
     out = []
     for s, i in zip(scores, ids):
         g = groups[int(i)]
@@ -40,9 +45,7 @@ def ref_grpo(scores, ids, norm_by_std=True, eps=1e-6):
 
 
 def ref_rloo(scores, ids):
-    groups = {}
-    for s, i in zip(scores, ids):
-        groups.setdefault(int(i), []).append(float(s))
+    groups = _ref_groups(scores, ids)
     out = []
     for s, i in zip(scores, ids):
         g = groups[int(i)]
