@@ -82,17 +82,20 @@ class Checkpointer:
         return self._restore(step, meta=ocp.args.JsonRestore())["meta"]
 
     def restore(self, step: int | None = None, *, config: Config | None = None, mesh: Mesh | None = None,
-                opt_state_target: Any = None) -> tuple[dict, Any, dict]:
+                opt_state_target: Any = None, params_target: Any = None) -> tuple[dict, Any, dict]:
         """Restores (params pure dict, opt_state or None, meta) of `step` (default: latest) onto `mesh`.
 
         `config` defaults to the one stored in the checkpoint (its runtime fields, e.g. param_dtype, may be
         overridden by passing a config). `opt_state_target` is an abstract tree (ShapeDtypeStruct with shardings);
-        None skips the optimizer state.
+        None skips the optimizer state. `params_target` replaces the model's abstract params for trees that are not a
+        CausalLM's (e.g. the critic's value model).
         """
         step = self._resolve(step)
         meta = self.read_meta(step)
         config = config or config_from_json(meta["model_config"])
-        items = {"params": ocp.args.StandardRestore(abstract_params(config, mesh))}
+        if params_target is None:
+            params_target = abstract_params(config, mesh)
+        items = {"params": ocp.args.StandardRestore(params_target)}
         if opt_state_target is not None:
             items["opt_state"] = ocp.args.StandardRestore(opt_state_target)
         out = self._restore(step, **items)

@@ -230,7 +230,7 @@ def _allowed() -> dict[str, tuple]:
         "rollout.vllm.dtype": ("auto", "bfloat16", "float16", "float32"),
         "tools.search.backend": tuple(tools._SEARCH_BACKENDS),
         "reward.name": (*rewards.REWARDS, "auto"),
-        "algorithm.adv_estimator": tuple(algos.ADVANTAGE_ESTIMATORS),
+        "algorithm.adv_estimator": (*algos.ADVANTAGE_ESTIMATORS, "gae"),  # gae: PPO with a critic (trainer)
         "actor.loss": tuple(algos.POLICY_LOSSES),
         "actor.agg_mode": algos.AGG_MODES,
         "actor.micro_norm": ("global_token_mean", "reference"),  # train_step.UpdateConfig

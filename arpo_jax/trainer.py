@@ -36,10 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from arpo_jax import algos, hf, packing, rewards, runtime, sharding
 from arpo_jax import config as config_lib
+from arpo_jax import critic as critic_lib
 from arpo_jax import metrics as metrics_lib
 from arpo_jax import train_step as ts
 from arpo_jax.checkpoint import Checkpointer
@@ -134,6 +135,7 @@ class Trajectories:
     """One worker's rollout as training data: unpadded sequences and what the metrics need."""
 
     sequences: list[np.ndarray]  # prompt + kept response tokens
+    prompt_lengths: np.ndarray  # [N] tokens of the prompt at the start of each sequence
     loss_masks: list[np.ndarray]  # 0 over the prompt and tool results, 1 over model tokens
     scores: np.ndarray  # [N] reward
     group: np.ndarray  # [N] prompt index (GRPO group)
@@ -144,26 +146,36 @@ class Trajectories:
 
 def score_rollout(out: RolloutOutput, examples, tokenizer, reward_fn) -> Trajectories:
     """Decodes each valid response (spec 7.2: up to its response mask, special tokens skipped) and scores it."""
-    seqs, masks, texts = [], [], []
+    seqs, masks, texts, prompt_lengths = [], [], [], []
     for i in range(len(out.responses)):
         n_resp = int(out.response_mask[i].sum())
         prompt = out.input_ids[i, :-out.responses.shape[1]][out.attention_mask[i, :-out.responses.shape[1]] > 0]
         resp = out.responses[i, :n_resp]
         seqs.append(np.concatenate([prompt, resp]).astype(np.int32))
+        prompt_lengths.append(len(prompt))
         masks.append(np.concatenate([np.zeros(len(prompt), np.int32), out.loss_mask[i, :n_resp]]))
         texts.append(tokenizer.decode(resp, skip_special_tokens=True))
     ex = [examples[int(p)] for p in out.prompt_index]
     infos = rewards.score_responses(reward_fn, [e.data_source for e in ex], texts, [e.ground_truth for e in ex],
                                     [e.extra_info for e in ex])
     scores = np.asarray([float(r["score"]) for r in infos], np.float32)
-    return Trajectories(seqs, masks, scores, np.asarray(out.prompt_index), texts, infos, out)
+    return Trajectories(seqs, np.asarray(prompt_lengths), masks, scores, np.asarray(out.prompt_index), texts, infos,
+                        out)
 
 
-def worker_batch(traj: Trajectories, cfg, *, mini_prompts: int, rows: int, row_len: int) -> tuple[dict, np.ndarray]:
-    """One worker's [K, M, rows, T] batch (numpy) and its loss-token counts per mini-batch [K]."""
-    adv = np.asarray(algos.compute_advantages(cfg.algorithm.adv_estimator, traj.scores, traj.group,
-                                              **({"norm_by_std": cfg.algorithm.norm_adv_by_std}
-                                                 if cfg.algorithm.adv_estimator == "grpo" else {})))
+def worker_batch(traj: Trajectories, cfg, *, mini_prompts: int, rows: int,
+                 row_len: int) -> tuple[dict, np.ndarray, packing.Layout]:
+    """One worker's [K, M, rows, T] batch (numpy), its loss-token counts per mini-batch [K, 2] and its layout.
+
+    With `gae` the advantages are zeros here: they need the critic's values on this very batch (`Trainer._add_gae`).
+    """
+    estimator = cfg.algorithm.adv_estimator
+    if estimator == "gae":
+        adv = np.zeros(len(traj.sequences), np.float32)
+    else:
+        adv = np.asarray(algos.compute_advantages(estimator, traj.scores, traj.group,
+                                                  **({"norm_by_std": cfg.algorithm.norm_adv_by_std}
+                                                     if estimator == "grpo" else {})))
     batch, layout = packing.pack_batch(traj.sequences, traj.loss_masks, adv,
                                        mini_batch_size=mini_prompts * cfg.rollout.n, row_len=row_len,
                                        rows_per_micro=rows, pack=cfg.actor.pack, agg_mode=cfg.actor.agg_mode,
@@ -172,16 +184,48 @@ def worker_batch(traj: Trajectories, cfg, *, mini_prompts: int, rows: int, row_l
     for i, m in enumerate(traj.loss_masks):
         n = float(m[1:].sum())
         counts[layout.mini[i]] += (n, float(n > 0))
-    return batch, counts
+    return batch, counts, layout
+
+
+def gae_inputs(traj: Trajectories, values: list[np.ndarray], response_length: int):
+    """Per-trajectory response slices for `algos.gae_advantages`, padded to [N, response_length].
+
+    Returns (rewards, values, mask): the score sits on the last response token (spec 7.2), values are the critic's
+    token-aligned old values over the whole response (tool results are states too), 0 past its end, and the mask
+    is the loss mask (model tokens), over which the advantages are whitened and the losses taken.
+    """
+    n = len(traj.sequences)
+    rew, val, mask = (np.zeros((n, response_length), np.float32) for _ in range(3))
+    for i, (seq, v, m) in enumerate(zip(traj.sequences, values, traj.loss_masks)):
+        p = int(traj.prompt_lengths[i])
+        r = len(seq) - p
+        if r:
+            rew[i, r - 1] = traj.scores[i]
+            val[i, :r] = v[p:]
+            mask[i, :r] = m[p:]
+    return rew, val, mask
+
+
+def response_to_tokens(traj: Trajectories, per_response: np.ndarray) -> list[np.ndarray]:
+    """[N, R] values over each response -> token-aligned arrays over each whole sequence (0 over the prompt)."""
+    out = []
+    for i, seq in enumerate(traj.sequences):
+        p = int(traj.prompt_lengths[i])
+        full = np.zeros(len(seq), np.float32)
+        full[p:] = per_response[i, :len(seq) - p]
+        out.append(full)
+    return out
 
 
 def pad_micro(batch: dict, m: int) -> dict:
     """Pads the micro-batch axis (1) to m with empty micro-batches (segment 0, weight 0: no loss, no gradient)."""
-    extra = m - batch["input_ids"].shape[1]
-    if extra == 0:
-        return batch
-    return {k: np.concatenate([v, np.zeros(v.shape[:1] + (extra,) + v.shape[2:], v.dtype)], axis=1)
-            for k, v in batch.items()}
+    return {k: pad_axis1(v, m) for k, v in batch.items()}
+
+
+def pad_axis1(x: np.ndarray, m: int) -> np.ndarray:
+    """[K, M, ...] -> [K, m, ...] with zeros."""
+    extra = m - x.shape[1]
+    return x if extra == 0 else np.concatenate([x, np.zeros(x.shape[:1] + (extra,) + x.shape[2:], x.dtype)], axis=1)
 
 
 def rescale_weights(batch: dict, counts: np.ndarray, totals: np.ndarray, cfg, workers: int) -> dict:
@@ -255,6 +299,7 @@ class Trainer:
                                                   temperature=self.update_cfg.temperature,
                                                   chunk=cfg.actor.logprob_chunk, mesh=self.mesh)
         self.batch_sh = NamedSharding(self.mesh, ts.batch_spec(self.mesh, self.model_cfg.sharding_rules))
+        self.batch_sh4 = NamedSharding(self.mesh, PartitionSpec(None, *self.batch_sh.spec))  # [K, M, B, T]
         rules = sharding.get_rules(self.model_cfg.sharding_rules)
         self.batch_devices = math.prod(self.mesh.shape[a] for a in rules["batch"])
         self.rows_per_worker = max(1, self.batch_devices // self.workers)
@@ -267,15 +312,39 @@ class Trainer:
             if cfg.model.ref_on_host:
                 self.ref_params = jax.device_get(self.ref_params)
 
+        # PPO with a critic (algorithm.adv_estimator = gae): a value model initialised from the policy.
+        self.use_critic = cfg.algorithm.adv_estimator == "gae"
+        critic_params = None
+        if self.use_critic:
+            critic_cfg = critic_lib.CriticConfig(cliprange_value=cfg.critic.cliprange_value, lr=cfg.critic.lr,
+                                                 max_grad_norm=cfg.actor.max_grad_norm,
+                                                 weight_decay=cfg.actor.weight_decay)
+            self.critic_optimizer = critic_lib.make_optimizer(critic_cfg, optimizer_steps)
+            value_graphdef = critic_lib.value_graphdef(self.model_cfg)
+            v_sh = critic_lib.value_param_shardings(self.model_cfg, self.mesh)
+            critic_params = critic_lib.value_params_from_policy(params)
+            critic_params["value_head"] = jax.tree.map(jax.device_put, critic_params["value_head"],
+                                                       v_sh["value_head"])
+            self.critic_abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), critic_params)
+            self.critic_sh = ts.state_shardings(self.critic_optimizer, v_sh, self.critic_abstract, self.mesh)
+            self.value_step_fn = critic_lib.jit_value_step(value_graphdef, self.model_cfg, critic_cfg,
+                                                           self.critic_optimizer, self.mesh, self.critic_sh)
+            self.value_fn = critic_lib.jit_value_forward(value_graphdef, self.model_cfg, self.mesh)
+
         # Resume, or start.
         self.ckpt = Checkpointer(self.workdir / "checkpoints", max_to_keep=cfg.trainer.keep_checkpoints)
+        self.critic_ckpt = (Checkpointer(self.workdir / "critic_checkpoints", max_to_keep=cfg.trainer.keep_checkpoints)
+                            if self.use_critic else None)
         self.step, self.position = 0, rl_dataset.DataPosition(0, 0)
-        latest = self.ckpt.latest_step() if cfg.trainer.resume else None
+        latest = self._latest_checkpoint() if cfg.trainer.resume else None
         if latest is not None:
             self.state = self._restore(latest, abstract)
         else:
             self.state = ts.init_train_state(params, self.optimizer, self.state_sh)
-        del params, model
+        if self.use_critic:
+            self.critic_state = (self._restore_critic(latest) if latest is not None else
+                                 ts.init_train_state(critic_params, self.critic_optimizer, self.critic_sh))
+        del params, model, critic_params
 
         self.rollout_cfg = rollout_config(cfg)
         self.executor = make_tool_executor(cfg)
@@ -291,6 +360,25 @@ class Trainer:
         self.timers = metrics_lib.PhaseTimer()
 
     # -- setup helpers -------------------------------------------------------------------------------------------
+
+    def _latest_checkpoint(self) -> int | None:
+        """The newest step with every checkpoint of the run (a kill may land between the policy's and critic's)."""
+        steps = set(self.ckpt.all_steps())
+        if self.critic_ckpt is not None:
+            steps &= set(self.critic_ckpt.all_steps())
+        return max(steps, default=None)
+
+    def _restore_critic(self, step: int) -> ts.TrainState:
+        with_sh = lambda tree, sh: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                                tree, sh)
+        target = with_sh(jax.eval_shape(lambda p: ts.init_train_state(p, self.critic_optimizer), self.critic_abstract),
+                         self.critic_sh)
+        params, opt_state, meta = self.critic_ckpt.restore(step, config=self.model_cfg, mesh=self.mesh,
+                                                           params_target=target.params,
+                                                           opt_state_target=target.opt_state)
+        counters = meta.get("counters", {})
+        return ts.TrainState(params, opt_state, jnp.asarray(counters.get("updates", 0), jnp.int32),
+                             jnp.asarray(counters.get("skipped", 0), jnp.int32))
 
     def _restore(self, step: int, abstract) -> ts.TrainState:
         target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -374,17 +462,19 @@ class Trainer:
         return {w: [self.train_data[int(i)] for i in rl_dataset.shard(idx, w, self.workers)]
                 for w in self.local_workers}
 
-    def _global(self, local: np.ndarray) -> jax.Array:
-        """The global [M, B, T] array from this process's rows (its workers' blocks along B)."""
-        global_shape = local.shape[:1] + (local.shape[1] * jax.process_count(),) + local.shape[2:]
-        return jax.make_array_from_process_local_data(self.batch_sh, local, global_shape)
+    def _global(self, local: np.ndarray, lead: int = 0) -> jax.Array:
+        """The global [M, B, T] array (with `lead` = 1: [K, M, B, T]) from this process's rows (its workers' blocks
+        along B)."""
+        b = local.ndim - 2
+        global_shape = local.shape[:b] + (local.shape[b] * jax.process_count(),) + local.shape[b + 1:]
+        return jax.make_array_from_process_local_data(self.batch_sh4 if lead else self.batch_sh, local, global_shape)
 
     def _build_batch(self, trajs: dict[int, Trajectories]) -> list[dict]:
         """K mini-batches of global arrays (old and reference log-probs included), in optimizer-step order."""
         cfg = self.cfg
         mini_prompts = cfg.actor.ppo_mini_batch_size // self.workers
         parts = {w: worker_batch(t, cfg, mini_prompts=mini_prompts, rows=self.rows_per_worker, row_len=self.row_len)
-                 for w, t in trajs.items()}
+                 for w, t in trajs.items()}  # w -> (batch, counts, layout)
         local_counts = np.stack([parts[w][1] for w in self.local_workers])  # [W_local, K, 2]
         local_m = max(parts[w][0]["input_ids"].shape[1] for w in self.local_workers)
         if jax.process_count() > 1:
@@ -393,8 +483,10 @@ class Trainer:
             m = int(multihost_utils.process_allgather(np.asarray(local_m)).max())
         else:
             totals, m = local_counts.sum(0), local_m
-        blocks = [rescale_weights(pad_micro(parts[w][0], m), parts[w][1], totals, cfg, self.workers)
-                  for w in self.local_workers]
+        padded = {w: pad_micro(parts[w][0], m) for w in self.local_workers}
+        if self.use_critic:
+            self._add_gae(padded, {w: parts[w][2] for w in self.local_workers}, trajs)
+        blocks = [rescale_weights(padded[w], parts[w][1], totals, cfg, self.workers) for w in self.local_workers]
         local = {k: np.concatenate([b[k] for b in blocks], axis=2) for k in blocks[0]}  # [K, M, B_local, T]
         minis = []
         for k in range(local["input_ids"].shape[0]):
@@ -404,6 +496,44 @@ class Trainer:
                 batch["ref_logp"], _ = self.logprob_fn(self.ref_params, batch)
             minis.append(batch)
         return minis
+
+    def _add_gae(self, padded: dict[int, dict], layouts: dict[int, packing.Layout],
+                 trajs: dict[int, Trajectories]) -> None:
+        """PPO with a critic (spec 8.2): the rollout's old values, GAE per trajectory, whitening over the global batch.
+
+        Fills `advantages`, `returns` and `old_values` of each worker's padded [K, M, rows, T] block in place.
+        The values come from one forward pass over the packed global batch; GAE itself runs per trajectory on its
+        response (a reverse scan over a packed row would cross from one trajectory into another).
+        """
+        cfg = self.cfg
+        local = {k: np.concatenate([padded[w][k] for w in self.local_workers], axis=2) for k in critic_lib.FORWARD_KEYS}
+        values = self._host_local(self.value_fn(self.critic_state.params,
+                                                {k: self._global(v, lead=1) for k, v in local.items()}))
+        per_worker = dict(zip(self.local_workers, np.split(values, len(self.local_workers), axis=2)))
+        tok_values = {w: packing.unpack(layouts[w], per_worker[w]) for w in self.local_workers}
+        inputs = [gae_inputs(trajs[w], tok_values[w], cfg.data.max_response_length) for w in self.local_workers]
+        rew, val, mask = (np.concatenate(x) for x in zip(*inputs))
+        _, returns = algos.gae_advantages(rew, val, mask, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam)
+        returns = np.asarray(returns)
+        # Whitened over every trajectory of the step (as the reference's driver does), not per process.
+        n_local = len(rew)
+        adv = np.asarray(algos.masked_whiten(self._gather(returns - val), self._gather(mask)))
+        adv = adv[jax.process_index() * n_local:(jax.process_index() + 1) * n_local]
+        start = 0
+        for w in self.local_workers:
+            t, layout, block = trajs[w], layouts[w], padded[w]
+            sl = slice(start, start + len(t.sequences))
+            start = sl.stop
+            m = block["input_ids"].shape[1]
+            block["advantages"] = pad_axis1(packing.place(layout, response_to_tokens(t, adv[sl])), m)
+            block["returns"] = pad_axis1(packing.place(layout, response_to_tokens(t, returns[sl])), m)
+            block["old_values"] = pad_axis1(packing.place(layout, tok_values[w]), m)
+
+    def _host_local(self, x: jax.Array) -> np.ndarray:
+        """This process's rows of a global [K, M, B, T] array (inverse of `_global(..., lead=1)`)."""
+        if jax.process_count() == 1:
+            return np.asarray(x)
+        return np.asarray(multihost_utils.global_array_to_host_local_array(x, self.mesh, self.batch_sh4.spec))
 
     def train_step(self) -> dict:
         """One training step: rollout, rewards, advantages, update, weight sync. Returns its metrics."""
@@ -415,9 +545,17 @@ class Trainer:
             trajs = {w: self._rollout(ex, w) for w, ex in examples.items()}
         with timers("old_logprob"):
             minis = self._build_batch(trajs)
+        update_policy = not (self.use_critic and self.step < cfg.critic.warmup_steps)
+        step_metrics, critic_metrics = [], []
+        if self.use_critic:
+            with timers("critic_update"):  # the reference updates the critic first, on the same mini-batches
+                for _ in range(cfg.actor.ppo_epochs):
+                    for batch in minis:
+                        self.critic_state, m = self.value_step_fn(self.critic_state, batch)
+                        critic_metrics.append(m)
+                critic_metrics = jax.device_get(critic_metrics)
         with timers("update"):
-            step_metrics = []
-            for _ in range(cfg.actor.ppo_epochs):
+            for _ in range(cfg.actor.ppo_epochs if update_policy else 0):
                 for batch in minis:
                     self.state, m = self.step_fn(self.state, batch)
                     step_metrics.append(m)
@@ -426,7 +564,8 @@ class Trainer:
             self._sync_weights()
         self.step += 1
         self.position = self.position.advance(self.steps_per_epoch)
-        out = self._rollout_metrics(trajs) | self._update_metrics(step_metrics) | timers.as_metrics(prefix="time/")
+        out = (self._rollout_metrics(trajs) | self._update_metrics(step_metrics) | timers.as_metrics(prefix="time/")
+               | self._update_metrics(critic_metrics, prefix="critic/"))
         tokens = sum(len(s) for t in trajs.values() for s in t.sequences)
         elapsed = time.perf_counter() - t0
         out |= {"time/step": elapsed, "perf/tokens_per_s": tokens * jax.process_count() / elapsed,
@@ -465,11 +604,11 @@ class Trainer:
         self.executor.reset_metrics()
         return out
 
-    def _update_metrics(self, step_metrics: list[dict]) -> dict:
+    def _update_metrics(self, step_metrics: list[dict], prefix: str = "actor/") -> dict:
         if not step_metrics:
             return {}
         keys = step_metrics[0].keys()
-        return {f"actor/{k}": float(np.mean([np.asarray(m[k]) for m in step_metrics])) for k in keys}
+        return {f"{prefix}{k}": float(np.mean([np.asarray(m[k]) for m in step_metrics])) for k in keys}
 
     def _log_trajectories(self, trajs: dict[int, Trajectories]) -> None:
         n = self.cfg.trainer.log_trajectories
@@ -529,6 +668,10 @@ class Trainer:
                 "counters": {"updates": int(self.state.step), "skipped": int(self.state.skipped)}}
         self.ckpt.save(self.step, self.state.params, config=self.model_cfg, opt_state=self.state.opt_state,
                        meta=meta, force=True)
+        if self.critic_ckpt is not None:
+            counters = {"updates": int(self.critic_state.step), "skipped": int(self.critic_state.skipped)}
+            self.critic_ckpt.save(self.step, self.critic_state.params, config=self.model_cfg,
+                                  opt_state=self.critic_state.opt_state, meta={"counters": counters}, force=True)
 
     # -- the loop ------------------------------------------------------------------------------------------------
 
@@ -553,7 +696,9 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(reward=f"{last.get('reward/mean', 0):.3f}")
         bar.close()
-        self.ckpt.wait()
+        for ckpt in (self.ckpt, self.critic_ckpt):
+            if ckpt is not None:
+                ckpt.wait()
         export = None
         if tr.export_hf:
             export = str(hf.save_pretrained(nnx.merge(self.graphdef, self.state.params), self.workdir / "hf",
@@ -568,8 +713,10 @@ class Trainer:
         return summary
 
     def close(self) -> None:
-        self.ckpt.wait()
-        self.ckpt.close()
+        for ckpt in (self.ckpt, self.critic_ckpt):
+            if ckpt is not None:
+                ckpt.wait()
+                ckpt.close()
         self.logger.close()
         self.executor.close()
         if hasattr(self.sampler, "close"):

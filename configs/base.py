@@ -139,10 +139,15 @@ def get_config() -> ConfigDict:
     c.actor.logprob_chunk = 256  # positions per chunk of the [rows, chunk, vocab] logits
 
     # ---------------------------------------------------------------- critic (adv_estimator = gae only)
+    # A second copy of the policy's backbone with a value head (arpo_jax/critic.py), sharded like the policy,
+    # trained on the same mini-batches (ppo_epochs, ppo_mini_batch_size, packing, loss weights); its gradient
+    # clipping and weight decay are the actor's. Checkpointed next to the policy in <workdir>/critic_checkpoints.
     c.critic = ConfigDict()
     c.critic.lr = 1e-5
     c.critic.cliprange_value = 0.5  # verl's clipped value loss
-    c.critic.warmup_steps = 0  # training steps that update only the critic (reference critic_warmup)
+    # The first warmup_steps training steps update only the critic (verl's critic_warmup = warmup_steps + 1: verl
+    # compares it with a step counter that starts at 1, so its critic_warmup = 1 skips nothing).
+    c.critic.warmup_steps = 0
 
     # ---------------------------------------------------------------- trainer (spec 1, 11)
     c.trainer = ConfigDict()
