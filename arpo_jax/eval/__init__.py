@@ -1,0 +1,5 @@
+"""Evaluation (spec section 13): benchmark loaders, the eval prompt, per-output scoring and pass@k aggregation.
+
+``benchmarks`` reads the 13 benchmark files into ``EvalSample``s and builds the chat messages (the training
+prompt, spec B17); ``scoring`` extracts a prediction from a model output, scores it, and aggregates pass@k.
+"""
