@@ -1,10 +1,13 @@
-"""`arpo-jax`: train, sft, plan, convert, quickstart.
+"""`arpo-jax`: train, sft, plan, convert, quickstart, eval, compare, chat.
 
 Experiment commands take an ml_collections config file and overrides, config_flags style:
 
   arpo-jax train --config=configs/toy_cpu.py --config.trainer.max_steps=2 --workdir=runs/toy
   arpo-jax sft   --config=configs/sft_qwen25_7b.py --workdir=runs/sft
   arpo-jax plan  --config=configs/arpo_qwen25_7b_reasoning.py
+  arpo-jax eval  --model runs/toy/checkpoints --benchmarks gsm8k,hotpotqa --k 4 --workdir runs/eval_toy \
+                 --config=configs/toy_cpu.py          (eval and chat: the config is optional, default configs/base.py)
+  arpo-jax compare runs/toy runs/eval_toy --out runs/compare
 
 The last line printed is a JSON summary (machine-readable); errors in the config or the inputs end the command
 with exit status 2 and a message naming what to fix.
@@ -74,6 +77,87 @@ def _quickstart(args) -> dict:
     return quickstart.run(args.workdir, seed=args.seed)
 
 
+def _eval(args) -> dict:
+    from arpo_jax.eval import runner
+
+    cfg = runner.load_eval_config(args.config_args)
+    opts = runner.EvalOptions(
+        model=args.model, benchmarks=args.benchmarks, workdir=args.workdir, k=args.k, limit=args.limit,
+        engine=args.engine, tokenizer=args.tokenizer, base_url=args.base_url, served_model=args.served_model,
+        api_key_env=args.api_key_env, judge_url=args.judge_url, judge_model=args.judge_model,
+        judge_api_key_env=args.judge_api_key_env, data_dir=args.data_dir, batch_size=args.batch_size,
+        concurrency=args.concurrency, sample_timeout=args.sample_timeout, seed=args.seed,
+        temperature=args.temperature, progress=not args.no_progress)
+    return runner.evaluate(cfg, opts)
+
+
+def _compare(args) -> dict:
+    from arpo_jax.eval import report
+
+    return report.compare(args.runs, args.out)
+
+
+def _chat(args) -> dict:
+    from arpo_jax.eval import chat, runner
+
+    cfg = runner.load_eval_config(args.config_args)
+    return chat.chat(cfg, args.model, workdir=args.workdir, engine=args.engine, tokenizer=args.tokenizer,
+                     base_url=args.base_url, served_model=args.served_model, api_key_env=args.api_key_env,
+                     temperature=args.temperature, seed=args.seed)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model / engine flags `eval` and `chat` share."""
+    p.add_argument("--model", required=True, help="HF folder, orbax checkpoint directory (newest step), "
+                   "builtin:tiny, or with --engine openai a label of the served model")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's; for a checkpoint "
+                   "its tokenizer/ folder or its training run's model; required for --engine openai)")
+    p.add_argument("--engine", choices=["jax", "vllm", "openai"], default=None,
+                   help="sampler (default: the config's rollout.engine)")
+    p.add_argument("--base-url", default=None, help="openai engine: the completions server, e.g. "
+                   "http://127.0.0.1:8000/v1")
+    p.add_argument("--served-model", default=None, help="openai engine: the served model name")
+    p.add_argument("--api-key-env", default=None, help="openai engine: environment variable holding the API key")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the config's seed)")
+
+
+def _add_eval_commands(sub) -> None:
+    ev = _add_experiment(sub, "eval", "evaluate a model on the benchmarks with tools: pass@k, optional LLM judge, "
+                         "reports; resumable", _eval, workdir=False)
+    _add_model_args(ev)
+    ev.add_argument("--workdir", required=True, help="output folder (samples.jsonl per benchmark, report.json/md/"
+                    "png); an interrupted evaluation there is resumed")
+    ev.add_argument("--benchmarks", required=True, help="comma-separated names (aime24,gsm8k,...) or all")
+    ev.add_argument("--k", type=int, default=1, help="samples per question (pass@k)")
+    ev.add_argument("--limit", type=int, default=None, help="only the first N questions of each benchmark")
+    ev.add_argument("--data-dir", default=None, help="folder of <benchmark>/test.jsonl (default $ARPO_EVAL_DATA "
+                    "or ../shared/data/eval)")
+    ev.add_argument("--batch-size", type=int, default=8, help="questions per chunk (one rollout call; the unit of "
+                    "resume)")
+    ev.add_argument("--concurrency", type=int, default=None, help="requests in flight (openai engine, judge) / tool "
+                    "workers (jax, vllm)")
+    ev.add_argument("--sample-timeout", type=float, default=None, help="seconds: per request (openai) or per chunk "
+                    "(jax, vllm: checked before each generation round)")
+    ev.add_argument("--temperature", type=float, default=None, help="overrides rollout.temperature; 0 = greedy")
+    ev.add_argument("--judge-url", default=None, help="LLM judge: chat-completions server, e.g. "
+                    "http://127.0.0.1:8001/v1 (correct = its verdict)")
+    ev.add_argument("--judge-model", default=None, help="LLM judge: served model name")
+    ev.add_argument("--judge-api-key-env", default=None, help="LLM judge: environment variable holding the API key")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    cmp = sub.add_parser("compare", help="put training and/or evaluation runs side by side (compare.md, .png)")
+    cmp.add_argument("runs", nargs="+", help="run folders: training workdirs (metrics.jsonl) and/or evaluation "
+                     "workdirs (report.json)")
+    cmp.add_argument("--out", required=True, help="folder for compare.md and compare.png")
+    cmp.set_defaults(func=_compare)
+
+    ch = _add_experiment(sub, "chat", "ask a model questions from stdin (one per line) and print transcripts of "
+                         "its tool use", _chat, workdir=False)
+    _add_model_args(ch)
+    ch.add_argument("--workdir", default=None, help="where builtin:tiny is built (default: a temporary folder)")
+    ch.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+
+
 def _add_experiment(sub, name: str, help: str, func, *, workdir: bool = True) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help, description=f"{help}. Config arguments: --config=FILE[:ARG] and "
                        "--config.section.field=VALUE overrides (ml_collections config_flags).")
@@ -116,7 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     qs.add_argument("--workdir", default="runs/quickstart")
     qs.add_argument("--seed", type=int, default=0)
     qs.set_defaults(func=_quickstart)
+    _add_eval_commands(sub)
     return parser
+
+
+_CONFIG_OPTIONAL = ("eval", "chat")  # take --config arguments; without them configs/base.py's values
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -125,7 +213,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
     config_args, rest = split_config_args(argv)
     args = build_parser().parse_args(rest)
-    if config_args and args.command not in ("train", "sft", "plan"):
+    if config_args and args.command not in ("train", "sft", "plan", *_CONFIG_OPTIONAL):
         build_parser().error(f"{args.command} takes no --config arguments")
     if args.command in ("train", "sft", "plan") and not config_args:
         build_parser().error(f"{args.command} needs --config=configs/<experiment>.py")
