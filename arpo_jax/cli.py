@@ -1,4 +1,4 @@
-"""`arpo-jax`: train, sft, plan, convert, quickstart, eval, compare, chat.
+"""`arpo-jax`: demo, train, sft, plan, convert, quickstart, eval, compare, chat.
 
 Experiment commands take an ml_collections config file and overrides, config_flags style:
 
@@ -69,6 +69,13 @@ def _convert(args) -> dict:
     if args.direction == "hf-to-orbax":
         return convert.hf_to_orbax(args.hf, args.out, dtype=args.dtype, step=args.step or 0)
     return convert.orbax_to_hf(args.ckpt, args.out, step=args.step, tokenizer=args.tokenizer, dtype=args.dtype)
+
+
+def _demo(args) -> dict:
+    from arpo_jax import demo
+
+    return demo.run_demo(args.workdir, quick=args.quick, algo=args.algo, seed=args.seed,
+                         vllm=False if args.no_vllm else None)
 
 
 def _quickstart(args) -> dict:
@@ -195,6 +202,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="weight dtype (default: the source's)")
         p.add_argument("--step", type=int, default=None)
     conv.set_defaults(func=_convert)
+
+    dm = sub.add_parser("demo", help="train a tool-using agent from scratch on this machine and show it learning: "
+                        "SFT -> validation -> ARPO -> validation -> export -> transcript, plots")
+    dm.add_argument("--workdir", default="runs/demo")
+    dm.add_argument("--quick", action="store_true", help="a smoke run of every phase (minutes; no learning shown)")
+    dm.add_argument("--algo", choices=["arpo", "aepo", "grpo"], default="arpo",
+                    help="arpo (branching at tool calls), aepo (+ entropy-balanced loss), grpo (same budget n, no "
+                    "branching)")
+    dm.add_argument("--seed", type=int, default=0)
+    dm.add_argument("--no-vllm", action="store_true", help="skip the vLLM transcript even when vllm is installed")
+    dm.set_defaults(func=_demo)
 
     qs = sub.add_parser("quickstart", help="tiny model end to end: build, convert, check parity, sample")
     qs.add_argument("--workdir", default="runs/quickstart")

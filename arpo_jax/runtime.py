@@ -97,8 +97,12 @@ def load_policy(cfg, workdir: str | os.PathLike, mesh: Mesh) -> tuple[CausalLM, 
     return model, load_tokenizer(cfg, folder), folder
 
 
-def build_tiny_model(dest: str | os.PathLike, *, seed: int = 0, vocab_size: int = 1024) -> Path:
-    """A tiny Qwen2-architecture HF folder (head_dim 32, so vLLM can serve it) with a BPE tokenizer of the toy tasks."""
+def build_tiny_model(dest: str | os.PathLike, *, seed: int = 0, vocab_size: int = 1024, hidden_size: int = 128,
+                     num_layers: int = 2) -> Path:
+    """A tiny Qwen2-architecture HF folder (head_dim 32, so vLLM can serve it) with a BPE tokenizer of the toy tasks.
+
+    `hidden_size` (a multiple of 64) sets the width: hidden_size / 32 query heads, half as many KV heads, an MLP of
+    3 x hidden_size."""
     from flax import nnx
 
     from arpo_jax import bpe
@@ -106,8 +110,9 @@ def build_tiny_model(dest: str | os.PathLike, *, seed: int = 0, vocab_size: int 
     from arpo_jax.models import Config
 
     tokenizer = bpe.train_bpe_tokenizer(toy.tokenizer_corpus(), vocab_size=vocab_size)
-    cfg = Config(model_type="qwen2", vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384,
-                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, qkv_bias=True, rope_theta=10000.0,
+    cfg = Config(model_type="qwen2", vocab_size=len(tokenizer), hidden_size=hidden_size,
+                 intermediate_size=3 * hidden_size, num_layers=num_layers, num_heads=hidden_size // 32,
+                 num_kv_heads=hidden_size // 64, head_dim=32, qkv_bias=True, rope_theta=10000.0,
                  max_position_embeddings=2048, eos_token_id=tokenizer.eos_token_id,
                  pad_token_id=tokenizer.pad_token_id)
     return hf.save_pretrained(CausalLM(cfg, rngs=nnx.Rngs(seed)), dest, tokenizer=tokenizer)

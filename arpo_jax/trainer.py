@@ -96,7 +96,7 @@ def make_tool_executor(cfg):
     if t.search.enabled:
         s = t.search
         if s.backend == "local":
-            params = ({"documents": toy.corpus(cfg.seed)} if s.corpus_file == BUILTIN_TOY else
+            params = ({"documents": toy.corpus()} if s.corpus_file == BUILTIN_TOY else
                       {"corpus_file": os.path.expandvars(s.corpus_file)})
             params |= dict(max_results=s.max_results, result_length=s.result_length)
         elif s.backend == "cache":

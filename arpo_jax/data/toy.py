@@ -179,6 +179,20 @@ def solution_text(task: Task) -> str:
     return " ".join(parts)
 
 
+def guess_text(task: Task, rng: np.random.Generator) -> str:
+    """A well-formed response that skips the tools and guesses: a number of the answer's size, or a city name.
+
+    The demo's cold-start data mixes these with `solution_text`, so the SFT model sometimes guesses and RL has a
+    habit to unlearn (a guess is almost always wrong; deep_research scores it 0, a correct tool answer 1).
+    """
+    if task.answer.isdigit():
+        digits = len(task.answer)
+        guess = str(int(rng.integers(10 ** (digits - 1), 10 ** digits)))
+    else:
+        guess = world()[int(rng.integers(NUM_COUNTRIES))].capital
+    return f"<think> I think the answer is {guess}. </think> <answer> \\boxed{{{guess}}} </answer>"
+
+
 def tokenizer_corpus(seed: int = 0) -> list[str]:
     """Lines for training a small BPE tokenizer: the system prompt, questions, documents and solved responses."""
     tasks = toy_tasks("train", 300, seed) + toy_tasks("val", 60, seed)

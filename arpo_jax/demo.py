@@ -1,0 +1,335 @@
+"""`arpo-jax demo`: trains a tool-using agent from scratch on a CPU and shows it learning.
+
+Everything is built offline in the work directory, then the real commands' code runs on it:
+
+  1. data     synthetic tasks (`arpo_jax.data.toy`): arithmetic that needs <python>, lookups of invented facts that
+              need <search> (offline BM25 over a generated corpus), two-hop questions that need both; rendered with
+              the reference system prompt and tags, scored by the reference reward (`deep_research`) unchanged.
+              Cold-start conversations are deliberately imperfect: a share of them skip the tools and guess.
+  2. model    a byte-level BPE tokenizer trained on the task corpus and a small random Qwen2 (head_dim 32, so vLLM
+              can serve it), saved as an HF folder.
+  3. sft      cold-start SFT (`arpo_jax.sft`) on those conversations.
+  4. rl       ARPO (or AEPO / plain GRPO, `--algo`) with `arpo_jax.trainer`, validated (greedy, per task kind)
+              before the first step and every few steps; the baseline is the SFT model's validation.
+  5. export   the final policy as an HF folder, reloaded in transformers (and vLLM when installed) to answer a
+              held-out question with real tool calls, printed as a transcript.
+  6. report   PNG plots of the curves, example trajectories with their branching trees, summary.json; the last
+              line printed is the summary as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+ALGOS = ("arpo", "aepo", "grpo")
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoSize:
+    """How much of everything the demo does (FULL: the README's run; QUICK: the CI smoke run)."""
+
+    hidden_size: int
+    num_layers: int
+    sft_examples: int
+    sft_epochs: int
+    rl_steps: int
+    train_prompts: int
+    val_prompts: int
+    test_freq: int
+    guess_fraction: float = 0.3  # share of cold-start conversations that skip the tools and guess
+
+
+# FULL is not tuned yet: on this 2-core machine its SFT model (loss 0.58) answers 0% of the validation questions and
+# an RL step of 64 trajectories takes about a minute, so 30 steps neither fit 15 minutes nor show learning (see the
+# demo issue's notes). QUICK is the CI smoke run of every phase.
+FULL = DemoSize(hidden_size=256, num_layers=4, sft_examples=480, sft_epochs=2, rl_steps=30, train_prompts=256,
+                val_prompts=48, test_freq=10)
+QUICK = DemoSize(hidden_size=128, num_layers=2, sft_examples=64, sft_epochs=1, rl_steps=2, train_prompts=32,
+                 val_prompts=6, test_freq=2)
+
+
+def _log(msg: str) -> None:
+    print(f"[demo] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Data, model, configs
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def write_data(directory: Path, size: DemoSize, seed: int, *, max_results: int, result_length: int) -> dict[str, str]:
+    """The cold-start conversations (JSON lines, OpenAI messages) and the RL train / val parquet files.
+
+    The conversations' tool results are what the tools really return in the rollout (the BM25 search with the run's
+    max_results / result_length), so SFT teaches the model the contexts it will see.
+    """
+    from arpo_jax.data import toy
+    from arpo_jax.tools import LocalSearchTool
+
+    directory.mkdir(parents=True, exist_ok=True)
+    search = LocalSearchTool(documents=toy.corpus(), max_results=max_results, result_length=result_length)
+    rng = np.random.default_rng([seed, 11])
+    rows = []
+    for task in toy.toy_tasks("sft", size.sft_examples, seed):
+        steps = tuple((tool, q, search.execute(q) if tool == "search" else r) for tool, q, r in task.steps)
+        task = dataclasses.replace(task, steps=steps)
+        guess = rng.random() < size.guess_fraction
+        answer = toy.guess_text(task, rng) if guess else toy.solution_text(task)
+        rows.append({"messages": [{"role": "system", "content": toy.SYSTEM_PROMPT},
+                                  {"role": "user", "content": task.question},
+                                  {"role": "assistant", "content": answer}]})
+    sft_file = directory / "sft.jsonl"
+    sft_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train, val = toy.write_toy_parquet(str(directory), n_train=size.train_prompts, n_val=size.val_prompts, seed=seed)
+    return {"sft": str(sft_file), "train": train, "val": val}
+
+
+def build_model(directory: Path, size: DemoSize, seed: int) -> Path:
+    from arpo_jax import runtime
+
+    if not (directory / "config.json").exists():
+        runtime.build_tiny_model(directory, seed=seed, hidden_size=size.hidden_size, num_layers=size.num_layers)
+    return directory
+
+
+def demo_config(model: Path, size: DemoSize, algo: str, seed: int):
+    """configs/toy_cpu.py with the demo's model, data and schedule; `algo` picks the rollout and the loss."""
+    from arpo_jax import config as config_lib
+
+    cfg = config_lib.load_config([f"--config={REPO / 'configs' / 'toy_cpu.py'}"])
+    with cfg.unlocked():
+        cfg.seed = seed
+        cfg.model.path = str(model)
+        cfg.data.val_max_samples = 0
+        cfg.data.max_response_length = 192  # a two-hop solution: two searches, one Python call, the answer
+        cfg.tools.search.max_results = 2  # short results keep the contexts (and the CPU time) small
+        cfg.data.train_batch_size = 8
+        cfg.actor.ppo_mini_batch_size = 4
+        cfg.actor.lr = 2e-5
+        cfg.actor.warmup_steps = 0
+        cfg.rollout.n = 8
+        cfg.rollout.initial_rollouts = 4
+        cfg.rollout.beam_size = 2
+        if algo == "grpo":  # the same budget n, all of it spent on independent rollouts: no branching
+            cfg.rollout.initial_rollouts = cfg.rollout.n
+            cfg.rollout.beam_size = 1
+        elif algo == "aepo":
+            cfg.rollout.rule = "aepo"
+            cfg.actor.loss = "aepo"
+            cfg.actor.entropy_adv = True
+        cfg.sft.epochs = size.sft_epochs
+        cfg.sft.lr = 2e-3
+        cfg.sft.batch_size = 8
+        cfg.sft.warmup_ratio = 0.05
+        cfg.trainer.max_steps = size.rl_steps
+        cfg.trainer.test_freq = size.test_freq
+        cfg.trainer.val_before_train = True
+        cfg.trainer.save_freq = size.rl_steps
+        cfg.trainer.keep_checkpoints = 1
+        cfg.trainer.export_hf = True
+        cfg.trainer.log_trajectories = 4
+        cfg.trainer.experiment = f"demo_{algo}"
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The held-out transcript: the exported model in transformers (and vLLM)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def transcript(hf_dir: Path, cfg, question: str, engine: str = "transformers") -> dict:
+    """Answers `question` with the exported model and real tools (greedy, the training agent loop); `engine` is
+    transformers, vllm or jax."""
+    from transformers import AutoTokenizer
+
+    from arpo_jax import trainer
+    from arpo_jax.data import rl_dataset, toy
+    from arpo_jax.rollout.agent_loop import greedy_settings, rollout
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    if engine == "vllm":
+        from arpo_jax.rollout.vllm_sampler import VllmSampler
+
+        sampler = VllmSampler(str(hf_dir), python=os.environ.get("ARPO_VLLM_PYTHON") or None, seed=cfg.seed,
+                              max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+                              dtype="float32", enforce_eager=True)
+    elif engine == "jax":
+        from arpo_jax import hf
+        from arpo_jax.rollout.jax_sampler import JaxSampler
+
+        sampler = JaxSampler(hf.from_pretrained(hf_dir), tokenizer,
+                             max_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
+    else:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from arpo_jax.rollout.hf_sampler import TransformersSampler
+
+        sampler = TransformersSampler(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), tokenizer)
+    executor = trainer.make_tool_executor(cfg)
+    try:
+        messages = [{"role": "system", "content": toy.SYSTEM_PROMPT}, {"role": "user", "content": question}]
+        prompt = rl_dataset.encode_prompt(tokenizer, messages).tolist()  # exactly as the training prompts
+        settings = greedy_settings(trainer.sampling_settings(cfg, executor.stop_strings, seed=cfg.seed))
+        out = rollout([prompt], sampler, executor, tokenizer, trainer.rollout_config(cfg).for_validation(), settings)
+        n = int(out.response_mask[0].sum())
+        text = tokenizer.decode(out.responses[0, :n], skip_special_tokens=True)
+        return {"engine": engine, "question": question, "response": text, "tool_calls": int(out.tool_calls[0])}
+    finally:
+        executor.close()
+        if hasattr(sampler, "close"):
+            sampler.close()
+
+
+def _vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None or bool(os.environ.get("ARPO_VLLM_PYTHON"))
+
+
+def format_transcript(t: dict) -> str:
+    """The response with each tool call and result on its own lines, for a reader."""
+    text = t["response"]
+    for tag in ("<think>", "<python>", "<search>", "<result>", "<answer>"):
+        text = text.replace(f" {tag}", f"\n{tag}")
+    return f"Q: {t['question']}\n{text.strip()}"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Plots
+# ------------------------------------------------------------------------------------------------------------------
+
+PLOTS = (("val/accuracy", "validation accuracy (greedy)"), ("reward/mean", "training reward (mean)"),
+         ("tools/calls_per_trajectory/mean", "tool calls per trajectory"), ("actor/entropy", "policy entropy"),
+         ("rollout/branches_per_prompt", "ARPO branches per prompt"))
+
+
+def plot_curves(metrics_file: Path, out_dir: Path) -> list[str]:
+    """One PNG per curve of PLOTS (steps on x), plus all of them on one page (curves.png)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from arpo_jax import metrics
+
+    records = metrics.read_jsonl(metrics_file)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig_all, axes = plt.subplots(1, len(PLOTS), figsize=(4 * len(PLOTS), 3.2))
+    written = []
+    for ax_all, (key, title) in zip(axes, PLOTS):
+        points = [(r["step"], r[key]) for r in records if key in r and "step" in r]
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for a in (ax, ax_all):
+            if points:
+                a.plot(*zip(*points), marker="o", markersize=3)
+            a.set_title(title, fontsize=9)
+            a.set_xlabel("RL step")
+            a.grid(alpha=0.3)
+        path = out_dir / (key.replace("/", "_") + ".png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(str(path))
+    fig_all.tight_layout()
+    fig_all.savefig(out_dir / "curves.png", dpi=100)
+    plt.close(fig_all)
+    return [str(out_dir / "curves.png"), *written]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The pipeline
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _val_summary(record: dict) -> dict:
+    keys = [k for k in record if k.startswith("val/") and ("accuracy" in k or "mean@1" in k)]
+    return {k: round(float(record[k]), 4) for k in sorted(keys)}
+
+
+def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "arpo", seed: int = 0,
+             vllm: bool | None = None) -> dict:
+    """The whole demo in `workdir` (module docstring); returns the summary (also `workdir/summary.json`)."""
+    from arpo_jax import metrics, sft, trainer
+    from arpo_jax.data import toy
+
+    if algo not in ALGOS:
+        raise ValueError(f"--algo={algo!r}; allowed: {', '.join(ALGOS)}")
+    size = QUICK if quick else FULL
+    workdir = Path(workdir).absolute()
+    times = {}
+    t0 = time.perf_counter()
+
+    _log(f"1/6 data and model in {workdir} ({'quick' if quick else 'full'} run, algo {algo}, seed {seed})")
+    model = build_model(workdir / "model", size, seed)
+    cfg = demo_config(model, size, algo, seed)
+    data = write_data(workdir / "data", size, seed, max_results=cfg.tools.search.max_results,
+                      result_length=cfg.tools.search.result_length)
+    with cfg.unlocked():
+        cfg.data.train_files, cfg.data.val_files, cfg.sft.train_files = (data["train"],), (data["val"],), (data["sft"],)
+    times["setup"] = time.perf_counter() - t0
+
+    t = time.perf_counter()
+    _log(f"2/6 cold-start SFT: {size.sft_examples} conversations ({size.guess_fraction:.0%} guess without tools), "
+         f"{size.sft_epochs} epoch(s)")
+    sft_summary = sft.run_sft(cfg, workdir / "sft")
+    times["sft"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    _log(f"3/6 {algo.upper()} from the SFT model: {size.rl_steps} steps of {cfg.data.train_batch_size} prompts x "
+         f"n={cfg.rollout.n}; validation before and every {size.test_freq} steps")
+    with cfg.unlocked():
+        cfg.model.init_checkpoint = sft_summary["checkpoint_dir"]
+    rl_summary = trainer.train(cfg, workdir / "rl")
+    times["rl"] = time.perf_counter() - t
+    records = metrics.read_jsonl(workdir / "rl" / "metrics.jsonl")
+    vals = [r for r in records if "val/accuracy" in r]
+    baseline, final = vals[0], vals[-1]
+    train_records = [r for r in records if "reward/mean" in r]
+
+    t = time.perf_counter()
+    question = toy.toy_tasks("demo_heldout", 3, seed)[2]  # a two-hop question: both tools
+    # transformers proves the export runs outside JAX (torch comes with the `test` extra; else the JAX sampler).
+    engines = ["transformers" if importlib.util.find_spec("torch") else "jax"]
+    engines += ["vllm"] if (vllm if vllm is not None else (not quick and _vllm_available())) else []
+    _log(f"4/6 the exported model ({rl_summary['hf_export']}) answers a held-out question in {' and '.join(engines)}")
+    transcripts = []
+    for engine in engines:
+        tr = transcript(Path(rl_summary["hf_export"]), cfg, question.question, engine)
+        tr["gold"] = question.answer
+        transcripts.append(tr)
+        print(f"--- {engine} ---\n{format_transcript(tr)}\n(gold answer: {question.answer})", flush=True)
+    (workdir / "transcript.json").write_text(json.dumps(transcripts, indent=2))
+    times["transcript"] = time.perf_counter() - t
+
+    _log("5/6 plots")
+    plots = plot_curves(workdir / "rl" / "metrics.jsonl", workdir / "plots")
+    times["total"] = time.perf_counter() - t0
+
+    calls = lambda r: r.get("tools/calls_per_trajectory/mean")
+    summary = {
+        "algo": algo, "seed": seed, "quick": quick,
+        "baseline_val_accuracy": round(baseline["val/accuracy"], 4),
+        "final_val_accuracy": round(final["val/accuracy"], 4),
+        "baseline_val": _val_summary(baseline), "final_val": _val_summary(final),
+        "train_reward_first": train_records[0]["reward/mean"] if train_records else None,
+        "train_reward_last": train_records[-1]["reward/mean"] if train_records else None,
+        "tool_calls_per_trajectory_first": calls(train_records[0]) if train_records else None,
+        "tool_calls_per_trajectory_last": calls(train_records[-1]) if train_records else None,
+        "heldout_correct": [t["gold"] in t["response"] for t in transcripts],
+        "wall_s": {k: round(v, 1) for k, v in times.items()},
+        "outputs": {"workdir": str(workdir), "metrics": str(workdir / "rl" / "metrics.jsonl"),
+                    "trajectories": str(workdir / "rl" / "trajectories.jsonl"), "plots": plots[0],
+                    "hf_model": rl_summary["hf_export"], "transcript": str(workdir / "transcript.json")},
+    }
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    _log(f"6/6 validation accuracy {summary['baseline_val_accuracy']:.2f} (SFT) -> {summary['final_val_accuracy']:.2f} "
+         f"(after {size.rl_steps} {algo.upper()} steps); curves: {plots[0]}; trajectories with branching trees: "
+         f"{summary['outputs']['trajectories']}; TensorBoard: tensorboard --logdir {workdir / 'rl' / 'tensorboard'}")
+    return summary
