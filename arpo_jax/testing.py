@@ -6,6 +6,11 @@ torch/transformers are imported lazily: they are only needed where an HF referen
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import json
+import threading
+import time
 from pathlib import Path
 
 # Tiny variants of each supported family. Every feature that differs between them is switched on somewhere:
@@ -78,3 +83,48 @@ def _default_corpus() -> list[str]:
     return lines
 
 
+@contextlib.contextmanager
+def scripted_server(respond):
+    """A loopback HTTP server; `respond(n, path, body)` -> (status, payload, delay_s) for the n-th request (1-based).
+
+    Yields (base_url, seen): every request's method, path, headers and JSON body.
+    """
+    seen = []
+    lock = threading.Lock()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self._answer()
+
+        def do_POST(self):
+            self._answer()
+
+        def _answer(self):
+            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = json.loads(raw) if raw else None
+            with lock:
+                seen.append({"method": self.command, "path": self.path, "headers": dict(self.headers), "body": body})
+                n = len(seen)
+            status, payload, delay = respond(n, self.path, body)
+            time.sleep(delay)
+            data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+            with contextlib.suppress(OSError):  # the client may have given up (timeouts)
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_port}/v1", seen
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(5)

@@ -12,20 +12,18 @@ limit: it is recorded as failed while the rest of its chunk and of the run is sc
 """
 
 import contextlib
-import http.server
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import zlib
 from pathlib import Path
 
 import pytest
 
-from arpo_jax import cli, convert, metrics
+from arpo_jax import cli, convert, metrics, testing
 from arpo_jax.eval import report as report_lib
 from arpo_jax.eval import runner
 from arpo_jax.eval.benchmarks import load_benchmark
@@ -110,34 +108,16 @@ def judge_server(verdict):
     """
     prompts = []
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            prompt = body["messages"][-1]["content"]
-            prompts.append(prompt)
-            status, reply = verdict(prompt)
-            data = json.dumps({"id": "chat-1", "object": "chat.completion", "model": body["model"],
-                               "choices": [{"index": 0, "finish_reason": "stop",
-                                            "message": {"role": "assistant", "content": reply}}]}).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def respond(n, path, body):
+        prompt = body["messages"][-1]["content"]
+        prompts.append(prompt)
+        status, reply = verdict(prompt)
+        return status, {"id": "chat-1", "object": "chat.completion", "model": body["model"],
+                        "choices": [{"index": 0, "finish_reason": "stop",
+                                     "message": {"role": "assistant", "content": reply}}]}, 0.0
 
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}/v1", prompts
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with testing.scripted_server(respond) as (url, _):
+        yield url, prompts
 
 
 def _judged(shared, tiny_model, name: str, verdict, limit: int = 2) -> tuple[Path, dict, list[str]]:

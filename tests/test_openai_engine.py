@@ -19,16 +19,13 @@ interpreter of a virtualenv with vllm); the scripted-server tests always run.
 """
 
 import contextlib
-import http.server
 import importlib.util
-import json
 import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -40,6 +37,7 @@ from arpo_jax.eval.judge import LLMJudge, reply_says_correct
 from arpo_jax.rollout.agent_loop import RolloutConfig, greedy_settings, rollout, wrap_tool_result
 from arpo_jax.rollout.openai_sampler import OpenAISampler, OpenAIServerError, request_seed
 from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
+from arpo_jax.testing import scripted_server
 
 # vLLM in this interpreter (CI), else another virtualenv's (ARPO_VLLM_PYTHON=/path/to/venv-with-vllm/bin/python).
 VLLM_PYTHON = sys.executable if importlib.util.find_spec("vllm") else (os.environ.get("ARPO_VLLM_PYTHON") or None)
@@ -226,51 +224,6 @@ def _assert_same(a, b) -> float:
 # -------------------------------------------------------------------------------------- scripted HTTP servers
 
 
-@contextlib.contextmanager
-def scripted_server(respond):
-    """A loopback HTTP server; `respond(n, path, body)` -> (status, payload, delay_s) for the n-th request (1-based).
-
-    Yields (base_url, seen): every request's method, path, headers and JSON body.
-    """
-    seen = []
-    lock = threading.Lock()
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self._answer()
-
-        def do_POST(self):
-            self._answer()
-
-        def _answer(self):
-            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            body = json.loads(raw) if raw else None
-            with lock:
-                seen.append({"method": self.command, "path": self.path, "headers": dict(self.headers), "body": body})
-                n = len(seen)
-            status, payload, delay = respond(n, self.path, body)
-            time.sleep(delay)
-            data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-            with contextlib.suppress(OSError):  # the client may have given up (timeouts)
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_port}/v1", seen
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(5)
 
 
 def _completion(text, finish="length", **choice):
