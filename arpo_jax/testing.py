@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
+
 # Tiny variants of each supported family. Every feature that differs between them is switched on somewhere:
 # q/k/v bias (qwen2), tied and untied embeddings, q/k norm with explicit head_dim (qwen3), llama3 RoPE scaling.
 TINY_VARIANTS = {
@@ -128,3 +130,22 @@ def scripted_server(respond):
         httpd.shutdown()
         httpd.server_close()
         thread.join(5)
+
+
+def assert_same_samples(a, b, atol: float = 1e-4) -> float:
+    """Two engines' `SampleResult`s: identical tokens / text / finish / stop string, top-k log-prob dicts of the same
+    size whose keys differ only by ties at the k-th rank; returns the largest log-prob difference on common keys."""
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids
+        assert (x.text, x.finish_reason, x.stop_string) == (y.text, y.finish_reason, y.stop_string)
+        assert len(x.top_logprobs) == len(y.top_logprobs) == min(20, len(x.token_ids))
+        for dx, dy in zip(x.top_logprobs, y.top_logprobs):
+            if dx.keys() != dy.keys():  # only a tie at the k-th rank may swap a key
+                lo_x, lo_y = min(dx.values()), min(dy.values())
+                assert abs(lo_x - lo_y) < atol
+                assert all(abs(dx[k] - lo_x) < atol for k in dx.keys() - dy.keys())
+                assert all(abs(dy[k] - lo_y) < atol for k in dy.keys() - dx.keys())
+            common = sorted(dx.keys() & dy.keys())
+            worst = max(worst, float(np.abs(np.subtract([dx[k] for k in common], [dy[k] for k in common])).max()))
+    return worst

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 import requests
 
-from arpo_jax import bpe
+from arpo_jax import bpe, testing
 from arpo_jax.eval.judge import LLMJudge, reply_says_correct
 from arpo_jax.rollout.agent_loop import RolloutConfig, greedy_settings, rollout, wrap_tool_result
 from arpo_jax.rollout.openai_sampler import OpenAISampler, OpenAIServerError, request_seed
@@ -206,24 +206,7 @@ def _parity_requests(tok):
             SampleRequest(rng.integers(3, len(tok), 30).tolist(), 12)]  # off-corpus tokens
 
 
-def _assert_same(a, b) -> float:
-    """Identical ids / text / finish / stop string; returns the largest top-k log-prob difference."""
-    worst = 0.0
-    for x, y in zip(a, b, strict=True):
-        assert x.token_ids == y.token_ids
-        assert (x.text, x.finish_reason, x.stop_string) == (y.text, y.finish_reason, y.stop_string)
-        assert len(x.top_logprobs) == len(y.top_logprobs) == min(20, len(x.token_ids))
-        for dx, dy in zip(x.top_logprobs, y.top_logprobs):
-            if dx.keys() != dy.keys():  # only a tie at the k-th rank may swap a key
-                assert abs(min(dx.values()) - min(dy.values())) < LOGPROB_ATOL
-            common = sorted(dx.keys() & dy.keys())
-            worst = max(worst, float(np.abs(np.subtract([dx[k] for k in common], [dy[k] for k in common])).max()))
-    return worst
-
-
 # -------------------------------------------------------------------------------------- scripted HTTP servers
-
-
 
 
 def _completion(text, finish="length", **choice):
@@ -401,7 +384,7 @@ def test_greedy_matches_the_jax_sampler(jax_reference, sampler, fitted):
     tok = fitted[0]
     requests_, jax_plain, _ = jax_reference
     got = sampler.generate(requests_, GREEDY)
-    worst = _assert_same(got, jax_plain)
+    worst = testing.assert_same_samples(got, jax_plain, LOGPROB_ATOL)
     print(f"max |OpenAI server - JAX| top-10 log-prob: {worst:.2e}")
     assert worst < LOGPROB_ATOL, worst
     assert [r.finish_reason for r in got[:4]] == ["stop", "eos", "length", "stop"]
@@ -419,7 +402,7 @@ def test_stop_string_straddling_token_borders(sampler, jax_reference, fitted):
     requests_, jax_plain, jax_straddle = jax_reference
     settings = SamplingSettings(temperature=0.0, stop=CLOSERS + (STRADDLE,), logprobs=10, logprob_positions=20)
     got = sampler.generate(requests_, settings)
-    _assert_same(got, jax_straddle)
+    testing.assert_same_samples(got, jax_straddle, LOGPROB_ATOL)
     r = got[0]
     assert (r.finish_reason, r.stop_string, r.text) == ("stop", STRADDLE, " <p")
     decoded = tok.decode(r.token_ids)
@@ -477,7 +460,7 @@ def test_text_prompt_format(sampler, fitted, vllm_server):
     assert all(tok.encode(tok.decode(r.token_ids)) == list(r.token_ids) for r in requests_)
     with OpenAISampler(vllm_server.url(), SERVED_NAME, tok, prompt_format="text") as text_sampler:
         got = text_sampler.generate(requests_, GREEDY)
-    _assert_same(got, sampler.generate(requests_, GREEDY))
+    testing.assert_same_samples(got, sampler.generate(requests_, GREEDY), LOGPROB_ATOL)
 
 
 @needs_vllm

@@ -36,7 +36,7 @@ import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import arpo_jax  # noqa: E402
-from arpo_jax import bpe, hf, quickstart  # noqa: E402
+from arpo_jax import bpe, hf, quickstart, testing  # noqa: E402
 from arpo_jax.models import CausalLM, Config  # noqa: E402
 from arpo_jax.rollout.agent_loop import RolloutConfig, greedy_settings, rollout, wrap_tool_result  # noqa: E402
 from arpo_jax.rollout.jax_sampler import JaxSampler  # noqa: E402
@@ -123,27 +123,9 @@ def _requests(tok):
             SampleRequest(rng.integers(3, len(tok), 30).tolist(), 12)]  # off-corpus tokens
 
 
-def _assert_same(a, b) -> float:
-    """Identical tokens / text / finish / stop string; returns the largest top-k log-prob difference."""
-    worst = 0.0
-    for x, y in zip(a, b, strict=True):
-        assert x.token_ids == y.token_ids
-        assert (x.text, x.finish_reason, x.stop_string) == (y.text, y.finish_reason, y.stop_string)
-        assert len(x.top_logprobs) == len(y.top_logprobs) == min(20, len(x.token_ids))
-        for dx, dy in zip(x.top_logprobs, y.top_logprobs):
-            if dx.keys() != dy.keys():  # only a tie at the k-th rank may swap a key
-                lo_x, lo_y = min(dx.values()), min(dy.values())
-                assert abs(lo_x - lo_y) < LOGPROB_ATOL
-                assert all(abs(dx[k] - lo_x) < LOGPROB_ATOL for k in dx.keys() - dy.keys())
-                assert all(abs(dy[k] - lo_y) < LOGPROB_ATOL for k in dy.keys() - dx.keys())
-            common = sorted(dx.keys() & dy.keys())
-            worst = max(worst, float(np.abs(np.subtract([dx[k] for k in common], [dy[k] for k in common])).max()))
-    return worst
-
-
 def _both(engines, requests, settings):
     got = {name: s.generate(requests, settings) for name, s in engines.items()}
-    worst = _assert_same(got["jax"], got["vllm"])
+    worst = testing.assert_same_samples(got["jax"], got["vllm"], LOGPROB_ATOL)
     assert worst < LOGPROB_ATOL, worst
     return got["jax"], worst
 
