@@ -13,6 +13,7 @@ Shape letters: B = sequences, T = response length, V = vocabulary, D = model wid
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -478,8 +479,12 @@ def token_logprobs_and_entropy_from_hidden(hidden: Array, unembed: Array, target
                                            chunk_size: int | None = 256) -> tuple[Array, Array]:
     """Like ``token_logprobs_and_entropy`` but from final hidden states and the unembedding matrix.
 
-    Logits are formed chunk by chunk along T (``bcd,dv->bcv`` with float32 accumulation) and rematerialised in
-    the backward pass, so the [B, T, V] logits are never materialised, forward or backward.
+    Logits are formed ``chunk_size`` positions at a time and never kept: the forward pass saves only two floats
+    per position (logsumexp and the mean logit under the softmax), and the backward pass recomputes each chunk's
+    logits once and applies the closed-form gradients (``d logp / dz = onehot - p``, ``dH / dz = -p (z - E_p[z])``)
+    instead of differentiating the softmax graph. Memory stays at [B, chunk, V] float32 forward and backward, for
+    the same four matmuls as rematerialisation and fewer passes over the chunk (half the time of autodiff through
+    a rematerialised scan on CPU, benchmarks/RESULTS.md).
 
     Args:
       hidden: [B, T, D] final (post-norm) hidden states.
@@ -491,11 +496,58 @@ def token_logprobs_and_entropy_from_hidden(hidden: Array, unembed: Array, target
     Returns:
       (logp [B, T], entropy [B, T]), float32.
     """
-    t = hidden.shape[1]
+    b, t, d = hidden.shape
+    size = t if chunk_size is None else max(1, min(int(chunk_size), t))
+    n = -(-t // size)
+    pad = n * size - t  # pad T to whole chunks; padded positions get zero cotangents and are cut off
+    h_nbcd = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, size, d).swapaxes(0, 1)
+    t_nbc = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, size).swapaxes(0, 1)
+    logp, ent = _fused_head(h_nbcd, unembed.T, t_nbc, float(temperature))
+    unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * size)[:, :t]
+    return unchunk(logp), unchunk(ent)
 
-    def chunk_fn(start, size):
-        h_bcd = jax.lax.dynamic_slice_in_dim(hidden, start, size, axis=1)
-        z_bcv = jnp.einsum("bcd,dv->bcv", h_bcd, unembed, preferred_element_type=jnp.float32) / temperature
-        return _logprob_entropy(z_bcv, jax.lax.dynamic_slice_in_dim(targets, start, size, axis=1))
 
-    return _chunked_over_time(chunk_fn, t, chunk_size)
+def _head_chunk(h_bcd: Array, w_vd: Array, targets_bc: Array, temperature: float):
+    """One chunk's float32 logits z [B, C, V] and log-sum-exp [B, C]."""
+    z = jnp.einsum("bcd,vd->bcv", h_bcd, w_vd, preferred_element_type=jnp.float32) / temperature
+    return z, jax.nn.logsumexp(z, axis=-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fused_head(h_nbcd, w_vd, targets_nbc, temperature):
+    return _fused_head_fwd(h_nbcd, w_vd, targets_nbc, temperature)[0]
+
+
+def _fused_head_fwd(h_nbcd, w_vd, targets_nbc, temperature):
+    def body(_, xs):
+        h, tg = xs
+        z, lse = _head_chunk(h, w_vd, tg, temperature)
+        mean_z = jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1)  # E_p[z]
+        logp = jnp.take_along_axis(z, tg[..., None], axis=-1)[..., 0] - lse
+        return None, (logp, lse - mean_z, lse, mean_z)
+
+    _, (logp, ent, lse, mean_z) = jax.lax.scan(body, None, (h_nbcd, targets_nbc))
+    return (logp, ent), (h_nbcd, w_vd, targets_nbc, lse, mean_z)
+
+
+def _fused_head_bwd(temperature, residuals, cotangents):
+    h_nbcd, w_vd, targets_nbc, lse_nbc, mean_z_nbc = residuals
+    d_logp_nbc, d_ent_nbc = cotangents
+
+    def body(d_w, xs):
+        h, tg, lse, mean_z, d_logp, d_ent = xs
+        z, _ = _head_chunk(h, w_vd, tg, temperature)
+        p = jnp.exp(z - lse[..., None])
+        onehot = jnp.arange(z.shape[-1]) == tg[..., None]
+        d_logp, d_ent, mean_z = d_logp[..., None], d_ent[..., None], mean_z[..., None]
+        d_z = jnp.where(onehot, d_logp, 0.0) - p * (d_logp + d_ent * (z - mean_z))
+        d_z = (d_z / temperature).astype(w_vd.dtype)
+        d_h = jnp.einsum("bcv,vd->bcd", d_z, w_vd, preferred_element_type=jnp.float32).astype(h.dtype)
+        return d_w + jnp.einsum("bcv,bcd->vd", d_z, h, preferred_element_type=jnp.float32), d_h
+
+    xs = (h_nbcd, targets_nbc, lse_nbc, mean_z_nbc, d_logp_nbc, d_ent_nbc)
+    d_w, d_h = jax.lax.scan(body, jnp.zeros(w_vd.shape, jnp.float32), xs)
+    return d_h, d_w.astype(w_vd.dtype), None
+
+
+_fused_head.defvjp(_fused_head_fwd, _fused_head_bwd)

@@ -58,6 +58,8 @@ def plan(model_cfg: models.Config, mesh_shape, update_cfg: ts.UpdateConfig, *, m
          seq: int) -> dict:
     """Per-device bytes of one optimizer step of [micro, rows, seq] on `mesh_shape`, compiled on this host."""
     mesh = sharding.make_mesh(mesh_shape)
+    if model_cfg.attention_impl is None:  # plan the accelerator's attention, not the CPU kernel of these fake devices
+        model_cfg = model_cfg.replace(attention_impl="xla")
     graphdef, abstract_state = nnx.split(models.abstract_model(model_cfg), nnx.Param)
     abstract_params = nnx.to_pure_dict(abstract_state)
     opt = ts.make_optimizer(update_cfg, 1000)

@@ -22,7 +22,8 @@ def get_config() -> ConfigDict:
     c.model.dtype = "bfloat16"  # compute dtype: float32 | bfloat16 | float16
     c.model.param_dtype = "float32"  # master weights / optimizer dtype
     c.model.remat = "full"  # activation checkpointing: none | full | dots | dots_no_batch (reference: grad-ckpt on)
-    c.model.attention_impl = ""  # "" = JAX picks (cuDNN on GPU when it can) | xla | cudnn
+    # "" = blockwise on CPU, else JAX picks (cuDNN on GPU when it can) | xla | cudnn | blockwise
+    c.model.attention_impl = ""
     c.model.ref_on_host = False  # keep the reference model's params in host memory (reference: param_offload)
 
     # ---------------------------------------------------------------- mesh

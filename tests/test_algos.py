@@ -533,17 +533,20 @@ def test_logprobs_bf16_input_computed_in_float32():
     np.testing.assert_allclose(ent, ref_ent, rtol=1e-5, atol=1e-5)
 
 
-def test_logprobs_from_hidden_matches_logits_values_and_gradients():
+@pytest.mark.parametrize("temperature,chunk", [(1.0, 4), (0.7, 4), (1.0, 9), (1.0, None)])
+def test_logprobs_from_hidden_matches_logits_values_and_gradients(temperature, chunk):
+    """The fused head (closed-form backward, chunks padded to whole blocks) against autodiff of full logits."""
     rng = np.random.default_rng(12)
     hidden = jnp.asarray(rng.normal(size=(2, 9, 8)), jnp.float32)
     unembed = jnp.asarray(rng.normal(size=(8, 13)), jnp.float32)
     targets = jnp.asarray(rng.integers(0, 13, size=(2, 9)))
 
     def via_logits(h, w):
-        return algos.token_logprobs_and_entropy(jnp.einsum("btd,dv->btv", h, w), targets, chunk_size=None)
+        return algos.token_logprobs_and_entropy(jnp.einsum("btd,dv->btv", h, w), targets, chunk_size=None,
+                                                temperature=temperature)
 
     def via_hidden(h, w):
-        return algos.token_logprobs_and_entropy_from_hidden(h, w, targets, chunk_size=4)
+        return algos.token_logprobs_and_entropy_from_hidden(h, w, targets, chunk_size=chunk, temperature=temperature)
 
     for a, b in zip(via_logits(hidden, unembed), jax.jit(via_hidden)(hidden, unembed)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

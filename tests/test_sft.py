@@ -211,9 +211,17 @@ def test_micro_batch_split_invariance(tiny):
     np.testing.assert_allclose(m1["grad_norm"], m2["grad_norm"], rtol=1e-5)
 
 
-def test_sharded_step_equals_single_device(tiny):
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_sharded_step_equals_single_device(tiny, optimizer):
+    """SGD(1) compares the gradients themselves; AdamW the sharded optimizer state. Adam's first step is about
+    lr * g / |g| per element, which turns float-rounding noise on near-zero gradients into differences up to lr,
+    hence its looser tolerance (measured: 1 of 8192 elements at 1.3e-5 with lr 1e-3)."""
     _, _, examples = tiny
-    opt = ts.make_optimizer(ts.UpdateConfig(lr=1e-3, schedule="cosine", warmup_steps=0, weight_decay=0.0), 10)
+    if optimizer == "sgd":
+        opt, atol = optax.sgd(1.0), 1e-6
+    else:
+        opt = ts.make_optimizer(ts.UpdateConfig(lr=1e-3, schedule="cosine", warmup_steps=0, weight_decay=0.0), 10)
+        atol = 5e-5
     batch = _batch(examples, rows=8)
     ref, ref_m = _run(tiny, batch, opt)
     mesh = sharding.make_mesh((1, 8, 1))
@@ -221,7 +229,7 @@ def test_sharded_step_equals_single_device(tiny):
     new, m = _run(tiny, sft_lib.to_global(batch, batch_sh), opt, mesh)
     assert not new.params["lm_head"]["weight"].sharding.is_fully_replicated
     for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(ref.params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=3e-6, rtol=0)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol, rtol=0)
     for k in ref_m:
         np.testing.assert_allclose(m[k], ref_m[k], rtol=1e-4, atol=1e-6, err_msg=k)
 

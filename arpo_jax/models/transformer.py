@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from arpo_jax.models.attention import blockwise_causal_attention
 from arpo_jax.sharding import constrain
 
 REMAT_POLICIES = {
@@ -31,7 +32,7 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-ATTENTION_IMPLS = (None, "xla", "cudnn")
+ATTENTION_IMPLS = (None, "xla", "cudnn", "blockwise")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -71,7 +72,9 @@ class Config:
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"  # storage dtype of params (and of their gradients / optimizer moments)
     remat: str = "none"  # one of REMAT_POLICIES
-    attention_impl: str | None = None  # None: let JAX choose (cuDNN on GPU when it can), "xla", "cudnn"
+    # None: blockwise on CPU, else JAX chooses (cuDNN on GPU when it can); or "xla", "cudnn", "blockwise"
+    # (`attention.blockwise_causal_attention`, for training-time self-attention; cached decoding uses JAX's).
+    attention_impl: str | None = None
     sharding_rules: str = "fsdp_tp"  # name of a table in arpo_jax.sharding.RULES
 
     def __post_init__(self):
@@ -219,15 +222,20 @@ class Attention(nnx.Module):
         k = constrain(k, ("batch", "seq", "act_kv_heads", None), cfg.sharding_rules)
         return q, k, v
 
-    def attend(self, q, k, v, mask):
-        # mask: [B, 1, T, S] bool. GQA is native: K kv heads serve N query heads.
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=self.cfg.head_dim ** -0.5,
-                                           implementation=self.cfg.attention_impl)
+    def attend(self, q, k, v, mask, *, causal_self: bool = False):
+        """mask: [B, 1, T, S] bool. GQA is native: K kv heads serve N query heads. `causal_self`: S == T and the
+        mask is causal (the training forward), where the blockwise kernel may be used."""
+        impl, scale = self.cfg.attention_impl, self.cfg.head_dim ** -0.5
+        if causal_self and (impl == "blockwise" or (impl is None and jax.default_backend() == "cpu")):
+            out = blockwise_causal_attention(q, k, v, mask, scale=scale)
+        else:
+            impl = None if impl == "blockwise" else impl
+            out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=impl)
         return self.o_proj(out)  # [B, T, D]
 
     def __call__(self, x, positions, mask):
         q, k, v = self.qkv(x, positions)
-        return self.attend(q, k, v, mask)
+        return self.attend(q, k, v, mask, causal_self=True)
 
 
 class MLP(nnx.Module):
