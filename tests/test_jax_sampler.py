@@ -308,3 +308,24 @@ def test_sharded_equals_unsharded(tiny_hf_dir, tokenizer):
     got = sharded.generate(reqs[:2], GREEDY)
     assert sharded.last_stats["reused_tokens"] > 0
     _assert_same_results(got, single.generate([SampleRequest(r.token_ids, 6) for r in reqs[:2]], GREEDY))
+
+
+def test_top_k_alone_cuts_everything_past_the_kth_token():
+    """Regression: with top_p = 1 the nucleus rule `cumsum(p) - p < 1` also kept the zero-probability tokens past
+    the k-th whenever the float cumsum of the top k ended below 1, so top-k sampled from the whole vocabulary."""
+    import jax.numpy as jnp
+
+    from arpo_jax.rollout.jax_sampler import process_logits
+
+    logits = jnp.asarray(np.random.RandomState(0).randn(4, 600).astype(np.float32) * 3)
+    allowed = jnp.asarray(np.arange(600) < 520)
+    for top_k, top_p in ((3, 1.0), (3, 0.999), (40, 1.0)):
+        z = process_logits(logits, allowed, jnp.float32(0.5), jnp.int32(top_k), jnp.float32(top_p), greedy=False,
+                           truncate=True)
+        kept = np.isfinite(np.asarray(z))
+        if top_p == 1.0:
+            assert (kept.sum(-1) == top_k).all()
+        masked = np.where(np.asarray(allowed)[None], np.asarray(logits), -np.inf)
+        assert ((kept.sum(-1) >= 1) & (kept.sum(-1) <= top_k)).all()
+        best = [set(np.argsort(-r)[:c]) for r, c in zip(masked, kept.sum(-1))]
+        assert [set(np.flatnonzero(k)) for k in kept] == best

@@ -90,9 +90,11 @@ def process_logits(logits, allowed, temperature, top_k, top_p, *, greedy: bool, 
         v = z.shape[-1]
         desc = -jnp.sort(-z, axis=-1)  # [B, V]
         k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-        desc = jnp.where(jnp.arange(v)[None] < k, desc, -jnp.inf)
+        in_top_k = jnp.arange(v)[None] < k
+        desc = jnp.where(in_top_k, desc, -jnp.inf)
         p = jax.nn.softmax(desc, axis=-1)
-        keep = (jnp.cumsum(p, axis=-1) - p) < top_p
+        # in_top_k again: past the k-th token p is 0, and a float cumsum that ends below 1 would keep them all.
+        keep = ((jnp.cumsum(p, axis=-1) - p) < top_p) & in_top_k
         keep = keep.at[:, 0].set(True)
         thresh = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)  # smallest kept logit
         z = jnp.where(z < thresh, -jnp.inf, z)
