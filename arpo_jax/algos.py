@@ -507,10 +507,9 @@ def token_logprobs_and_entropy_from_hidden(hidden: Array, unembed: Array, target
     return unchunk(logp), unchunk(ent)
 
 
-def _head_chunk(h_bcd: Array, w_vd: Array, targets_bc: Array, temperature: float):
-    """One chunk's float32 logits z [B, C, V] and log-sum-exp [B, C]."""
-    z = jnp.einsum("bcd,vd->bcv", h_bcd, w_vd, preferred_element_type=jnp.float32) / temperature
-    return z, jax.nn.logsumexp(z, axis=-1)
+def _chunk_logits(h_bcd: Array, w_vd: Array, temperature: float) -> Array:
+    """One chunk's float32 logits z [B, C, V]."""
+    return jnp.einsum("bcd,vd->bcv", h_bcd, w_vd, preferred_element_type=jnp.float32) / temperature
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -521,7 +520,8 @@ def _fused_head(h_nbcd, w_vd, targets_nbc, temperature):
 def _fused_head_fwd(h_nbcd, w_vd, targets_nbc, temperature):
     def body(_, xs):
         h, tg = xs
-        z, lse = _head_chunk(h, w_vd, tg, temperature)
+        z = _chunk_logits(h, w_vd, temperature)
+        lse = jax.nn.logsumexp(z, axis=-1)
         mean_z = jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1)  # E_p[z]
         logp = jnp.take_along_axis(z, tg[..., None], axis=-1)[..., 0] - lse
         return None, (logp, lse - mean_z, lse, mean_z)
@@ -536,7 +536,7 @@ def _fused_head_bwd(temperature, residuals, cotangents):
 
     def body(d_w, xs):
         h, tg, lse, mean_z, d_logp, d_ent = xs
-        z, _ = _head_chunk(h, w_vd, tg, temperature)
+        z = _chunk_logits(h, w_vd, temperature)
         p = jnp.exp(z - lse[..., None])
         onehot = jnp.arange(z.shape[-1]) == tg[..., None]
         d_logp, d_ent, mean_z = d_logp[..., None], d_ent[..., None], mean_z[..., None]
