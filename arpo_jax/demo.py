@@ -15,6 +15,10 @@ Everything is built offline in the work directory, then the real commands' code 
               held-out question with real tool calls, printed as a transcript.
   6. report   PNG plots of the curves, example trajectories with their branching trees, summary.json; the last
               line printed is the summary as JSON.
+
+Layout: `data/`, `model/` and `sft/` in the work dir are shared; steps 4-6 write to `<workdir>/<algo>/`. Every phase
+resumes, so a second run with another `--algo` in the same work dir starts from the same SFT model
+(`benchmarks/demo_seeds.py` compares ARPO with GRPO that way).
 """
 
 from __future__ import annotations
@@ -44,14 +48,17 @@ class DemoSize:
     train_prompts: int
     val_prompts: int
     test_freq: int
-    guess_fraction: float = 0.3  # share of cold-start conversations that skip the tools and guess
+    # Share of cold-start conversations that skip the tools and guess, per task kind (toy.DATA_SOURCES order).
+    guess_fractions: tuple[float, float, float] = (0.3, 0.3, 0.3)
 
 
-# FULL is not tuned yet: on this 2-core machine its SFT model (loss 0.58) answers 0% of the validation questions and
-# an RL step of 64 trajectories takes about a minute, so 30 steps neither fit 15 minutes nor show learning. What the
-# SFT needs is optimizer steps: a 128x2 model at batch 8 only learns to copy operands and names after ~500 steps
-# (loss 0.56 plateau -> 0.21 at 1200 steps, 0.23 s/step; see the demo issue's notes). QUICK is the CI smoke run.
-FULL = DemoSize(hidden_size=256, num_layers=4, sft_examples=480, sft_epochs=2, rl_steps=30, train_prompts=256,
+# FULL is sized by what the cold-start SFT needs on 2 cores: a from-scratch model only learns to *copy* (operands
+# into the Python call, names into the search query, results into the answer) after ~500 optimizer steps, and keeps
+# improving to ~2000: 480 conversations x 34 epochs at 8 a step (0.22 s a step at 128x2) -> loss 0.11, 21% of the
+# validation questions solved greedily (arithmetic 50%). Measured and worse per unit of time (benchmarks/RESULTS.md,
+# "Demo"): a 256x4 model, 4 conversations a step, tied embeddings, more distinct conversations (720 x 23 epochs,
+# 14,400 x 1) at the same number of steps. RL: 30 steps of 8 prompts x n 8, 7-9 s each.
+FULL = DemoSize(hidden_size=128, num_layers=2, sft_examples=480, sft_epochs=34, rl_steps=30, train_prompts=240,
                 val_prompts=48, test_freq=10)
 QUICK = DemoSize(hidden_size=128, num_layers=2, sft_examples=64, sft_epochs=1, rl_steps=2, train_prompts=32,
                  val_prompts=6, test_freq=2)
@@ -82,7 +89,7 @@ def write_data(directory: Path, size: DemoSize, seed: int, *, max_results: int, 
     for task in toy.toy_tasks("sft", size.sft_examples, seed):
         steps = tuple((tool, q, search.execute(q) if tool == "search" else r) for tool, q, r in task.steps)
         task = dataclasses.replace(task, steps=steps)
-        guess = rng.random() < size.guess_fraction
+        guess = rng.random() < size.guess_fractions[toy.DATA_SOURCES.index(task.data_source)]
         answer = toy.guess_text(task, rng) if guess else toy.solution_text(task)
         rows.append({"messages": [{"role": "system", "content": toy.SYSTEM_PROMPT},
                                   {"role": "user", "content": task.question},
@@ -110,11 +117,11 @@ def demo_config(model: Path, size: DemoSize, algo: str, seed: int):
         cfg.seed = seed
         cfg.model.path = str(model)
         cfg.data.val_max_samples = 0
-        cfg.data.max_response_length = 192  # a two-hop solution: two searches, one Python call, the answer
+        cfg.data.max_response_length = 256  # a two-hop solution (two searches, one Python call, the answer) is ~200
         cfg.tools.search.max_results = 2  # short results keep the contexts (and the CPU time) small
         cfg.data.train_batch_size = 8
         cfg.actor.ppo_mini_batch_size = 4
-        cfg.actor.lr = 2e-5
+        cfg.actor.lr = 1e-4  # 5e-4 drifts: the validation accuracy halved within 10 steps
         cfg.actor.warmup_steps = 0
         cfg.rollout.n = 8
         cfg.rollout.initial_rollouts = 4
@@ -127,8 +134,9 @@ def demo_config(model: Path, size: DemoSize, algo: str, seed: int):
             cfg.actor.loss = "aepo"
             cfg.actor.entropy_adv = True
         cfg.sft.epochs = size.sft_epochs
-        cfg.sft.lr = 2e-3
+        cfg.sft.lr = 3e-3  # from scratch: a pretrained model's 7e-6 would not move it
         cfg.sft.batch_size = 8
+        cfg.sft.max_token_len_per_device = 1024  # ~3 packed rows a step: the CPU's best step time per conversation
         cfg.sft.warmup_ratio = 0.05
         cfg.trainer.max_steps = size.rl_steps
         cfg.trainer.test_freq = size.test_freq
@@ -256,7 +264,12 @@ def _val_summary(record: dict) -> dict:
 
 def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "arpo", seed: int = 0,
              vllm: bool | None = None) -> dict:
-    """The whole demo in `workdir` (module docstring); returns the summary (also `workdir/summary.json`)."""
+    """The whole demo in `workdir` (module docstring); returns the summary (also `workdir/<algo>/summary.json`).
+
+    The data, the model and the SFT live in `workdir` itself and every phase resumes, so running the demo again with
+    another `algo` in the same work dir reuses the SFT model and compares the algorithms from the same start; each
+    algorithm's RL run, plots, transcript and summary go to `workdir/<algo>/`.
+    """
     from arpo_jax import metrics, sft, trainer
     from arpo_jax.data import toy
 
@@ -264,6 +277,7 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
         raise ValueError(f"--algo={algo!r}; allowed: {', '.join(ALGOS)}")
     size = QUICK if quick else FULL
     workdir = Path(workdir).absolute()
+    out = workdir / algo
     times = {}
     t0 = time.perf_counter()
 
@@ -277,19 +291,22 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     times["setup"] = time.perf_counter() - t0
 
     t = time.perf_counter()
-    _log(f"2/6 cold-start SFT: {size.sft_examples} conversations ({size.guess_fraction:.0%} guess without tools), "
-         f"{size.sft_epochs} epoch(s)")
+    guesses = ", ".join(f"{k.removeprefix('toy_')} {g:.0%}" for k, g in zip(toy.DATA_SOURCES, size.guess_fractions))
+    _log(f"2/6 cold-start SFT: {size.sft_examples} conversations (guessing without tools: {guesses}), "
+         f"{size.sft_epochs} epoch(s) of {cfg.sft.batch_size} a step (resumed when {workdir / 'sft'} has it)")
     sft_summary = sft.run_sft(cfg, workdir / "sft")
+    _log(f"   SFT loss {sft_summary['final_loss']:.3f} after {sft_summary['steps']} steps")
     times["sft"] = time.perf_counter() - t
 
     t = time.perf_counter()
     _log(f"3/6 {algo.upper()} from the SFT model: {size.rl_steps} steps of {cfg.data.train_batch_size} prompts x "
-         f"n={cfg.rollout.n}; validation before and every {size.test_freq} steps")
+         f"n={cfg.rollout.n}; greedy validation on {size.val_prompts} held-out questions before the first step (the "
+         f"SFT baseline) and every {size.test_freq} steps")
     with cfg.unlocked():
         cfg.model.init_checkpoint = sft_summary["checkpoint_dir"]
-    rl_summary = trainer.train(cfg, workdir / "rl")
+    rl_summary = trainer.train(cfg, out / "rl")
     times["rl"] = time.perf_counter() - t
-    records = metrics.read_jsonl(workdir / "rl" / "metrics.jsonl")
+    records = metrics.read_jsonl(out / "rl" / "metrics.jsonl")
     vals = [r for r in records if "val/accuracy" in r]
     baseline, final = vals[0], vals[-1]
     train_records = [r for r in records if "reward/mean" in r]
@@ -306,31 +323,42 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
         tr["gold"] = question.answer
         transcripts.append(tr)
         print(f"--- {engine} ---\n{format_transcript(tr)}\n(gold answer: {question.answer})", flush=True)
-    (workdir / "transcript.json").write_text(json.dumps(transcripts, indent=2))
+    (out / "transcript.json").write_text(json.dumps(transcripts, indent=2))
     times["transcript"] = time.perf_counter() - t
 
     _log("5/6 plots")
-    plots = plot_curves(workdir / "rl" / "metrics.jsonl", workdir / "plots")
+    plots = plot_curves(out / "rl" / "metrics.jsonl", out / "plots")
     times["total"] = time.perf_counter() - t0
 
-    calls = lambda r: r.get("tools/calls_per_trajectory/mean")
+    # One step is only train_batch_size prompts of a random mix of kinds: average the first and the last few steps.
+    edge = max(1, min(5, len(train_records) // 2))
+    mean_of = lambda rs, key: round(float(np.mean([r[key] for r in rs])), 4) if rs else None
     summary = {
         "algo": algo, "seed": seed, "quick": quick,
         "baseline_val_accuracy": round(baseline["val/accuracy"], 4),
         "final_val_accuracy": round(final["val/accuracy"], 4),
         "baseline_val": _val_summary(baseline), "final_val": _val_summary(final),
-        "train_reward_first": train_records[0]["reward/mean"] if train_records else None,
-        "train_reward_last": train_records[-1]["reward/mean"] if train_records else None,
-        "tool_calls_per_trajectory_first": calls(train_records[0]) if train_records else None,
-        "tool_calls_per_trajectory_last": calls(train_records[-1]) if train_records else None,
+        "train_steps_averaged": edge,  # the *_first / *_last values are means over this many steps
+        "train_reward_first": mean_of(train_records[:edge], "reward/mean"),
+        "train_reward_last": mean_of(train_records[-edge:], "reward/mean"),
+        "tool_calls_per_trajectory_first": mean_of(train_records[:edge], "tools/calls_per_trajectory/mean"),
+        "tool_calls_per_trajectory_last": mean_of(train_records[-edge:], "tools/calls_per_trajectory/mean"),
         "heldout_correct": [t["gold"] in t["response"] for t in transcripts],
         "wall_s": {k: round(v, 1) for k, v in times.items()},
-        "outputs": {"workdir": str(workdir), "metrics": str(workdir / "rl" / "metrics.jsonl"),
-                    "trajectories": str(workdir / "rl" / "trajectories.jsonl"), "plots": plots[0],
-                    "hf_model": rl_summary["hf_export"], "transcript": str(workdir / "transcript.json")},
+        "outputs": {"workdir": str(workdir), "metrics": str(out / "rl" / "metrics.jsonl"),
+                    "trajectories": str(out / "rl" / "trajectories.jsonl"), "plots": plots[0],
+                    "hf_model": rl_summary["hf_export"], "transcript": str(out / "transcript.json")},
     }
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-    _log(f"6/6 validation accuracy {summary['baseline_val_accuracy']:.2f} (SFT) -> {summary['final_val_accuracy']:.2f} "
-         f"(after {size.rl_steps} {algo.upper()} steps); curves: {plots[0]}; trajectories with branching trees: "
-         f"{summary['outputs']['trajectories']}; TensorBoard: tensorboard --logdir {workdir / 'rl' / 'tensorboard'}")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    per_kind = ", ".join(f"{k.split('/')[1].removeprefix('toy_')} {summary['baseline_val'].get(k, 0):.2f} -> "
+                         f"{summary['final_val'].get(k, 0):.2f}" for k in summary["final_val"] if "mean@1" in k)
+    _log(f"6/6 greedy validation accuracy {summary['baseline_val_accuracy']:.2f} (the SFT model) -> "
+         f"{summary['final_val_accuracy']:.2f} after {size.rl_steps} {algo.upper()} steps (mean reward per kind: "
+         f"{per_kind}); tool calls per training trajectory {summary['tool_calls_per_trajectory_first'] or 0:.2f} "
+         f"-> {summary['tool_calls_per_trajectory_last'] or 0:.2f}, training reward "
+         f"{summary['train_reward_first'] or 0:.2f} -> {summary['train_reward_last'] or 0:.2f} (first / last {edge} "
+         f"steps)\n"
+         f"   curves: {plots[0]}\n   trajectories with branching trees: {summary['outputs']['trajectories']}\n"
+         f"   TensorBoard: tensorboard --logdir {out / 'rl' / 'tensorboard'}\n"
+         f"   the trained model (HF folder): {summary['outputs']['hf_model']}; summary: {out / 'summary.json'}")
     return summary

@@ -34,28 +34,52 @@ def quick_demo(tmp_path_factory):
 def test_quick_demo_runs_every_phase(quick_demo):
     workdir, stdout = quick_demo
     summary = json.loads(stdout.strip().splitlines()[-1])  # the last line is the summary
-    assert summary == json.loads((workdir / "summary.json").read_text())
+    out = workdir / "arpo"  # the RL run's outputs; data, model and SFT are shared by the algorithms in workdir
+    assert summary == json.loads((out / "summary.json").read_text())
     for phase in ("setup", "sft", "rl", "transcript", "total"):
         assert summary["wall_s"][phase] >= 0
-    records = [json.loads(line) for line in (workdir / "rl" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     vals = [r for r in records if "val/accuracy" in r]
     assert vals[0]["step"] == 0 and vals[-1]["step"] == 2  # the SFT baseline, then after the RL steps
     assert summary["baseline_val_accuracy"] == round(vals[0]["val/accuracy"], 4)
     assert summary["final_val_accuracy"] == round(vals[-1]["val/accuracy"], 4)
+    train = [r for r in records if "reward/mean" in r]
+    edge = summary["train_steps_averaged"]
+    assert len(train) == 2 and edge == 1
+    assert summary["tool_calls_per_trajectory_last"] == round(train[-1]["tools/calls_per_trajectory/mean"], 4)
+    assert summary["train_reward_first"] == round(train[0]["reward/mean"], 4)
     for key in ("val/toy_arith/reward/mean@1", "val/toy_lookup/reward/mean@1", "val/toy_twohop/reward/mean@1"):
         assert key in summary["final_val"]
     for name in ("curves.png", "val_accuracy.png", "reward_mean.png", "tools_calls_per_trajectory_mean.png",
                  "actor_entropy.png", "rollout_branches_per_prompt.png"):
-        assert (workdir / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    trajectories = [json.loads(line) for line in (workdir / "rl" / "trajectories.jsonl").read_text().splitlines()]
+        assert (out / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trajectories = [json.loads(line) for line in (out / "rl" / "trajectories.jsonl").read_text().splitlines()]
     assert trajectories and all("nodes" in t["tree"] for t in trajectories)
-    transcript = json.loads((workdir / "transcript.json").read_text())
+    transcript = json.loads((out / "transcript.json").read_text())
     assert transcript[0]["engine"] == "transformers" and transcript[0]["question"]
-    assert (workdir / "rl" / "hf" / "config.json").exists() and (workdir / "sft" / "checkpoints").is_dir()
+    assert (out / "rl" / "hf" / "config.json").exists() and (workdir / "sft" / "checkpoints").is_dir()
     sft_rows = [json.loads(line) for line in (workdir / "data" / "sft.jsonl").read_text().splitlines()]
     guesses = sum("I think the answer is" in r["messages"][-1]["content"] for r in sft_rows)
     assert 0 < guesses < len(sft_rows)  # deliberately imperfect cold-start data
     assert "--- transformers ---" in stdout and "validation accuracy" in stdout
+
+
+def test_second_algorithm_reuses_the_sft_model(quick_demo):
+    """`--algo grpo` in the same work dir resumes data, model and SFT (no new SFT step), so both algorithms start
+    from the same model: the greedy SFT baseline validation is the same number."""
+    workdir, _ = quick_demo
+    sft_lines = (workdir / "sft" / "metrics.jsonl").read_text().splitlines()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "arpo_jax.cli", "demo", "--quick", "--algo=grpo",
+                           f"--workdir={workdir}"], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    grpo = json.loads(proc.stdout.strip().splitlines()[-1])
+    arpo = json.loads((workdir / "arpo" / "summary.json").read_text())
+    assert grpo == json.loads((workdir / "grpo" / "summary.json").read_text())
+    assert (workdir / "sft" / "metrics.jsonl").read_text().splitlines() == sft_lines  # SFT not re-run
+    assert grpo["baseline_val"] == arpo["baseline_val"]
+    records = [json.loads(line) for line in (workdir / "grpo" / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["rollout/branches"] == 0 for r in records if "rollout/branches" in r)  # GRPO never branches
 
 
 def test_guess_and_solution_scores():
