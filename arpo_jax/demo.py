@@ -48,8 +48,7 @@ class DemoSize:
     train_prompts: int
     val_prompts: int
     test_freq: int
-    # Share of cold-start conversations that skip the tools and guess, per task kind (toy.DATA_SOURCES order).
-    guess_fractions: tuple[float, float, float] = (0.3, 0.3, 0.3)
+    guess_fraction: float = 0.3  # share of cold-start conversations that skip the tools and guess
 
 
 # FULL is sized by what the cold-start SFT needs on 2 cores: a from-scratch model only learns to *copy* (operands
@@ -89,7 +88,7 @@ def write_data(directory: Path, size: DemoSize, seed: int, *, max_results: int, 
     for task in toy.toy_tasks("sft", size.sft_examples, seed):
         steps = tuple((tool, q, search.execute(q) if tool == "search" else r) for tool, q, r in task.steps)
         task = dataclasses.replace(task, steps=steps)
-        guess = rng.random() < size.guess_fractions[toy.DATA_SOURCES.index(task.data_source)]
+        guess = rng.random() < size.guess_fraction
         answer = toy.guess_text(task, rng) if guess else toy.solution_text(task)
         rows.append({"messages": [{"role": "system", "content": toy.SYSTEM_PROMPT},
                                   {"role": "user", "content": task.question},
@@ -291,8 +290,7 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     times["setup"] = time.perf_counter() - t0
 
     t = time.perf_counter()
-    guesses = ", ".join(f"{k.removeprefix('toy_')} {g:.0%}" for k, g in zip(toy.DATA_SOURCES, size.guess_fractions))
-    _log(f"2/6 cold-start SFT: {size.sft_examples} conversations (guessing without tools: {guesses}), "
+    _log(f"2/6 cold-start SFT: {size.sft_examples} conversations ({size.guess_fraction:.0%} guess without tools), "
          f"{size.sft_epochs} epoch(s) of {cfg.sft.batch_size} a step (resumed when {workdir / 'sft'} has it)")
     sft_summary = sft.run_sft(cfg, workdir / "sft")
     _log(f"   SFT loss {sft_summary['final_loss']:.3f} after {sft_summary['steps']} steps")

@@ -9,7 +9,8 @@ GRPO spends the budget on independent rollouts, ARPO branches at tool calls.
 
 Prints one line per run, then per algorithm the mean and spread (sample std, min..max) over seeds of the SFT
 baseline and final greedy validation accuracy, their difference, and the tool calls per training trajectory over the
-last 10 RL steps; the last line is all of it as JSON. Wall times are per run (the first run of a seed includes SFT).
+last 5 RL steps (the demo summary's); the last line is all of it as JSON. Wall times are per run (the first run of a
+seed includes SFT).
 """
 
 from __future__ import annotations
@@ -19,13 +20,7 @@ import json
 import statistics
 from pathlib import Path
 
-from arpo_jax import demo, metrics
-
-
-def tool_calls_last(metrics_file: str, last: int = 10) -> float:
-    """Mean tool calls per training trajectory over the last `last` RL steps (one step's batch is only 8 prompts)."""
-    records = [r for r in metrics.read_jsonl(metrics_file) if "tools/calls_per_trajectory/mean" in r]
-    return statistics.fmean(r["tools/calls_per_trajectory/mean"] for r in records[-last:])
+from arpo_jax import demo
 
 
 def spread(values: list[float]) -> dict:
@@ -46,7 +41,7 @@ def main() -> None:
         for algo in args.algos:
             s = demo.run_demo(Path(args.workdir) / f"seed{seed}", algo=algo, seed=seed, vllm=False)
             run = {"seed": seed, "algo": algo, "baseline": s["baseline_val_accuracy"],
-                   "final": s["final_val_accuracy"], "tool_calls": round(tool_calls_last(s["outputs"]["metrics"]), 3),
+                   "final": s["final_val_accuracy"], "tool_calls": s["tool_calls_per_trajectory_last"],
                    "wall_s": s["wall_s"]}
             runs.append(run)
             print("RUN " + json.dumps(run), flush=True)
