@@ -5,7 +5,8 @@ Everything is built offline in the work directory, then the real commands' code 
   1. data     synthetic tasks (`arpo_jax.data.toy`): arithmetic that needs <python>, lookups of invented facts that
               need <search> (offline BM25 over a generated corpus), two-hop questions that need both; rendered with
               the reference system prompt and tags, scored by the reference reward (`deep_research`) unchanged.
-              Cold-start conversations are deliberately imperfect: a share of them skip the tools and guess.
+              Cold-start conversations are deliberately imperfect: most of them make one typical agent mistake
+              (`toy.flawed_text`: the wrong operation, the wrong result page, no final Python call).
   2. model    a byte-level BPE tokenizer trained on the task corpus and a small random Qwen2 (head_dim 32, so vLLM
               can serve it), saved as an HF folder.
   3. sft      cold-start SFT (`arpo_jax.sft`) on those conversations.
@@ -48,15 +49,17 @@ class DemoSize:
     train_prompts: int
     val_prompts: int
     test_freq: int
-    guess_fraction: float = 0.3  # share of cold-start conversations that skip the tools and guess
+    flaw_fraction: float = 0.6  # share of cold-start conversations with a typical mistake (toy.flawed_text)
 
 
 # FULL is sized by what the cold-start SFT needs on 2 cores: a from-scratch model only learns to *copy* (operands
 # into the Python call, names into the search query, results into the answer) after ~500 optimizer steps, and keeps
-# improving to ~2000: 480 conversations x 34 epochs at 8 a step (0.22 s a step at 128x2) -> loss 0.11, 21% of the
-# validation questions solved greedily (arithmetic 50%). Measured and worse per unit of time (benchmarks/RESULTS.md,
-# "Demo"): a 256x4 model, 4 conversations a step, tied embeddings, more distinct conversations (720 x 23 epochs,
-# 14,400 x 1) at the same number of steps. RL: 30 steps of 8 prompts x n 8, 7-9 s each.
+# improving to ~2000: 480 conversations x 34 epochs at 8 a step (128x2: 0.22 s a step on the machine of the first
+# measurements, 0.53 s on a slower 2-core AVX2 one). Measured and worse per unit of time (benchmarks/RESULTS.md,
+# "Demo"): a 256x4 model, 4 conversations a step, tied embeddings, more distinct conversations at the same number
+# of steps. 60% flawed conversations: greedy decoding then makes the mistake on most questions while sampling
+# solves some, which is the gap RL closes (guessing without tools instead broke the copy skill that the tool
+# answers need). RL: 30 steps of 8 prompts x n 8, 7-9 s each (15-20 s on the slower machine).
 FULL = DemoSize(hidden_size=128, num_layers=2, sft_examples=480, sft_epochs=34, rl_steps=30, train_prompts=240,
                 val_prompts=48, test_freq=10)
 QUICK = DemoSize(hidden_size=128, num_layers=2, sft_examples=64, sft_epochs=1, rl_steps=2, train_prompts=32,
@@ -83,13 +86,12 @@ def write_data(directory: Path, size: DemoSize, seed: int, *, max_results: int, 
 
     directory.mkdir(parents=True, exist_ok=True)
     search = LocalSearchTool(documents=toy.corpus(), max_results=max_results, result_length=result_length)
-    rng = np.random.default_rng([seed, 11])
+    rng = np.random.default_rng([seed, 11])  # which conversations are flawed
     rows = []
     for task in toy.toy_tasks("sft", size.sft_examples, seed):
         steps = tuple((tool, q, search.execute(q) if tool == "search" else r) for tool, q, r in task.steps)
         task = dataclasses.replace(task, steps=steps)
-        guess = rng.random() < size.guess_fraction
-        answer = toy.guess_text(task, rng) if guess else toy.solution_text(task)
+        answer = toy.flawed_text(task) if rng.random() < size.flaw_fraction else toy.solution_text(task)
         rows.append({"messages": [{"role": "system", "content": toy.SYSTEM_PROMPT},
                                   {"role": "user", "content": task.question},
                                   {"role": "assistant", "content": answer}]})
@@ -290,10 +292,13 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     times["setup"] = time.perf_counter() - t0
 
     t = time.perf_counter()
-    _log(f"2/6 cold-start SFT: {size.sft_examples} conversations ({size.guess_fraction:.0%} guess without tools), "
+    _log(f"2/6 cold-start SFT: {size.sft_examples} conversations ({size.flaw_fraction:.0%} with a typical mistake), "
          f"{size.sft_epochs} epoch(s) of {cfg.sft.batch_size} a step (resumed when {workdir / 'sft'} has it)")
     sft_summary = sft.run_sft(cfg, workdir / "sft")
-    _log(f"   SFT loss {sft_summary['final_loss']:.3f} after {sft_summary['steps']} steps")
+    if sft_summary["start_step"] == sft_summary["steps"]:  # resumed a finished SFT: no loss to report
+        _log(f"   SFT model reused from {sft_summary['checkpoint_dir']} ({sft_summary['steps']} steps)")
+    else:
+        _log(f"   SFT loss {sft_summary['final_loss']:.3f} after {sft_summary['steps']} steps")
     times["sft"] = time.perf_counter() - t
 
     t = time.perf_counter()

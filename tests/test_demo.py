@@ -4,13 +4,14 @@ The quick run is a smoke run: 2 RL steps cannot show learning (benchmarks/RESULT
 phase must run and leave its outputs, and the summary must be consistent with the metrics it came from.
 """
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from arpo_jax import rewards
@@ -59,8 +60,10 @@ def test_quick_demo_runs_every_phase(quick_demo):
     assert transcript[0]["engine"] == "transformers" and transcript[0]["question"]
     assert (out / "rl" / "hf" / "config.json").exists() and (workdir / "sft" / "checkpoints").is_dir()
     sft_rows = [json.loads(line) for line in (workdir / "data" / "sft.jsonl").read_text().splitlines()]
-    guesses = sum("I think the answer is" in r["messages"][-1]["content"] for r in sft_rows)
-    assert 0 < guesses < len(sft_rows)  # deliberately imperfect cold-start data
+    tasks = toy.toy_tasks("sft", len(sft_rows), 0)
+    assert [r["messages"][1]["content"] for r in sft_rows] == [t.question for t in tasks]
+    flawed = sum(f"\\boxed{{{t.answer}}}" not in r["messages"][-1]["content"] for r, t in zip(sft_rows, tasks))
+    assert 0 < flawed < len(sft_rows)  # deliberately imperfect cold-start data
     assert "--- transformers ---" in stdout and "validation accuracy" in stdout
 
 
@@ -82,16 +85,34 @@ def test_second_algorithm_reuses_the_sft_model(quick_demo):
     assert all(r["rollout/branches"] == 0 for r in records if "rollout/branches" in r)  # GRPO never branches
 
 
-def test_guess_and_solution_scores():
-    """The reference reward scores the demo's tasks unchanged: a tool solution 1 (+0.1 with both tools), a guess 0."""
-    rng = np.random.default_rng(0)
+def _with_search_results(task: toy.Task, search) -> toy.Task:
+    steps = tuple((tool, q, search.execute(q) if tool == "search" else r) for tool, q, r in task.steps)
+    return dataclasses.replace(task, steps=steps)
+
+
+def test_flawed_and_solution_scores():
+    """The reference reward scores the demo's tasks unchanged: a tool solution 1 (+0.1 with both tools); a flawed
+    cold-start response is well-formed but wrong (0), and its answer is copied from the question or a tool result."""
+    from arpo_jax.tools import LocalSearchTool
+
     fn = rewards.get_reward_fn("deep_research")
+    search = LocalSearchTool(documents=toy.corpus(), max_results=2, result_length=200)
     for task in toy.toy_tasks("val", 30, seed=3):
-        solved = fn(task.data_source, toy.solution_text(task), task.answer, None)
-        guessed = fn(task.data_source, toy.guess_text(task, rng), task.answer, None)
-        score = lambda r: r["score"] if isinstance(r, dict) else r
-        assert score(solved) >= 1.0
-        assert score(guessed) < 1.0
+        task = _with_search_results(task, search)
+        solved, flawed = fn(task.data_source, toy.solution_text(task), task.answer, None), \
+            fn(task.data_source, toy.flawed_text(task), task.answer, None)
+        assert solved["score"] >= 1.0
+        assert flawed["score"] == 0.0 and flawed["reason"].startswith("wrong answer but good format"), flawed
+        if task.data_source == "toy_arith":  # the wrong operation on the question's operands
+            a, b = (int(x) for x in re.findall(r"\d+", task.question))
+            assert flawed["answer"] == str(a + b) and f"print({a} + {b})" in toy.flawed_text(task)
+        elif task.data_source == "toy_lookup":  # a value from the second result page
+            assert flawed["answer"] in task.steps[0][2].splitlines()[1]
+        else:  # the last search's value, and no Python call
+            assert flawed["answer"] in task.steps[1][2].splitlines()[0] and "<python>" not in toy.flawed_text(task)
+    lookup = next(t for t in toy.toy_tasks("val", 3, seed=3) if t.data_source == "toy_lookup")
+    with pytest.raises(ValueError, match="max_results"):  # one result page: no wrong page to read
+        toy.flawed_text(lookup)
 
 
 def test_transformers_sampler_matches_the_jax_sampler(tiny_hf_dir):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import zlib
 from collections.abc import Sequence
 
@@ -171,26 +172,51 @@ def toy_rows(split: str, n: int, seed: int = 0) -> list[dict]:
 
 def solution_text(task: Task) -> str:
     """A correct response in the rollout format: tool results spliced as " <result>\\n...\\n</result>" (spec 3.3)."""
+    return _response_text(task.steps, task.answer)
+
+
+def _response_text(steps: Sequence[tuple[str, str, str]], answer: str) -> str:
     parts = []
-    for tool, query, result in task.steps:
+    for tool, query, result in steps:
         why = "I need to compute this." if tool == "python" else f"I need to look up {query}."
         parts.append(f"<think> {why} </think> <{tool}> {query} </{tool}> <result>\n{result}\n</result>")
-    parts.append(f"<think> The answer is {task.answer}. </think> <answer> \\boxed{{{task.answer}}} </answer>")
+    parts.append(f"<think> The answer is {answer}. </think> <answer> \\boxed{{{answer}}} </answer>")
     return " ".join(parts)
 
 
-def guess_text(task: Task, rng: np.random.Generator) -> str:
-    """A well-formed response that skips the tools and guesses: a number of the answer's size, or a city name.
+_FACT_VALUE = re.compile(r"is (\w+)\.$|in the year (\d+)\.$|population of (\d+) people\.$")
 
-    The demo's cold-start data mixes these with `solution_text`, so the SFT model sometimes guesses and RL has a
-    habit to unlearn (a guess is almost always wrong; deep_research scores it 0, a correct tool answer 1).
+
+def _fact_value(page: str) -> str:
+    """The value a corpus document states ("The capital of X is Y." -> Y; founded / population -> the number)."""
+    match = _FACT_VALUE.search(page.strip())
+    if match is None:
+        raise ValueError(f"not a toy corpus document: {page!r}")
+    return next(g for g in match.groups() if g is not None)
+
+
+def flawed_text(task: Task) -> str:
+    """A well-formed response with one typical agent mistake, every number and name still copied from the question
+    or a tool result, so it teaches the same copying skill as `solution_text` but a wrong decision:
+
+      * toy_arith:  the wrong operation (`print(a + b)` for "a * b"), and its result as the answer;
+      * toy_lookup: the right search, but the answer read off the *second* result page (needs max_results >= 2);
+      * toy_twohop: both searches, then it stops before the Python call and answers with the last value found.
+
+    The demo mixes these with `solution_text` in the cold-start data: where they are the majority, greedy decoding
+    makes the mistake on every question while sampling solves a share of them, which is what RL can fix (the
+    deep_research reward scores these 0 or below, a correct tool answer 1). `task.steps` must hold the tools' real
+    results (the demo replaces the search results by what the BM25 backend returns).
     """
-    if task.answer.isdigit():
-        digits = len(task.answer)
-        guess = str(int(rng.integers(10 ** (digits - 1), 10 ** digits)))
-    else:
-        guess = world()[int(rng.integers(NUM_COUNTRIES))].capital
-    return f"<think> I think the answer is {guess}. </think> <answer> \\boxed{{{guess}}} </answer>"
+    if task.data_source == "toy_arith":
+        a, b = (int(x) for x in re.findall(r"\d+", task.steps[0][1]))
+        return _response_text((("python", f"print({a} + {b})", str(a + b)),), str(a + b))
+    if task.data_source == "toy_lookup":
+        pages = task.steps[0][2].splitlines()
+        if len(pages) < 2:
+            raise ValueError("flawed_text needs search results with at least two pages (tools.search.max_results)")
+        return _response_text(task.steps, _fact_value(pages[1]))
+    return _response_text(task.steps[:2], _fact_value(task.steps[1][2].splitlines()[0]))
 
 
 def tokenizer_corpus(seed: int = 0) -> list[str]:
