@@ -89,8 +89,7 @@ def write_data(directory: Path, size: DemoSize, seed: int, *, max_results: int, 
     rng = np.random.default_rng([seed, 11])  # which conversations are flawed
     rows = []
     for task in toy.toy_tasks("sft", size.sft_examples, seed):
-        steps = tuple((tool, q, search.execute(q) if tool == "search" else r) for tool, q, r in task.steps)
-        task = dataclasses.replace(task, steps=steps)
+        task = toy.with_search_results(task, search)
         answer = toy.flawed_text(task) if rng.random() < size.flaw_fraction else toy.solution_text(task)
         rows.append({"messages": [{"role": "system", "content": toy.SYSTEM_PROMPT},
                                   {"role": "user", "content": task.question},

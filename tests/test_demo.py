@@ -4,7 +4,6 @@ The quick run is a smoke run: 2 RL steps cannot show learning (benchmarks/RESULT
 phase must run and leave its outputs, and the summary must be consistent with the metrics it came from.
 """
 
-import dataclasses
 import json
 import os
 import re
@@ -85,11 +84,6 @@ def test_second_algorithm_reuses_the_sft_model(quick_demo):
     assert all(r["rollout/branches"] == 0 for r in records if "rollout/branches" in r)  # GRPO never branches
 
 
-def _with_search_results(task: toy.Task, search) -> toy.Task:
-    steps = tuple((tool, q, search.execute(q) if tool == "search" else r) for tool, q, r in task.steps)
-    return dataclasses.replace(task, steps=steps)
-
-
 def test_flawed_and_solution_scores():
     """The reference reward scores the demo's tasks unchanged: a tool solution 1 (+0.1 with both tools); a flawed
     cold-start response is well-formed but wrong (0), and its answer is copied from the question or a tool result."""
@@ -98,7 +92,7 @@ def test_flawed_and_solution_scores():
     fn = rewards.get_reward_fn("deep_research")
     search = LocalSearchTool(documents=toy.corpus(), max_results=2, result_length=200)
     for task in toy.toy_tasks("val", 30, seed=3):
-        task = _with_search_results(task, search)
+        task = toy.with_search_results(task, search)
         solved, flawed = fn(task.data_source, toy.solution_text(task), task.answer, None), \
             fn(task.data_source, toy.flawed_text(task), task.answer, None)
         assert solved["score"] >= 1.0

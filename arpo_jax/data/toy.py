@@ -170,6 +170,13 @@ def toy_rows(split: str, n: int, seed: int = 0) -> list[dict]:
     return [_row(t, i, split) for i, t in enumerate(toy_tasks(split, n, seed))]
 
 
+def with_search_results(task: Task, search) -> Task:
+    """`task` with each search step's result replaced by what `search.execute(query)` returns, so a response built
+    from it shows the contexts the rollout's search tool (e.g. `LocalSearchTool(documents=corpus())`) gives."""
+    steps = tuple((tool, q, search.execute(q) if tool == "search" else r) for tool, q, r in task.steps)
+    return dataclasses.replace(task, steps=steps)
+
+
 def solution_text(task: Task) -> str:
     """A correct response in the rollout format: tool results spliced as " <result>\\n...\\n</result>" (spec 3.3)."""
     return _response_text(task.steps, task.answer)
@@ -205,8 +212,8 @@ def flawed_text(task: Task) -> str:
 
     The demo mixes these with `solution_text` in the cold-start data: where they are the majority, greedy decoding
     makes the mistake on every question while sampling solves a share of them, which is what RL can fix (the
-    deep_research reward scores these 0 or below, a correct tool answer 1). `task.steps` must hold the tools' real
-    results (the demo replaces the search results by what the BM25 backend returns).
+    deep_research reward scores these 0, a correct tool answer 1). `task.steps` must hold the tools' real results
+    (`with_search_results`).
     """
     if task.data_source == "toy_arith":
         a, b = (int(x) for x in re.findall(r"\d+", task.steps[0][1]))
