@@ -211,7 +211,7 @@ def flawed_text(task: Task) -> str:
       * toy_twohop: both searches, then it stops before the Python call and answers with the last value found.
 
     The demo mixes these with `solution_text` in the cold-start data: where they are the majority, greedy decoding
-    makes the mistake on every question while sampling solves a share of them, which is what RL can fix (the
+    makes the mistake on most questions while sampling solves a share of them, which is what RL can fix (the
     deep_research reward scores these 0, a correct tool answer 1). `task.steps` must hold the tools' real results
     (`with_search_results`).
     """
