@@ -422,6 +422,14 @@ def _check_rollout(ck: _Checker, command: str, process_count: int | None) -> Non
     ck.require("rollout.temperature", _pos, "> 0 (training samples; log-probs divide by it)")
     ck.require("rollout.top_k", lambda v: v == -1 or v >= 1, "-1 (off) or >= 1")
     ck.require("rollout.consecutive_penalty", _nonneg, _NONNEG)
+    ck.require("rollout.val_kwargs.n", lambda v: v >= 1, ">= 1 (samples per validation prompt)")
+    if ck.get("rollout.val_kwargs.do_sample"):
+        ck.require("rollout.val_kwargs.temperature", _pos, "> 0 with val_kwargs.do_sample (False: greedy)")
+        ck.require("rollout.val_kwargs.top_p", lambda v: 0 < v <= 1, "0 < top_p <= 1")
+        ck.require("rollout.val_kwargs.top_k", lambda v: v == -1 or v >= 1, "-1 (off) or >= 1")
+    elif (ck.get("rollout.val_kwargs.n") or 1) > 1:
+        ck.add("rollout.val_kwargs.n", f"{ck.get('rollout.val_kwargs.n')} greedy samples would all be the same",
+               "1, or val_kwargs.do_sample=True")
     ck.require("rollout.workers", _nonneg, "0 (one per process) or a positive count")
     ck.require("rollout.vllm.gpu_memory_utilization", lambda v: 0 < v < 1, "0 < x < 1")
     ck.require("rollout.vllm.cpu_kv_cache_gb", _nonneg, _NONNEG)

@@ -442,11 +442,13 @@ class Trainer:
 
     def _rollout(self, examples, worker: int, *, validation: bool = False) -> Trajectories:
         cfg = self.cfg
-        rcfg = self.rollout_cfg.for_validation() if validation else self.rollout_cfg
+        val = cfg.rollout.val_kwargs
+        rcfg = self.rollout_cfg.for_validation(val.n) if validation else self.rollout_cfg
         seed = worker_seed(cfg.seed, self.step, worker, "val" if validation else "train")
         settings = sampling_settings(cfg, self.executor.stop_strings, seed)
         if validation:
-            settings = greedy_settings(settings)
+            settings = (dataclasses.replace(settings, temperature=val.temperature, top_p=val.top_p, top_k=val.top_k)
+                        if val.do_sample else greedy_settings(settings))
         if hasattr(self.sampler, "reset_cache"):
             self.sampler.reset_cache()  # cached rows of another worker's prompts must not leak into this rollout
         out = rollout([e.prompt_ids for e in examples], self.sampler, self.executor, self.tokenizer, rcfg, settings,
@@ -628,10 +630,12 @@ class Trainer:
     # -- validation and checkpoints ------------------------------------------------------------------------------
 
     def validate(self) -> dict:
-        """Greedy, n = 1 rollouts over the validation set; mean reward and accuracy per data_source."""
+        """Rollouts over the validation set as rollout.val_kwargs says (greedy n = 1 by default): the mean reward
+        and accuracy over all samples, and the mean reward per data_source (`mean@n`)."""
         if self.val_data is None:
             return {}
         t0 = time.perf_counter()
+        n = self.cfg.rollout.val_kwargs.n
         idx = np.array_split(np.arange(len(self.val_data)), self.workers)
         per_worker = {w: [self.val_data[int(i)] for i in idx[w]] for w in self.local_workers}
         bs = self.cfg.data.val_batch_size
@@ -642,21 +646,21 @@ class Trainer:
                 if chunk:
                     t = self._rollout(chunk, w, validation=True)
                     scores += list(t.scores)
-                    sources += [e.data_source for e in chunk]
-        scores, sources = self._gather_ragged(np.asarray(scores, np.float32), sources)
+                    sources += [chunk[int(p)].data_source for p in t.group]
+        scores, sources = self._gather_ragged(np.asarray(scores, np.float32), sources, width=len(self.val_data) * n)
         out = {"val/reward/mean": float(np.mean(scores)), "val/accuracy": float(np.mean(scores > 0)),
-               "time/validation": time.perf_counter() - t0}
+               "val/samples": len(scores), "time/validation": time.perf_counter() - t0}
         for src in sorted(set(sources)):
             sel = np.asarray([s == src for s in sources])
-            out[f"val/{src}/reward/mean@1"] = float(np.mean(scores[sel]))
+            out[f"val/{src}/reward/mean@{n}"] = float(np.mean(scores[sel]))
         return out
 
-    def _gather_ragged(self, scores: np.ndarray, sources: list[str]) -> tuple[np.ndarray, list[str]]:
+    def _gather_ragged(self, scores: np.ndarray, sources: list[str], *, width: int) -> tuple[np.ndarray, list[str]]:
+        """All processes' `scores` and `sources` (at most `width` each)."""
         if jax.process_count() == 1:
             return scores, sources
         names = sorted(set(self.val_data.data_sources))
         codes = np.asarray([names.index(s) for s in sources], np.int32)
-        width = len(self.val_data)
         pad = lambda x, v: np.concatenate([x, np.full(width - len(x), v, x.dtype)])
         all_s = np.asarray(multihost_utils.process_allgather(pad(scores, np.nan))).reshape(-1)
         all_c = np.asarray(multihost_utils.process_allgather(pad(codes, -1))).reshape(-1)

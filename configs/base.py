@@ -66,6 +66,9 @@ def get_config() -> ConfigDict:
     c.rollout.temperature = 1.0
     c.rollout.top_p = 1.0
     c.rollout.top_k = -1  # -1 = off
+    # Validation sampling (the reference's rollout.val_kwargs): greedy n = 1 by default; do_sample = True draws n
+    # samples per validation prompt at `temperature` / `top_p` / `top_k` (val/accuracy is then the mean over them).
+    c.rollout.val_kwargs = ConfigDict(dict(do_sample=False, temperature=1.0, top_p=1.0, top_k=-1, n=1))
     c.rollout.workers = 0  # independent rollout workers (each: its prompts, its branching); 0 = one per process
     c.rollout.jax = ConfigDict()
     c.rollout.jax.decode_chunk = 16  # sampling steps per jitted call (stop strings are checked in between)

@@ -141,6 +141,9 @@ BAD = [  # (overrides, problem's field, words the message must contain, validate
     (dict(actor__max_token_len_per_device=100), "actor.max_token_len_per_device", "cannot hold one full", {}),
     (dict(rollout__nonsense=1), "rollout.nonsense", "unknown field", {}),
     (dict(trainer__test_freq=5, data__val_files=()), "data.val_files", "test_freq=0", {}),
+    (dict(rollout__val_kwargs__n=4), "rollout.val_kwargs.n", "do_sample=True", {}),
+    (dict(rollout__val_kwargs__do_sample=True, rollout__val_kwargs__temperature=0.0), "rollout.val_kwargs.temperature",
+     "> 0", {}),
 ]
 
 

@@ -81,9 +81,9 @@ class RolloutConfig:
             if not ok:
                 raise ValueError(f"RolloutConfig: {msg}")
 
-    def for_validation(self) -> RolloutConfig:
-        """Spec 3.1 validation: n = 1, one root, no branching."""
-        return dataclasses.replace(self, n=1, initial_rollouts=1, beam_size=1, enable_dynamic_rollouts=False)
+    def for_validation(self, n: int = 1) -> RolloutConfig:
+        """Spec 3.1 validation: no branching, `n` independent samples per prompt (1 in the reference)."""
+        return dataclasses.replace(self, n=n, initial_rollouts=n, beam_size=1, enable_dynamic_rollouts=False)
 
 
 def greedy_settings(settings: SamplingSettings) -> SamplingSettings:

@@ -1,0 +1,50 @@
+"""Validation as `rollout.val_kwargs` says: greedy n = 1 (the reference default) or n sampled trajectories a prompt."""
+
+from pathlib import Path
+
+import numpy as np
+
+from arpo_jax import config as config_lib
+from arpo_jax import trainer as trainer_lib
+
+REPO = Path(__file__).resolve().parents[1]
+REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": (sum(map(ord, solution_str)) % 97) / 97.0 - 0.5}
+'''
+
+
+def _trainer(tmp_path: Path, *overrides: str) -> trainer_lib.Trainer:
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    cfg = config_lib.load_config([
+        f"--config={REPO / 'configs' / 'toy_cpu.py'}", f"--config.reward.custom_path={reward}",
+        "--config.trainer.progress=false", "--config.trainer.loggers=('jsonl',)", "--config.data.val_max_samples=6",
+        "--config.data.max_response_length=24", "--config.trainer.max_steps=1", *overrides])
+    return trainer_lib.Trainer(cfg, tmp_path / "run")
+
+
+def test_sampled_validation_draws_n_different_trajectories_per_prompt(tmp_path):
+    tr = _trainer(tmp_path, "--config.rollout.val_kwargs.do_sample=true", "--config.rollout.val_kwargs.n=3")
+    examples = [tr.val_data[i] for i in range(len(tr.val_data))]
+    t = tr._rollout(examples, 0, validation=True)
+    assert sorted(t.group.tolist()) == sorted(list(range(len(examples))) * 3)
+    assert (t.out.parent_id < 0).all()  # no branching in validation
+    distinct = [len({t.responses[i] for i in np.flatnonzero(t.group == p)}) for p in range(len(examples))]
+    assert max(distinct) > 1  # T = 1 on a random model: the samples of a prompt differ
+
+    out = tr.validate()
+    assert out["val/samples"] == 3 * len(examples)
+    sources = sorted({e.data_source for e in examples})
+    assert sorted(k for k in out if k.endswith("@3")) == [f"val/{s}/reward/mean@3" for s in sources]
+    assert -0.5 <= out["val/reward/mean"] <= 0.5
+
+
+def test_greedy_validation_is_one_deterministic_trajectory_per_prompt(tmp_path):
+    tr = _trainer(tmp_path)
+    first, second = tr.validate(), tr.validate()
+    assert first["val/samples"] == len(tr.val_data)
+    for key in first:
+        if key.startswith("val/"):
+            assert first[key] == second[key], key
+    assert any(k.endswith("/reward/mean@1") for k in first)
