@@ -43,32 +43,26 @@ class DemoSize:
 
     hidden_size: int
     num_layers: int
-    sft_questions: int
+    sft_examples: int
     sft_epochs: int
     rl_steps: int
     train_prompts: int
     val_prompts: int
     test_freq: int
-    # Every cold-start question appears this many times with a typical mistake (toy.flawed_text) and this many times
-    # solved: the model learns the mistake as the likelier choice *for every question*, not per question.
-    flawed_copies: int = 3
-    solved_copies: int = 2
+    flaw_fraction: float = 0.6  # share of cold-start conversations with a typical mistake (toy.flawed_text)
 
 
 # FULL is sized by what the cold-start SFT needs on 2 cores: a from-scratch model only learns to *copy* (operands
 # into the Python call, names into the search query, results into the answer) after ~500 optimizer steps, and keeps
-# improving to ~2000: 480 questions x 5 conversations x 7 epochs at 8 a step (128x2: 0.22 s a step on the machine
-# of the first measurements, 0.53 s on a slower 2-core AVX2 one). Measured and worse per unit of time
-# (benchmarks/RESULTS.md, "Demo"): a 256x4 model, 4 conversations a step, tied embeddings, more distinct questions at
-# the same number of steps. 3 of the 5 conversations of a question make a typical mistake, 2 solve it: greedy
-# decoding then makes the mistake while sampling solves some questions, which is the gap RL closes. Drawing flawed
-# or solved once per question (60% flawed) instead let the model tie the choice to the question (seed 1: P("*" | the
-# Python call so far) 0.11-0.60 over the validation questions, 0.32-0.42 with the copies), and 30 ARPO steps moved
-# it 1 -> 2 of 48 (4 -> 12 with the copies); guessing without tools broke the copy skill that the tool answers need.
-# RL: 30 steps of 8 prompts x n 8, 7-9 s each (15-25 s on the slower machine).
-FULL = DemoSize(hidden_size=128, num_layers=2, sft_questions=480, sft_epochs=7, rl_steps=30, train_prompts=240,
+# improving to ~2000: 480 conversations x 34 epochs at 8 a step (128x2: 0.22 s a step on the machine of the first
+# measurements, 0.53 s on a slower 2-core AVX2 one). Measured and worse per unit of time (benchmarks/RESULTS.md,
+# "Demo"): a 256x4 model, 4 conversations a step, tied embeddings, more distinct conversations at the same number
+# of steps. 60% flawed conversations: greedy decoding then makes the mistake on most questions while sampling
+# solves some, which is the gap RL closes (guessing without tools instead broke the copy skill that the tool
+# answers need). RL: 30 steps of 8 prompts x n 8, 7-9 s each (15-20 s on the slower machine).
+FULL = DemoSize(hidden_size=128, num_layers=2, sft_examples=480, sft_epochs=34, rl_steps=30, train_prompts=240,
                 val_prompts=48, test_freq=10)
-QUICK = DemoSize(hidden_size=128, num_layers=2, sft_questions=13, sft_epochs=1, rl_steps=2, train_prompts=32,
+QUICK = DemoSize(hidden_size=128, num_layers=2, sft_examples=64, sft_epochs=1, rl_steps=2, train_prompts=32,
                  val_prompts=6, test_freq=2)
 
 
@@ -92,13 +86,14 @@ def write_data(directory: Path, size: DemoSize, seed: int, *, max_results: int, 
 
     directory.mkdir(parents=True, exist_ok=True)
     search = LocalSearchTool(documents=toy.corpus(), max_results=max_results, result_length=result_length)
+    rng = np.random.default_rng([seed, 11])  # which conversations are flawed
     rows = []
-    for task in toy.toy_tasks("sft", size.sft_questions, seed):
+    for task in toy.toy_tasks("sft", size.sft_examples, seed):
         task = toy.with_search_results(task, search)
-        answers = [toy.flawed_text(task)] * size.flawed_copies + [toy.solution_text(task)] * size.solved_copies
-        rows += [{"messages": [{"role": "system", "content": toy.SYSTEM_PROMPT},
-                               {"role": "user", "content": task.question},
-                               {"role": "assistant", "content": answer}]} for answer in answers]
+        answer = toy.flawed_text(task) if rng.random() < size.flaw_fraction else toy.solution_text(task)
+        rows.append({"messages": [{"role": "system", "content": toy.SYSTEM_PROMPT},
+                                  {"role": "user", "content": task.question},
+                                  {"role": "assistant", "content": answer}]})
     sft_file = directory / "sft.jsonl"
     sft_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
     train, val = toy.write_toy_parquet(str(directory), n_train=size.train_prompts, n_val=size.val_prompts, seed=seed)
@@ -296,8 +291,7 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     times["setup"] = time.perf_counter() - t0
 
     t = time.perf_counter()
-    _log(f"2/6 cold-start SFT: {size.sft_questions} questions x {size.flawed_copies + size.solved_copies} "
-         f"conversations ({size.flawed_copies} with a typical mistake, {size.solved_copies} solved), "
+    _log(f"2/6 cold-start SFT: {size.sft_examples} conversations ({size.flaw_fraction:.0%} with a typical mistake), "
          f"{size.sft_epochs} epoch(s) of {cfg.sft.batch_size} a step (resumed when {workdir / 'sft'} has it)")
     sft_summary = sft.run_sft(cfg, workdir / "sft")
     if sft_summary["start_step"] == sft_summary["steps"]:  # resumed a finished SFT: no loss to report
