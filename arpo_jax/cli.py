@@ -66,6 +66,8 @@ def _plan(args) -> dict:
 def _convert(args) -> dict:
     from arpo_jax import convert
 
+    if args.direction == "gguf-to-hf":
+        return convert.gguf_to_hf(args.gguf, args.out, dtype=args.dtype)
     if args.direction == "hf-to-orbax":
         return convert.hf_to_orbax(args.hf, args.out, dtype=args.dtype, step=args.step or 0)
     return convert.orbax_to_hf(args.ckpt, args.out, step=args.step, tokenizer=args.tokenizer, dtype=args.dtype)
@@ -188,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--micro", type=int, default=1, help="micro-batches per optimizer step")
     plan.add_argument("--native", action="store_true", help="compile for this host's real devices instead")
 
-    conv = sub.add_parser("convert", help="convert between HuggingFace folders and orbax checkpoints")
+    conv = sub.add_parser("convert", help="convert between HuggingFace folders, orbax checkpoints and GGUF files")
     conv_sub = conv.add_subparsers(dest="direction", required=True)
     h2o = conv_sub.add_parser("hf-to-orbax", help="HF folder -> orbax checkpoint (step 0 unless --step)")
     h2o.add_argument("--hf", required=True, help="HF model folder (config.json + safetensors)")
@@ -201,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                        help="weight dtype (default: the source's)")
         p.add_argument("--step", type=int, default=None)
+    g2h = conv_sub.add_parser("gguf-to-hf", help="GGUF file (llama.cpp; llama / qwen2 / qwen3, any quantization the "
+                              "gguf package dequantizes) -> HF folder with config.json and tokenizer")
+    g2h.add_argument("--gguf", required=True, help="the .gguf file")
+    g2h.add_argument("--out", required=True, help="HF folder to write")
+    g2h.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                     help="weight dtype of the safetensors (default float32: dequantized values are exact in it)")
     conv.set_defaults(func=_convert)
 
     dm = sub.add_parser("demo", help="train a tool-using agent from scratch on this machine and show it learning: "

@@ -27,6 +27,8 @@ from typing import Any
 from absl import flags
 from ml_collections import ConfigDict, config_flags
 
+from arpo_jax import named_models
+
 log = logging.getLogger(__name__)
 
 BUILTIN = "builtin:"  # prefix of generated inputs (builtin:tiny model, builtin:toy data / corpus): no file to check
@@ -571,11 +573,16 @@ def _check_file_list(ck: _Checker, path: str) -> None:
 def _check_model_files(ck: _Checker) -> None:
     model = ck.get("model.path")
     if model and not model.startswith(BUILTIN):
-        config_json = Path(model) / "config.json"
-        if not config_json.is_file():
-            ck.add("model.path", f"{model!r} is not a model folder (no config.json)", "an HF folder | builtin:tiny")
-        else:
+        allowed = f"an HF folder | a .gguf file | a model name ({', '.join(named_models.NAMED)}) | builtin:tiny"
+        if named_models.is_gguf(model) and not named_models.is_named(model) and not Path(model).is_file():
+            ck.add("model.path", f"{model!r}: no such GGUF file", allowed)
+            return
+        folder = named_models.cache_folder(model) or Path(model)
+        config_json = folder / "config.json"
+        if config_json.is_file():
             _check_context_length(ck, config_json)
+        elif folder == Path(model):  # named models and GGUF files are converted when loaded
+            ck.add("model.path", f"{model!r} is not a model folder (no config.json)", allowed)
     tokenizer = ck.get("model.tokenizer")
     if tokenizer and not tokenizer.startswith(BUILTIN) and not Path(tokenizer).is_dir():
         ck.add("model.tokenizer", f"{tokenizer!r} is not a folder", "a folder with tokenizer files")

@@ -1,4 +1,4 @@
-"""HF folder <-> orbax checkpoint conversion (the logic behind `arpo-jax convert` and conversion/*.py)."""
+"""HF folder <-> orbax checkpoint, GGUF -> HF folder (the logic behind `arpo-jax convert` and conversion/*.py)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,15 @@ def hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = 
             shutil.copy2(hf_dir / f, out_dir / TOKENIZER_SUBDIR / f)
     return {"import_s": t1 - t0, "save_s": time.perf_counter() - t1, "step": step, "dtype": dtype,
             "tokenizer_files": len(tok_files)}
+
+
+def gguf_to_hf(gguf_file: str | Path, out_dir: str | Path, *, dtype: str = "float32") -> dict:
+    """Writes the model of a GGUF file as an HF folder (see arpo_jax.gguf_import)."""
+    from arpo_jax import gguf_import
+
+    t0 = time.perf_counter()
+    gguf_import.to_hf(gguf_file, out_dir, dtype=dtype)
+    return {"convert_s": time.perf_counter() - t0, "out": str(out_dir), "dtype": dtype}
 
 
 def orbax_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, step: int | None = None,

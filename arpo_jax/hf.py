@@ -12,6 +12,7 @@ Export streams the other way into a `.tmp` folder that is renamed into place onl
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -20,8 +21,10 @@ import shutil
 import struct
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import ml_dtypes
@@ -90,44 +93,67 @@ def checkpoint_index(path: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
     return index
 
 
+class TensorSource(NamedTuple):
+    """One tensor of a checkpoint: its shape in HF layout, where it lives (for messages), and a reader that returns
+    it as a host array (called on a worker thread, once)."""
+
+    shape: tuple[int, ...]
+    origin: str
+    read: Callable[[], np.ndarray]
+
+
+def _read_safetensor(file: Path, key: str) -> np.ndarray:
+    try:
+        with safe_open(str(file), framework="np") as f:  # one handle per thread: cheap (an mmap)
+            return f.get_tensor(key)
+    except (SafetensorError, ValueError, OSError) as e:
+        raise ValueError(f"{file.name}: cannot read tensor {key!r} ({e})") from e
+
+
+def folder_tensors(path: Path) -> dict[str, TensorSource]:
+    """The tensors of an HF folder's safetensors files."""
+    return {key: TensorSource(shape, file.name, functools.partial(_read_safetensor, file, key))
+            for key, (file, shape) in checkpoint_index(path).items()}
+
+
 def load_state(path: str | os.PathLike, cfg: Config, mesh: Mesh | None = None) -> tuple[nnx.GraphDef, nnx.State]:
-    """Reads an HF folder's safetensors into (graphdef, params nnx.State) in `cfg.param_dtype`, sharded on `mesh`.
+    """Reads an HF folder's safetensors into (graphdef, params nnx.State) in `cfg.param_dtype`, sharded on `mesh`."""
+    return place_tensors(folder_tensors(Path(path)), cfg, mesh, where=str(path))
+
+
+def place_tensors(tensors: dict[str, TensorSource], cfg: Config, mesh: Mesh | None = None, *,
+                  where: str) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, params nnx.State) from HF-named tensors, in `cfg.param_dtype`, sharded on `mesh`.
 
     Every key and shape is checked against the model before any tensor is read; tensors are then read and placed
     concurrently (reads and host-to-device copies release the GIL), each straight into its target sharding.
     """
-    path = Path(path)
     graphdef, abstract = nnx.split(models.abstract_model(cfg))
     expected = {_param_key(p): v for p, v in nnx.to_flat_state(abstract)}
     plan = []
-    for key, (file, shape) in checkpoint_index(path).items():
+    for key, src in tensors.items():
         if any(p.fullmatch(key) for p in IGNORED_KEYS):
             continue
         if key == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # some tied checkpoints store the (identical) head anyway; transformers ignores it too
         if key not in expected:
-            raise ValueError(f"{file.name}: unexpected tensor {key!r} for model_type={cfg.model_type!r} "
+            raise ValueError(f"{src.origin}: unexpected tensor {key!r} for model_type={cfg.model_type!r} "
                              f"(tie_word_embeddings={cfg.tie_word_embeddings}, layers={cfg.num_layers})")
         hf_shape = tuple(expected[key].get_metadata()["hf_shape"])
-        if shape != hf_shape:
-            raise ValueError(f"{file.name}: tensor {key!r} has shape {shape}, expected {hf_shape}")
-        plan.append((key, file))
-    missing = sorted(set(expected) - {key for key, _ in plan})
+        if tuple(src.shape) != hf_shape:
+            raise ValueError(f"{src.origin}: tensor {key!r} has shape {tuple(src.shape)}, expected {hf_shape}")
+        plan.append(key)
+    missing = sorted(set(expected) - set(plan))
     if missing:
-        raise ValueError(f"{path}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+        raise ValueError(f"{where}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} "
                          f"({len(missing)} of {len(expected)})")
 
     rules = sharding.get_rules(cfg.sharding_rules)
     target_dtype = _NP_DTYPES[cfg.param_dtype]
 
-    def load_one(item: tuple[str, Path]) -> tuple[str, jax.Array]:
-        key, file = item
+    def load_one(key: str) -> tuple[str, jax.Array]:
         var = expected[key]
-        try:
-            with safe_open(str(file), framework="np") as f:  # one handle per thread: cheap (an mmap)
-                host = f.get_tensor(key).reshape(var.shape).astype(target_dtype, copy=False)
-        except (SafetensorError, ValueError, OSError) as e:
-            raise ValueError(f"{file.name}: cannot read tensor {key!r} ({e})") from e
+        host = tensors[key].read().reshape(var.shape).astype(target_dtype, copy=False)
         if mesh is None:
             target = SingleDeviceSharding(jax.devices()[0])
         else:
@@ -143,14 +169,22 @@ def load_state(path: str | os.PathLike, cfg: Config, mesh: Mesh | None = None) -
 
 def from_pretrained(path: str | os.PathLike, *, dtype: str = "float32", mesh: Mesh | None = None,
                     param_dtype: str | None = None, **runtime) -> CausalLM:
-    """Loads a local HF folder (Qwen2/2.5, Qwen3, Llama 3.x) as a CausalLM.
+    """Loads a model (Qwen2/2.5, Qwen3, Llama 3.x) as a CausalLM.
 
     Args:
-      path: folder with config.json and safetensors (single file or sharded with an index).
+      path: an HF folder (config.json and safetensors, single file or sharded with an index), a `.gguf` file
+        (dequantized straight into params), or a model name (`named_models.NAMED`, e.g. "smollm2-135m-instruct").
       dtype: compute dtype; also the param dtype unless `param_dtype` is given.
       mesh: shard params over this ('data', 'fsdp', 'tensor') mesh; None = the first device.
       **runtime: remat, attention_impl, sharding_rules (see models.Config).
     """
+    from arpo_jax import named_models
+
+    if named_models.is_gguf(path) and not named_models.is_named(path):
+        from arpo_jax import gguf_import
+
+        return gguf_import.load(path, dtype=dtype, mesh=mesh, param_dtype=param_dtype, **runtime)
+    path = named_models.model_folder(path)
     cfg, _ = read_config(path, dtype=dtype, param_dtype=param_dtype or dtype, **runtime)
     graphdef, state = load_state(path, cfg, mesh)
     return nnx.merge(graphdef, state)
@@ -227,9 +261,8 @@ def save_state(state: nnx.State, cfg: Config, path: str | os.PathLike, *, tokeni
                max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Writes params as an HF folder (config.json, generation_config.json, safetensors, tokenizer files).
 
-    Written into a temporary sibling folder and renamed into place at the end, so `path` is always either the
-    previous complete export or the new complete one. In a multi-host run every process must call this (the
-    params are gathered collectively); only process 0 writes.
+    See `write_folder` for the atomic replacement. In a multi-host run every process must call this (the params are
+    gathered collectively); only process 0 writes.
     """
     path = Path(path)
     dtype = dtype or cfg.param_dtype
@@ -243,22 +276,34 @@ def save_state(state: nnx.State, cfg: Config, path: str | os.PathLike, *, tokeni
         for e in entries:  # take part in the collective gathers, write nothing
             e[3]()
         return path
+    # Gathers across hosts are collectives that every process must issue in the same order: no threads then.
+    threads = IO_THREADS if all(var[...].is_fully_addressable for _, var in nnx.to_flat_state(state)) else 1
+    return write_folder(path, entries, models.config_to_hf(cfg), dtype=dtype, tokenizer=tokenizer,
+                        max_shard_bytes=max_shard_bytes, threads=threads)
+
+
+def write_folder(path: Path, entries: list[tuple[str, tuple, np.dtype, Callable]], hf_config: dict, *, dtype: str,
+                 tokenizer=None, max_shard_bytes: int = MAX_SHARD_BYTES, threads: int = IO_THREADS) -> Path:
+    """Writes an HF folder from (key, shape, dtype, fetch) entries: safetensors shards (+ index), config.json,
+    generation_config.json and the tokenizer files.
+
+    Written into a temporary sibling folder and renamed into place at the end, so `path` is always either the
+    previous complete export or the new complete one.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         shards = _shard_plan(entries, max_shard_bytes)
         names = (["model.safetensors"] if len(shards) == 1 else
                  [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-        # Gathers across hosts are collectives that every process must issue in the same order: no threads then.
-        threads = IO_THREADS if all(var[...].is_fully_addressable for _, var in nnx.to_flat_state(state)) else 1
         for name, shard in zip(names, shards):
             _write_safetensors(tmp / name, shard, threads=threads)
         if len(shards) > 1:
-            total = sum(math.prod(e[1]) * np_dtype.itemsize for e in entries)
+            total = sum(math.prod(e[1]) * e[2].itemsize for e in entries)
             index = {"metadata": {"total_size": total},
                      "weight_map": {e[0]: n for n, shard in zip(names, shards) for e in shard}}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        hf = models.config_to_hf(cfg) | {"dtype": dtype, "torch_dtype": dtype}
+        hf = hf_config | {"dtype": dtype, "torch_dtype": dtype}
         (tmp / "config.json").write_text(json.dumps(hf, indent=2))
         gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))

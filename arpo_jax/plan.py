@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from arpo_jax import models, sharding
+from arpo_jax import models, named_models, sharding
 from arpo_jax import train_step as ts
 from arpo_jax.models.published import REAL_CONFIGS
 
@@ -45,7 +45,10 @@ def _with_shardings(abstract, shardings):
 
 def hf_config_for(model_path: str) -> tuple[dict, str]:
     """(config.json dict, where it came from) for `model.path`, falling back to a published model's config."""
-    path = Path(os.path.expandvars(model_path))
+    if named_models.cache_folder(model_path) is not None:
+        path = named_models.model_folder(model_path)  # converted once (seconds) into the cache
+    else:
+        path = Path(os.path.expandvars(model_path))
     if (path / "config.json").is_file():
         return json.loads((path / "config.json").read_text()), str(path / "config.json")
     if path.name in REAL_CONFIGS:

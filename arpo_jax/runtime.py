@@ -1,8 +1,9 @@
 """What the RL trainer and the SFT loop share: distributed start-up, the mesh, and loading the policy from a config.
 
-`model.path` is an HF folder, or `builtin:tiny`: a tiny Qwen2-architecture model (random weights) with a BPE
-tokenizer trained on the built-in toy tasks, written once to `<workdir>/builtin_tiny` so that the toy config runs
-on a fresh machine with nothing downloaded. `model.init_checkpoint` (an orbax checkpoint directory, e.g. an SFT
+`model.path` is an HF folder, a model name or a `.gguf` file (both converted once into a cached HF folder by
+named_models), or `builtin:tiny`: a tiny Qwen2-architecture model (random weights) with a BPE tokenizer trained on
+the built-in toy tasks, written once to `<workdir>/builtin_tiny` so that the toy config runs on a fresh machine with
+nothing downloaded. `model.init_checkpoint` (an orbax checkpoint directory, e.g. an SFT
 run's `checkpoints/`) replaces the folder's weights with the newest checkpoint's.
 """
 
@@ -16,7 +17,7 @@ import jax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from arpo_jax import hf, sharding
+from arpo_jax import hf, named_models, sharding
 from arpo_jax.models import CausalLM
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def model_dir(cfg, workdir: str | os.PathLike) -> Path:
             build_tiny_model(dest, seed=cfg.seed)
         barrier("builtin_tiny")
         return dest
-    return Path(os.path.expandvars(cfg.model.path))
+    return named_models.model_folder(cfg.model.path)  # a named model / .gguf is converted once into the cache
 
 
 def load_tokenizer(cfg, model_folder: Path):

