@@ -82,7 +82,7 @@ def test_jax_and_vllm_samplers_agree(smollm2, smol):
                      logprobs_mode="raw_logprobs") as vllm_sampler:
         theirs = vllm_sampler.generate(requests, GREEDY)
     ours = jax_sampler.generate(requests, GREEDY)
-    worst = testing.assert_same_samples(ours, theirs, atol=2e-3)
+    worst = testing.assert_same_samples(ours, theirs, atol=5e-4)  # measured 4.3e-5
     print(f"max |JAX - vLLM| top-10 log-prob on SmolLM2: {worst:.2e}")
     assert {r.finish_reason for r in ours} <= {"eos", "length", "stop"}
 
