@@ -353,8 +353,18 @@ def test_tmp_size_is_capped(root):
                     "except OSError as e:\n    print(os.strerror(e.errno), len(os.listdir('/tmp')))")
     assert out.startswith("No space left on device"), out  # inodes are capped too (256 per MB)
     t.close()
+
+
+def test_bad_isolation_settings_are_refused(root):
     with pytest.raises(ValueError, match="tmp_size_mb"):
         PythonSandbox(PythonSandboxConfig(tmp_size_mb=0, tmp_root=root))
+    with pytest.raises(ValueError, match="isolate_filesystem needs isolate_processes"):
+        PythonSandbox(PythonSandboxConfig(isolate_processes=False, tmp_root=root))
+    # Without the view, the old layout holds: a host working directory under tmp_root, removed afterwards.
+    t = PythonTool(PythonSandboxConfig(isolate_filesystem=False, tmp_root=root, preload_modules=()))
+    assert t.execute("import os; print(os.getcwd().startswith(os.path.join(" + repr(root) + ", 'arpo_py_')))") == "True"
+    assert [n for n in os.listdir(root) if n.startswith("arpo_py_")] == []
+    t.close()
 
 
 @needs_syscall_table
@@ -490,6 +500,6 @@ def test_refused_namespaces_are_refused_clearly(root):
                           env={**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])})
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout.splitlines()[-1])
-    assert "no mount namespace" in got["error"] and "allow_weaker_isolation=True" in got["error"], got
+    assert "no mount or pid namespace" in got["error"] and "allow_weaker_isolation=True" in got["error"], got
     assert got["weakened"] == ["filesystem view", "namespaces"] and got["out"] == "42"
     assert [n for n in os.listdir(root) if n.startswith("arpo_py_")] == []

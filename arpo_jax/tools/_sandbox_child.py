@@ -31,11 +31,10 @@ import traceback
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
-MS_BIND, MS_REC, MS_PRIVATE, MNT_DETACH = 0x1000, 0x4000, 1 << 18, 2
+MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 0x1000, 0x2000, 0x4000, 1 << 18
 # Flags a bind mount keeps when remounted read-only (the kernel refuses to clear the ones it locked).
 MS_KEEP = 8 | 1024 | 2048 | 4096  # NOEXEC, NOATIME, NODIRATIME, RELATIME (same values as os.ST_*)
 PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 1, 22, 2
-SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}  # no libc wrapper
 SYSTEM_DIRS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # merged-usr: symlinks
 DEVICES = ("null", "zero", "full", "random", "urandom")
 VIEW_ROOT = "/tmp"  # where the new root is assembled; any directory works, the mount is private to the call
@@ -67,7 +66,7 @@ def enter_namespaces(req):
     start-up probe reports what is missing).
     """
     want = [name for name, on in (("net", req["isolate_network"]), ("pid", req["isolate_processes"]),
-                                  ("mnt", req["isolate_processes"] or req["isolate_filesystem"])) if on]
+                                  ("mnt", req["isolate_processes"])) if on]
     attempts = [want, [n for n in want if n != "net"], ["net"] if "net" in want else []]
     uid, gid = os.getuid(), os.getgid()
     bits = {"net": CLONE_NEWNET, "pid": CLONE_NEWPID, "mnt": CLONE_NEWNS}
@@ -174,48 +173,48 @@ def exposed_paths(req):
 
 
 def build_view(req, namespaces):
-    """Replaces this call's root with a fresh tmpfs holding only what the code needs (pivot_root).
+    """Makes a fresh tmpfs holding only what the code needs this call's root (``MS_MOVE`` onto / + ``chroot``).
 
     Read-only: SYSTEM_DIRS, the interpreter and ``expose``. Hidden paths under them are covered. Writable: one
     private tmpfs of ``tmp_size_mb`` behind /tmp, /var/tmp and /dev/shm, which goes away with the call.
-    Devices: null, zero, full, random, urandom. /proc: a fresh one for the call's pid namespace.
+    Devices: null, zero, full, random, urandom. /proc: a fresh one for the call's pid namespace (required).
+
+    The old root stays mounted *underneath* the new one (no unmount: each costs an RCU grace period, ~2 ms), out
+    of reach: no path leads there, the code holds no descriptor into it, and ``chroot`` is denied by seccomp
+    (and needs CAP_SYS_CHROOT, which the code lacks).
     """
-    if "mnt" not in namespaces:
-        raise OSError("no mount namespace: the kernel refused it, so the filesystem view cannot be built")
-    pivot_nr = SYS_PIVOT_ROOT.get(os.uname().machine)
-    if pivot_nr is None:
-        raise OSError(f"the filesystem view supports x86_64 and aarch64, not {os.uname().machine}")
-    expose = exposed_paths(req)
-    # Opened before the new root is mounted over VIEW_ROOT, which could shadow an interpreter living below it.
+    if "mnt" not in namespaces or "pid" not in namespaces:  # the host's /proc/<pid>/root would lead out
+        raise OSError("no mount or pid namespace: the kernel refused it, so the filesystem view cannot be built")
+    expose = _exposed_paths_cached(req)
+    # Opened before anything is mounted over VIEW_ROOT, which could shadow an interpreter living below it.
     fds = {p: (os.open(p, os.O_PATH), os.path.isdir(p)) for p in expose}
     dev_fds = {d: os.open("/dev/" + d, os.O_PATH) for d in DEVICES}
-    root = VIEW_ROOT
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    # The private tmpfs first (one superblock, so its size cap bounds /tmp + /var/tmp + /dev/shm together; tmpfs
+    # pages are RAM), then the new root inside it as a separate small tmpfs: the stage is left behind in the old
+    # root when the new root moves onto /.
+    stage, root = VIEW_ROOT, VIEW_ROOT + "/root"
+    size = req["tmp_size_mb"]
+    _mount("tmpfs", stage, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0755,size={size}m,nr_inodes={max(1024, 256 * size)}")
+    for sub in ("tmp", "var_tmp", "shm", "root"):
+        os.mkdir(f"{stage}/{sub}")
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m,nr_inodes=4096")
     for p in SYSTEM_DIRS:
         if os.path.islink(p):
             os.symlink(os.readlink(p), root + p)
-    os.mkdir(root + "/dev")
+    for d in ("/dev", "/var", "/var/tmp", "/tmp", "/proc"):
+        os.mkdir(root + d)
     _mount("tmpfs", root + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k")
+    os.mkdir(root + "/dev/shm")
     for d, fd in dev_fds.items():
         os.close(os.open(f"{root}/dev/{d}", os.O_CREAT | os.O_WRONLY, 0o666))
         _mount(f"/proc/self/fd/{fd}", f"{root}/dev/{d}", None, MS_BIND)
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                          ("stderr", "/proc/self/fd/2")):
         os.symlink(target, f"{root}/dev/{name}")
-    # One tmpfs, so its size cap bounds /tmp + /var/tmp + /dev/shm together (tmpfs pages are RAM).
-    stage = root + "/.tmp"
-    for d in ("/dev/shm", "/var", "/var/tmp", "/tmp", "/.tmp"):
-        os.mkdir(root + d)
-    size = req["tmp_size_mb"]
-    _mount("tmpfs", stage, "tmpfs", MS_NOSUID | MS_NODEV,
-           f"mode=0755,size={size}m,nr_inodes={max(1024, 256 * size)}")
     for sub, target in (("tmp", "/tmp"), ("var_tmp", "/var/tmp"), ("shm", "/dev/shm")):
-        os.mkdir(f"{stage}/{sub}")
         os.chmod(f"{stage}/{sub}", 0o1777)
         _mount(f"{stage}/{sub}", root + target, None, MS_BIND)
-    _check(_libc().umount2(stage.encode(), MNT_DETACH))
-    os.rmdir(stage)
     _mount(None, root + "/dev", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
     os.mkdir(root + req["cwd"], 0o700)  # the working directory, on the private tmpfs
     if req.get("uid") is not None:
@@ -239,16 +238,23 @@ def build_view(req, namespaces):
                 _mount(f"/proc/self/fd/{dev_fds['null']}", target, None, MS_BIND)
     for fd in dev_fds.values():
         os.close(fd)
-    os.mkdir(root + "/proc")
-    if "pid" in namespaces:
-        _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    else:
-        _mount("/proc", root + "/proc", None, MS_BIND | MS_REC)
+    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     os.chdir(root)
-    _check(_libc().syscall(pivot_nr, b".", b"."))  # the old root now lies on top of the new one: detach it
-    _check(_libc().umount2(b".", MNT_DETACH))
+    _mount(".", "/", None, MS_MOVE)
+    os.chroot(".")
     os.chdir("/")
     _mount(None, "/", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+_EXPOSED = {}
+
+
+def _exposed_paths_cached(req):
+    # The zygote's import path does not change between calls: compute it once per (expose, hide).
+    key = (tuple(req["expose"]), tuple(req["hide"]))
+    if key not in _EXPOSED:
+        _EXPOSED[key] = exposed_paths(req)
+    return _EXPOSED[key]
 
 
 def install_seccomp(bpf):
@@ -495,6 +501,11 @@ def zygote(ctrl_fd, preload):
             req = json.loads(_recv_exact(ctrl, size))
         except (EOFError, OSError):
             break
+        if req["isolate_filesystem"]:
+            try:
+                _exposed_paths_cached(req)  # once, here: every later fork inherits the result
+            except OSError:
+                pass  # the call itself will report it
         pid = os.fork()
         if pid == 0:
             ctrl.close()

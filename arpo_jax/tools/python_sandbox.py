@@ -213,6 +213,9 @@ class PythonSandbox:
         self._uids = _UidSlots(config.uid_base)
         if self._as_root and config.drop_privileges:
             _check_traversable(config.tmp_root or tempfile.gettempdir())
+        if config.isolate_filesystem and not config.isolate_processes:
+            raise ValueError("isolate_filesystem needs isolate_processes: without a pid namespace of its own the code "
+                             "would reach the host's files through /proc/<pid>/root")
         if config.isolate_filesystem and config.tmp_size_mb < 1:
             raise ValueError(f"tmp_size_mb must be >= 1 (MB of the private /tmp), got {config.tmp_size_mb}")
         self._hide = tuple(sorted({*default_hidden_paths(), *(os.path.realpath(p) for p in config.hide_paths)}))
@@ -264,8 +267,7 @@ class PythonSandbox:
 
     def _wanted_namespaces(self) -> set[str]:
         c = self.config
-        return ({"net"} if c.isolate_network else set()) | ({"pid"} if c.isolate_processes else set()) | (
-            {"mnt"} if c.isolate_processes or self._view else set())
+        return ({"net"} if c.isolate_network else set()) | ({"pid", "mnt"} if c.isolate_processes else set())
 
     def __repr__(self) -> str:
         return f"PythonSandbox({self.config!r})"
