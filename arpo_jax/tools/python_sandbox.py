@@ -132,7 +132,7 @@ def default_hidden_paths() -> tuple[str, ...]:
 
 
 # What the kernel refused, per set of protections asked for: probed once per process (see PythonSandbox._probe).
-_PROBED: dict[tuple, str | None] = {}
+_PROBED: dict[tuple, tuple[str, str] | None] = {}
 _PROBE_LOCK = threading.Lock()
 
 
