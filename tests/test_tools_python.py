@@ -64,7 +64,17 @@ def _mounts() -> set[str]:
         return set(f.read().splitlines())
 
 
+def _sysv_ipc() -> set[str]:
+    """System V shared memory, semaphores, message queues: they outlive their creator unless removed."""
+    found = set()
+    for kind in ("shm", "sem", "msg"):
+        with open(f"/proc/sysvipc/{kind}") as f:
+            found |= {f"{kind} " + " ".join(line.split()[:2]) for line in f.read().splitlines()[1:]}  # key, id
+    return found
+
+
 HOST_MOUNTS = _mounts()  # the code's mounts live in its own namespace: the host's table never changes
+HOST_IPC = _sysv_ipc()
 
 
 def leftovers(root: str, uid_base: int) -> list[int]:
@@ -96,6 +106,7 @@ def assert_clean(tool: PythonTool) -> None:
     assert os.listdir(root) == [], "working directories left behind"
     assert leaked_files() == [], "files left in the host's /tmp, /var/tmp or /dev/shm"
     assert _mounts() - HOST_MOUNTS == set(), "mounts left behind"
+    assert _sysv_ipc() - HOST_IPC == set(), "System V IPC objects left behind"
 
 
 def namespaces(tool: PythonTool) -> tuple[str, ...]:
@@ -456,9 +467,13 @@ def test_hostile_suite_leaves_nothing(tool):
         f"import ctypes\nlibc = ctypes.CDLL(None)\nlibc.unshare(0x10000000 | 0x20000)\n"
         f"libc.mount(b'tmpfs', b'/tmp', b'tmpfs', 0, None)\nopen('/dev/shm/{MARK}', 'w')\nwhile True:\n    pass",
         "import os\nwhile True:\n    os.fork()",
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nIPC_PRIVATE, IPC_CREAT = 0, 0o1000\n"
+        "ids = [libc.shmget(IPC_PRIVATE, 1 << 20, IPC_CREAT | 0o600), libc.semget(IPC_PRIVATE, 1, IPC_CREAT | 0o600),"
+        " libc.msgget(IPC_PRIVATE, IPC_CREAT | 0o600)]\nassert min(ids) >= 0, (ids, ctypes.get_errno())\nprint(ids)",
     ]
     with cf.ThreadPoolExecutor(4) as pool:
-        list(pool.map(tool.execute, programs))
+        outs = list(pool.map(tool.execute, programs))
+    assert outs[-1].startswith("["), outs[-1]  # the IPC objects were created (and must be gone with the call)
     assert_clean(tool)
 
 

@@ -29,7 +29,8 @@ import sys
 import time
 import traceback
 
-CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 0x1000, 0x2000, 0x4000, 1 << 18
 # Flags a bind mount keeps when remounted read-only (the kernel refuses to clear the ones it locked).
@@ -59,17 +60,20 @@ def _write_file(path, text):
 
 
 def enter_namespaces(req):
-    """Unshares net/pid/mount namespaces in the (single-threaded) monitor. Returns the list that took effect.
+    """Unshares net/pid/mount/IPC namespaces in the (single-threaded) monitor. Returns the list that took effect.
+
+    The IPC namespace dies with the call, and with it any System V shared memory, semaphores or message queues
+    (which otherwise outlive their creator) and POSIX message queues the code created.
 
     As root no user namespace is needed; otherwise a user namespace (identity-mapped, so files keep their owner)
     grants the right to create the others. Where the kernel refuses, fall back to fewer namespaces (the trainer's
     start-up probe reports what is missing).
     """
     want = [name for name, on in (("net", req["isolate_network"]), ("pid", req["isolate_processes"]),
-                                  ("mnt", req["isolate_processes"])) if on]
+                                  ("mnt", req["isolate_processes"]), ("ipc", req["isolate_processes"])) if on]
     attempts = [want, [n for n in want if n != "net"], ["net"] if "net" in want else []]
     uid, gid = os.getuid(), os.getgid()
-    bits = {"net": CLONE_NEWNET, "pid": CLONE_NEWPID, "mnt": CLONE_NEWNS}
+    bits = {"net": CLONE_NEWNET, "pid": CLONE_NEWPID, "mnt": CLONE_NEWNS, "ipc": CLONE_NEWIPC}
     for names in attempts:
         if not names:
             continue

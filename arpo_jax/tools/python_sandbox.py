@@ -267,7 +267,7 @@ class PythonSandbox:
 
     def _wanted_namespaces(self) -> set[str]:
         c = self.config
-        return ({"net"} if c.isolate_network else set()) | ({"pid", "mnt"} if c.isolate_processes else set())
+        return ({"net"} if c.isolate_network else set()) | ({"pid", "mnt", "ipc"} if c.isolate_processes else set())
 
     def __repr__(self) -> str:
         return f"PythonSandbox({self.config!r})"

@@ -13,7 +13,7 @@ have to get right itself.
 Denied (``EPERM``): new namespaces (``unshare``, ``setns``, ``clone`` with a namespace flag; ``clone3`` gets
 ``ENOSYS`` so that libc falls back to ``clone``, whose flags a filter can read), every mount call, ``chroot``,
 ``ptrace`` and cross-process memory access, ``bpf``, ``perf_event_open``, the kernel keyring, ``userfaultfd``,
-``io_uring`` and kernel-module / kexec / reboot calls. Everything else is allowed.
+``io_uring``, ``open_by_handle_at`` and kernel-module / kexec / reboot calls. Everything else is allowed.
 """
 
 import ctypes
@@ -29,7 +29,7 @@ DENIED = ("unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "move_
           "fsconfig", "fsmount", "fspick", "mount_setattr", "ptrace", "process_vm_readv", "process_vm_writev",
           "bpf", "perf_event_open", "keyctl", "add_key", "request_key", "userfaultfd", "io_uring_setup",
           "io_uring_enter", "io_uring_register", "init_module", "finit_module", "delete_module", "kexec_load",
-          "kexec_file_load", "reboot", "swapon", "swapoff", "acct", "quotactl", "lookup_dcookie")
+          "kexec_file_load", "reboot", "swapon", "swapoff", "acct", "quotactl", "lookup_dcookie", "open_by_handle_at")
 LIBSECCOMP = "libseccomp.so.2"
 _SCMP_ACT_ALLOW = 0x7FFF0000
 _SCMP_CMP_MASKED_EQ = 7
