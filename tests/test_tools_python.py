@@ -1,21 +1,28 @@
 """The sandboxed Python tool: reference preprocessing/formatting, isolation, and a hostile-program suite."""
 
 import concurrent.futures as cf
+import json
 import os
 import pathlib
+import platform
+import secrets
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
+import textwrap
 import time
 
 import pytest
 
-from arpo_jax.tools import make_tool
+from arpo_jax.tools import make_tool, seccomp_filter
 from arpo_jax.tools.python_sandbox import (
     PythonSandbox,
     PythonSandboxConfig,
     PythonTool,
+    default_hidden_paths,
     preprocess_code,
     sandbox_env,
     strip_code_fences,
@@ -23,6 +30,8 @@ from arpo_jax.tools.python_sandbox import (
 
 SECRET = "planted-secret-7c1d9e0b5a"
 AS_ROOT = os.geteuid() == 0
+MARK = f"arpo_left_{secrets.token_hex(4)}"  # names of the files hostile programs drop: found on the host = leaked
+HOST_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 
 
 @pytest.fixture(scope="module")
@@ -50,25 +59,54 @@ def tool(request, root):
     del os.environ["ARPO_PLANTED_SECRET"], os.environ["HTTPS_PROXY"]
 
 
-def leftovers(root: str) -> list[int]:
-    """Processes whose working directory is (or was) under ``root``: anything the code left running."""
+def _mounts() -> set[str]:
+    with open("/proc/self/mountinfo") as f:
+        return set(f.read().splitlines())
+
+
+def _sysv_ipc() -> set[str]:
+    """System V shared memory, semaphores, message queues: they outlive their creator unless removed."""
+    found = set()
+    for kind in ("shm", "sem", "msg"):
+        with open(f"/proc/sysvipc/{kind}") as f:
+            found |= {f"{kind} " + " ".join(line.split()[:2]) for line in f.read().splitlines()[1:]}  # key, id
+    return found
+
+
+HOST_MOUNTS = _mounts()  # the code's mounts live in its own namespace: the host's table never changes
+HOST_IPC = _sysv_ipc()
+
+
+def leftovers(root: str, uid_base: int) -> list[int]:
+    """Processes whose working directory is under ``root``, or that run as one of this process's sandbox uids."""
+    uids = range(uid_base + (os.getpid() % 1000) * 1000, uid_base + (os.getpid() % 1000 + 1) * 1000)
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if os.readlink(f"/proc/{pid}/cwd").startswith(root):
+            with open(f"/proc/{pid}/status") as f:
+                uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
+            if os.readlink(f"/proc/{pid}/cwd").startswith(root) or (AS_ROOT and uid in uids):
                 found.append(int(pid))
-        except OSError:
+        except (OSError, StopIteration):
             continue
     return found
 
 
+def leaked_files() -> list[str]:
+    return [os.path.join(d, n) for d in HOST_TMP_DIRS if os.path.isdir(d) for n in os.listdir(d) if MARK in n]
+
+
 def assert_clean(tool: PythonTool) -> None:
-    root = tool.config.tmp_root
+    """Nothing left behind: no process, no working directory, no file in the host's temp dirs, no mount."""
+    root, uid_base = tool.config.tmp_root, tool.config.uid_base
     deadline = time.monotonic() + 5.0  # a pid namespace is torn down asynchronously after its init dies
-    while leftovers(root) and time.monotonic() < deadline:
+    while leftovers(root, uid_base) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert leftovers(root) == [], "processes left running"
+    assert leftovers(root, uid_base) == [], "processes left running"
     assert os.listdir(root) == [], "working directories left behind"
+    assert leaked_files() == [], "files left in the host's /tmp, /var/tmp or /dev/shm"
+    assert _mounts() - HOST_MOUNTS == set(), "mounts left behind"
+    assert _sysv_ipc() - HOST_IPC == set(), "System V IPC objects left behind"
 
 
 def namespaces(tool: PythonTool) -> tuple[str, ...]:
@@ -220,7 +258,12 @@ def test_hostile_writes_outside_its_directory(tool, root):
         pytest.skip("without root the code runs as the caller's uid and may write where the caller may")
     target = os.path.join(root, "outside", "pwned.txt")
     out = tool.execute(f"open({target!r}, 'w').write('pwned')")
-    assert "PermissionError" in out and not os.path.exists(target)
+    # The filesystem view has no such directory (it had PermissionError before the view existed).
+    assert ("PermissionError" in out or "FileNotFoundError" in out) and not os.path.exists(target)
+    for exposed in (sys.prefix, "/usr/lib", "/etc"):  # read-only in the view (and not the private uid's)
+        target = os.path.join(exposed, MARK)
+        out = tool.execute(f"open({target!r}, 'w').write('pwned')")
+        assert ("Read-only file system" in out or "PermissionError" in out) and not os.path.exists(target), out
     assert_clean(tool)
 
 
@@ -269,3 +312,209 @@ def test_caller_is_unharmed(tool):
     assert os.getpid() > 0 and signal.getsignal(signal.SIGTERM) is not None
     assert tool.execute("print('still working')") == "still working"
     assert pathlib.Path(tool.config.tmp_root).is_dir()
+
+
+# ---------------------------------------------------------------------------------------- escapes (issue 22)
+# Syscall numbers the escape programs call directly (no Python wrapper); the filter itself uses libseccomp's table.
+SYSCALLS = {"x86_64": {"clone": 56, "clone3": 435, "bpf": 321, "keyctl": 250, "add_key": 248,
+                       "process_vm_readv": 310, "chroot": 161},
+            "aarch64": {"clone": 220, "clone3": 435, "bpf": 280, "keyctl": 219, "add_key": 217,
+                        "process_vm_readv": 270, "chroot": 51}}
+ESCAPE_PRELUDE = f"""
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+NR = {SYSCALLS.get(platform.machine(), {})!r}
+def err(ret):
+    return 'ok' if ret >= 0 else errno.errorcode[ctypes.get_errno()]
+def sys_(name, *args):
+    return err(libc.syscall(NR[name], *[ctypes.c_long(a) for a in args]))
+"""
+needs_syscall_table = pytest.mark.skipif(platform.machine() not in SYSCALLS, reason="x86_64 / aarch64 only")
+
+
+def run_escape(tool: PythonTool, body: str) -> dict:
+    out = tool.execute(ESCAPE_PRELUDE + textwrap.dedent(body))
+    try:
+        return json.loads(out.splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        raise AssertionError(out) from None
+
+
+def test_tmp_dirs_are_private_and_vanish(tool):
+    write = (f"import os\nfor d in ('/tmp', '/var/tmp', '/dev/shm', '.'):\n"
+             f"    open(os.path.join(d, '{MARK}'), 'w').write('x')\n"
+             f"print(sorted(os.path.exists(os.path.join(d, '{MARK}')) for d in ('/tmp', '/var/tmp', '/dev/shm')))")
+    assert tool.execute(write) == "[True, True, True]"
+    assert leaked_files() == []  # not on the host
+    assert tool.execute(f"import os\nprint([os.path.exists(os.path.join(d, '{MARK}')) "
+                        "for d in ('/tmp', '/var/tmp', '/dev/shm')])") == "[False, False, False]"
+    assert_clean(tool)
+
+
+def test_tmp_size_is_capped(root):
+    cfg = PythonSandboxConfig(tmp_size_mb=4, timeout_s=10, tmp_root=root, preload_modules=())
+    t = PythonTool(cfg)
+    # One 4 MB tmpfs behind all three directories: 3 MB in /tmp leaves no room for 3 MB in /dev/shm.
+    out = t.execute("import os\nchunk = b'x' * (3 << 20)\nfor d in ('/tmp', '/dev/shm'):\n"
+                    "    try:\n        open(d + '/big', 'wb').write(chunk)\n        print(d, 'ok')\n"
+                    "    except OSError as e:\n        print(d, os.strerror(e.errno))")
+    assert out == "/tmp ok\n/dev/shm No space left on device", out
+    out = t.execute("import os\ntry:\n    [open(f'/tmp/f{i}', 'w').close() for i in range(100000)]\n"
+                    "except OSError as e:\n    print(os.strerror(e.errno), len(os.listdir('/tmp')))")
+    assert out.startswith("No space left on device"), out  # inodes are capped too (256 per MB)
+    t.close()
+
+
+def test_bad_isolation_settings_are_refused(root):
+    with pytest.raises(ValueError, match="tmp_size_mb"):
+        PythonSandbox(PythonSandboxConfig(tmp_size_mb=0, tmp_root=root))
+    with pytest.raises(ValueError, match="isolate_filesystem needs isolate_processes"):
+        PythonSandbox(PythonSandboxConfig(isolate_processes=False, tmp_root=root))
+    # Without the view, the old layout holds: a host working directory under tmp_root, removed afterwards.
+    t = PythonTool(PythonSandboxConfig(isolate_filesystem=False, tmp_root=root, preload_modules=()))
+    assert t.execute("import os; print(os.getcwd().startswith(os.path.join(" + repr(root) + ", 'arpo_py_')))") == "True"
+    assert [n for n in os.listdir(root) if n.startswith("arpo_py_")] == []
+    t.close()
+
+
+@needs_syscall_table
+def test_no_new_namespaces_or_mounts(tool):
+    got = run_escape(tool, """
+        import json
+        CLONE_NEWUSER, CLONE_NEWNS, SIGCHLD = 0x10000000, 0x20000, 17
+        res = {'unshare_user': err(libc.unshare(CLONE_NEWUSER)),
+               'unshare_user_mount': err(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS))}
+        pid = libc.syscall(NR['clone'], ctypes.c_long(CLONE_NEWUSER | SIGCHLD), 0, 0, 0, 0)
+        if pid == 0:
+            os._exit(0)
+        res['clone_user'] = err(pid)
+        if pid > 0:
+            os.waitpid(pid, 0)
+        res['clone3'] = sys_('clone3', 0, 0)
+        res['mount'] = err(libc.mount(b'tmpfs', b'/tmp', b'tmpfs', 0, None))
+        res['chroot'] = sys_('chroot', 0)
+        res['setns'] = err(libc.setns(0, 0))
+        print(json.dumps(res))""")
+    assert got == {"unshare_user": "EPERM", "unshare_user_mount": "EPERM", "clone_user": "EPERM",
+                   "clone3": "ENOSYS", "mount": "EPERM", "chroot": "EPERM", "setns": "EPERM"}
+    assert_clean(tool)
+
+
+@needs_syscall_table
+def test_no_ptrace_bpf_or_keyrings(tool):
+    got = run_escape(tool, """
+        import json, time
+        child = os.fork()
+        if child == 0:
+            time.sleep(30)
+            os._exit(0)
+        PTRACE_ATTACH, PTRACE_TRACEME = 16, 0
+        res = {'ptrace_attach': err(libc.ptrace(PTRACE_ATTACH, child, 0, 0)),
+               'process_vm_readv': sys_('process_vm_readv', child, 0, 0, 0, 0, 0),
+               'bpf': sys_('bpf', 9999, 0, 0),  # an unknown command: EINVAL from the kernel, EPERM from us
+               'keyctl': sys_('keyctl', 0, -3, 1),  # KEYCTL_GET_KEYRING_ID of the session keyring, create
+               'add_key': sys_('add_key', 0, 0, 0, 0, 0),
+               'seccomp': open('/proc/self/status').read().split('Seccomp:')[1].split()[0]}
+        os.kill(child, 9)
+        print(json.dumps(res))""")
+    assert got == {"ptrace_attach": "EPERM", "process_vm_readv": "EPERM", "bpf": "EPERM", "keyctl": "EPERM",
+                   "add_key": "EPERM", "seccomp": "2"}
+    assert_clean(tool)
+
+
+def test_filesystem_view_hides_data_project_caches_and_homes(root):
+    planted = pathlib.Path(root, "data")  # a dataset the trainer reads: world-readable on the host
+    planted.mkdir(exist_ok=True)
+    (planted / "train.parquet").write_text(SECRET)
+    (planted / "corpus.txt").write_text("public corpus")
+    os.chmod(planted, 0o755)
+    for f in planted.iterdir():
+        os.chmod(f, 0o644)
+    # The corpus directory is exposed on purpose; the parquet inside it is hidden explicitly.
+    t = PythonTool(PythonSandboxConfig(timeout_s=10, tmp_root=root, preload_modules=(), expose_paths=(str(planted),),
+                                       hide_paths=(str(planted / "train.parquet"),)))
+    project = pathlib.Path(__file__).resolve().parents[1]
+    probes = [str(project / "pyproject.toml"), str(project / "arpo_jax" / "__init__.py"), os.path.expanduser("~"),
+              os.path.expanduser("~/.cache"), "/work/shared/data", root, *default_hidden_paths()]
+    code = (f"import json, os\nres = {{}}\nfor p in {probes!r}:\n"
+            "    try:\n        res[p] = os.listdir(p) if os.path.isdir(p) else open(p).read()[:40]\n"
+            "    except OSError as e:\n        res[p] = type(e).__name__\n"
+            f"res['corpus'] = open({str(planted / 'corpus.txt')!r}).read()\n"
+            f"res['parquet'] = open({str(planted / 'train.parquet')!r}).read()\n"
+            "print(json.dumps(res))")
+    got = json.loads(t.execute(code))
+    assert got.pop("corpus") == "public corpus" and got.pop("parquet") == ""  # hidden behind an empty file
+    for path, seen in got.items():  # absent, or (an interpreter's ancestor) a directory with only its way down
+        assert seen == "FileNotFoundError" or (isinstance(seen, list) and len(seen) <= 1), (path, seen)
+    assert SECRET not in json.dumps(got)
+    t.close()
+
+
+def test_output_before_a_timeout_is_returned(tool):
+    out = tool.execute("import sys\nprint('step 1')\nsys.stdout.write('step 2')\nsys.stderr.write('warn')\n"
+                       "while True:\n    pass")
+    assert out == "step 1\nstep 2\nwarn\nExecution timed out after 2 s."
+    assert_clean(tool)
+
+
+def test_hostile_suite_leaves_nothing(tool):
+    programs = [
+        f"import os\nfor d in ('/tmp', '/var/tmp', '/dev/shm', '.'):\n    for i in range(200):\n"
+        f"        open(os.path.join(d, f'{MARK}_{{i}}'), 'w').write('x' * 1000)",
+        f"import os, time\nif os.fork() == 0:\n    os.setsid()\n    open('/tmp/{MARK}_d', 'w')\n    time.sleep(60)\n"
+        "print('parent exits')",
+        f"import ctypes\nlibc = ctypes.CDLL(None)\nlibc.unshare(0x10000000 | 0x20000)\n"
+        f"libc.mount(b'tmpfs', b'/tmp', b'tmpfs', 0, None)\nopen('/dev/shm/{MARK}', 'w')\nwhile True:\n    pass",
+        "import os\nwhile True:\n    os.fork()",
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nIPC_PRIVATE, IPC_CREAT = 0, 0o1000\n"
+        "ids = [libc.shmget(IPC_PRIVATE, 1 << 20, IPC_CREAT | 0o600), libc.semget(IPC_PRIVATE, 1, IPC_CREAT | 0o600),"
+        " libc.msgget(IPC_PRIVATE, IPC_CREAT | 0o600)]\nassert min(ids) >= 0, (ids, ctypes.get_errno())\nprint(ids)",
+    ]
+    with cf.ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(tool.execute, programs))
+    assert outs[-1].startswith("["), outs[-1]  # the IPC objects were created (and must be gone with the call)
+    assert_clean(tool)
+
+
+def test_a_missing_library_is_refused_clearly(root, monkeypatch, caplog):
+    monkeypatch.setattr(seccomp_filter, "LIBSECCOMP", "libseccomp-missing.so.9")
+    seccomp_filter.sandbox_filter_bpf.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="libseccomp.so.2.*apt-get install libseccomp2.*allow_weaker_isolation"):
+            PythonSandbox(PythonSandboxConfig(tmp_root=root))
+        t = PythonTool(PythonSandboxConfig(tmp_root=root, allow_weaker_isolation=True, preload_modules=()))
+        assert t.sandbox.weakened == ["seccomp"] and "WITHOUT seccomp" in caplog.text
+        assert t.execute("print(open('/proc/self/status').read().split('Seccomp:')[1].split()[0])") == "0"
+        t.close()
+    finally:
+        seccomp_filter.sandbox_filter_bpf.cache_clear()
+
+
+def test_refused_namespaces_are_refused_clearly(root):
+    # A trainer in a container whose seccomp profile refuses namespaces: the probe must say so, not run weaker.
+    script = textwrap.dedent(f"""
+        import ctypes, json, logging
+        from arpo_jax.tools import _sandbox_child as child
+        from arpo_jax.tools.python_sandbox import PythonSandboxConfig, PythonTool
+        from arpo_jax.tools.seccomp_filter import sandbox_filter_bpf
+        assert ctypes.CDLL(None).prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
+        child.install_seccomp(sandbox_filter_bpf())  # from now on unshare() fails in this process tree
+        res = {{}}
+        try:
+            PythonTool(PythonSandboxConfig(tmp_root={root!r}))
+        except RuntimeError as e:
+            res['error'] = str(e)
+        logging.disable(logging.WARNING)
+        t = PythonTool(PythonSandboxConfig(tmp_root={root!r}, allow_weaker_isolation=True, preload_modules=()))
+        res['weakened'] = t.sandbox.weakened
+        res['out'] = t.execute('6 * 7')
+        t.close()
+        print(json.dumps(res))""")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])})
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert "no mount or pid namespace" in got["error"] and "allow_weaker_isolation=True" in got["error"], got
+    assert got["weakened"] == ["filesystem view", "namespaces"] and got["out"] == "42"
+    assert [n for n in os.listdir(root) if n.startswith("arpo_py_")] == []

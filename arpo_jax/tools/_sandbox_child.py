@@ -10,10 +10,13 @@ Two modes (``sys.argv[1]``):
 
 Per call a *monitor* process (the forked zygote, or the ``once`` process itself) enters new namespaces, forks the
 *user* process, enforces the wall-clock timeout, and reports the pid and the final wait status as JSON lines
-on a status socket. The user process sets limits, drops privileges and ``exec``s the code.
+on a status socket. The user process builds the call's filesystem view (a fresh root: read-only system and
+interpreter directories, a private size-capped tmpfs for /tmp, /var/tmp and /dev/shm, nothing else), sets
+limits, drops privileges, installs the seccomp filter compiled by the trainer and runs the code.
 """
 
 import ctypes
+import io
 import json
 import os
 import resource
@@ -26,9 +29,16 @@ import sys
 import time
 import traceback
 
-CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 0x1000, 0x4000, 1 << 18
-PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG = 38, 1
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 0x1000, 0x2000, 0x4000, 1 << 18
+# Flags a bind mount keeps when remounted read-only (the kernel refuses to clear the ones it locked).
+MS_KEEP = 8 | 1024 | 2048 | 4096  # NOEXEC, NOATIME, NODIRATIME, RELATIME (same values as os.ST_*)
+PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 1, 22, 2
+SYSTEM_DIRS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # merged-usr: symlinks
+DEVICES = ("null", "zero", "full", "random", "urandom")
+VIEW_ROOT = "/tmp"  # where the new root is assembled; any directory works, the mount is private to the call
 _LIBC = []
 
 
@@ -50,24 +60,24 @@ def _write_file(path, text):
 
 
 def enter_namespaces(req):
-    """Unshares net/pid/mount namespaces in the (single-threaded) monitor. Returns the list that took effect.
+    """Unshares net/pid/mount/IPC namespaces in the (single-threaded) monitor. Returns the list that took effect.
+
+    The IPC namespace dies with the call, and with it any System V shared memory, semaphores or message queues
+    (which otherwise outlive their creator) and POSIX message queues the code created.
 
     As root no user namespace is needed; otherwise a user namespace (identity-mapped, so files keep their owner)
-    grants the right to create the others. Where the kernel refuses, fall back to fewer namespaces.
+    grants the right to create the others. Where the kernel refuses, fall back to fewer namespaces (the trainer's
+    start-up probe reports what is missing).
     """
-    want = []
-    if req["isolate_network"]:
-        want.append("net")
-    if req["isolate_processes"]:
-        want.append("pid")
-    attempts = [want, ["pid"] if "pid" in want else [], ["net"] if "net" in want else []]
+    want = [name for name, on in (("net", req["isolate_network"]), ("pid", req["isolate_processes"]),
+                                  ("mnt", req["isolate_processes"]), ("ipc", req["isolate_processes"])) if on]
+    attempts = [want, [n for n in want if n != "net"], ["net"] if "net" in want else []]
     uid, gid = os.getuid(), os.getgid()
+    bits = {"net": CLONE_NEWNET, "pid": CLONE_NEWPID, "mnt": CLONE_NEWNS, "ipc": CLONE_NEWIPC}
     for names in attempts:
         if not names:
             continue
-        flags = (CLONE_NEWNET if "net" in names else 0) | (CLONE_NEWPID | CLONE_NEWNS if "pid" in names else 0)
-        if uid != 0:
-            flags |= CLONE_NEWUSER
+        flags = sum(bits[n] for n in names) | (CLONE_NEWUSER if uid != 0 else 0)
         try:
             _check(_libc().unshare(flags))
         except OSError:
@@ -123,6 +133,156 @@ def _expose_interpreter(paths):
             os.close(fd)
 
 
+def _mount(source, target, fstype, flags, data=None):
+    enc = lambda v: v.encode() if isinstance(v, str) else v  # noqa: E731
+    try:
+        _check(_libc().mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)))
+    except OSError as e:
+        raise OSError(e.errno, f"mount {fstype or source} on {target}: {e.strerror}") from None
+
+
+def _under(path, parent):
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def _bind_read_only(fd, target):
+    # A bind mount takes the source's flags; remounting adds read-only (keeping the flags the kernel locked).
+    _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC)
+    keep = os.statvfs(target).f_flag & MS_KEEP
+    _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | keep)
+
+
+def exposed_paths(req):
+    """What the code may read: system directories, the interpreter's prefixes and import path, ``expose``.
+
+    An import-path entry inside a hidden path (e.g. an old-style editable install of the project) is left out
+    unless it belongs to an interpreter prefix (a virtualenv inside the project tree is the interpreter).
+    """
+    prefixes = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, os.path.dirname(sys.executable)]
+    hidden = req["hide"]
+    candidates = [p for p in SYSTEM_DIRS if not os.path.islink(p)] + list(req["expose"])
+    for path in prefixes:
+        candidates += [os.path.abspath(path), os.path.realpath(path)]
+    for path in sys.path:
+        if not path:
+            continue
+        for p in {os.path.abspath(path), os.path.realpath(path)}:
+            if not any(_under(p, h) or _under(h, p) for h in hidden) or any(_under(p, q) for q in prefixes):
+                candidates.append(p)
+    found = []
+    for p in sorted(set(candidates), key=len):  # parents first: a path inside an exposed one adds nothing
+        if os.path.exists(p) and p != "/" and not any(_under(p, q) for q in found):
+            found.append(p)
+    return found
+
+
+def build_view(req, namespaces):
+    """Makes a fresh tmpfs holding only what the code needs this call's root (``MS_MOVE`` onto / + ``chroot``).
+
+    Read-only: SYSTEM_DIRS, the interpreter and ``expose``. Hidden paths under them are covered. Writable: one
+    private tmpfs of ``tmp_size_mb`` behind /tmp, /var/tmp and /dev/shm, which goes away with the call.
+    Devices: null, zero, full, random, urandom. /proc: a fresh one for the call's pid namespace (required).
+
+    The old root stays mounted *underneath* the new one (no unmount: each costs an RCU grace period, ~2 ms), out
+    of reach: no path leads there, the code holds no descriptor into it, and ``chroot`` is denied by seccomp
+    (and needs CAP_SYS_CHROOT, which the code lacks).
+    """
+    if "mnt" not in namespaces or "pid" not in namespaces:  # the host's /proc/<pid>/root would lead out
+        raise OSError("no mount or pid namespace: the kernel refused it, so the filesystem view cannot be built")
+    expose = _exposed_paths_cached(req)
+    # Opened before anything is mounted over VIEW_ROOT, which could shadow an interpreter living below it.
+    fds = {p: (os.open(p, os.O_PATH), os.path.isdir(p)) for p in expose}
+    dev_fds = {d: os.open("/dev/" + d, os.O_PATH) for d in DEVICES}
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    # The private tmpfs first (one superblock, so its size cap bounds /tmp + /var/tmp + /dev/shm together; tmpfs
+    # pages are RAM), then the new root inside it as a separate small tmpfs: the stage is left behind in the old
+    # root when the new root moves onto /.
+    stage, root = VIEW_ROOT, VIEW_ROOT + "/root"
+    size = req["tmp_size_mb"]
+    _mount("tmpfs", stage, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0755,size={size}m,nr_inodes={max(1024, 256 * size)}")
+    for sub in ("tmp", "var_tmp", "shm", "root"):
+        os.mkdir(f"{stage}/{sub}")
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m,nr_inodes=4096")
+    for p in SYSTEM_DIRS:
+        if os.path.islink(p):
+            os.symlink(os.readlink(p), root + p)
+    for d in ("/dev", "/var", "/var/tmp", "/tmp", "/proc"):
+        os.mkdir(root + d)
+    _mount("tmpfs", root + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k")
+    os.mkdir(root + "/dev/shm")
+    for d, fd in dev_fds.items():
+        os.close(os.open(f"{root}/dev/{d}", os.O_CREAT | os.O_WRONLY, 0o666))
+        _mount(f"/proc/self/fd/{fd}", f"{root}/dev/{d}", None, MS_BIND)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{root}/dev/{name}")
+    for sub, target in (("tmp", "/tmp"), ("var_tmp", "/var/tmp"), ("shm", "/dev/shm")):
+        os.chmod(f"{stage}/{sub}", 0o1777)
+        _mount(f"{stage}/{sub}", root + target, None, MS_BIND)
+    _mount(None, root + "/dev", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
+    os.mkdir(root + req["cwd"], 0o700)  # the working directory, on the private tmpfs
+    if req.get("uid") is not None:
+        os.chown(root + req["cwd"], req["uid"], req["gid"])
+    # After the private /tmp, so that an interpreter living under /tmp stays visible.
+    for p, (fd, is_dir) in fds.items():
+        target = root + p
+        if is_dir:
+            os.makedirs(target, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
+        _bind_read_only(fd, target)
+        os.close(fd)
+    for h in req["hide"]:  # hidden paths that an exposed directory contains
+        target = root + h
+        if any(_under(h, p) and h != p for p in expose) and os.path.lexists(target):
+            if os.path.isdir(target):
+                _mount("tmpfs", target, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0")
+            else:
+                _mount(f"/proc/self/fd/{dev_fds['null']}", target, None, MS_BIND)
+    for fd in dev_fds.values():
+        os.close(fd)
+    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.chdir(root)
+    _mount(".", "/", None, MS_MOVE)
+    os.chroot(".")
+    os.chdir("/")
+    _mount(None, "/", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+_EXPOSED = {}
+
+
+def _exposed_paths_cached(req):
+    # The zygote's import path does not change between calls: compute it once per (expose, hide).
+    key = (tuple(req["expose"]), tuple(req["hide"]))
+    if key not in _EXPOSED:
+        _EXPOSED[key] = exposed_paths(req)
+    return _EXPOSED[key]
+
+
+def install_seccomp(bpf):
+    """Installs the trainer-compiled filter (``struct sock_filter[]`` bytes); needs PR_SET_NO_NEW_PRIVS."""
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    buf = ctypes.create_string_buffer(bpf, len(bpf))
+    prog = SockFprog(len(bpf) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    try:
+        _check(_libc().prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(prog),
+                             ctypes.c_ulong(0), ctypes.c_ulong(0)))
+    except OSError as e:
+        raise OSError(e.errno, f"installing the seccomp filter: {e.strerror}") from None
+
+
+def _unbuffered_stdio():
+    # Like `python -u` (the zygote's -I ignores PYTHONUNBUFFERED): output printed before a kill is not lost.
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+                                  write_through=True)
+
+
 def _drop_capabilities():
     # In a user namespace the process holds every capability *inside* it; clear them before running code.
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)
@@ -160,7 +320,9 @@ def _setup_user_process(req, out_fd, err_fd, namespaces):
     os.dup2(devnull, 0)
     os.dup2(out_fd, 1)
     os.dup2(err_fd, 2)
-    if "pid" in namespaces:
+    if req["isolate_filesystem"]:
+        build_view(req, namespaces)  # failing is fatal for the call: never run with less than was asked for
+    elif "pid" in namespaces:
         try:
             _mount_private_proc()
         except OSError:
@@ -178,12 +340,15 @@ def _setup_user_process(req, out_fd, err_fd, namespaces):
         os.setuid(req["uid"])  # from root to a non-zero uid: the kernel clears all capabilities
     elif "user" in namespaces:
         _drop_capabilities()
+    if req.get("seccomp_bpf"):
+        install_seccomp(bytes.fromhex(req["seccomp_bpf"]))
     os.environ.clear()
     os.environ.update(req["env"])
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     _reseed_rngs()
+    _unbuffered_stdio()
     sys.argv = ["-c"]
     sys.path.insert(0, "")  # as for `python -c`: modules written to the working directory are importable
 
@@ -340,6 +505,11 @@ def zygote(ctrl_fd, preload):
             req = json.loads(_recv_exact(ctrl, size))
         except (EOFError, OSError):
             break
+        if req["isolate_filesystem"]:
+            try:
+                _exposed_paths_cached(req)  # once, here: every later fork inherits the result
+            except OSError:
+                pass  # the call itself will report it
         pid = os.fork()
         if pid == 0:
             ctrl.close()

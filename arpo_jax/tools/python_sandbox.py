@@ -2,8 +2,11 @@
 
 Reference semantics (spec 6.1): the last bare expression becomes a ``print``; exit 0 returns stdout, otherwise
 stderr (the traceback), both stripped. On top of the reference: Markdown fences are stripped, the process runs
-with resource limits, a scrubbed environment, a private working directory, no network, a private uid (when the
-trainer runs as root) and new pid/mount namespaces, and the output is truncated.
+with resource limits, a scrubbed environment, no network, a private uid (when the trainer runs as root), new
+pid/mount namespaces, a filesystem view holding only the system and interpreter directories (read-only) and a
+private size-capped tmpfs for /tmp, /var/tmp and /dev/shm, and a seccomp filter (``seccomp_filter.py``); the
+output is truncated. What the kernel cannot provide is found at construction and refused with a clear message
+(or, with ``allow_weaker_isolation``, logged once).
 
 Start-up: by default calls are forked from a warm *zygote* interpreter (``pool=True``) that has already imported
 the common modules; every call is a fresh fork of the same pristine image, so no state leaks between calls.
@@ -13,9 +16,11 @@ The child side lives in ``_sandbox_child.py``; see docs/tools.md for what holds 
 import ast
 import dataclasses
 import json
+import logging
 import os
 import pathlib
 import re
+import secrets
 import select
 import shutil
 import signal
@@ -28,12 +33,16 @@ import threading
 import time
 
 from arpo_jax.tools.base import Tool
+from arpo_jax.tools.seccomp_filter import SeccompUnavailable, sandbox_filter_bpf
+
+log = logging.getLogger(__name__)
 
 _CHILD_SOURCE = (pathlib.Path(__file__).parent / "_sandbox_child.py").read_text()
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Threads count against RLIMIT_NPROC and a 64-thread BLAS pool per call would starve the node.
 _BASE_ENV = {"LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
              "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
+_SETUP_FAILED = 125  # exit status of a call whose sandbox could not be set up (_sandbox_child.user_process)
 _REFERENCE_TIMEOUT_TEXT = "Execution timeout (超过 120 秒）"
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:\n[ \t]*```|\Z)", re.DOTALL | re.IGNORECASE)
 
@@ -57,7 +66,15 @@ class PythonSandboxConfig:
     pool: bool = True  # fork calls from a warm zygote instead of starting an interpreter per call
     preload_modules: tuple[str, ...] = ("math", "json", "re", "random", "itertools", "collections", "fractions",
                                         "decimal", "datetime", "statistics", "numpy", "sympy")
-    tmp_root: str | None = None  # parent of the per-call working directories (default: the system temp dir)
+    tmp_root: str | None = None  # parent of the working directories without isolate_filesystem (default: /tmp)
+    # A fresh root per call: system and interpreter directories read-only, a private tmpfs of tmp_size_mb behind
+    # /tmp, /var/tmp and /dev/shm (the working directory lives there too), nothing else (data, project, homes).
+    isolate_filesystem: bool = True
+    tmp_size_mb: int = 128  # RAM: at most max_workers * tmp_size_mb in use at once
+    expose_paths: tuple[str, ...] = ()  # extra read-only paths for the code (e.g. a corpus it should read)
+    hide_paths: tuple[str, ...] = ()  # covered even inside exposed directories (added to default_hidden_paths())
+    seccomp: bool = True  # deny namespaces, mounts, ptrace, bpf, keyrings... (seccomp_filter.py)
+    allow_weaker_isolation: bool = False  # run (with a warning) where the kernel refuses a protection asked for
     extra_env: tuple[tuple[str, str], ...] = ()  # explicit additions to the environment allow-list
     strip_fences: bool = True  # take the code out of ```python fences (the reference does not)
     reference_compat: bool = False  # reference timeout text and no truncation
@@ -102,6 +119,21 @@ def preprocess_code(code: str, strip_fences: bool = True) -> str:
 def sandbox_env(workdir: str, extra: tuple[tuple[str, str], ...] = ()) -> dict[str, str]:
     """The whole environment of the code: an allow-list, nothing inherited (no keys, tokens or proxies)."""
     return {"PATH": _DEFAULT_PATH, "HOME": workdir, "TMPDIR": workdir, **_BASE_ENV, **dict(extra)}
+
+
+def default_hidden_paths() -> tuple[str, ...]:
+    """Never shown to the code even inside an exposed directory: the project tree, data, caches, home."""
+    paths = [os.path.expanduser("~"), os.path.expanduser("~/.cache")]
+    paths += [os.environ[v] for v in ("ARPO_DATA", "ARPO_CACHE", "HF_HOME", "XDG_CACHE_HOME") if os.environ.get(v)]
+    project = pathlib.Path(__file__).resolve().parents[2]
+    if (project / "pyproject.toml").exists():  # a source checkout, not an installed wheel
+        paths.append(str(project))
+    return tuple(sorted({os.path.realpath(p) for p in paths} - {"/"}))
+
+
+# What the kernel refused, per set of protections asked for: probed once per process (see PythonSandbox._probe).
+_PROBED: dict[tuple, tuple[str, str] | None] = {}
+_PROBE_LOCK = threading.Lock()
 
 
 class _UidSlots:
@@ -181,8 +213,61 @@ class PythonSandbox:
         self._uids = _UidSlots(config.uid_base)
         if self._as_root and config.drop_privileges:
             _check_traversable(config.tmp_root or tempfile.gettempdir())
+        if config.isolate_filesystem and not config.isolate_processes:
+            raise ValueError("isolate_filesystem needs isolate_processes: without a pid namespace of its own the code "
+                             "would reach the host's files through /proc/<pid>/root")
+        if config.isolate_filesystem and config.tmp_size_mb < 1:
+            raise ValueError(f"tmp_size_mb must be >= 1 (MB of the private /tmp), got {config.tmp_size_mb}")
+        self._hide = tuple(sorted({*default_hidden_paths(), *(os.path.realpath(p) for p in config.hide_paths)}))
+        self._expose = tuple(os.path.realpath(p) for p in config.expose_paths)
+        self._view = config.isolate_filesystem
+        self._bpf: str | None = None
+        self.weakened: list[str] = []  # protections asked for that this machine refused (allow_weaker_isolation)
+        if config.seccomp:
+            try:
+                self._bpf = sandbox_filter_bpf().hex()
+            except SeccompUnavailable as e:
+                self._refuse("seccomp", str(e), "or set seccomp=False")
+        self._probe()
         self._zygote: _Zygote | None = None
         self._zygote_lock = threading.Lock()
+
+    def _refuse(self, layer: str, reason: str, remedy: str) -> None:
+        """A protection asked for is unavailable: refuse, or (allow_weaker_isolation) drop it with a warning."""
+        if not self.config.allow_weaker_isolation:
+            raise RuntimeError(f"python sandbox: {reason}; {remedy}, or set allow_weaker_isolation=True to run the "
+                               "model's code without it")
+        log.warning("python sandbox runs WITHOUT %s: %s", layer, reason)
+        self.weakened.append(layer)
+        if layer == "seccomp":
+            self._bpf = None
+        elif layer == "filesystem view":
+            self._view = False
+
+    def _probe(self) -> None:
+        """Runs one trivial call with every protection asked for and refuses (or degrades) on what fails."""
+        c = self.config
+        key = (c.isolate_network, c.isolate_processes, self._view, self._bpf is not None,
+               self._as_root and c.drop_privileges, self._expose, self._hide)
+        with _PROBE_LOCK:
+            if key not in _PROBED:
+                r = self.run("pass", python_path=sys.executable)
+                _PROBED[key] = _probe_failure(r, self._wanted_namespaces(), self._view)
+        if _PROBED[key] is None:
+            return
+        layer, reason = _PROBED[key]
+        remedy = ("run the trainer as root (e.g. in a container) or enable unprivileged user namespaces "
+                  "(sysctl kernel.unprivileged_userns_clone=1; Ubuntu >= 23.10 also "
+                  "kernel.apparmor_restrict_unprivileged_userns=0)")
+        if layer == "sandbox":  # nothing to leave out: the machinery itself does not work here
+            raise RuntimeError(f"python sandbox: {reason}")
+        self._refuse(layer, reason, remedy)
+        if layer != "namespaces":
+            self._probe()  # again without it: what is left must work
+
+    def _wanted_namespaces(self) -> set[str]:
+        c = self.config
+        return ({"net"} if c.isolate_network else set()) | ({"pid", "mnt", "ipc"} if c.isolate_processes else set())
 
     def __repr__(self) -> str:
         return f"PythonSandbox({self.config!r})"
@@ -210,30 +295,40 @@ class PythonSandbox:
                 "RLIMIT_NPROC": c.max_processes, "RLIMIT_FSIZE": c.max_file_size_mb and c.max_file_size_mb * mb,
                 "RLIMIT_NOFILE": c.max_open_files, "RLIMIT_CORE": 0}
 
-    def run(self, code: str) -> RunResult:
-        """Runs ``code`` (no preprocessing) and returns what happened; never raises for user-code failures."""
+    def run(self, code: str, python_path: str | None = None) -> RunResult:
+        """Runs ``code`` (no preprocessing) and returns what happened; never raises for user-code failures.
+
+        ``python_path`` (cold start only) overrides the configured interpreter, for the start-up probe.
+        """
         uid = self._uids.acquire() if self._as_root and self.config.drop_privileges else None
+        if self._view:  # the working directory is created inside the call's private /tmp: nothing on the host
+            workdir = f"/tmp/arpo_py_{secrets.token_hex(6)}"
+        else:
+            try:
+                workdir = tempfile.mkdtemp(prefix="arpo_py_", dir=self.config.tmp_root)
+            except OSError as e:  # e.g. a full or read-only tmp_root
+                if uid is not None:
+                    self._uids.release(uid)
+                return RunResult("", "", None, None, False, False, 0.0, error=repr(e))
         try:
-            workdir = tempfile.mkdtemp(prefix="arpo_py_", dir=self.config.tmp_root)
-        except OSError as e:  # e.g. a full or read-only tmp_root
-            if uid is not None:
-                self._uids.release(uid)
-            return RunResult("", "", None, None, False, False, 0.0, error=repr(e))
-        try:
-            if uid is not None:
-                os.chown(workdir, uid, uid)
-            os.chmod(workdir, 0o700)
-            req = {"code": code, "cwd": workdir, "env": sandbox_env(workdir, self.config.extra_env),
-                   "limits": self._limits(), "uid": uid, "gid": uid, "timeout_s": self.config.timeout_s,
-                   "isolate_network": self.config.isolate_network,
-                   "isolate_processes": self.config.isolate_processes}
-            return self._run_request(req)
+            if not self._view:
+                if uid is not None:
+                    os.chown(workdir, uid, uid)
+                os.chmod(workdir, 0o700)
+            c = self.config
+            req = {"code": code, "cwd": workdir, "env": sandbox_env(workdir, c.extra_env), "limits": self._limits(),
+                   "uid": uid, "gid": uid, "timeout_s": c.timeout_s, "isolate_network": c.isolate_network,
+                   "isolate_processes": c.isolate_processes, "isolate_filesystem": self._view,
+                   "tmp_size_mb": c.tmp_size_mb, "expose": self._expose, "hide": self._hide,
+                   "seccomp_bpf": self._bpf}
+            return self._run_request(req, python_path)
         finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+            if not self._view:
+                shutil.rmtree(workdir, ignore_errors=True)
             if uid is not None:
                 self._uids.release(uid)
 
-    def _run_request(self, req: dict) -> RunResult:
+    def _run_request(self, req: dict, python_path: str | None = None) -> RunResult:
         start = time.monotonic()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -242,10 +337,10 @@ class PythonSandbox:
         bootstrap = None
         try:
             try:
-                if self.config.pool:
+                if self.config.pool and python_path is None:
                     self._submit_to_zygote(req, child_fds)
                 else:
-                    bootstrap = self._start_cold(req, child_fds)
+                    bootstrap = self._start_cold(req, child_fds, python_path or self.config.python_path)
             finally:
                 os.close(out_w)
                 os.close(err_w)
@@ -269,11 +364,10 @@ class PythonSandbox:
                 self._zygote = None
             self._get_zygote().submit(req, fds)
 
-    def _start_cold(self, req: dict, fds: list[int]) -> subprocess.Popen:
-        proc = subprocess.Popen(
-            [self.config.python_path, "-I", "-c", _CHILD_SOURCE, "once"], pass_fds=fds, stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=req["env"], cwd=req["cwd"],
-            start_new_session=True)
+    def _start_cold(self, req: dict, fds: list[int], python_path: str) -> subprocess.Popen:
+        proc = subprocess.Popen(  # cwd "/": the working directory may exist only inside the call's view
+            [python_path, "-I", "-c", _CHILD_SOURCE, "once"], pass_fds=fds, stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=req["env"], cwd="/", start_new_session=True)
         proc.stdin.write(json.dumps({**req, "fds": fds}).encode())
         proc.stdin.close()
         return proc
@@ -340,8 +434,25 @@ def _collect(out_r: int, err_r: int, status: socket.socket, start: float, cfg: P
     exit_code = os.WEXITSTATUS(raw) if os.WIFEXITED(raw) else None
     sig = os.WTERMSIG(raw) if os.WIFSIGNALED(raw) else None
     decode = lambda b: bytes(b).decode("utf-8", errors="replace")  # noqa: E731
-    return RunResult(decode(bufs[out_r]), decode(bufs[err_r]), exit_code, sig, final["reason"] == "timeout",
-                     truncated, elapsed, namespaces)
+    stdout, stderr = decode(bufs[out_r]), decode(bufs[err_r])
+    if exit_code == _SETUP_FAILED and stderr.startswith("sandbox setup failed"):  # not the code: the sandbox
+        return RunResult(stdout, stderr, exit_code, sig, False, truncated, elapsed, namespaces, error=stderr)
+    return RunResult(stdout, stderr, exit_code, sig, final["reason"] == "timeout", truncated, elapsed, namespaces)
+
+
+def _probe_failure(r: RunResult, wanted: set[str], view: bool) -> tuple[str, str] | None:
+    """Which protection (and why) a trivial call did not get: None if it ran with all of them."""
+    if r.error is not None:
+        lines = r.error.strip().splitlines()
+        detail = lines[-1] if lines else "no detail"
+        layer = "seccomp" if "seccomp" in detail else "filesystem view" if view else "sandbox"
+        return layer, f"the sandbox could not be set up on this machine ({detail})"
+    missing = sorted(wanted - set(r.namespaces))
+    if missing:
+        return "namespaces", f"the kernel refused the {', '.join(missing)} namespace(s)"
+    if r.exit_code != 0:
+        return "sandbox", f"a trivial call failed: {(r.stderr.strip().splitlines() or ['no output'])[-1]}"
+    return None
 
 
 def _truncate(text: str, limit: int) -> str:
@@ -361,7 +472,10 @@ def format_result(r: RunResult, cfg: PythonSandboxConfig) -> str:
         lines = r.error.strip().splitlines()
         return f"Execution exception: {lines[-1] if lines else 'sandbox failure'}"
     if r.timed_out:
-        return _REFERENCE_TIMEOUT_TEXT if cfg.reference_compat else f"Execution timed out after {cfg.timeout_s:g} s."
+        if cfg.reference_compat:
+            return _REFERENCE_TIMEOUT_TEXT
+        before = _truncate((r.stdout.strip() + "\n" + r.stderr.strip()).strip(), cfg.max_output_chars)
+        return (before + "\n" if before else "") + f"Execution timed out after {cfg.timeout_s:g} s."
     if r.truncated:  # the code was stopped for flooding the output: show the beginning of both streams
         return _truncate((r.stdout.strip() + "\n" + r.stderr.strip()).strip(), cfg.max_output_chars)
     text = r.stdout.strip() if r.exit_code == 0 else r.stderr.strip()
