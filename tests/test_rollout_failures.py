@@ -96,7 +96,7 @@ def test_an_engine_error_fails_one_request_and_the_rest_runs_unchanged(tok):
     engines = []
     out, _ = _run(tok, script, engine=lambda s: engines.append(FailingEngine(s, poisoned)) or engines[-1])
     assert list(out.failed) == ["", "engine_error", ""] and out.finish_reason[1] == "engine_error"
-    assert engines[0].raised == 2  # the batch of round 1, then slot 1 alone
+    assert engines[0].raised == 3  # round 1's batch [0, 1, 2], its half [1, 2], then [1] alone
     for i in (0, 2):  # the others: exactly what they do without the failure
         assert _text(out, tok, i) == _text(clean, tok, i) and out.finish_reason[i] == clean.finish_reason[i]
     assert _text(out, tok, 1) == _text(clean, tok, 1).split("<answer>")[0]  # ends after its tool result

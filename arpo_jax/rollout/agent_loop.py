@@ -34,10 +34,10 @@ consecutive counter is per prompt and counts refills (B6), and max_tokens is the
 Failure isolation (`RolloutConfig.isolate_failures`, not in the reference): a trajectory is marked failed
 (`RolloutOutput.failed` names the cause) when one of its tool calls fails (`tool_error`, `tool_timeout`: the executor
 gave up; it still sees the error text and goes on, as in the reference), when its engine request raises
-(`engine_error`: the round's batch is retried request by request, so only the request that raises fails; the
-trajectory ends there), or when it runs longer than `trajectory_timeout_s` from its creation (`wall_budget`: it ends
-after the round). A failed trajectory is never a branching source; the trainer masks it out of the loss. Without
-isolation an engine error propagates, as before.
+(`engine_error`: the round's batch is retried in halves, recursively, so only a request that raises on its own
+fails; the trajectory ends there), or when it runs longer than `trajectory_timeout_s` from its creation
+(`wall_budget`: it ends after the round). A failed trajectory is never a branching source; the trainer masks it
+out of the loss. Without isolation an engine error propagates, as before.
 """
 
 from __future__ import annotations
@@ -344,30 +344,38 @@ class _Loop:
         return results
 
     def _sample(self, requests: list[SampleRequest]) -> list[SampleResult | None]:
-        """One batched engine call. With isolation, a call that raises is retried request by request (from an empty
-        cache: the failed call may have left it inconsistent), and a request that raises alone gets None."""
+        """One batched engine call. With isolation, a call that raises is retried on each half of its requests,
+        recursively, so that only a request that raises on its own gets None (about 2 log2(n) calls for one bad
+        request among n, the healthy halves still batched)."""
         try:
             results = self.sampler.generate(requests, self.settings)
         except Exception as e:
             if not self.cfg.isolate_failures:
                 raise
-            log.warning("engine call of %d requests raised %s: %s; retrying one request at a time", len(requests),
+            log.warning("engine call of %d requests raised %s: %s; retrying its halves", len(requests),
                         type(e).__name__, e)
-            results = []
-            for r in requests:
-                if hasattr(self.sampler, "reset_cache"):
-                    self.sampler.reset_cache()
-                try:
-                    results.extend(self.sampler.generate([r], self.settings))
-                except Exception as e1:
-                    log.warning("engine request of slot %s raised %s: %s; its trajectory is marked failed",
-                                r.slot_id, type(e1).__name__, e1)
-                    results.append(None)
-            if hasattr(self.sampler, "reset_cache"):
-                self.sampler.reset_cache()
+            results = self._bisect(requests[:len(requests) // 2]) + self._bisect(requests[len(requests) // 2:])
+            self._reset_engine_cache()
         if len(results) != len(requests):
             raise RuntimeError(f"sampler returned {len(results)} results for {len(requests)} requests")
         return results
+
+    def _bisect(self, requests: list[SampleRequest]) -> list[SampleResult | None]:
+        if not requests:
+            return []
+        self._reset_engine_cache()  # a call that raised may have left the engine's cache inconsistent
+        try:
+            return list(self.sampler.generate(requests, self.settings))
+        except Exception as e:
+            if len(requests) == 1:
+                log.warning("engine request of slot %s raised %s: %s; its trajectory is marked failed",
+                            requests[0].slot_id, type(e).__name__, e)
+                return [None]
+            return self._bisect(requests[:len(requests) // 2]) + self._bisect(requests[len(requests) // 2:])
+
+    def _reset_engine_cache(self) -> None:
+        if hasattr(self.sampler, "reset_cache"):
+            self.sampler.reset_cache()
 
     @staticmethod
     def _fail(s: _Slot, cause: str) -> None:
