@@ -1,9 +1,15 @@
-"""DAPO's overlong penalty, the informative-group filter and the batch pick of dynamic sampling (hand-computed)."""
+"""DAPO's overlong penalty, the informative-group filter and the batch pick of dynamic sampling (hand-computed);
+the config checks of the DAPO and failure-isolation fields."""
+
+from pathlib import Path
 
 import numpy as np
 import pytest
+from ml_collections import ConfigDict
 
-from arpo_jax import shaping
+from arpo_jax import config, shaping
+
+TOY = str(Path(__file__).resolve().parents[1] / "configs" / "toy_cpu.py")
 
 
 def test_overlong_penalty_hand_computed():
@@ -41,3 +47,34 @@ def test_pick_groups():
     assert shaping.pick_groups([np.array([False, False])], 2) == [(0, 0), (0, 1)]
     with pytest.raises(ValueError, match="3 groups drawn, 4 needed"):
         shaping.pick_groups([np.array([True, True, False])], 4)
+
+
+BAD = [  # (overrides, problem's field, words the message must contain)
+    (dict(algorithm__overlong="soft"), "algorithm.overlong", "none | penalty | mask"),
+    (dict(algorithm__overlong="penalty"), "algorithm.overlong_buffer_len", "1 .. data.max_response_length (128)"),
+    (dict(algorithm__overlong="penalty", algorithm__overlong_buffer_len=129), "algorithm.overlong_buffer_len",
+     "129 with algorithm.overlong=penalty"),
+    (dict(algorithm__max_extra_rounds=-1), "algorithm.max_extra_rounds", ">= 0"),
+    (dict(algorithm__overlong_penalty_factor=-1.0), "algorithm.overlong_penalty_factor", ">= 0"),
+    (dict(rollout__failures__max_fraction=1.5), "rollout.failures.max_fraction", "0 <= x <= 1"),
+    (dict(rollout__failures__trajectory_timeout_s=-1.0), "rollout.failures.trajectory_timeout_s", "0 (none)"),
+    (dict(rollout__failures__max_skipped_steps=-1), "rollout.failures.max_skipped_steps", "0 (never stop)"),
+    (dict(rollout__failures__isolate=False, rollout__failures__trajectory_timeout_s=60.0),
+     "rollout.failures.trajectory_timeout_s", "rollout.failures.isolate=True"),
+]
+
+
+@pytest.mark.parametrize("overrides, field, words", BAD, ids=[b[1] for b in BAD])
+def test_config_checks_name_the_field_and_the_allowed_values(overrides, field, words):
+    tree = config.load_config([f"--config={TOY}"]).to_dict()
+    config.validate(ConfigDict(tree), check_files=False)  # the defaults pass
+    for path, value in overrides.items():
+        *parents, leaf = path.split("__")
+        node = tree
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    with pytest.raises(config.ConfigError) as err:
+        config.validate(ConfigDict(tree, type_safe=False), check_files=False)
+    assert any(p.startswith(field + ":") and words in p and "(allowed:" in p for p in err.value.problems), \
+        err.value.problems
