@@ -194,11 +194,13 @@ def select_groups(parts: list[tuple[Trajectories, list[int]]]) -> Trajectories:
     """The rows of the chosen groups (prompt indices) of one or more rollouts, as one rollout (dynamic sampling)."""
     picks = [(t, np.concatenate([np.flatnonzero(t.group == g) for g in groups]).astype(np.int64))
              for t, groups in parts if groups]
-    take = lambda name: [x for t, rows in picks for x in (getattr(t, name)[i] for i in rows)]  # noqa: E731
     out = select_rows([(t.out, rows) for t, rows in picks])
-    return Trajectories(take("sequences"), np.asarray(take("prompt_lengths")), take("loss_masks"),
-                        np.asarray(take("scores"), np.float32), out.prompt_index, take("responses"),
-                        take("reward_infos"), out)
+    fields = {"out": out, "group": out.prompt_index}
+    for f in dataclasses.fields(Trajectories):  # every other field holds one entry per row
+        if f.name not in fields:
+            rows = [getattr(t, f.name)[i] for t, idx in picks for i in idx]
+            fields[f.name] = np.asarray(rows) if isinstance(getattr(picks[0][0], f.name), np.ndarray) else rows
+    return Trajectories(**fields)
 
 
 def worker_batch(traj: Trajectories, cfg, *, mini_prompts: int, rows: int,

@@ -14,6 +14,7 @@ import pytest
 from arpo_jax import config as config_lib
 from arpo_jax import metrics, packing, shaping
 from arpo_jax import trainer as trainer_lib
+from arpo_jax.data import rl_dataset
 from arpo_jax.rollout.sampler import SampleResult
 from arpo_jax.tools import Tool
 
@@ -174,5 +175,10 @@ def test_dynamic_sampling_and_overlong_handling(tmp_path):
         length = t.out.response_length.astype(np.float64)
         np.testing.assert_allclose(shaped.scores, t.scores + 0.5 * np.minimum(0.0, (64 - length) / 64), atol=1e-6)
         assert (shaped.scores < t.scores).any() and (shaped.scores == t.scores).any()
+        # Without trainer.max_steps the run ends after total_epochs of data, whatever the step count.
+        tr.cfg.trainer.max_steps, tr.total_steps = 0, 10**6
+        assert not tr._done()
+        tr.position = rl_dataset.DataPosition(cfg.trainer.total_epochs, 0)
+        assert tr._done()
     finally:
         tr.close()

@@ -644,8 +644,13 @@ def select_rows(parts: Sequence[tuple[RolloutOutput, Sequence[int]]]) -> Rollout
                 first[key] = len(first)
                 trees.append(dataclasses.replace(out.trees[key[1]], prompt_index=first[key]))
             prompt_index.append(first[key])
-    fields = {name: np.concatenate([getattr(out, name)[np.asarray(rows, np.int64)] for out, rows in parts])
-              for name in per_row}
+    fields = {}
+    for name in per_row:
+        values = [getattr(out, name) for out, _ in parts]
+        if isinstance(values[0], np.ndarray):
+            fields[name] = np.concatenate([v[np.asarray(rows, np.int64)] for v, (_, rows) in zip(values, parts)])
+        else:  # a list with one entry per row
+            fields[name] = [v[int(i)] for v, (_, rows) in zip(values, parts) for i in rows]
     fields["prompt_index"] = np.asarray(prompt_index, np.int32)
     metrics = {}
     for key in parts[0][0].metrics:
