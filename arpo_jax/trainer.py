@@ -539,7 +539,7 @@ class Trainer:
             position = position.advance(self.steps_per_epoch)
             if not a.dynamic_sampling:
                 return {w: d[0] for w, d in draws.items()}, position, {}
-            short = min(need - sum(int(i.sum()) for i in informative[w]) for w in self.local_workers)
+            short = max(need - sum(int(i.sum()) for i in informative[w]) for w in self.local_workers)
             if jax.process_count() > 1:
                 short = int(multihost_utils.process_allgather(np.asarray(short)).max())
             if extra >= a.max_extra_rounds or max(short, 0) == 0:

@@ -136,38 +136,44 @@ def test_injected_tool_and_engine_failures_are_masked_and_counted(tmp_path):
 def test_dynamic_sampling_and_overlong_handling(tmp_path):
     cfg = _config(tmp_path, HALF_CONSTANT_REWARD, "--config.trainer.max_steps=1",
                   "--config.algorithm.dynamic_sampling=true", "--config.algorithm.max_extra_rounds=3",
-                  "--config.algorithm.overlong=mask")
+                  "--config.algorithm.overlong=mask", "--config.rollout.workers=2")
     tr = trainer_lib.Trainer(cfg, tmp_path / "run")
     try:
         rollouts = []
         roll = tr._rollout
-        tr._rollout = lambda ex, w, **kw: rollouts.append((ex, kw)) or roll(ex, w, **kw)
+        tr._rollout = lambda ex, w, **kw: rollouts.append((ex, w, kw)) or roll(ex, w, **kw)
         seen = []
         build = tr._build_batch
         tr._build_batch = lambda trajs: seen.append(trajs) or build(trajs)
         tr.run()
-        (t,) = seen[0].values()
         record = metrics.read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]
-        # Odd-indexed prompts are the informative groups: batches are drawn until 4 of them are found, in order.
-        examples = [e for ex, _ in rollouts for e in ex]
-        odd = [e for e in examples if e.extra_info["index"] % 2]
-        per_batch = [sum(e.extra_info["index"] % 2 for e in ex) for ex, _ in rollouts]
-        assert len(rollouts) >= 2 and sum(per_batch[:-1]) < 4 <= sum(per_batch)  # stopped once full
-        assert [kw.get("extra_round", 0) for _, kw in rollouts] == list(range(len(rollouts)))
-        assert record["dynamic_sampling/extra_rounds"] == len(rollouts) - 1
-        assert record["dynamic_sampling/kept_fraction"] == len(odd) / len(examples)
-        assert record["dynamic_sampling/filled_groups"] == 0
-        assert tr.position.to_dict() == {"epoch": 0, "step_in_epoch": len(rollouts)}  # the batches used up
-        assert len(t.sequences) == 16 and list(t.group) == [g for g in range(4) for _ in range(4)]
-        for g, e in enumerate(odd[:4]):
-            for i in range(4 * g, 4 * g + 4):
-                np.testing.assert_array_equal(t.sequences[i][:t.prompt_lengths[i]], e.prompt_ids)
-        _, informative = shaping.informative_groups(t.scores, t.group)
-        assert informative.all()
+        # Odd-indexed prompts are the informative groups. Each of the 2 workers needs 2 of them: it draws its share
+        # of the next batches until it has them, while the other worker may go on (at most 3 extra batches).
+        rounds, odd, drawn, filled = [], 0, 0, 0
+        for w, t in seen[0].items():
+            mine = [(ex, kw.get("extra_round", 0)) for ex, w_, kw in rollouts if w_ == w]
+            per_batch = [sum(e.extra_info["index"] % 2 for e in ex) for ex, _ in mine]
+            assert [r for _, r in mine] == list(range(len(mine)))  # consecutive batches of the stream
+            assert sum(per_batch[:-1]) < 2 <= sum(per_batch) or len(mine) == 4  # stopped once full
+            rounds.append(len(mine))
+            odd, drawn, filled = odd + sum(per_batch), drawn + 2 * len(mine), filled + max(0, 2 - sum(per_batch))
+            first_odd = [e for ex, _ in mine for e in ex if e.extra_info["index"] % 2][:2]
+            assert len(t.sequences) == 8 and list(t.group) == [g for g in range(2) for _ in range(4)]
+            for g, e in enumerate(first_odd):  # the batch: the first informative groups, in draw order
+                for i in range(4 * g, 4 * g + 4):
+                    np.testing.assert_array_equal(t.sequences[i][:t.prompt_lengths[i]], e.prompt_ids)
+            _, informative = shaping.informative_groups(t.scores, t.group)
+            assert informative.sum() == len(first_odd)
+        assert max(rounds) >= 2  # the test needs at least one extra batch
+        assert record["dynamic_sampling/extra_rounds"] == max(rounds) - 1
+        assert record["dynamic_sampling/kept_fraction"] == odd / drawn
+        assert record["dynamic_sampling/filled_groups"] == filled
+        assert tr.position.to_dict() == {"epoch": 0, "step_in_epoch": max(rounds)}  # the batches used up
         # overlong = mask: responses that did not end within R are out of the loss (and still in the baseline).
-        cut = t.out.finish_reason == "length"
+        cut = np.concatenate([t.out.finish_reason == "length" for t in seen[0].values()])
         assert 0 < cut.sum() < len(cut) and record["response/overlong_masked_fraction"] == cut.mean()
-        assert all(m.any() != c for m, c in zip(t.loss_masks, cut))
+        assert all(m.any() != c for m, c in zip([m for t in seen[0].values() for m in t.loss_masks], cut))
+        t = seen[0][0]
         # overlong = penalty on the same rollout: the score is the reward plus 0.5 * min(0, (128 - 64 - length) / 64).
         penalty = _config(tmp_path, HALF_CONSTANT_REWARD, "--config.algorithm.overlong=penalty",
                           "--config.algorithm.overlong_buffer_len=64", "--config.algorithm.overlong_penalty_factor=0.5")
