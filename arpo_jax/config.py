@@ -216,7 +216,7 @@ def _schema() -> dict[str, Any] | None:
 @functools.cache
 def _allowed() -> dict[str, tuple]:
     """Enum fields and their allowed values, from the modules that consume them (imported lazily: they pull JAX)."""
-    from arpo_jax import algos, rewards, sharding, tools, train_step
+    from arpo_jax import algos, rewards, shaping, sharding, tools, train_step
     from arpo_jax.models import transformer
 
     return {
@@ -233,6 +233,7 @@ def _allowed() -> dict[str, tuple]:
         "tools.search.backend": tuple(tools._SEARCH_BACKENDS),
         "reward.name": (*rewards.REWARDS, "auto"),
         "algorithm.adv_estimator": (*algos.ADVANTAGE_ESTIMATORS, "gae"),  # gae: PPO with a critic (trainer)
+        "algorithm.overlong": shaping.OVERLONG_MODES,
         "actor.loss": tuple(algos.POLICY_LOSSES),
         "actor.agg_mode": algos.AGG_MODES,
         "actor.micro_norm": ("global_token_mean", "reference"),  # train_step.UpdateConfig
@@ -444,6 +445,22 @@ def _check_rollout(ck: _Checker, command: str, process_count: int | None) -> Non
     if ck.get("rollout.enable_dynamic_rollouts") and r and warm and warm >= r:
         ck.add("rollout.initial_entropy_tokens", f"{warm} leaves no room in data.max_response_length={r}",
                f"< {r}")
+
+
+def _check_shaping_and_failures(ck: _Checker) -> None:
+    """DAPO dynamic sampling / overlong handling (algorithm.*) and failure isolation (rollout.failures.*)."""
+    ck.require("algorithm.max_extra_rounds", _nonneg, ">= 0 (extra batches rolled out per step)")
+    ck.require("algorithm.overlong_penalty_factor", _nonneg, _NONNEG)
+    r, buffer = ck.get("data.max_response_length"), ck.get("algorithm.overlong_buffer_len")
+    if ck.get("algorithm.overlong") == "penalty" and r and buffer is not None and not 0 < buffer <= r:
+        ck.add("algorithm.overlong_buffer_len", f"{buffer} with algorithm.overlong=penalty",
+               f"1 .. data.max_response_length ({r})")
+    ck.require("rollout.failures.trajectory_timeout_s", _nonneg, "0 (none) or seconds")
+    ck.require("rollout.failures.max_fraction", _unit, _UNIT)
+    ck.require("rollout.failures.max_skipped_steps", _nonneg, "0 (never stop) or a count")
+    if (ck.get("rollout.failures.trajectory_timeout_s") or 0) > 0 and ck.get("rollout.failures.isolate") is False:
+        ck.add("rollout.failures.trajectory_timeout_s", "a wall budget needs rollout.failures.isolate=True "
+               "(an over-budget trajectory is isolated)", "0, or rollout.failures.isolate=True")
 
 
 def _check_tools(ck: _Checker, command: str, check_files: bool) -> None:
@@ -671,6 +688,7 @@ def validate(cfg: ConfigDict, *, device_count: int | None = None, process_count:
     _check_data(ck, command, process_count)
     _check_rollout(ck, command, process_count)
     _check_tools(ck, command, check_files)
+    _check_shaping_and_failures(ck)
     _check_actor(ck)
     _check_trainer(ck)
     _check_sft(ck, command, process_count)

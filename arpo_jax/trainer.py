@@ -38,14 +38,21 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from arpo_jax import algos, hf, packing, rewards, runtime, sharding
+from arpo_jax import algos, hf, packing, rewards, runtime, shaping, sharding
 from arpo_jax import config as config_lib
 from arpo_jax import critic as critic_lib
 from arpo_jax import metrics as metrics_lib
 from arpo_jax import train_step as ts
 from arpo_jax.checkpoint import Checkpointer
 from arpo_jax.data import rl_dataset, toy
-from arpo_jax.rollout.agent_loop import RolloutConfig, RolloutOutput, greedy_settings, rollout
+from arpo_jax.rollout.agent_loop import (
+    FAILURE_CAUSES,
+    RolloutConfig,
+    RolloutOutput,
+    greedy_settings,
+    rollout,
+    select_rows,
+)
 from arpo_jax.rollout.sampler import SamplingSettings
 from arpo_jax.tools import make_executor
 
@@ -77,7 +84,8 @@ def rollout_config(cfg) -> RolloutConfig:
         enable_dynamic_rollouts=r.enable_dynamic_rollouts, initial_entropy_tokens=r.initial_entropy_tokens,
         dynamic_beta=r.dynamic_beta, call_limit=cfg.tools.call_limit, response_length=cfg.data.max_response_length,
         prompt_length=cfg.data.max_prompt_length, entropy_window=r.entropy_window, entropy_top_k=r.entropy_top_k,
-        reference_compat=r.reference_compat)
+        reference_compat=r.reference_compat, isolate_failures=r.failures.isolate,
+        trajectory_timeout_s=r.failures.trajectory_timeout_s)
 
 
 def sampling_settings(cfg, stop: list[str], seed: int) -> SamplingSettings:
@@ -143,6 +151,11 @@ class Trajectories:
     reward_infos: list[dict]
     out: RolloutOutput
 
+    @property
+    def failed(self) -> np.ndarray:
+        """[N] bool: failed trajectories (out.failed names the cause), masked out of the loss and the baselines."""
+        return self.out.failed != ""
+
 
 def score_rollout(out: RolloutOutput, examples, tokenizer, reward_fn) -> Trajectories:
     """Decodes each valid response (spec 7.2: up to its response mask, special tokens skipped) and scores it."""
@@ -163,6 +176,33 @@ def score_rollout(out: RolloutOutput, examples, tokenizer, reward_fn) -> Traject
                         out)
 
 
+def shape_rollout(traj: Trajectories, cfg) -> Trajectories:
+    """The training signal of a scored rollout: failed trajectories (and with `algorithm.overlong = mask` the
+    truncated ones) masked out of the loss, the DAPO overlong penalty added to the scores (`shaping`)."""
+    a = cfg.algorithm
+    scores = traj.scores
+    if a.overlong == "penalty":
+        scores = scores + shaping.overlong_penalty(traj.out.response_length, max_length=cfg.data.max_response_length,
+                                                   buffer_length=a.overlong_buffer_len,
+                                                   factor=a.overlong_penalty_factor)
+    drop = traj.failed | ((traj.out.finish_reason == "length") if a.overlong == "mask" else False)
+    masks = [np.zeros_like(m) if d else m for m, d in zip(traj.loss_masks, drop)]
+    return dataclasses.replace(traj, scores=np.asarray(scores, np.float32), loss_masks=masks)
+
+
+def select_groups(parts: list[tuple[Trajectories, list[int]]]) -> Trajectories:
+    """The rows of the chosen groups (prompt indices) of one or more rollouts, as one rollout (dynamic sampling)."""
+    picks = [(t, np.concatenate([np.flatnonzero(t.group == g) for g in groups]).astype(np.int64))
+             for t, groups in parts if groups]
+    out = select_rows([(t.out, rows) for t, rows in picks])
+    fields = {"out": out, "group": out.prompt_index}
+    for f in dataclasses.fields(Trajectories):  # every other field holds one entry per row
+        if f.name not in fields:
+            rows = [getattr(t, f.name)[i] for t, idx in picks for i in idx]
+            fields[f.name] = np.asarray(rows) if isinstance(getattr(picks[0][0], f.name), np.ndarray) else rows
+    return Trajectories(**fields)
+
+
 def worker_batch(traj: Trajectories, cfg, *, mini_prompts: int, rows: int,
                  row_len: int) -> tuple[dict, np.ndarray, packing.Layout]:
     """One worker's [K, M, rows, T] batch (numpy), its loss-token counts per mini-batch [K, 2] and its layout.
@@ -170,10 +210,12 @@ def worker_batch(traj: Trajectories, cfg, *, mini_prompts: int, rows: int,
     With `gae` the advantages are zeros here: they need the critic's values on this very batch (`Trainer._add_gae`).
     """
     estimator = cfg.algorithm.adv_estimator
+    # A failed trajectory is its own group: its score must not move the baseline of the others (it has no loss).
+    group = np.where(traj.failed, -1 - np.arange(len(traj.group)), traj.group)
     if estimator == "gae":
         adv = np.zeros(len(traj.sequences), np.float32)
     else:
-        adv = np.asarray(algos.compute_advantages(estimator, traj.scores, traj.group,
+        adv = np.asarray(algos.compute_advantages(estimator, traj.scores, group,
                                                   **({"norm_by_std": cfg.algorithm.norm_adv_by_std}
                                                      if estimator == "grpo" else {})))
     batch, layout = packing.pack_batch(traj.sequences, traj.loss_masks, adv,
@@ -358,6 +400,7 @@ class Trainer:
             resume_step=self.step if latest is not None else None, enabled=self.is_main)
         self.logger.write_config(redacted)
         self.timers = metrics_lib.PhaseTimer()
+        self.skipped_in_a_row = 0  # steps skipped for failures (rollout.failures), in a row
 
     # -- setup helpers -------------------------------------------------------------------------------------------
 
@@ -440,11 +483,12 @@ class Trainer:
 
     # -- one step ------------------------------------------------------------------------------------------------
 
-    def _rollout(self, examples, worker: int, *, validation: bool = False) -> Trajectories:
+    def _rollout(self, examples, worker: int, *, validation: bool = False, extra_round: int = 0) -> Trajectories:
         cfg = self.cfg
         val = cfg.rollout.val_kwargs
         rcfg = self.rollout_cfg.for_validation(val.n) if validation else self.rollout_cfg
-        seed = worker_seed(cfg.seed, self.step, worker, "val" if validation else "train")
+        salt = "val" if validation else "train" if not extra_round else f"train/extra{extra_round}"
+        seed = worker_seed(cfg.seed, self.step, worker, salt)
         settings = sampling_settings(cfg, self.executor.stop_strings, seed)
         if validation:
             settings = (dataclasses.replace(settings, temperature=val.temperature, top_p=val.top_p, top_k=val.top_k)
@@ -455,11 +499,12 @@ class Trainer:
                       np.random.default_rng(seed))
         return score_rollout(out, examples, self.tokenizer, self.reward_fn)
 
-    def _batch_examples(self) -> dict[int, list]:
-        """This step's prompts per local rollout worker."""
+    def _batch_examples(self, position: rl_dataset.DataPosition | None = None) -> dict[int, list]:
+        """This step's prompts (or those of the batch at `position`) per local rollout worker."""
         cfg = self.cfg
-        idx = rl_dataset.batch_indices(len(self.train_data), cfg.data.train_batch_size, self.position.epoch,
-                                       self.position.step_in_epoch, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
+        position = position or self.position
+        idx = rl_dataset.batch_indices(len(self.train_data), cfg.data.train_batch_size, position.epoch,
+                                       position.step_in_epoch, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
                                        drop_last=cfg.data.drop_last)
         return {w: [self.train_data[int(i)] for i in rl_dataset.shard(idx, w, self.workers)]
                 for w in self.local_workers}
@@ -470,6 +515,65 @@ class Trainer:
         b = local.ndim - 2
         global_shape = local.shape[:b] + (local.shape[b] * jax.process_count(),) + local.shape[b + 1:]
         return jax.make_array_from_process_local_data(self.batch_sh4 if lead else self.batch_sh, local, global_shape)
+
+    def _collect_rollouts(self) -> tuple[dict[int, Trajectories], rl_dataset.DataPosition, dict]:
+        """This step's shaped rollouts per local worker, the data position after them, and dynamic-sampling metrics.
+
+        With `algorithm.dynamic_sampling`, groups whose rewards are all equal are dropped and the next batches of
+        the data stream are rolled out (up to `algorithm.max_extra_rounds` more) until every worker has its share
+        of informative groups; a worker still short is topped up with dropped groups (`shaping.pick_groups`).
+        """
+        cfg, a = self.cfg, self.cfg.algorithm
+        position = self.position
+        draws: dict[int, list[Trajectories]] = {w: [] for w in self.local_workers}
+        informative: dict[int, list[np.ndarray]] = {w: [] for w in self.local_workers}
+        need = cfg.data.train_batch_size // self.workers
+        extra = 0
+        while True:
+            for w, ex in self._batch_examples(position).items():
+                if extra and sum(int(i.sum()) for i in informative[w]) >= need:
+                    continue  # this worker is full; others draw on
+                t = shape_rollout(self._rollout(ex, w, extra_round=extra), cfg)
+                draws[w].append(t)
+                informative[w].append(shaping.informative_groups(t.scores, t.group, ~t.failed)[1])
+            position = position.advance(self.steps_per_epoch)
+            if not a.dynamic_sampling:
+                return {w: d[0] for w, d in draws.items()}, position, {}
+            short = max(need - sum(int(i.sum()) for i in informative[w]) for w in self.local_workers)
+            if jax.process_count() > 1:
+                short = int(multihost_utils.process_allgather(np.asarray(short)).max())
+            if extra >= a.max_extra_rounds or max(short, 0) == 0:
+                break
+            extra += 1
+        trajs, counts = {}, np.zeros(3)  # informative groups drawn, groups drawn, uninformative groups kept
+        for w in self.local_workers:
+            picks = shaping.pick_groups(informative[w], need)
+            trajs[w] = select_groups([(t, [k for r, k in picks if r == j]) for j, t in enumerate(draws[w])])
+            counts += (sum(int(i.sum()) for i in informative[w]), sum(len(i) for i in informative[w]),
+                       sum(not informative[w][r][k] for r, k in picks))
+        counts = self._gather(counts[None]).sum(0)
+        return trajs, position, {"dynamic_sampling/kept_fraction": float(counts[0] / max(counts[1], 1)),
+                                 "dynamic_sampling/extra_rounds": float(extra),
+                                 "dynamic_sampling/filled_groups": float(counts[2])}
+
+    def _too_many_failures(self, trajs: dict[int, Trajectories]) -> bool:
+        """True (with a warning) when more than `rollout.failures.max_fraction` of the step's trajectories failed;
+        raises after `max_skipped_steps` such steps in a row (0: never)."""
+        f = self.cfg.rollout.failures
+        failed = self._gather(np.concatenate([t.failed for t in trajs.values()]).astype(np.float32))
+        share = float(failed.mean()) if failed.size else 0.0
+        if share <= f.max_fraction:
+            self.skipped_in_a_row = 0
+            return False
+        self.skipped_in_a_row += 1
+        log.warning("step %d: %.0f%% of the trajectories failed (> rollout.failures.max_fraction = %g): the update "
+                    "is skipped (%d step(s) in a row)", self.step + 1, 100 * share, f.max_fraction,
+                    self.skipped_in_a_row)
+        if f.max_skipped_steps and self.skipped_in_a_row >= f.max_skipped_steps:
+            raise RuntimeError(f"{self.skipped_in_a_row} steps in a row had more than rollout.failures.max_fraction="
+                               f"{f.max_fraction:g} of failed trajectories (see the rollout/failed/* metrics): "
+                               "the engine or a tool is broken")
+        return True
 
     def _build_batch(self, trajs: dict[int, Trajectories]) -> list[dict]:
         """K mini-batches of global arrays (old and reference log-probs included), in optimizer-step order."""
@@ -542,11 +646,11 @@ class Trainer:
         cfg, timers = self.cfg, self.timers
         timers.reset()
         t0 = time.perf_counter()
-        examples = self._batch_examples()
         with timers("rollout"):
-            trajs = {w: self._rollout(ex, w) for w, ex in examples.items()}
+            trajs, position, sampling_metrics = self._collect_rollouts()
+        skip = self._too_many_failures(trajs)
         with timers("old_logprob"):
-            minis = self._build_batch(trajs)
+            minis = [] if skip else self._build_batch(trajs)
         update_policy = not (self.use_critic and self.step < cfg.critic.warmup_steps)
         step_metrics, critic_metrics = [], []
         if self.use_critic:
@@ -563,11 +667,13 @@ class Trainer:
                     step_metrics.append(m)
             step_metrics = jax.device_get(step_metrics)
         with timers("weight_sync"):
-            self._sync_weights()
+            if minis:
+                self._sync_weights()
         self.step += 1
-        self.position = self.position.advance(self.steps_per_epoch)
+        self.position = position
         out = (self._rollout_metrics(trajs) | self._update_metrics(step_metrics) | timers.as_metrics(prefix="time/")
-               | self._update_metrics(critic_metrics, prefix="critic/"))
+               | self._update_metrics(critic_metrics, prefix="critic/") | sampling_metrics
+               | {"rollout/step_skipped": float(skip)})
         tokens = sum(len(s) for t in trajs.values() for s in t.sequences)
         elapsed = time.perf_counter() - t0
         out |= {"time/step": elapsed, "perf/tokens_per_s": tokens * jax.process_count() / elapsed,
@@ -599,6 +705,14 @@ class Trainer:
         out["reward/accuracy"] = float(np.mean(scores > 0)) if scores.size else 0.0
         out["rollout/branches_per_prompt"] = float(np.mean(branches))
         out["reward/format_error_fraction"] = float(np.mean(scores < 0)) if scores.size else 0.0
+        causes = ("", *FAILURE_CAUSES)  # gathered as codes (0 = not failed)
+        failed = self._gather(np.asarray([causes.index(c) for t in ts_ for c in t.out.failed], np.int32))
+        out["rollout/failed"] = float(np.sum(failed > 0))
+        out["rollout/failed_fraction"] = float(np.mean(failed > 0)) if failed.size else 0.0
+        out |= {f"rollout/failed/{c}": float(np.sum(failed == k)) for k, c in enumerate(causes) if c}
+        if self.cfg.algorithm.overlong == "mask":
+            cut = self._gather(np.concatenate([t.out.finish_reason == "length" for t in ts_]).astype(np.float32))
+            out["response/overlong_masked_fraction"] = float(np.mean(cut))
         # Engine / tool counters of this process (the rollout's own metrics, per worker averaged).
         for key in ts_[0].out.metrics:
             out[key] = float(np.mean([t.out.metrics[key] for t in ts_]))
@@ -623,6 +737,7 @@ class Trainer:
             records.append({"step": self.step, "prompt_index": int(t.out.prompt_index[i]),
                             "score": float(t.scores[i]), "reward": t.reward_infos[i], "response": t.responses[i],
                             "tool_calls": int(t.out.tool_calls[i]), "finish_reason": str(t.out.finish_reason[i]),
+                            "failed": str(t.out.failed[i]),
                             "tree": {"initial_rollouts": tree.initial_rollouts,
                                      "nodes": [dataclasses.asdict(nd) for nd in tree.nodes]}})
         self.logger.log_jsonl("trajectories", records)
@@ -689,13 +804,13 @@ class Trainer:
         bar = metrics_lib.progress(self.total_steps, "train", enabled=tr.progress and self.is_main,
                                    initial=self.step)
         last = {}
-        while self.step < self.total_steps:
+        while not self._done():
             last = self.train_step()
-            if tr.test_freq and (self.step % tr.test_freq == 0 or self.step == self.total_steps):
+            if tr.test_freq and (self.step % tr.test_freq == 0 or self._done()):
                 val = self.validate()
                 last |= val
             self.logger.log(self.step, last)
-            if (tr.save_freq and self.step % tr.save_freq == 0) or self.step == self.total_steps:
+            if (tr.save_freq and self.step % tr.save_freq == 0) or self._done():
                 self.save()
             bar.update(1)
             bar.set_postfix(reward=f"{last.get('reward/mean', 0):.3f}")
@@ -715,6 +830,12 @@ class Trainer:
         if self.is_main:
             (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+    def _done(self) -> bool:
+        """`total_steps` trained, or (without trainer.max_steps) `total_epochs` of data used: dynamic sampling
+        draws extra batches, so an epoch can end after fewer steps."""
+        tr = self.cfg.trainer
+        return self.step >= self.total_steps or (not tr.max_steps and self.position.epoch >= tr.total_epochs)
 
     def close(self) -> None:
         for ckpt in (self.ckpt, self.critic_ckpt):

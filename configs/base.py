@@ -70,6 +70,17 @@ def get_config() -> ConfigDict:
     # samples per validation prompt at `temperature` / `top_p` / `top_k` (val/accuracy is then the mean over them).
     c.rollout.val_kwargs = ConfigDict(dict(do_sample=False, temperature=1.0, top_p=1.0, top_k=-1, n=1))
     c.rollout.workers = 0  # independent rollout workers (each: its prompts, its branching); 0 = one per process
+    # Failure isolation (not in the reference, which aborts the step on an engine error and trains on trajectories
+    # whose tool call failed): a trajectory whose tool call fails (every retry raised, or tools.timeout_s passed),
+    # whose engine request raises (the round is retried in halves, so only that one fails) or that runs
+    # longer than trajectory_timeout_s is masked out of the loss and of its group's baseline, and counted in
+    # rollout/failed/<cause>. A step where more than max_fraction of the trajectories failed skips its update
+    # with a warning; max_skipped_steps such steps in a row stop the run (something is broken; 0 = never stop).
+    c.rollout.failures = ConfigDict()
+    c.rollout.failures.isolate = True  # False: engine errors raise, failed tool calls train (the reference)
+    c.rollout.failures.trajectory_timeout_s = 0.0  # wall budget per trajectory from its creation; 0 = none
+    c.rollout.failures.max_fraction = 0.5
+    c.rollout.failures.max_skipped_steps = 3
     c.rollout.jax = ConfigDict()
     c.rollout.jax.decode_chunk = 16  # sampling steps per jitted call (stop strings are checked in between)
     c.rollout.jax.prefill_chunk = 512  # longest prefill per call
@@ -115,6 +126,20 @@ def get_config() -> ConfigDict:
     c.algorithm.norm_adv_by_std = True  # grpo: divide by the group's std
     c.algorithm.gamma = 1.0  # gae only
     c.algorithm.lam = 1.0  # gae only
+    # DAPO (arXiv 2503.14476; not in the reference, off by default; arpo_jax/shaping.py).
+    # Dynamic sampling: drop prompt groups whose n rewards are all equal (no group-relative signal) and roll out the
+    # next batches of the data stream, up to max_extra_rounds more per step, until every rollout worker has its
+    # share of train_batch_size informative groups; a batch still short is topped up with dropped groups. Extra
+    # batches use up data: without trainer.max_steps the run ends after total_epochs of data (fewer steps).
+    # Metrics: dynamic_sampling/kept_fraction, extra_rounds, filled_groups.
+    c.algorithm.dynamic_sampling = False
+    c.algorithm.max_extra_rounds = 3
+    # Overlong responses: none | penalty (DAPO soft overlong punishment: reward += factor * min(0, (R - buffer_len
+    # - length) / buffer_len), i.e. 0 up to R - buffer_len tokens, linear to -factor at R = data.max_response_length
+    # and for truncated responses) | mask (responses that did not end within R are masked out of the loss).
+    c.algorithm.overlong = "none"
+    c.algorithm.overlong_buffer_len = 0  # L_cache in tokens (penalty only; 1 .. R; DAPO: 4096 of R = 20480)
+    c.algorithm.overlong_penalty_factor = 1.0
 
     # ---------------------------------------------------------------- policy update (spec 9-10)
     c.actor = ConfigDict()

@@ -129,3 +129,18 @@ def test_registry_and_real_tools_together(tmp_path):
                                                                         "Tool(python) returned empty output."]
     ex.close()
     py.close()
+
+
+def test_run_batch_names_the_failed_calls():
+    """A text (even an error message from the tool) is not a failure; every retry raising, or a timeout, is."""
+    hang = Hang()
+    ex = ToolExecutor([Flaky(fails=100), Echo(), hang], ExecutorConfig(timeout_s=0.3, retry_count=2, max_workers=4))
+    out = ex.run_batch([("echo", "a"), ("flaky", "x"), ("hang", "y"), ("browse", "z")])
+    hang.release.set()
+    assert [r.failure for r in out] == [None, "tool_error", "tool_timeout", "tool_error"]
+    assert [r.text for r in out[:3]] == ["echo:a", "Error: Tool(flaky) execution failed with message: "
+                                         "ConnectionError: boom 2", "Error: Tool(hang) execution failed with "
+                                         "message: timed out after 0.3 s"]
+    assert ToolExecutor([Flaky(fails=1)]).run_batch([("flaky", "x")])[0].failure is None  # a retry succeeded
+    assert ToolExecutor([Empty()]).run_batch([("python", "x")])[0].failure is None  # empty output: final, not failed
+    ex.close()

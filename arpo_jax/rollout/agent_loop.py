@@ -30,11 +30,20 @@ The output is padded numpy arrays (3.4) plus per-trajectory metadata, branching 
 
 Both modes: the entropy is the spec's sum over <= 20 positions (`entropy_reduce="mean"` exists), the AEPO
 consecutive counter is per prompt and counts refills (B6), and max_tokens is the shared largest budget (3.3.1).
+
+Failure isolation (`RolloutConfig.isolate_failures`, not in the reference): a trajectory is marked failed
+(`RolloutOutput.failed` names the cause) when one of its tool calls fails (`tool_error`, `tool_timeout`: the executor
+gave up; it still sees the error text and goes on, as in the reference), when its engine request raises
+(`engine_error`: the round's batch is retried in halves, recursively, so only a request that raises on its own
+fails; the trajectory ends there), or when it runs longer than `trajectory_timeout_s` from its creation
+(`wall_budget`: it ends after the round). A failed trajectory is never a branching source; the trainer masks it
+out of the loss. Without isolation an engine error propagates, as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -44,6 +53,8 @@ import numpy as np
 from arpo_jax.rollout import branching
 from arpo_jax.rollout.branching import BranchAttempt, BranchParams, EntropyBaselines
 from arpo_jax.rollout.sampler import Sampler, SampleRequest, SampleResult, SamplingSettings
+
+log = logging.getLogger(__name__)
 
 PREMONITOR_SLOT_BASE = 1 << 30  # slot ids of AEPO's pre-monitoring requests (kept apart from the rollout's)
 
@@ -70,13 +81,18 @@ class RolloutConfig:
     entropy_top_k: int = 10  # top log-probs per position requested from the engine
     entropy_reduce: str = "sum"  # "sum" over positions (reference) or "mean"
     reference_compat: bool = False  # reproduce B1, B3, B4, B10, B11 (module docstring)
+    isolate_failures: bool = False  # mark failed trajectories instead of raising (module docstring)
+    trajectory_timeout_s: float = 0.0  # wall budget per trajectory from its creation; 0 = none (needs isolation)
 
     def __post_init__(self):
         checks = [(self.n >= 1, "n must be >= 1"), (self.initial_rollouts >= 1, "initial_rollouts must be >= 1"),
                   (self.beam_size >= 1, "beam_size must be >= 1"), (self.rule in ("arpo", "aepo"), "rule: arpo|aepo"),
                   (self.call_limit >= 0, "call_limit must be >= 0"), (self.response_length >= 1, "R must be >= 1"),
                   (self.entropy_window >= 1, "entropy_window must be >= 1"),
-                  (self.entropy_reduce in ("sum", "mean"), "entropy_reduce: sum|mean")]
+                  (self.entropy_reduce in ("sum", "mean"), "entropy_reduce: sum|mean"),
+                  (self.trajectory_timeout_s >= 0, "trajectory_timeout_s must be >= 0"),
+                  (self.isolate_failures or not self.trajectory_timeout_s,
+                   "trajectory_timeout_s needs isolate_failures")]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(f"RolloutConfig: {msg}")
@@ -97,6 +113,11 @@ class Executor(Protocol):
     stop_strings: list[str]
 
     def execute_batch(self, requests: list[tuple[str, str]]) -> list[str]: ...
+
+    # Optional: `run_batch(requests) -> list[ToolResult]` (text and failure cause); without it no call fails.
+
+
+FAILURE_CAUSES = ("tool_error", "tool_timeout", "engine_error", "wall_budget")
 
 
 @dataclasses.dataclass
@@ -146,7 +167,9 @@ class RolloutOutput:
     rounds: np.ndarray  # [B*n] int32: generated segments in the trajectory (inherited ones included)
     response_length: np.ndarray  # [B*n] int32: kept response tokens (<= R)
     truncated: np.ndarray  # [B*n] bool: the response was longer than R and was cut
-    finish_reason: np.ndarray  # [B*n] str: eos | call_limit | empty_tool_content | length | stop
+    finish_reason: np.ndarray  # [B*n] str: eos | call_limit | empty_tool_content | length | stop | engine_error |
+    #                                 wall_budget
+    failed: np.ndarray  # [B*n] str: "" or the first failure cause (FAILURE_CAUSES), with isolate_failures
     trees: list[PromptTree]
     metrics: dict[str, float]
 
@@ -171,6 +194,8 @@ class _Slot:
     decision_point: tuple[int, int, int] | None = None  # (len(tokens), calls, segments) before this round (B4)
     requested: bool = False
     finish: str = ""
+    failed: str = ""  # the first failure cause (isolate_failures)
+    created: float = 0.0  # time.monotonic() at creation (the wall budget's start)
 
     @property
     def resp_len(self) -> int:
@@ -261,9 +286,13 @@ class _Loop:
             queued = [q for s, res in zip(active, results) if (q := self._absorb(s, res)) is not None]
             self._run_tools(queued)
             keep = []
+            budget, now = self.cfg.trajectory_timeout_s, time.monotonic()
             for s in active:
                 if not s.finish and s.resp_len >= self.R:
                     s.finish = "length"  # spec 3.3 step 5: the budget is spent (possibly by a tool result)
+                if not s.finish and budget and now - s.created > budget:
+                    s.finish = "wall_budget"
+                    self._fail(s, "wall_budget")
                 if not s.finish:
                     keep.append(s)
             t = time.perf_counter()
@@ -279,7 +308,8 @@ class _Loop:
         return out
 
     def _new_slot(self, b: int, kind: str, r: int) -> _Slot:
-        s = _Slot(len(self.slots), b, list(self.prompts[b]), len(self.prompts[b]), kind, r)
+        s = _Slot(len(self.slots), b, list(self.prompts[b]), len(self.prompts[b]), kind, r,
+                  created=time.monotonic())
         self.slots.append(s)
         self.count[b] += 1
         return s
@@ -298,11 +328,13 @@ class _Loop:
             requests.append(SampleRequest(list(s.tokens), max_tokens, slot_id=s.id, parent_id=parent))
             s.requested = True
         t = time.perf_counter()
-        results = self.sampler.generate(requests, self.settings)
+        results = self._sample(requests)
         self.times["generate"] += time.perf_counter() - t
-        if len(results) != len(requests):
-            raise RuntimeError(f"sampler returned {len(results)} results for {len(requests)} requests")
         for s, res in zip(active, results):
+            if res is None:  # the engine failed on this request: the trajectory ends here
+                s.finish = "engine_error"
+                self._fail(s, "engine_error")
+                continue
             s.entropy = self._entropy(res)
             s.entropies.append(s.entropy)
             if self.compat:
@@ -311,8 +343,48 @@ class _Loop:
                 s.baseline = s.entropy  # the first segment from the prompt (branches inherit theirs)
         return results
 
-    def _absorb(self, s: _Slot, res: SampleResult) -> tuple[_Slot, str, str] | None:
+    def _sample(self, requests: list[SampleRequest]) -> list[SampleResult | None]:
+        """One batched engine call. With isolation, a call that raises is retried on each half of its requests,
+        recursively, so that only a request that raises on its own gets None (about 2 log2(n) calls for one bad
+        request among n, the healthy halves still batched)."""
+        try:
+            results = self.sampler.generate(requests, self.settings)
+        except Exception as e:
+            if not self.cfg.isolate_failures:
+                raise
+            log.warning("engine call of %d requests raised %s: %s; retrying its halves", len(requests),
+                        type(e).__name__, e)
+            results = self._bisect(requests[:len(requests) // 2]) + self._bisect(requests[len(requests) // 2:])
+            self._reset_engine_cache()
+        if len(results) != len(requests):
+            raise RuntimeError(f"sampler returned {len(results)} results for {len(requests)} requests")
+        return results
+
+    def _bisect(self, requests: list[SampleRequest]) -> list[SampleResult | None]:
+        if not requests:
+            return []
+        self._reset_engine_cache()  # a call that raised may have left the engine's cache inconsistent
+        try:
+            return list(self.sampler.generate(requests, self.settings))
+        except Exception as e:
+            if len(requests) == 1:
+                log.warning("engine request of slot %s raised %s: %s; its trajectory is marked failed",
+                            requests[0].slot_id, type(e).__name__, e)
+                return [None]
+            return self._bisect(requests[:len(requests) // 2]) + self._bisect(requests[len(requests) // 2:])
+
+    def _reset_engine_cache(self) -> None:
+        if hasattr(self.sampler, "reset_cache"):
+            self.sampler.reset_cache()
+
+    @staticmethod
+    def _fail(s: _Slot, cause: str) -> None:
+        s.failed = s.failed or cause  # a trajectory keeps its first cause
+
+    def _absorb(self, s: _Slot, res: SampleResult | None) -> tuple[_Slot, str, str] | None:
         """Spec 3.3 step 3 for one slot: append the segment, detect a tool call; returns a queued call or None."""
+        if res is None:
+            return None
         s.decision_point = (len(s.tokens), s.calls, s.segments) if s.post_tool else None
         s.post_tool = False
         s.tokens.extend(res.token_ids)
@@ -345,14 +417,22 @@ class _Loop:
         if not queued:
             return
         t = time.perf_counter()
-        texts = self.executor.execute_batch([(tag, content) for _, tag, content in queued])
+        results = self._execute([(tag, content) for _, tag, content in queued])
         self.times["tools"] += time.perf_counter() - t
         self.m["tool_calls"] += len(queued)
-        for (s, _, _), text in zip(queued, texts):
+        for (s, _, _), (text, failure) in zip(queued, results):
+            if failure and self.cfg.isolate_failures:
+                self._fail(s, failure)
             ids = encode_tool_result(self.tok, text, self.compat)
             s.tokens.extend(ids)
             s.mask.extend([0] * len(ids))
             s.post_tool = True
+
+    def _execute(self, requests: list[tuple[str, str]]) -> list[tuple[str, str | None]]:
+        """(text, failure cause or None) per tool call; executors without `run_batch` never report a failure."""
+        if hasattr(self.executor, "run_batch"):
+            return [(r.text, r.failure) for r in self.executor.run_batch(requests)]
+        return [(text, None) for text in self.executor.execute_batch(requests)]
 
     def _branch_and_refill(self, active: list[_Slot], keep: list[_Slot], r: int) -> list[_Slot]:
         """Spec 4.2 / 5.2 branching, then the 4.3 refill, then AEPO's counter update; returns the new slots."""
@@ -362,6 +442,7 @@ class _Loop:
         else:  # the segment generated right after this slot's own tool result decides
             sources = [s for s in active if s.decision_point is not None]
             entropy = {s.id: (s.entropy, s.baseline) for s in sources}
+        sources = [s for s in sources if not s.failed]  # a branch would inherit the failure
         by_id = {s.id: s for s in sources}
         new: list[_Slot] = []
         new_per_prompt = [0] * len(self.prompts)
@@ -413,6 +494,8 @@ class _Loop:
         h_tool = self._premonitor_tool_rollout(valid, max_len)
         out = [fixed] * len(self.prompts)
         for b in valid:
+            if b not in h_root:  # its pre-monitoring request failed (isolate_failures): the fixed m
+                continue
             hs = h_tool[b]
             mean = float(np.mean(hs)) if hs else h_root[b]
             out[b] = branching.initial_rollouts_dynamic(cfg.n, h_root[b], mean, beta=cfg.dynamic_beta)
@@ -427,8 +510,8 @@ class _Loop:
         reqs = [SampleRequest(list(self.prompts[b]), max(1, min(self.cfg.initial_entropy_tokens,
                                                                 max_len - len(self.prompts[b]))),
                               slot_id=PREMONITOR_SLOT_BASE + b) for b in valid]
-        results = self.sampler.generate(reqs, self.settings)
-        return {b: self._entropy(res) for b, res in zip(valid, results)}
+        results = self._sample(reqs)
+        return {b: self._entropy(res) for b, res in zip(valid, results) if res is not None}
 
     def _premonitor_tool_rollout(self, valid: list[int], max_len: int) -> dict[int, list[float]]:
         """H_tool: one complete, discarded tool rollout per prompt; every segment's entropy (the first included)."""
@@ -442,9 +525,11 @@ class _Loop:
             budget = max(1, max(self.R - resp(b) for b in active))
             cap = max_len - max(len(seqs[b]) for b in active)  # extra guard of this phase only
             reqs = [SampleRequest(list(seqs[b]), max(1, min(budget, cap)), slot_id=base + b) for b in active]
-            results = self.sampler.generate(reqs, self.settings)
+            results = self._sample(reqs)
             queued, keep = [], []
             for b, res in zip(active, results):
+                if res is None:  # the engine failed: this prompt's pre-monitoring ends with what it has
+                    continue
                 ents[b].append(self._entropy(res))
                 seqs[b].extend(res.token_ids)
                 if res.finish_reason == "stop" and res.stop_string in self.closers and calls[b] < self.cfg.call_limit:
@@ -456,7 +541,7 @@ class _Loop:
                         queued.append((b, tag, content))
                 elif res.finish_reason == "length" and res.token_ids and resp(b) < self.R:
                     keep.append(b)
-            texts = self.executor.execute_batch([(tag, c) for _, tag, c in queued]) if queued else []
+            texts = [t for t, _ in self._execute([(tag, c) for _, tag, c in queued])] if queued else []
             self.m["premonitor_tool_calls"] += len(queued)
             for (b, _, _), text in zip(queued, texts):
                 ids = encode_tool_result(self.tok, text, self.compat)
@@ -514,6 +599,7 @@ class _Loop:
             rounds=np.asarray([s.segments for s in rows], np.int32), response_length=lengths,
             truncated=np.asarray([s.resp_len > R for s in rows]),
             finish_reason=np.asarray([s.finish for s in rows], dtype=object),
+            failed=np.asarray([s.failed for s in rows], dtype=object),
             trees=self._trees(), metrics=self._metrics(rows, lengths))
 
     def _trees(self) -> list[PromptTree]:
@@ -536,3 +622,38 @@ class _Loop:
             "rollout/segment_entropy_mean": float(np.mean(ents)) if ents else 0.0,
         })
         return out
+
+
+_MEAN_METRICS = ("_mean", "_fraction", "_per_trajectory")  # engine metrics that average (the rest are sums)
+
+
+def select_rows(parts: Sequence[tuple[RolloutOutput, Sequence[int]]]) -> RolloutOutput:
+    """Chosen rows of one or more rollout outputs as one output (dynamic sampling's batch over rollout rounds).
+
+    Prompts are renumbered 0, 1, ... in order of first appearance and keep their trees (a chosen prompt's rows
+    must all be chosen for the trees to describe them). The metrics describe all the work done: every part's
+    counts and times summed, its means averaged.
+    """
+    per_row = [f.name for f in dataclasses.fields(RolloutOutput) if f.name not in ("trees", "metrics")]
+    first: dict[tuple[int, int], int] = {}
+    trees, prompt_index = [], []
+    for k, (out, rows) in enumerate(parts):
+        for i in rows:
+            key = (k, int(out.prompt_index[i]))
+            if key not in first:
+                first[key] = len(first)
+                trees.append(dataclasses.replace(out.trees[key[1]], prompt_index=first[key]))
+            prompt_index.append(first[key])
+    fields = {}
+    for name in per_row:
+        values = [getattr(out, name) for out, _ in parts]
+        if isinstance(values[0], np.ndarray):
+            fields[name] = np.concatenate([v[np.asarray(rows, np.int64)] for v, (_, rows) in zip(values, parts)])
+        else:  # a list with one entry per row
+            fields[name] = [v[int(i)] for v, (_, rows) in zip(values, parts) for i in rows]
+    fields["prompt_index"] = np.asarray(prompt_index, np.int32)
+    metrics = {}
+    for key in parts[0][0].metrics:
+        values = [out.metrics[key] for out, _ in parts]
+        metrics[key] = float(np.mean(values) if key.endswith(_MEAN_METRICS) else np.sum(values))
+    return RolloutOutput(**fields, trees=trees, metrics=metrics)

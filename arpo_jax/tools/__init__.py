@@ -5,7 +5,7 @@ Public API: ``make_tool(name, **params)`` returns a ``Tool`` (``.tag``, ``.execu
 """
 
 from arpo_jax.tools.base import Tool
-from arpo_jax.tools.executor import ExecutorConfig, ToolExecutor, empty_text, error_text
+from arpo_jax.tools.executor import ExecutorConfig, ToolExecutor, ToolResult, empty_text, error_text
 from arpo_jax.tools.offline_search import CacheSearchTool, LocalSearchTool
 from arpo_jax.tools.python_sandbox import PythonSandbox, PythonSandboxConfig, PythonTool, preprocess_code
 from arpo_jax.tools.search import BrightDataSearchTool, SearchConfig, format_results
@@ -39,4 +39,4 @@ def make_executor(tools: dict[str, dict], **executor_params) -> ToolExecutor:
 
 __all__ = ["BrightDataSearchTool", "CacheSearchTool", "ExecutorConfig", "LocalSearchTool", "PythonSandbox",
            "PythonSandboxConfig", "PythonTool", "SearchCache", "SearchConfig", "TOOLS", "Tool", "ToolExecutor",
-           "empty_text", "error_text", "format_results", "make_executor", "make_tool", "preprocess_code"]
+           "ToolResult", "empty_text", "error_text", "format_results", "make_executor", "make_tool", "preprocess_code"]

@@ -4,6 +4,10 @@ The result strings follow the reference: a tool's text as is; ``Tool(<tag>) retu
 result; ``Error: Tool(<tag>) execution failed with message: <e>`` when the call fails. Differences (B8, B9):
 the timeout really bounds each call (the reference's is a no-op), and an empty result is final unless
 ``reference_compat`` (the reference re-runs code that prints nothing ``retry_count`` times).
+
+``run_batch`` also says which calls failed (``ToolResult.failure``: ``tool_error`` when every attempt raised,
+``tool_timeout`` when the call outlived ``timeout_s``), so the rollout can isolate those trajectories; a tool that
+returns a text, even an error message about the model's input, has not failed.
 """
 
 import collections
@@ -27,6 +31,12 @@ class ExecutorConfig:
     retry_count: int = 3  # attempts per call (reference: 3 ARPO, 4 AEPO)
     reference_compat: bool = False  # an empty result counts as a failure and is retried, as in the reference
     latency_window: int = 10000  # recent latencies kept per tool for p50/p95
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolResult:
+    text: str  # what the model sees
+    failure: str | None = None  # None, "tool_error" (every attempt raised) or "tool_timeout"
 
 
 def empty_text(tag: str) -> str:
@@ -64,10 +74,14 @@ class ToolExecutor:
 
     def execute_batch(self, requests: list[tuple[str, str]]) -> list[str]:
         """Runs all requests concurrently; returns one text per request, in order. Never raises."""
+        return [r.text for r in self.run_batch(requests)]
+
+    def run_batch(self, requests: list[tuple[str, str]]) -> list[ToolResult]:
+        """Like `execute_batch`, with each call's failure cause (None when the tool returned a text)."""
         calls = [_Call(tag, content) for tag, content in requests]
         for call in calls:
             call.future = self._pool.submit(self._run, call)
-        results: list[str | None] = [None] * len(calls)
+        results: list[ToolResult | None] = [None] * len(calls)
         pending = set(range(len(calls)))
         while pending:
             futures = [calls[i].future for i in pending]
@@ -81,7 +95,8 @@ class ToolExecutor:
                 elif call.started is not None and now - call.started > self.config.timeout_s:
                     # The thread cannot be killed; its tool has its own timeout and the result is dropped.
                     call.abandoned = True
-                    results[i] = error_text(call.tag, f"timed out after {self.config.timeout_s:g} s")
+                    results[i] = ToolResult(error_text(call.tag, f"timed out after {self.config.timeout_s:g} s"),
+                                            "tool_timeout")
                     self._record(call.tag, "timeouts", now - call.started)
                     pending.discard(i)
         return results
@@ -95,12 +110,12 @@ class ToolExecutor:
             return 0.05  # nothing started yet: look again soon
         return max(0.0, min(starts) + self.config.timeout_s - time.monotonic()) + 0.001
 
-    def _run(self, call: _Call) -> str:
+    def _run(self, call: _Call) -> ToolResult:
         call.started = time.monotonic()
         tool = self.tools.get(call.tag)
         if tool is None:
             self._record(call.tag, "failures", 0.0)
-            return error_text(call.tag, f"unknown tool (registered: {sorted(self.tools)})")
+            return ToolResult(error_text(call.tag, f"unknown tool (registered: {sorted(self.tools)})"), "tool_error")
         attempts = max(1, self.config.retry_count)
         error = None
         for attempt in range(attempts):
@@ -117,12 +132,13 @@ class ToolExecutor:
             if text.strip() or not self.config.reference_compat:
                 if not call.abandoned:
                     self._record(call.tag, "successes", time.monotonic() - call.started)
-                return text if text.strip() else empty_text(call.tag)
+                return ToolResult(text if text.strip() else empty_text(call.tag))
         if not call.abandoned:
             self._record(call.tag, "failures", time.monotonic() - call.started)
+        failure = None if error is None else "tool_error"  # compat: empty results, retried, are not a failure
         if error is None or self.config.reference_compat:
-            return empty_text(call.tag)  # the reference's text once the attempts are used up
-        return error_text(call.tag, error)
+            return ToolResult(empty_text(call.tag), failure)  # the reference's text once the attempts are used up
+        return ToolResult(error_text(call.tag, error), failure)
 
     # ---------------------------------------------------------------------------------------------- metrics
     def reset_metrics(self) -> None:

@@ -1,0 +1,146 @@
+"""Failure isolation in the tool rollout: a failed tool call, an engine request that raises, a trajectory over its
+wall budget are marked (`RolloutOutput.failed`) while the rest of the rollout runs as if nothing happened; and
+`select_rows`, which assembles dynamic sampling's batch from several rollouts."""
+
+import dataclasses
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from arpo_jax import testing
+from arpo_jax.rollout.agent_loop import PREMONITOR_SLOT_BASE, RolloutConfig, rollout, select_rows
+from arpo_jax.rollout.fake_sampler import ScriptedSampler, Segment, by_slot
+from arpo_jax.tools import ExecutorConfig, Tool, ToolExecutor
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return testing.make_tiny_tokenizer()
+
+
+class Python(Tool):
+    """`crash` raises (a broken tool, every retry), `sleep <s>` sleeps, anything else is echoed."""
+
+    tag = "python"
+
+    def __init__(self):
+        self.calls = []
+        self.lock = threading.Lock()
+
+    def execute(self, content):
+        with self.lock:
+            self.calls.append(content)
+        if content == "crash":
+            raise OSError("sandbox is gone")
+        if content.startswith("sleep"):
+            time.sleep(float(content.split()[1]))
+        return f"ran {content}"
+
+
+class FailingEngine:
+    """Wraps an engine; a `generate` call raises when one of its requests matches `bad` (a poisoned request)."""
+
+    def __init__(self, inner, bad):
+        self.inner, self.bad, self.raised = inner, bad, 0
+
+    def generate(self, requests, settings):
+        if any(self.bad(r) for r in requests):
+            self.raised += 1
+            raise RuntimeError("engine: request rejected")
+        return self.inner.generate(requests, settings)
+
+
+def call(code):
+    return Segment(f"<think> x </think> <python> {code} </python>")
+
+
+ANSWER = Segment("<answer> 3 </answer>", eos=True)
+CFG = RolloutConfig(n=3, initial_rollouts=3, beam_size=1, response_length=200, call_limit=3, isolate_failures=True)
+
+
+def _run(tok, script, cfg=CFG, *, engine=None, prompts=None):
+    sampler = ScriptedSampler(tok, by_slot(script))
+    tool = Python()
+    executor = ToolExecutor([tool], ExecutorConfig(retry_count=2, max_workers=4))
+    try:
+        out = rollout(prompts or [tok.encode("the of and to")], engine(sampler) if engine else sampler, executor,
+                      tok, cfg, None, 0)
+    finally:
+        executor.close()
+    return out, tool
+
+
+def _text(out, tok, i):
+    return tok.decode(out.responses[i, :out.response_length[i]], skip_special_tokens=False)
+
+
+def test_a_failed_tool_call_marks_its_trajectory_only(tok):
+    script = {0: [call("1+2"), ANSWER], 1: [call("crash"), ANSWER], 2: [ANSWER]}
+    out, tool = _run(tok, script)
+    assert list(out.failed) == ["", "tool_error", ""]
+    assert list(out.finish_reason) == ["eos", "eos", "eos"]  # it saw the error text and went on, as before
+    assert "execution failed with message: OSError: sandbox is gone" in _text(out, tok, 1)
+    assert tool.calls.count("crash") == 2  # the executor retried it
+    ref, _ = _run(tok, script, dataclasses.replace(CFG, isolate_failures=False))
+    assert list(ref.failed) == ["", "", ""]  # without isolation nothing is marked ...
+    np.testing.assert_array_equal(ref.responses, out.responses)  # ... and the rollout itself is the same
+
+
+def test_an_engine_error_fails_one_request_and_the_rest_runs_unchanged(tok):
+    script = {0: [call("1+2"), ANSWER], 1: [call("4*5"), ANSWER], 2: [call("7"), call("8"), ANSWER]}
+    clean, _ = _run(tok, script)
+    # Slot 1's second request (after its tool result) poisons every batch it is in.
+    poisoned = lambda r: r.slot_id == 1 and "ran 4*5" in tok.decode(list(r.token_ids))  # noqa: E731
+    engines = []
+    out, _ = _run(tok, script, engine=lambda s: engines.append(FailingEngine(s, poisoned)) or engines[-1])
+    assert list(out.failed) == ["", "engine_error", ""] and out.finish_reason[1] == "engine_error"
+    assert engines[0].raised == 3  # round 1's batch [0, 1, 2], its half [1, 2], then [1] alone
+    for i in (0, 2):  # the others: exactly what they do without the failure
+        assert _text(out, tok, i) == _text(clean, tok, i) and out.finish_reason[i] == clean.finish_reason[i]
+    assert _text(out, tok, 1) == _text(clean, tok, 1).split("<answer>")[0]  # ends after its tool result
+    with pytest.raises(RuntimeError, match="request rejected"):  # without isolation the error propagates
+        _run(tok, script, dataclasses.replace(CFG, isolate_failures=False), engine=lambda s: FailingEngine(s, poisoned))
+
+
+def test_a_trajectory_over_its_wall_budget_ends_and_is_marked(tok):
+    cfg = dataclasses.replace(CFG, trajectory_timeout_s=0.3)
+    out, _ = _run(tok, {0: [call("sleep 0.5"), ANSWER], 1: [ANSWER], 2: [call("1"), ANSWER]}, cfg)
+    # Round 0 took 0.5 s: slot 1 had already finished; slots 0 and 2 were still running and are over budget.
+    assert list(out.failed) == ["wall_budget", "", "wall_budget"]
+    assert list(out.finish_reason) == ["wall_budget", "eos", "wall_budget"]
+    with pytest.raises(ValueError, match="trajectory_timeout_s needs isolate_failures"):
+        dataclasses.replace(cfg, isolate_failures=False)
+
+
+def test_failed_trajectories_do_not_branch(tok):
+    cfg = dataclasses.replace(CFG, n=3, initial_rollouts=1, beam_size=2, branch_probability=1.0, entropy_weight=0.0)
+    out, _ = _run(tok, {0: [call("crash"), call("1"), ANSWER]}, cfg)
+    # The only root failed in round 0 and never becomes a source: the other two are refills, not its branches.
+    assert out.failed[0] == "tool_error" and list(out.parent_id) == [-1, -1, -1]
+    assert [n.kind for n in out.trees[0].nodes] == ["root", "refill", "refill"]
+
+
+def test_premonitor_engine_error_falls_back_to_the_fixed_initial_rollouts(tok):
+    cfg = dataclasses.replace(CFG, n=4, initial_rollouts=2, enable_dynamic_rollouts=True, initial_entropy_tokens=8)
+    prompts = [tok.encode("the of and to"), tok.encode("search python result")]
+    out, _ = _run(tok, {}, cfg, prompts=prompts,
+                  engine=lambda s: FailingEngine(s, lambda r: r.slot_id == PREMONITOR_SLOT_BASE + 1))
+    assert out.trees[0].h_root is not None and out.trees[1].h_root is None
+    assert out.trees[1].initial_rollouts == 2 and len(out.prompt_index) == 8
+
+
+def test_select_rows_renumbers_prompts_and_keeps_their_trees(tok):
+    prompts = [tok.encode("the of and to"), tok.encode("search python result")]
+    a, _ = _run(tok, {0: [call("1"), ANSWER]}, prompts=prompts)
+    b, _ = _run(tok, {4: [call("2"), ANSWER]}, prompts=prompts[::-1])
+    out = select_rows([(a, [3, 4, 5]), (b, [0, 1, 2, 3, 4, 5])])
+    assert list(out.prompt_index) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    np.testing.assert_array_equal(out.responses, np.concatenate([a.responses[3:], b.responses]))
+    np.testing.assert_array_equal(out.input_ids[:3], a.input_ids[3:])
+    assert [t.prompt_index for t in out.trees] == [0, 1, 2]
+    assert out.trees[0].nodes == a.trees[1].nodes and out.trees[2].nodes == b.trees[1].nodes
+    assert out.metrics["rollout/tool_calls"] == a.metrics["rollout/tool_calls"] + b.metrics["rollout/tool_calls"] == 2
+    assert out.metrics["rollout/response_length_mean"] == pytest.approx(
+        (a.metrics["rollout/response_length_mean"] + b.metrics["rollout/response_length_mean"]) / 2)
