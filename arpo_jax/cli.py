@@ -258,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, KeyError) as e:
         print(f"arpo-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # e.g. a full disk while saving or exporting: one line, not a traceback
+        print(f"arpo-jax {args.command}: error: {e}", file=sys.stderr)
+        return 1
     print(json.dumps(result, default=str))  # the final line is machine-readable
     return 0
 

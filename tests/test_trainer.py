@@ -197,3 +197,60 @@ def test_plan_reports_per_device_memory_of_the_7b_config(shared):
     assert result["params"] == 7_615_616_512
     assert 0.99 <= result["state_vs_ideal"] <= 1.1  # params + optimizer within 10% of total / devices
     assert "per device" in out
+
+
+def _popen(cmd: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _logged_steps(workdir: Path) -> list[int]:
+    path = workdir / "metrics.jsonl"
+    return [r["step"] for r in metrics.read_jsonl(path)] if path.exists() else []
+
+
+def _wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 600, poll: float = 0.01) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert proc.poll() is None, f"exited before {what}: {proc.communicate()[1][-3000:]}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll)
+
+
+def test_sigterm_during_a_step_and_sigint_during_a_save_lose_nothing(uninterrupted, shared):
+    """SIGTERM in the middle of a step: the step is finished and saved (save_freq=0 would save only at the end),
+    exit 143, one line. SIGINT while a checkpoint is being written: exit 130. Each resume continues where the
+    stop left off, and the final params equal an uninterrupted run's."""
+    root, reward, cache = shared
+    workdir = root / "signalled"
+    env = _env(2, cache)
+    cmd = _command(workdir, reward, "--config.trainer.test_freq=3", "--config.trainer.save_freq=0")
+
+    proc = _popen(cmd, env)
+    _wait_for(lambda: _logged_steps(workdir) == [1], proc, "step 1")  # step 2 is running now
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 143, err[-3000:]
+    stopped = [line for line in err.splitlines() if "stopped by SIGTERM" in line]
+    assert len(stopped) == 1 and "is saved in" in stopped[0] and "Traceback" not in err
+    done = _logged_steps(workdir)
+    assert done and done == list(range(1, len(done) + 1)) and len(done) < STEPS
+    with Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:
+        assert ckpt.all_steps() == [done[-1]]  # the finished step was saved although save_freq=0
+
+    # Resume, and interrupt while a checkpoint is being written (save_freq=1: every step saves).
+    cmd = _command(workdir, reward, "--config.trainer.test_freq=3")
+    proc = _popen(cmd, env)
+    saving = lambda: any(".orbax-checkpoint-tmp" in p.name for p in (workdir / "checkpoints").iterdir()) or \
+        len(_logged_steps(workdir)) > len(done)
+    _wait_for(saving, proc, "a save of the resumed run", poll=0.002)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130, err[-3000:]
+    assert "stopped by SIGINT" in err and "Traceback" not in err
+
+    _run(cmd, env)  # resumes to the end
+    ref, _ = _params(uninterrupted[0], STEPS)
+    got, meta = _params(workdir, STEPS)
+    assert meta["data_position"] == {"epoch": 0, "step_in_epoch": STEPS}
+    assert _max_diff(ref, got) <= 1e-6
+    assert _logged_steps(workdir) == list(range(1, STEPS + 1))
