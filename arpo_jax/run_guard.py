@@ -30,13 +30,17 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "run.lock"
-# Leaves (or whole sections, ending in ".") whose change makes a resumed run a different experiment.
-MEANING_FIELDS = ("seed", "model.path", "model.init_checkpoint", "data.train_files", "data.train_batch_size",
-                  "data.shuffle", "data.seed", "data.prompt_key", "data.max_prompt_length", "data.max_response_length",
-                  "actor.ppo_mini_batch_size", "actor.ppo_epochs", "actor.lr", "actor.loss", "actor.schedule",
-                  "actor.warmup_steps", "critic.lr", "rollout.n", "algorithm.", "reward.name", "reward.custom_path",
-                  "sft.train_files", "sft.batch_size", "sft.lr", "sft.epochs", "sft.schedule", "sft.cutoff_len",
-                  "sft.warmup_ratio")
+# Per command, the leaves (or whole sections, ending in ".") whose change makes a resumed run another experiment.
+# The RL fields do not change an SFT run (the demo passes one config with its algorithm's fields to both).
+_SHARED = ("seed", "model.path", "model.init_checkpoint", "data.shuffle", "data.seed")
+MEANING_FIELDS = {
+    "train": _SHARED + ("data.train_files", "data.train_batch_size", "data.prompt_key", "data.max_prompt_length",
+                        "data.max_response_length", "actor.ppo_mini_batch_size", "actor.ppo_epochs", "actor.lr",
+                        "actor.loss", "actor.schedule", "actor.warmup_steps", "critic.lr", "rollout.n", "algorithm.",
+                        "reward.name", "reward.custom_path"),
+    "sft": _SHARED + ("sft.train_files", "sft.batch_size", "sft.lr", "sft.epochs", "sft.schedule", "sft.cutoff_len",
+                      "sft.warmup_ratio", "sft.mask_tool_results"),
+}
 
 
 class Stopped(Exception):
@@ -160,15 +164,15 @@ def config_files(workdir: str | os.PathLike) -> list[Path]:
     return ([first] if first.is_file() else []) + later
 
 
-def meaning_changes(old: dict, new: dict) -> list[str]:
-    """`field: old -> new` for every `MEANING_FIELDS` leaf that differs between two config dicts."""
+def meaning_changes(old: dict, new: dict, command: str) -> list[str]:
+    """`field: old -> new` for every `MEANING_FIELDS[command]` leaf that differs between two config dicts."""
     a, b = _flat(old), _flat(new)
-    keys = sorted(k for k in set(a) | set(b)
-                  if any(k == f or (f.endswith(".") and k.startswith(f)) for f in MEANING_FIELDS))
+    fields = MEANING_FIELDS[command]
+    keys = sorted(k for k in set(a) | set(b) if any(k == f or (f.endswith(".") and k.startswith(f)) for f in fields))
     return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in keys if a.get(k) != b.get(k)]
 
 
-def record_config(workdir: str | os.PathLike, config: dict, *, resuming: bool, allow_change: bool,
+def record_config(workdir: str | os.PathLike, config: dict, *, command: str, resuming: bool, allow_change: bool,
                   write: bool = True) -> Path | None:
     """Checks a resumed run's config against the newest recorded one, then records `config` (a JSON-able dict,
     redacted) if it differs from it. Returns the file written, if any; `write=False` (processes other than 0)
@@ -177,7 +181,7 @@ def record_config(workdir: str | os.PathLike, config: dict, *, resuming: bool, a
     history = config_files(workdir)
     newest = json.loads(history[-1].read_text()) if history else None
     if resuming and newest is not None:
-        changes = meaning_changes(newest, config)
+        changes = meaning_changes(newest, config, command)
         if changes and not allow_change:
             raise ValueError(f"{workdir} holds a run with another config ({history[-1].name}); resuming it would "
                              f"mix two experiments. Changed: {'; '.join(changes)}. Use another --workdir, or "
@@ -210,7 +214,7 @@ def open_workdir(workdir: Path, cfg, command: str) -> tuple[RunLock, bool]:
     lock = RunLock(workdir, command).acquire()
     try:
         resuming = bool(cfg.trainer.resume) and has_checkpoints(workdir / "checkpoints")
-        record_config(workdir, config_lib.redact(cfg), resuming=resuming,
+        record_config(workdir, config_lib.redact(cfg), command=command, resuming=resuming,
                       allow_change=bool(cfg.trainer.allow_config_change), write=jax.process_index() == 0)
     except BaseException:
         lock.release()

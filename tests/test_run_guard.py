@@ -65,7 +65,9 @@ def test_resuming_with_another_meaning_is_refused_and_every_config_is_kept(tmp_p
     workdir = tmp_path / "run"
     workdir.mkdir()
     first = _toy_config()
-    assert run_guard.record_config(workdir, first, resuming=False, allow_change=False).name == "config.json"
+    record = lambda cfg, **kw: run_guard.record_config(workdir, cfg, **({"command": "train", "resuming": True,
+                                                                          "allow_change": False} | kw))
+    assert record(first, resuming=False).name == "config.json"
     (workdir / "checkpoints" / "2").mkdir(parents=True)  # a step to resume from
     original = (workdir / "config.json").read_text()
 
@@ -79,17 +81,22 @@ def test_resuming_with_another_meaning_is_refused_and_every_config_is_kept(tmp_p
     assert (workdir / "config.json").read_text() == original and not (workdir / "config-2.json").exists()
 
     # A harmless change is recorded as the next config; config.json is never overwritten.
-    path = run_guard.record_config(workdir, _toy_config("--config.trainer.save_freq=7"), resuming=True,
-                                   allow_change=False)
+    path = record(_toy_config("--config.trainer.save_freq=7"))
     assert path.name == "config-2.json" and (workdir / "config.json").read_text() == original
     # The same config again writes nothing; an allowed change of meaning is recorded (config-3.json).
-    assert run_guard.record_config(workdir, _toy_config("--config.trainer.save_freq=7"), resuming=True,
-                                   allow_change=False) is None
+    assert record(_toy_config("--config.trainer.save_freq=7")) is None
     changed = _toy_config("--config.trainer.save_freq=7", "--config.seed=5")
     with pytest.raises(ValueError, match=r"seed: 0 -> 5"):
-        run_guard.record_config(workdir, changed, resuming=True, allow_change=False)
-    assert run_guard.record_config(workdir, changed, resuming=True, allow_change=True).name == "config-3.json"
+        record(changed)
+    assert record(changed, allow_change=True).name == "config-3.json"
     assert [p.name for p in run_guard.config_files(workdir)] == ["config.json", "config-2.json", "config-3.json"]
+    # What changes a run's meaning depends on the command: the RL loss is not part of an SFT run.
+    rl_change = _toy_config("--config.trainer.save_freq=7", "--config.seed=5", "--config.actor.loss=aepo")
+    with pytest.raises(ValueError, match=r"actor.loss: 'ppo' -> 'aepo'"):
+        record(rl_change)
+    assert record(rl_change, command="sft").name == "config-4.json"
+    with pytest.raises(ValueError, match=r"sft.lr: "):
+        record(_toy_config("--config.trainer.save_freq=7", "--config.seed=5", "--config.sft.lr=0.5"), command="sft")
 
 
 def test_workdir_naming_a_file_is_a_clear_error(tmp_path, capsys):
