@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import threading
 import time
 import zlib
@@ -42,6 +43,28 @@ from arpo_jax import models, sharding
 from arpo_jax.models.transformer import Config, RopeScaling
 
 log = logging.getLogger(__name__)
+
+
+class _OneLineOrbaxErrors(logging.Filter):
+    """Orbax logs a failed background save (e.g. a full disk) from several threads, each with a traceback and a
+    TensorStore spec: hundreds of lines. The error is raised here as one line; its log records keep their first
+    line only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "orbax" in record.pathname and record.levelno >= logging.ERROR:
+            record.msg, record.args = _short_text(record.getMessage()), ()
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def _short_text(text: str, limit: int = 600) -> str:
+    """The first line, without TensorStore's spec dump (the OS error just before it is what matters)."""
+    text = text.strip().splitlines()[0] if text.strip() else ""
+    text = re.sub(r"\s*\[(tensorstore_spec|source_locations)=.*$", "", text)
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+logging.getLogger("absl").addFilter(_OneLineOrbaxErrors())
 INTEGRITY_FILE = "integrity.json"  # {relative path: [size, crc32]} of every file of the step
 _CHUNK = 8 << 20
 
@@ -75,11 +98,9 @@ def file_digests(step_dir: Path) -> dict[str, list[int]]:
     return dict(sorted(out.items()))
 
 
-def _short(e: BaseException, limit: int = 300) -> str:
+def _short(e: BaseException, limit: int = 600) -> str:
     """The first line of an error (orbax / TensorStore errors run to dozens of lines of context)."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    text = f"{type(e).__name__}: {text}"
-    return text if len(text) <= limit else text[:limit] + " ..."
+    return _short_text(f"{type(e).__name__}: {str(e).strip()}", limit)
 
 
 def _first_non_finite(tree) -> str | None:
@@ -345,8 +366,19 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Waits for the pending save, its integrity record and retention; raises if the save failed."""
-        self._manager.wait_until_finished()
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            self._finish_sealing_only()
+            self._seal_error = None
+            raise OSError(f"a checkpoint save in {self.directory} failed: {_short(e)}") from e
         self._finish()
+
+    def raise_if_failed(self) -> None:
+        """Raises (one line) if the pending background save has already failed, e.g. on a full disk: called at each
+        step boundary so that a failed save stops the run at once instead of at the next save."""
+        if self._sealing is not None and not self._sealing.is_alive() and self._seal_error is not None:
+            self._finish()
 
     def close(self) -> None:
         try:

@@ -363,6 +363,11 @@ def write_folder_atomically(dest: str | os.PathLike, fill, *, overwrite: bool = 
         fill(tmp)
         (tmp / EXPORT_MARKER).write_text(json.dumps({"written_by": "arpo-jax"}) + "\n")
         _replace_dir(tmp, dest)
+    except OSError as e:  # e.g. a full disk: say where (os.ftruncate / pwrite errors carry no file name)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, f"{e.strerror} while writing the export {dest}") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -244,6 +244,7 @@ def _run_sft(cfg, workdir: Path, resuming: bool, stop: run_guard.StopSignals, t_
     loss = float("nan")
     t_last = time.perf_counter()
     while step < total_steps:
+        ckpt.raise_if_failed()  # a save that failed in the background (full disk) stops the run now
         if stop.requested():
             bar.close()
             if step > start_step and step not in ckpt.all_steps():

@@ -696,6 +696,9 @@ class Trainer:
                                    initial=self.step)
         last = {}
         while self.step < self.total_steps:
+            for ckpt in (self.ckpt, self.critic_ckpt):
+                if ckpt is not None:
+                    ckpt.raise_if_failed()  # a save that failed in the background (full disk) stops the run now
             if stop is not None and stop.requested():
                 bar.close()
                 raise stop.stopped(self._save_for_stop())

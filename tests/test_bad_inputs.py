@@ -94,3 +94,43 @@ def test_eval_of_builtin_tiny_checks_its_positions_before_any_engine(tmp_path):
                                                  r"max_position_embeddings=2048"):
         config.validate(cfg, command="eval", check_files=True)
     config.validate(config.load_config([f"--config={TOY}"]), command="eval", check_files=True)  # 384 + 128 fits
+
+
+WRITE_FAILS = """
+import os, resource, signal, sys
+from flax import nnx
+import arpo_jax
+from arpo_jax import checkpoint, hf
+model = arpo_jax.from_pretrained(sys.argv[1])
+# Writes past 20 kB fail with EFBIG, as writes to a full disk fail with ENOSPC (same code path, no root needed).
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))
+out = sys.argv[2]
+try:
+    with checkpoint.Checkpointer(out + "/c") as ckpt:
+        ckpt.save(1, nnx.state(model, nnx.Param), config=model.config)
+except OSError as e:
+    print("SAVE:", e)
+try:
+    hf.save_pretrained(model, out + "/export")
+except OSError as e:
+    print("EXPORT:", e)
+print("LEFT:", sorted(os.listdir(out)))
+"""
+
+
+def test_a_write_that_fails_while_saving_or_exporting_is_one_line(tiny_hf_dir, tmp_path):
+    import subprocess
+    import sys
+
+    path, _ = tiny_hf_dir("llama31")
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run([sys.executable, "-c", WRITE_FAILS, str(path), str(out)], capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(REPO),
+                                            "JAX_PLATFORMS": "cpu"})
+    lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)
+    assert lines["SAVE"].startswith(f"a checkpoint save in {out / 'c'} failed: ") and "File too large" in lines["SAVE"]
+    assert lines["EXPORT"] == f"[Errno 27] File too large while writing the export {out / 'export'}"
+    assert lines["LEFT"] == "['c']"  # no half-written export, no temporary folder
+    assert "tensorstore_spec" not in proc.stderr  # orbax's own error logs are cut to one line each

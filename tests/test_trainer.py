@@ -218,8 +218,9 @@ def _wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 600, pol
 
 def test_sigterm_during_a_step_and_sigint_during_a_save_lose_nothing(uninterrupted, shared):
     """SIGTERM in the middle of a step: the step is finished and saved (save_freq=0 would save only at the end),
-    exit 143, one line. SIGINT while a checkpoint is being written: exit 130. Each resume continues where the
-    stop left off, and the final params equal an uninterrupted run's."""
+    exit 143, one line. SIGINT while a checkpoint is being written: exit 130. A damaged newest checkpoint: the
+    resume falls back to the step before. Each resume continues where it should, and the final params equal an
+    uninterrupted run's."""
     root, reward, cache = shared
     workdir = root / "signalled"
     env = _env(2, cache)
@@ -248,7 +249,21 @@ def test_sigterm_during_a_step_and_sigint_during_a_save_lose_nothing(uninterrupt
     assert proc.returncode == 130, err[-3000:]
     assert "stopped by SIGINT" in err and "Traceback" not in err
 
-    _run(cmd, env)  # resumes to the end
+    # Damage the newest step (64 bytes flipped inside a params file, size unchanged): the resume says so in one
+    # line, moves it aside, falls back to the step before and trains the lost step again.
+    with Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:
+        steps = ckpt.all_steps()
+    assert len(steps) >= 2, steps
+    victim = max((f for f in (workdir / "checkpoints" / str(steps[-1]) / "params").rglob("*") if f.is_file()),
+                 key=lambda f: f.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 64] = bytes(b ^ 0xFF for b in data[len(data) // 2:len(data) // 2 + 64])
+    victim.write_bytes(bytes(data))
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    damaged = [line for line in proc.stderr.splitlines() if "could not be restored" in line]
+    assert len(damaged) == 1 and f"step {steps[-1]}, params/" in damaged[0] and "checksum mismatch" in damaged[0]
+    assert f"moved to {steps[-1]}.damaged-" in damaged[0] and "falling back" in damaged[0]
     ref, _ = _params(uninterrupted[0], STEPS)
     got, meta = _params(workdir, STEPS)
     assert meta["data_position"] == {"epoch": 0, "step_in_epoch": STEPS}
