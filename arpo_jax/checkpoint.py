@@ -115,11 +115,13 @@ def _first_non_finite(tree) -> str | None:
     return None
 
 
-def _agree(value: int) -> int:
-    """Process 0's `value` on every process (decisions from files that process 0 alone reads or writes)."""
+def _agree(value):
+    """Process 0's `value` (an int or an int array) on every process: decisions taken from files that process 0
+    alone reads or writes."""
     if jax.process_count() == 1:
         return value
-    return int(multihost_utils.broadcast_one_to_all(np.asarray(value, np.int64)))
+    out = np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(value)))
+    return int(out) if np.ndim(value) == 0 else out
 
 
 def config_to_json(cfg: Config) -> dict:
@@ -229,18 +231,15 @@ class Checkpointer:
 
     def _retain(self) -> None:
         """Deletes steps that have `max_to_keep` newer sealed (integrity-recorded) steps; process 0 decides."""
-        if not self.max_to_keep:
-            return
         steps = sorted(self.all_steps())
-        doomed = 0
+        if not self.max_to_keep or not steps:
+            return
+        doomed = np.zeros(len(steps), np.int32)  # every process lists the same steps (saves are collective)
         if jax.process_index() == 0:
             sealed = [s for s in steps if self.is_sealed(s)]
-            for i, s in enumerate(steps):
-                if sum(1 for t in sealed if t > s) >= self.max_to_keep:
-                    doomed |= 1 << i
-        doomed = _agree(doomed)
-        for i, s in enumerate(steps):
-            if doomed >> i & 1:
+            doomed[:] = [sum(1 for t in sealed if t > s) >= self.max_to_keep for s in steps]
+        for s, gone in zip(steps, _agree(doomed)):
+            if gone:
                 self._manager.delete(s)
 
     def verify(self, step: int) -> None:
