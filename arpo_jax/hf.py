@@ -367,6 +367,8 @@ def write_folder_atomically(dest: str | os.PathLike, fill, *, overwrite: bool = 
         shutil.rmtree(tmp, ignore_errors=True)
         if e.filename is not None:
             raise
+        if e.errno is None:
+            raise OSError(f"{e} while writing the export {dest}") from e
         raise OSError(e.errno, f"{e.strerror} while writing the export {dest}") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
