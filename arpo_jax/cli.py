@@ -67,10 +67,11 @@ def _convert(args) -> dict:
     from arpo_jax import convert
 
     if args.direction == "gguf-to-hf":
-        return convert.gguf_to_hf(args.gguf, args.out, dtype=args.dtype)
+        return convert.gguf_to_hf(args.gguf, args.out, dtype=args.dtype, overwrite=args.overwrite)
     if args.direction == "hf-to-orbax":
         return convert.hf_to_orbax(args.hf, args.out, dtype=args.dtype, step=args.step or 0)
-    return convert.orbax_to_hf(args.ckpt, args.out, step=args.step, tokenizer=args.tokenizer, dtype=args.dtype)
+    return convert.orbax_to_hf(args.ckpt, args.out, step=args.step, tokenizer=args.tokenizer, dtype=args.dtype,
+                               overwrite=args.overwrite)
 
 
 def _demo(args) -> dict:
@@ -197,7 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     h2o.add_argument("--out", required=True, help="checkpoint directory to create")
     o2h = conv_sub.add_parser("orbax-to-hf", help="orbax checkpoint -> HF folder (latest step unless --step)")
     o2h.add_argument("--ckpt", required=True, help="checkpoint directory (holds step folders), e.g. RUN/checkpoints")
-    o2h.add_argument("--out", required=True, help="HF folder to write (replaced atomically if it exists)")
+    o2h.add_argument("--out", required=True, help="HF folder to write; a previous export there is replaced "
+                     "atomically, anything else is refused unless --overwrite")
+    o2h.add_argument("--overwrite", action="store_true", help="replace an existing folder that is not a previous "
+                     "export (never a training run)")
     o2h.add_argument("--tokenizer", default=None, help="folder with tokenizer files to include")
     for p in (h2o, o2h):
         p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
@@ -206,7 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     g2h = conv_sub.add_parser("gguf-to-hf", help="GGUF file (llama.cpp; llama / qwen2 / qwen3, any quantization the "
                               "gguf package dequantizes) -> HF folder with config.json and tokenizer")
     g2h.add_argument("--gguf", required=True, help="the .gguf file")
-    g2h.add_argument("--out", required=True, help="HF folder to write")
+    g2h.add_argument("--out", required=True, help="HF folder to write (the rules of orbax-to-hf --out)")
+    g2h.add_argument("--overwrite", action="store_true", help="replace an existing folder that is not a previous "
+                     "export (never a training run)")
     g2h.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                      help="weight dtype of the safetensors (default float32: dequantized values are exact in it)")
     conv.set_defaults(func=_convert)
@@ -249,11 +255,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    from arpo_jax.run_guard import Stopped
+
     try:
         result = args.func(args)
+    except Stopped as e:  # SIGTERM / SIGINT: the run saved and stopped cleanly
+        print(e, file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop (e.g. while starting up): nothing to save
+        print(f"arpo-jax {args.command}: interrupted", file=sys.stderr)
+        return 130
     except (FileNotFoundError, ValueError, KeyError) as e:
         print(f"arpo-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # e.g. a full disk while saving or exporting: one line, not a traceback
+        print(f"arpo-jax {args.command}: error: {e}", file=sys.stderr)
+        return 1
     print(json.dumps(result, default=str))  # the final line is machine-readable
     return 0
 

@@ -152,7 +152,22 @@ def parse_config_args(argv: Sequence[str]) -> tuple[ConfigDict, list[str]]:
         raise ValueError(f"config argument error: {e}") from None
     except OSError as e:  # config_flags defers a missing file to the first access of the config
         raise ValueError(f"cannot load the config file: {' '.join(str(e).split())}") from None
+    except SyntaxError as e:
+        raise ValueError(f"the config file has a syntax error: {e.filename}:{e.lineno}: {e.msg}") from None
+    except Exception as e:  # the file's own code (get_config() or a module-level statement) raised
+        where = _config_file_arg(config_args)
+        raise ValueError(f"the config file {where} failed to load: {type(e).__name__}: {e}") from None
     return cfg, rest
+
+
+def _config_file_arg(config_args: list[str]) -> str:
+    """The `--config=FILE[:ARG]` value (for messages)."""
+    for i, a in enumerate(config_args):
+        if re.match(r"^--?config$", a) and i + 1 < len(config_args):
+            return config_args[i + 1]
+        if re.match(r"^--?config=", a):
+            return a.split("=", 1)[1]
+    return "?"
 
 
 def load_config(argv: Sequence[str]) -> ConfigDict:
@@ -484,7 +499,9 @@ def _check_tools(ck: _Checker, command: str, check_files: bool) -> None:
     if backend == "brightdata":
         env = ck.get("tools.search.api_key_env")
         if not env or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", env):
-            ck.add("tools.search.api_key_env", f"{env!r} is not an environment variable name (never put the key "
+            # The value is not echoed: it may be the key itself, and messages end up in logs.
+            shown = repr(env) if not env else f"the value ({len(env)} characters, not shown)"
+            ck.add("tools.search.api_key_env", f"{shown} is not an environment variable name (never put the key "
                                                "itself in a config)", "a name such as BRIGHTDATA_API_KEY")
         elif check_files and command in ("train", "eval") and not os.environ.get(env):
             ck.add("tools.search.api_key_env", f"environment variable {env} is not set",
@@ -585,10 +602,23 @@ def _check_file_list(ck: _Checker, path: str) -> None:
     for name in ck.get(path) or ():
         if not name.startswith(BUILTIN) and not _file_exists(name):
             ck.add(path, f"file {name!r} does not exist", "existing files, globs or builtin:<name>")
+        elif path.startswith("data.") and name.endswith(".parquet") and ck.get("data.source") != "tfds":
+            from arpo_jax.data import rl_dataset
+
+            for f in sorted(glob.glob(name)):  # the footer only: a bad file is found before any model is built
+                problem = rl_dataset.check_parquet(f, ck.get("data.prompt_key") or "prompt")
+                if problem:
+                    ck.add(path, problem, "parquet files in the reference schema (data_source, prompt, "
+                                          "reward_model, extra_info)")
 
 
-def _check_model_files(ck: _Checker) -> None:
+def _check_model_files(ck: _Checker, command: str) -> None:
     model = ck.get("model.path")
+    if command in ("train", "eval") and not ck.get("model.init_checkpoint"):
+        from arpo_jax import runtime  # the builtin tiny model's shape lives there
+
+        if model == runtime.BUILTIN_TINY:
+            _check_positions(ck, runtime.TINY_MAX_POSITIONS)
     if model and not model.startswith(BUILTIN):
         allowed = f"an HF folder | a .gguf file | a model name ({', '.join(named_models.NAMED)}) | builtin:tiny"
         if named_models.is_gguf(model) and not named_models.is_named(model) and not Path(model).is_file():
@@ -614,6 +644,10 @@ def _check_context_length(ck: _Checker, config_json: Path) -> None:
         limit = json.loads(config_json.read_text()).get("max_position_embeddings")
     except (OSError, ValueError):
         return
+    _check_positions(ck, limit)
+
+
+def _check_positions(ck: _Checker, limit: Any) -> None:
     p, r = ck.get("data.max_prompt_length"), ck.get("data.max_response_length")
     if isinstance(limit, int) and p and r and p + r > limit:
         ck.add("data.max_response_length", f"P + R = {p + r} exceeds the model's max_position_embeddings={limit}",
@@ -621,7 +655,11 @@ def _check_context_length(ck: _Checker, config_json: Path) -> None:
 
 
 def _check_files(ck: _Checker, command: str) -> None:
-    _check_model_files(ck)
+    _check_model_files(ck, command)
+    if command in ("train", "sft") and "wandb" in (ck.get("trainer.loggers") or ()) \
+            and importlib.util.find_spec("wandb") is None:
+        ck.add("trainer.loggers", "includes 'wandb' but wandb is not installed",
+               "pip install arpo-jax[wandb], or drop 'wandb'")
     lists = {"train": ("data.train_files", "data.val_files"), "sft": ("sft.train_files", "sft.val_files"),
              "eval": ("data.val_files",)}[command]
     for path in lists:

@@ -17,6 +17,8 @@ def hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = 
                 mesh=None) -> dict:
     """Imports an HF folder and saves it as an orbax checkpoint at `step`; tokenizer files are kept alongside."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} exists and is not a folder: pick a checkpoint directory to create")
     t0 = time.perf_counter()
     dtype = dtype or hf.checkpoint_dtype(hf_dir)
     model = hf.from_pretrained(hf_dir, dtype=dtype, mesh=mesh)
@@ -34,23 +36,31 @@ def hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = 
             "tokenizer_files": len(tok_files)}
 
 
-def gguf_to_hf(gguf_file: str | Path, out_dir: str | Path, *, dtype: str = "float32") -> dict:
+def gguf_to_hf(gguf_file: str | Path, out_dir: str | Path, *, dtype: str = "float32", overwrite: bool = False) -> dict:
     """Writes the model of a GGUF file as an HF folder (see arpo_jax.gguf_import)."""
     from arpo_jax import gguf_import
 
     t0 = time.perf_counter()
-    gguf_import.to_hf(gguf_file, out_dir, dtype=dtype)
+    gguf_import.to_hf(gguf_file, out_dir, dtype=dtype, overwrite=overwrite)
     return {"convert_s": time.perf_counter() - t0, "out": str(out_dir), "dtype": dtype}
 
 
 def orbax_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
-                tokenizer: str | Path | None = None, dtype: str | None = None) -> dict:
-    """Exports the params of an orbax checkpoint (default: latest step) as an HF folder."""
+                tokenizer: str | Path | None = None, dtype: str | None = None, overwrite: bool = False) -> dict:
+    """Exports the params of an orbax checkpoint (default: latest intact step) as an HF folder.
+
+    `out_dir` is checked before anything is restored: only a previous export is replaced unless `overwrite`, and
+    never a run (`hf.check_export_destination`).
+    """
     ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise FileNotFoundError(f"--ckpt {ckpt_dir}: no checkpoint found (no such directory; "
+                                f"expected a checkpoint directory, e.g. RUN/checkpoints)")
+    hf.check_export_destination(out_dir, overwrite=overwrite)
     t0 = time.perf_counter()
-    model = checkpoint.Checkpointer(ckpt_dir).restore_model(step)
+    model = checkpoint.Checkpointer(ckpt_dir, create=False).restore_model(step)
     t1 = time.perf_counter()
     if tokenizer is None and (ckpt_dir / TOKENIZER_SUBDIR).is_dir():
         tokenizer = ckpt_dir / TOKENIZER_SUBDIR
-    hf.save_pretrained(model, out_dir, tokenizer=tokenizer, dtype=dtype)
+    hf.save_pretrained(model, out_dir, tokenizer=tokenizer, dtype=dtype, overwrite=overwrite)
     return {"restore_s": t1 - t0, "export_s": time.perf_counter() - t1, "tokenizer": str(tokenizer or "")}

@@ -195,11 +195,13 @@ def load(path: str | os.PathLike, *, dtype: str = "float32", mesh=None, param_dt
     return nnx.merge(graphdef, state)
 
 
-def to_hf(path: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "float32") -> Path:
-    """Writes the model of a GGUF file as an HF folder (safetensors in `dtype`, config.json, tokenizer files)."""
+def to_hf(path: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "float32", overwrite: bool = False) -> Path:
+    """Writes the model of a GGUF file as an HF folder (safetensors in `dtype`, config.json, tokenizer files); an
+    existing `out` that is not a previous export is refused unless `overwrite` (hf.check_export_destination)."""
     import ml_dtypes
 
     np_dtype = np.dtype({"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype])
+    hf.check_export_destination(out, overwrite=overwrite)  # before the file is read
     reader = open_gguf(path)
     raw = hf_config(reader)
     hf_cfg = models.config_to_hf(models.config_from_hf(raw))  # refuses what the family readers refuse
@@ -208,4 +210,4 @@ def to_hf(path: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "floa
     if missing:
         raise GGUFError(f"{path}: missing tensor(s) {missing[:5]} ({len(missing)} in all)")
     entries = [(key, src.shape, np_dtype, lambda s=src: s.read().astype(np_dtype)) for key, src in sources.items()]
-    return hf.write_folder(Path(out), entries, hf_cfg, dtype=dtype, tokenizer=tokenizer(reader))
+    return hf.write_folder(Path(out), entries, hf_cfg, dtype=dtype, tokenizer=tokenizer(reader), overwrite=overwrite)

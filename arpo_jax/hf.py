@@ -7,7 +7,8 @@ directions at memory-copy speed).
 
 Import streams tensor by tensor: each tensor is read from safetensors on the host, cast, and placed straight into its
 target sharding (`jax.make_array_from_callback`), so peak host memory is one tensor, not the model.
-Export streams the other way into a `.tmp` folder that is renamed into place only when complete.
+Export streams the other way into a `.tmp` folder that is renamed into place only when complete
+(`write_folder_atomically`: only a previous export is ever replaced, never a run or an unrelated folder).
 """
 
 from __future__ import annotations
@@ -258,11 +259,12 @@ def _shard_plan(entries, max_shard_bytes: int) -> list[list]:
 
 
 def save_state(state: nnx.State, cfg: Config, path: str | os.PathLike, *, tokenizer=None, dtype: str | None = None,
-               max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+               max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
     """Writes params as an HF folder (config.json, generation_config.json, safetensors, tokenizer files).
 
-    See `write_folder` for the atomic replacement. In a multi-host run every process must call this (the params are
-    gathered collectively); only process 0 writes.
+    Written with `write_folder`: `path` is always either the previous complete export or the new complete one, and
+    an existing `path` that is not a previous export is refused unless `overwrite` (see `check_export_destination`).
+    In a multi-host run every process must call this (the params are gathered collectively); only process 0 writes.
     """
     path = Path(path)
     dtype = dtype or cfg.param_dtype
@@ -279,20 +281,17 @@ def save_state(state: nnx.State, cfg: Config, path: str | os.PathLike, *, tokeni
     # Gathers across hosts are collectives that every process must issue in the same order: no threads then.
     threads = IO_THREADS if all(var[...].is_fully_addressable for _, var in nnx.to_flat_state(state)) else 1
     return write_folder(path, entries, models.config_to_hf(cfg), dtype=dtype, tokenizer=tokenizer,
-                        max_shard_bytes=max_shard_bytes, threads=threads)
+                        max_shard_bytes=max_shard_bytes, threads=threads, overwrite=overwrite)
 
 
 def write_folder(path: Path, entries: list[tuple[str, tuple, np.dtype, Callable]], hf_config: dict, *, dtype: str,
-                 tokenizer=None, max_shard_bytes: int = MAX_SHARD_BYTES, threads: int = IO_THREADS) -> Path:
+                 tokenizer=None, max_shard_bytes: int = MAX_SHARD_BYTES, threads: int = IO_THREADS,
+                 overwrite: bool = False) -> Path:
     """Writes an HF folder from (key, shape, dtype, fetch) entries: safetensors shards (+ index), config.json,
-    generation_config.json and the tokenizer files.
+    generation_config.json and the tokenizer files, with `write_folder_atomically` (the destination rules, the
+    temporary sibling renamed into place)."""
 
-    Written into a temporary sibling folder and renamed into place at the end, so `path` is always either the
-    previous complete export or the new complete one.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
+    def fill(tmp: Path) -> None:
         shards = _shard_plan(entries, max_shard_bytes)
         names = (["model.safetensors"] if len(shards) == 1 else
                  [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
@@ -309,11 +308,8 @@ def write_folder(path: Path, entries: list[tuple[str, tuple, np.dtype, Callable]
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         if tokenizer is not None:
             _save_tokenizer(tokenizer, tmp)
-        _replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+
+    return write_folder_atomically(path, fill, overwrite=overwrite)
 
 
 def _save_tokenizer(tokenizer, out: Path) -> None:
@@ -326,10 +322,111 @@ def _save_tokenizer(tokenizer, out: Path) -> None:
         tokenizer.save_pretrained(str(out))
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Writing a folder atomically, without ever destroying something that is not ours
+
+EXPORT_MARKER = ".arpo_jax_export"  # written into every exported folder: "a previous export, safe to replace"
+# Entries that make a folder a training run (or part of one): never removed, not even with overwrite.
+RUN_ENTRIES = ("checkpoints", "critic_checkpoints", "metrics.jsonl", "tensorboard", "run.lock", "summary.json",
+               "_CHECKPOINT_METADATA")
+
+
+def _run_evidence(folder: Path, *, deep: bool) -> Path | None:
+    """The first entry inside `folder` that belongs to a training run or an orbax checkpoint (None if there is none).
+
+    Looks at the top level and orbax step folders (`<digits>/_CHECKPOINT_METADATA`); `deep` searches every
+    subfolder. A run's config.json (it has a `trainer` section) counts too.
+    """
+    if deep:
+        walk = os.walk(folder)
+    else:
+        entries = list(folder.iterdir())
+        walk = [(str(folder), [p.name for p in entries if p.is_dir()], [p.name for p in entries if not p.is_dir()])]
+    for root, dirs, files in walk:
+        for name in (*dirs, *files):
+            if name in RUN_ENTRIES:
+                return Path(root) / name
+            if name.isdigit() and (Path(root) / name / "_CHECKPOINT_METADATA").exists():
+                return Path(root) / name
+        if "config.json" in files:
+            try:
+                if "trainer" in json.loads((Path(root) / "config.json").read_text()):
+                    return Path(root) / "config.json"
+            except (OSError, ValueError, TypeError):
+                pass
+    return None
+
+
+def check_export_destination(dest: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """Checks that writing a folder at `dest` destroys nothing that is not a previous export; returns it absolute.
+
+    Allowed: a path that does not exist, an empty folder, or a folder holding `EXPORT_MARKER` (a previous export
+    of this project). Any other folder only with `overwrite`. Never, not even with `overwrite`: a regular file, the
+    current directory or one of its parents, or a folder holding a training run (checkpoints, metrics.jsonl, a
+    run's config.json, ...). Raises ValueError naming the path and what to do.
+    """
+    dest = Path(dest).absolute()
+    if dest.exists() and not dest.is_dir():
+        raise ValueError(f"{dest} exists and is not a folder: pick a folder path for the export")
+    cwd = Path.cwd().resolve()
+    resolved = dest.resolve()
+    if resolved == cwd or resolved in cwd.parents:
+        raise ValueError(f"{dest} is the current directory or contains it: pick a new folder for the export, "
+                         "e.g. --out ./hf")
+    if not dest.exists() or not any(dest.iterdir()):
+        return dest
+    found = _run_evidence(dest, deep=False)
+    marked = (dest / EXPORT_MARKER).is_file()
+    if found is None and overwrite and not marked:
+        found = _run_evidence(dest, deep=True)  # an unrelated folder is replaced only if no run hides in it
+    if found is not None:
+        raise ValueError(f"{dest} holds a training run or checkpoint ({found.relative_to(dest)}): an export never "
+                         f"replaces it; pick another folder, e.g. {dest / 'hf'}")
+    if not marked and not overwrite:
+        raise ValueError(f"{dest} exists and is not an arpo-jax export (no {EXPORT_MARKER} file): pick another "
+                         "folder, or pass --overwrite (API: overwrite=True) to replace it")
+    return dest
+
+
+def write_folder_atomically(dest: str | os.PathLike, fill, *, overwrite: bool = False) -> Path:
+    """Creates the folder `dest` by calling `fill(tmp)` on a fresh temporary sibling, then moves it into place.
+
+    `dest` is checked first with `check_export_destination` (nothing but a previous export is ever replaced,
+    unless `overwrite`; never a run). The folder gets `EXPORT_MARKER` and normal permissions (0777 minus the umask,
+    as `mkdir` would make it). If `fill` raises, the temporary folder is removed and `dest` is untouched; a replaced
+    `dest` is moved aside first and deleted in the background. Returns `dest` (absolute).
+    """
+    dest = check_export_destination(dest, overwrite=overwrite)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700 folders: an export is meant to be shared
+        fill(tmp)
+        (tmp / EXPORT_MARKER).write_text(json.dumps({"written_by": "arpo-jax"}) + "\n")
+        _replace_dir(tmp, dest)
+    except OSError as e:  # e.g. a full disk: say where (os.ftruncate / pwrite errors carry no file name)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.filename is not None:
+            raise
+        if e.errno is None:
+            raise OSError(f"{e} while writing the export {dest}") from e
+        raise OSError(e.errno, f"{e.strerror} while writing the export {dest}") from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
 def _replace_dir(new: Path, dest: Path) -> None:
     """Puts `new` at `dest`. An old `dest` is moved aside first, never left half-replaced, and deleted in the
     background (freeing a large folder takes a while; the interpreter waits for non-daemon threads at exit)."""
     if not dest.exists():
+        os.rename(new, dest)
+        return
+    if not any(dest.iterdir()):
+        os.rmdir(dest)
         os.rename(new, dest)
         return
     old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
@@ -339,10 +436,10 @@ def _replace_dir(new: Path, dest: Path) -> None:
 
 
 def save_pretrained(model: CausalLM, path: str | os.PathLike, tokenizer=None, *, dtype: str | None = None,
-                    max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+                    max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
     """Exports a CausalLM as an HF folder that transformers and vLLM load. See `save_state`."""
     return save_state(nnx.state(model, nnx.Param), model.config, path, tokenizer=tokenizer, dtype=dtype,
-                      max_shard_bytes=max_shard_bytes)
+                      max_shard_bytes=max_shard_bytes, overwrite=overwrite)
 
 
 def checkpoint_dtype(path: str | os.PathLike) -> str:

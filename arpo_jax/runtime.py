@@ -23,6 +23,7 @@ from arpo_jax.models import CausalLM
 log = logging.getLogger(__name__)
 
 BUILTIN_TINY = "builtin:tiny"
+TINY_MAX_POSITIONS = 2048  # the builtin tiny model's positions: data.max_prompt_length + max_response_length must fit
 # Explicit multi-process start-up (tests, hand-made launches); SLURM and Cloud TPU VMs are auto-detected by JAX.
 COORDINATOR_ENV = ("ARPO_COORDINATOR", "ARPO_NUM_PROCESSES", "ARPO_PROCESS_ID")
 
@@ -114,6 +115,6 @@ def build_tiny_model(dest: str | os.PathLike, *, seed: int = 0, vocab_size: int 
     cfg = Config(model_type="qwen2", vocab_size=len(tokenizer), hidden_size=hidden_size,
                  intermediate_size=3 * hidden_size, num_layers=num_layers, num_heads=hidden_size // 32,
                  num_kv_heads=hidden_size // 64, head_dim=32, qkv_bias=True, rope_theta=10000.0,
-                 max_position_embeddings=2048, eos_token_id=tokenizer.eos_token_id,
+                 max_position_embeddings=TINY_MAX_POSITIONS, eos_token_id=tokenizer.eos_token_id,
                  pad_token_id=tokenizer.pad_token_id)
     return hf.save_pretrained(CausalLM(cfg, rngs=nnx.Rngs(seed)), dest, tokenizer=tokenizer)

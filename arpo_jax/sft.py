@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from arpo_jax import config as config_lib
-from arpo_jax import hf, packing, runtime
+from arpo_jax import hf, packing, run_guard, runtime
 from arpo_jax import metrics as metrics_lib
 from arpo_jax import train_step as ts
 from arpo_jax.checkpoint import Checkpointer
@@ -170,13 +170,23 @@ def run_sft(cfg, workdir: str | os.PathLike) -> dict:
 
     Data order comes from `data.seed` / `data.shuffle` (a permutation per epoch; the incomplete tail batch of an
     epoch is left out). `sft.mask_tool_results` (default True; see `sft_data`) chooses whether
-    `<result>` blocks inside assistant turns are trained on.
+    `<result>` blocks inside assistant turns are trained on. SIGTERM / SIGINT stop it at a step boundary with a
+    checkpoint (`run_guard.Stopped`, exit 143 / 130); one run per work directory (`run_guard`).
     """
     t_start = time.perf_counter()
     runtime.initialize_distributed()
     cfg = config_lib.validate(cfg, device_count=jax.device_count(), process_count=jax.process_count(), command="sft")
     workdir = Path(workdir).absolute()
-    workdir.mkdir(parents=True, exist_ok=True)
+    with run_guard.StopSignals("sft") as stop:
+        lock, resuming = run_guard.open_workdir(workdir, cfg, "sft")
+        try:
+            hf.check_export_destination(workdir / "hf")
+            return _run_sft(cfg, workdir, resuming, stop, t_start)
+        finally:
+            lock.release()
+
+
+def _run_sft(cfg, workdir: Path, resuming: bool, stop: run_guard.StopSignals, t_start: float) -> dict:
     is_main, procs = runtime.is_main_process(), jax.process_count()
     mesh = runtime.make_mesh(cfg)
     model, tokenizer, _ = runtime.load_policy(cfg, workdir, mesh)
@@ -210,10 +220,12 @@ def run_sft(cfg, workdir: str | os.PathLike) -> dict:
 
     # Resume, or start.
     ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=cfg.trainer.keep_checkpoints)
-    latest = ckpt.latest_step() if cfg.trainer.resume else None
-    if latest is not None:
-        state, position = restore_state(ckpt, latest, model_cfg=model_cfg, mesh=mesh, optimizer=optimizer,
-                                        shardings=state_sh, abstract_params=abstract)
+    latest = None
+    if resuming and ckpt.all_steps():
+        # The newest step whose files and params are intact; a damaged newer one is moved aside (logged).
+        latest, (state, position) = ckpt.restore_newest_intact(
+            lambda s: restore_state(ckpt, s, model_cfg=model_cfg, mesh=mesh, optimizer=optimizer,
+                                    shardings=state_sh, abstract_params=abstract))
         log.info("resumed SFT from %s step %d", ckpt.directory, latest)
     else:
         state, position = ts.init_train_state(params, optimizer, state_sh), rl_dataset.DataPosition()
@@ -222,7 +234,6 @@ def run_sft(cfg, workdir: str | os.PathLike) -> dict:
     logger = metrics_lib.MetricsLogger(workdir, loggers=tuple(cfg.trainer.loggers), config=config_lib.redact(cfg),
                                        project=cfg.trainer.project, experiment=cfg.trainer.experiment or workdir.name,
                                        resume_step=latest, enabled=is_main)
-    logger.write_config(config_lib.redact(cfg))
     bar = metrics_lib.progress(total_steps, "sft", enabled=cfg.trainer.progress and is_main, initial=step)
 
     def save(state: ts.TrainState, step: int, position: rl_dataset.DataPosition) -> None:
@@ -233,6 +244,16 @@ def run_sft(cfg, workdir: str | os.PathLike) -> dict:
     loss = float("nan")
     t_last = time.perf_counter()
     while step < total_steps:
+        ckpt.raise_if_failed()  # a save that failed in the background (full disk) stops the run now
+        if stop.requested():
+            bar.close()
+            if step > start_step and step not in ckpt.all_steps():
+                save(state, step, position)
+            ckpt.wait()
+            ckpt.close()
+            logger.close()
+            raise stop.stopped(f"step {step} is saved in {ckpt.directory}; the same command resumes it"
+                               if step else "no step was trained, nothing to save")
         # This step's examples: a seeded permutation per epoch, this process's contiguous shard of the batch.
         idx = rl_dataset.batch_indices(len(data), bs, position.epoch, position.step_in_epoch, seed=cfg.data.seed,
                                        shuffle=cfg.data.shuffle, drop_last=True)

@@ -38,7 +38,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from arpo_jax import algos, hf, packing, rewards, runtime, shaping, sharding
+from arpo_jax import algos, hf, packing, rewards, run_guard, runtime, shaping, sharding
 from arpo_jax import config as config_lib
 from arpo_jax import critic as critic_lib
 from arpo_jax import metrics as metrics_lib
@@ -298,8 +298,11 @@ class Trainer:
         self.cfg = cfg = config_lib.validate(cfg, device_count=jax.device_count(), process_count=jax.process_count(),
                                                    command="train")
         self.workdir = Path(workdir).absolute()
-        self.workdir.mkdir(parents=True, exist_ok=True)
         self.is_main = runtime.is_main_process()
+        # Before anything heavy: the work directory's lock, the config's history and drift, the export folder.
+        self.lock, resuming = run_guard.open_workdir(self.workdir, cfg, "train")
+        if cfg.trainer.export_hf:
+            hf.check_export_destination(self.workdir / "hf")
         self.mesh = runtime.make_mesh(cfg)
         self.workers = num_workers(cfg)
         self.local_workers = range(jax.process_index() * self.workers // jax.process_count(),
@@ -378,13 +381,15 @@ class Trainer:
         self.critic_ckpt = (Checkpointer(self.workdir / "critic_checkpoints", max_to_keep=cfg.trainer.keep_checkpoints)
                             if self.use_critic else None)
         self.step, self.position = 0, rl_dataset.DataPosition(0, 0)
-        latest = self._latest_checkpoint() if cfg.trainer.resume else None
-        if latest is not None:
-            self.state = self._restore(latest, abstract)
-        else:
-            self.state = ts.init_train_state(params, self.optimizer, self.state_sh)
+        latest = restored = None
+        if resuming and self._checkpoint_steps():
+            # The newest step whose files and params are intact; a damaged newer one is moved aside (logged).
+            latest, restored = self.ckpt.restore_newest_intact(
+                lambda s: (self._restore(s, abstract), self._restore_critic(s) if self.use_critic else None),
+                steps=self._checkpoint_steps(), also=[c for c in (self.critic_ckpt,) if c is not None])
+        self.state = restored[0] if restored else ts.init_train_state(params, self.optimizer, self.state_sh)
         if self.use_critic:
-            self.critic_state = (self._restore_critic(latest) if latest is not None else
+            self.critic_state = (restored[1] if restored else
                                  ts.init_train_state(critic_params, self.critic_optimizer, self.critic_sh))
         del params, model, critic_params
 
@@ -398,18 +403,17 @@ class Trainer:
             self.workdir, loggers=tuple(cfg.trainer.loggers), config=redacted,
             project=cfg.trainer.project, experiment=cfg.trainer.experiment or self.workdir.name,
             resume_step=self.step if latest is not None else None, enabled=self.is_main)
-        self.logger.write_config(redacted)
         self.timers = metrics_lib.PhaseTimer()
         self.skipped_in_a_row = 0  # steps skipped for failures (rollout.failures), in a row
 
     # -- setup helpers -------------------------------------------------------------------------------------------
 
-    def _latest_checkpoint(self) -> int | None:
-        """The newest step with every checkpoint of the run (a kill may land between the policy's and critic's)."""
+    def _checkpoint_steps(self) -> list[int]:
+        """The steps with every checkpoint of the run (a kill may land between the policy's and critic's)."""
         steps = set(self.ckpt.all_steps())
         if self.critic_ckpt is not None:
             steps &= set(self.critic_ckpt.all_steps())
-        return max(steps, default=None)
+        return sorted(steps)
 
     def _restore_critic(self, step: int) -> ts.TrainState:
         with_sh = lambda tree, sh: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -794,7 +798,9 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------------------------------
 
-    def run(self) -> dict:
+    def run(self, stop: run_guard.StopSignals | None = None) -> dict:
+        """Trains to `total_steps`. With `stop`, a signal ends the loop at the next step boundary: the step is
+        saved, metrics are flushed and `run_guard.Stopped` is raised."""
         tr = self.cfg.trainer
         t_start = time.perf_counter()
         val = {}
@@ -805,7 +811,24 @@ class Trainer:
                                    initial=self.step)
         last = {}
         while not self._done():
-            last = self.train_step()
+            for ckpt in (self.ckpt, self.critic_ckpt):
+                if ckpt is not None:
+                    ckpt.raise_if_failed()  # a save that failed in the background (full disk) stops the run now
+            if stop is not None and stop.requested():
+                bar.close()
+                raise stop.stopped(self._save_for_stop())
+            updates = int(self.state.step)
+            try:
+                last = self.train_step()
+            except Exception as e:
+                if stop is None or stop.signum is None or int(self.state.step) != updates:
+                    raise
+                # The signal also reached this step's helper processes (a Ctrl-C goes to the whole process group,
+                # e.g. the vLLM engine) and the step failed before any update: abandon it, keep the last step.
+                bar.close()
+                raise stop.stopped(f"the step in progress was abandoned ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0][:200] if str(e) else ''}); "
+                                   f"{self._save_for_stop()}") from None
             if tr.test_freq and (self.step % tr.test_freq == 0 or self._done()):
                 val = self.validate()
                 last |= val
@@ -837,21 +860,38 @@ class Trainer:
         tr = self.cfg.trainer
         return self.step >= self.total_steps or (not tr.max_steps and self.position.epoch >= tr.total_epochs)
 
-    def close(self) -> None:
+    def _save_for_stop(self) -> str:
+        """Saves the current step unless it is saved already; waits for the saves. Returns what happened."""
+        if self.step > 0 and self.step not in self._checkpoint_steps():
+            self.save()
         for ckpt in (self.ckpt, self.critic_ckpt):
             if ckpt is not None:
                 ckpt.wait()
-                ckpt.close()
-        self.logger.close()
-        self.executor.close()
-        if hasattr(self.sampler, "close"):
-            self.sampler.close()
+        if self.step == 0:
+            return "no step was trained, nothing to save"
+        return f"step {self.step} is saved in {self.ckpt.directory}; the same command resumes it"
+
+    def close(self) -> None:
+        try:
+            for ckpt in (self.ckpt, self.critic_ckpt):
+                if ckpt is not None:
+                    ckpt.wait()
+                    ckpt.close()
+        finally:
+            self.logger.close()
+            self.executor.close()
+            if hasattr(self.sampler, "close"):
+                self.sampler.close()
+            self.lock.release()
 
 
 def train(cfg, workdir: str | os.PathLike) -> dict:
-    """`arpo-jax train`: builds the trainer, runs it to `total_steps`, returns the summary (also summary.json)."""
-    trainer = Trainer(cfg, workdir)
-    try:
-        return trainer.run()
-    finally:
-        trainer.close()
+    """`arpo-jax train`: builds the trainer, runs it to `total_steps`, returns the summary (also summary.json).
+
+    SIGTERM / SIGINT stop it at a step boundary with a checkpoint (`run_guard.Stopped`, exit 143 / 130)."""
+    with run_guard.StopSignals("train") as stop:
+        trainer = Trainer(cfg, workdir)
+        try:
+            return trainer.run(stop)
+        finally:
+            trainer.close()

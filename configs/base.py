@@ -187,6 +187,9 @@ def get_config() -> ConfigDict:
     c.trainer.val_before_train = False
     c.trainer.keep_checkpoints = 3  # newest checkpoints kept
     c.trainer.resume = True  # continue from the newest checkpoint in workdir
+    # Resuming with another model, data, batch size, n, seed, algorithm or lr is refused (the changes are listed)
+    # unless this is true; every start's config is kept (config.json, then config-2.json, ...).
+    c.trainer.allow_config_change = False
     c.trainer.export_hf = False  # also write <workdir>/hf (an HF folder) at the end
     c.trainer.loggers = ("console", "jsonl", "tensorboard")  # add "wandb" to log to Weights & Biases
     c.trainer.project = "arpo-jax"  # W&B project

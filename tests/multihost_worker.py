@@ -2,7 +2,8 @@
 
 Usage: python tests/multihost_worker.py PROCESS_ID PORT HF_DIR OUT_DIR
 Loads the HF folder sharded over the global mesh, runs a jitted forward, gathers the logits, exports the params
-(collective gather, process 0 writes) and saves the logits as OUT_DIR/logits.npy (process 0).
+(collective gather, process 0 writes) and saves the logits as OUT_DIR/logits.npy (process 0); then checkpoints with
+integrity records, keep-2 retention and a fallback from a damaged step, agreed by both processes.
 """
 
 import os
@@ -37,8 +38,33 @@ def main(process_id: int, port: int, hf_dir: str, out_dir: str) -> None:
     arpo_jax.save_pretrained(model, os.path.join(out_dir, "export"))
     if process_id == 0:
         np.save(os.path.join(out_dir, "logits.npy"), np.asarray(logits))
+    checkpoints_agree(model, mesh, process_id, os.path.join(out_dir, "ckpt"))
     multihost_utils.sync_global_devices("done")
     print(f"process {process_id}: ok")
+
+
+def checkpoints_agree(model, mesh, process_id: int, directory: str) -> None:
+    """Integrity records, retention and the fallback from a damaged step, decided by process 0 for both."""
+    from pathlib import Path
+
+    from arpo_jax import checkpoint
+
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    ckpt = checkpoint.Checkpointer(directory, max_to_keep=2)
+    for step in (1, 2, 3):
+        ckpt.save(step, params, config=model.config)
+    ckpt.wait()
+    assert ckpt.all_steps() == [2, 3] and ckpt.is_sealed(3), ckpt.all_steps()
+    if process_id == 0:  # 64 bytes flipped inside a params file of step 3 (same size)
+        victim = max((f for f in (Path(directory) / "3" / "params").rglob("*") if f.is_file()),
+                     key=lambda f: f.stat().st_size)
+        data = bytearray(victim.read_bytes())
+        data[100:164] = bytes(b ^ 0xFF for b in data[100:164])
+        victim.write_bytes(bytes(data))
+    multihost_utils.sync_global_devices("damaged")
+    step, _ = ckpt.restore_newest_intact(lambda s: ckpt.restore(s, mesh=mesh))
+    assert step == 2 and ckpt.all_steps() == [2], (step, ckpt.all_steps())
+    ckpt.close()
 
 
 if __name__ == "__main__":

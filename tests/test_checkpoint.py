@@ -81,3 +81,95 @@ def test_empty_and_corrupt_checkpoints_say_where(tiny_hf_dir, tmp_path):
     assert damaged
     with pytest.raises(ValueError, match=r"checkpoint .*c/5 could not be restored"):
         checkpoint.Checkpointer(tmp_path / "c").restore()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Integrity: damaged steps are named in one line and never restored; retention keeps the last intact step.
+
+
+def _saved(tiny_hf_dir, directory, steps, *, keep=None):
+    path, _ = tiny_hf_dir("llama31")
+    model = arpo_jax.from_pretrained(path)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    with checkpoint.Checkpointer(directory, max_to_keep=keep) as ckpt:
+        for step in steps:
+            # Distinct params per step, so a fallback is visible in the values.
+            ckpt.save(step, jax.tree.map(lambda x, s=step: x + s, params), config=model.config)
+    return params
+
+
+def _largest_params_file(step_dir):
+    return max((f for f in (step_dir / "params").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+
+
+def test_flipped_bytes_fall_back_to_the_previous_step(tiny_hf_dir, tmp_path, caplog):
+    params = _saved(tiny_hf_dir, tmp_path / "c", (1, 2))
+    victim = _largest_params_file(tmp_path / "c" / "2")
+    data = bytearray(victim.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])  # same size, other contents
+    victim.write_bytes(bytes(data))
+
+    ckpt = checkpoint.Checkpointer(tmp_path / "c")
+    with pytest.raises(checkpoint.CorruptCheckpointError, match=r"c/2 could not be restored: step 2, params/.*"
+                                                                  r"checksum mismatch") as err:
+        ckpt.restore(2)
+    assert "\n" not in str(err.value) and victim.relative_to(tmp_path / "c" / "2").as_posix() in str(err.value)
+    # A reader (export, eval) falls back without touching the folder.
+    restored, _, meta = ckpt.restore()
+    assert meta["step"] == 1 and ckpt.all_steps() == [1, 2]
+    np.testing.assert_array_equal(_leaves(restored)[0], _leaves(params)[0] + 1)
+    # A run falls back and moves the damaged step aside (kept, not deleted), logging one line naming it.
+    with caplog.at_level("WARNING", logger="arpo_jax.checkpoint"):
+        step, (restored, _, _) = ckpt.restore_newest_intact(ckpt.restore)
+    assert step == 1 and ckpt.all_steps() == [1]
+    assert any("step 2" in r.getMessage() and "falling back" in r.getMessage() and "moved to 2.damaged-"
+               in r.getMessage() for r in caplog.records)
+    assert [p.name for p in (tmp_path / "c").glob("2.damaged-*")]
+
+
+def test_truncated_file_gives_one_short_line(tiny_hf_dir, tmp_path):
+    _saved(tiny_hf_dir, tmp_path / "c", (3,))
+    victim = _largest_params_file(tmp_path / "c" / "3")
+    victim.write_bytes(victim.read_bytes()[:100])
+    with pytest.raises(ValueError) as err:
+        checkpoint.Checkpointer(tmp_path / "c").restore()
+    msg = str(err.value)
+    assert "step 3" in msg and victim.name in msg and "truncated" in msg
+    assert "\n" not in msg and len(msg) < 600 and "tensorstore" not in msg.lower()
+
+
+def test_non_finite_params_are_refused(tiny_hf_dir, tmp_path):
+    path, _ = tiny_hf_dir("llama31")
+    model = arpo_jax.from_pretrained(path)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    params["model"]["norm"]["weight"] = params["model"]["norm"]["weight"].at[0].set(jax.numpy.nan)
+    with checkpoint.Checkpointer(tmp_path / "c") as ckpt:
+        ckpt.save(4, params, config=model.config)
+    with pytest.raises(checkpoint.CorruptCheckpointError, match=r"step 4, params/model/norm/weight: holds NaN"):
+        checkpoint.Checkpointer(tmp_path / "c").restore(4)
+
+
+def test_retention_never_deletes_an_intact_step_for_an_unverified_one(tiny_hf_dir, tmp_path):
+    path, _ = tiny_hf_dir("llama31")
+    model = arpo_jax.from_pretrained(path)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    with checkpoint.Checkpointer(tmp_path / "c", max_to_keep=2) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, params, config=model.config)
+        ckpt.wait()
+        assert ckpt.all_steps() == [2, 3] and ckpt.is_sealed(2) and ckpt.is_sealed(3)
+        (tmp_path / "c" / "3" / checkpoint.INTEGRITY_FILE).unlink()  # step 3 unverified (e.g. killed while hashing)
+        ckpt.save(4, params, config=model.config)
+        ckpt.wait()
+        # Two intact steps are 2 and 4: step 2 stays although two newer steps exist (one is unverified).
+        assert ckpt.all_steps() == [2, 3, 4]
+        ckpt.save(5, params, config=model.config)
+        ckpt.wait()
+        assert ckpt.all_steps() == [4, 5]  # two intact steps newer than 2 and 3: both go
+
+
+def test_read_only_users_never_create_the_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such checkpoint directory"):
+        checkpoint.Checkpointer(tmp_path / "nope", create=False)
+    assert not (tmp_path / "nope").exists()

@@ -1,7 +1,9 @@
 """The `arpo-jax` entry point and the conversion CLIs, run as a user runs them."""
 
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +61,62 @@ def test_quickstart_runs_end_to_end(tmp_path, capsys):
     assert summary["transformers_max_abs_diff"] < 1e-4
     assert summary["loss_last"] < summary["loss_first"] / 3  # the tiny model did fit its corpus
     assert (tmp_path / "qs" / "export" / "tokenizer.json").is_file()
+
+
+def test_convert_never_destroys_what_is_not_an_export(tiny_hf_dir, tmp_path, capsys, monkeypatch):
+    """`--out RUN` (a slip for RUN/hf) used to delete the whole run; `--out FILE`, `--out .` and unrelated folders
+    were replaced or crashed. Now: refused with a message, the run untouched; only previous exports are replaced."""
+    path, _ = tiny_hf_dir("llama31")
+    run = tmp_path / "run"
+    assert cli.main(["convert", "hf-to-orbax", "--hf", str(path), "--out", str(run / "checkpoints")]) == 0
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    convert = ["convert", "orbax-to-hf", "--ckpt", str(run / "checkpoints"), "--out"]
+    capsys.readouterr()
+
+    for out, extra in ((run, []), (run, ["--overwrite"]), (run / "checkpoints", ["--overwrite"])):
+        assert cli.main([*convert, str(out), *extra]) == 2
+        assert "holds a training run or checkpoint" in capsys.readouterr().err
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+
+    # A folder holding a run deeper inside is not replaced either, even with --overwrite.
+    (tmp_path / "runs").mkdir()
+    shutil.copytree(run, tmp_path / "runs" / "r1")
+    assert cli.main([*convert, str(tmp_path / "runs"), "--overwrite"]) == 2
+    assert "holds a training run or checkpoint (r1/" in capsys.readouterr().err
+    assert (tmp_path / "runs" / "r1" / "metrics.jsonl").is_file()
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    assert cli.main([*convert, str(notes), "--overwrite"]) == 2
+    assert "is not a folder" in capsys.readouterr().err and notes.read_text() == "mine"
+
+    monkeypatch.chdir(tmp_path / "runs")
+    assert cli.main([*convert, "."]) == 2
+    assert "current directory" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.glob(".*")) == []  # no .old-* / .tmp-* folder left behind
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("x")
+    assert cli.main([*convert, str(other)]) == 2
+    assert "not an arpo-jax export" in capsys.readouterr().err and (other / "keep.txt").is_file()
+    assert cli.main([*convert, str(other), "--overwrite"]) == 0  # asked for: replaced
+    assert not (other / "keep.txt").exists() and (other / "model.safetensors").is_file()
+
+    # A previous export is replaced without --overwrite; exports have normal permissions (not mkdtemp's 0700).
+    old_umask = os.umask(0o022)
+    try:
+        assert cli.main([*convert, str(tmp_path / "hf")]) == 0
+        assert cli.main([*convert, str(tmp_path / "hf")]) == 0
+    finally:
+        os.umask(old_umask)
+    assert (tmp_path / "hf" / ".arpo_jax_export").is_file()
+    assert stat.S_IMODE((tmp_path / "hf").stat().st_mode) == 0o755
+
+
+def test_convert_from_a_missing_checkpoint_creates_nothing(tmp_path, capsys):
+    assert cli.main(["convert", "orbax-to-hf", "--ckpt", str(tmp_path / "nonexistent"), "--out",
+                     str(tmp_path / "o")]) == 2
+    assert "nonexistent" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -164,7 +164,12 @@ def test_every_problem_is_reported_at_once():
 
 def test_validate_normalises_and_expands(monkeypatch, tmp_path):
     monkeypatch.setenv("ARPO_DATA", str(tmp_path))
-    (tmp_path / "train.parquet").write_bytes(b"")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    # A readable file with the columns a row needs (validation reads the footer: an empty file is refused).
+    pq.write_table(pa.table({"data_source": ["x"], "prompt": [[{"role": "user", "content": "q"}]]}),
+                   tmp_path / "train.parquet")
     cfg = _toy(data__train_files=["${ARPO_DATA}/train.parquet"], actor__lr=1, data__val_files="builtin:toy")
     out = config.validate(cfg, check_files=True)
     assert out.data.train_files == (f"{tmp_path}/train.parquet",) and out.data.val_files == ("builtin:toy",)

@@ -106,6 +106,18 @@ def test_malformed_rows_skipped_and_counted(tok, tmp_path, caplog):
     assert ds[1].question == "Who?" and ds.take(np.array([1, 0]))[0] is ds[1]
 
 
+def test_many_malformed_rows_log_a_few_lines_and_a_count(tok, tmp_path, caplog):
+    """A missing column makes every row malformed: 5 rows are shown, then one count (was one warning per row)."""
+    path = _write(tmp_path / "no_source.parquet", [_good_row(0)] + [dict(_good_row(i), data_source=None)
+                                                                   for i in range(1, 41)])
+    with caplog.at_level(logging.WARNING):
+        ds = load_rl_dataset(path, tok, max_prompt_length=512)
+    assert len(ds) == 1 and len(ds.skipped) == 40
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("skipping" in m for m in lines) == 5
+    assert sum(m == "skipped 40 malformed row(s) in all (the first 5 are shown above)" for m in lines) == 1
+
+
 def test_no_valid_rows_and_missing_file(tok, tmp_path):
     path = _write(tmp_path / "allbad.parquet", [dict(_good_row(), reward_model={"ground_truth": None})])
     with pytest.raises(ValueError, match="no valid examples.*allbad.parquet"):

