@@ -351,6 +351,10 @@ def entropy_aware_advantages(advantages: Array, entropy: Array, mask: Array, *, 
     NaN, here it is 1, so a single valid token gets ``H_hat = 0`` and keeps its advantage (finite, not NaN).
     Padding positions get ``H_hat = 0`` (advantage unchanged; the loss masks them anyway).
 
+    Equal entropies give a factor of exactly 1 (``entropy_moments``: a corrected two-pass mean, and a std below
+    ``ENTROPY_STD_RTOL`` of the mean counts as 0). The reference's float32 torch.std gets exactly 0 only in some
+    of those cases; otherwise it divides rounding noise by rounding noise (factors 0.8-1.2 instead of 1).
+
     Args:
       advantages: [B, T] per-token advantages.
       entropy: [B, T] current-policy token entropies (no gradient flows into them).
@@ -360,16 +364,38 @@ def entropy_aware_advantages(advantages: Array, entropy: Array, mask: Array, *, 
     Returns:
       [B, T] float32 advantages. For ``H_hat < -1/alpha`` the factor is negative, as in the reference.
     """
-    mask = _f32(mask)
-    valid = mask > 0
-    h = jnp.where(valid, jax.lax.stop_gradient(_f32(entropy)), 0.0)
-    n = jnp.sum(mask)
-    mean = jnp.sum(h * mask) / jnp.maximum(n, 1.0)
-    var = jnp.sum(jnp.where(valid, jnp.square(h - mean) * mask, 0.0)) / jnp.maximum(n - 1.0, 1.0)
-    std = jnp.sqrt(var)
-    std = jnp.where((std == 0) | (n < 2), 1.0, std)
+    valid = _f32(mask) > 0
+    h = jax.lax.stop_gradient(_f32(entropy))
+    mean, std = entropy_moments(h, valid)
     h_hat = jnp.where(valid, (h - mean) / std, 0.0)
     return _f32(advantages) * (1.0 + alpha * h_hat)
+
+
+# A pooled entropy std below this fraction of max(|mean|, 1) is float32 rounding of equal values: it counts as 0.
+ENTROPY_STD_RTOL = 1e-6
+
+
+def robust_std(std: Array, mean: Array, n: Array) -> Array:
+    """The entropy-aware divisor: ``std``, or 1 where it is 0 up to rounding (``ENTROPY_STD_RTOL``) or n < 2."""
+    tiny = std <= ENTROPY_STD_RTOL * jnp.maximum(jnp.abs(mean), 1.0)
+    return jnp.where(tiny | (n < 2), 1.0, std)
+
+
+def entropy_moments(h: Array, valid: Array) -> tuple[Array, Array]:
+    """(mean, divisor) of ``h`` over ``valid``: corrected two-pass mean, unbiased std through ``robust_std``.
+
+    The second pass (``mean += mean(h - mean)``) removes the rounding of ``sum / n``: for equal values every
+    ``h - mean`` is then exactly 0, and so is the std.
+    """
+    valid = jnp.asarray(valid, bool)
+    h = jnp.where(valid, _f32(h), 0.0)
+    n = jnp.sum(valid.astype(jnp.float32))
+    denom = jnp.maximum(n, 1.0)
+    mean = jnp.sum(h) / denom
+    mean = mean + jnp.sum(jnp.where(valid, h - mean, 0.0)) / denom
+    var = jnp.sum(jnp.where(valid, jnp.square(h - mean), 0.0)) / jnp.maximum(n - 1.0, 1.0)
+    std = jnp.sqrt(var)
+    return mean, robust_std(std, mean, n)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -415,13 +441,25 @@ def kl_penalty(logp: Array, ref_logp: Array, kind: str = "low_var_kl") -> Array:
 # --------------------------------------------------------------------------------------------------
 
 
+def _shifted_stats(z: Array) -> tuple[Array, Array, Array]:
+    """Max-shifted softmax statistics of float32 logits z [..., V].
+
+    Returns ``(zs, lse_s, mean_s)``: ``zs = z - max(z)`` (<= 0), ``lse_s = logsumexp(zs)`` (in [0, log V]) and
+    ``mean_s = E_p[zs]`` (<= 0). Then ``log p = zs - lse_s`` and ``H = lse_s - mean_s``: a sum of two non-negative
+    terms of the size of H itself. Unshifted, ``H = lse - E_p[z]`` subtracts two numbers of the size of the
+    logits, and exp(z - lse) carries lse's rounding (2e-5 nats on LLM-like logits, negative H when peaked).
+    """
+    zs = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+    lse_s = jax.nn.logsumexp(zs, axis=-1)
+    mean_s = jnp.sum(jnp.exp(zs - lse_s[..., None]) * zs, axis=-1)
+    return zs, lse_s, mean_s
+
+
 def _logprob_entropy(z: Array, targets: Array) -> tuple[Array, Array]:
     """float32 logits z [..., V], targets [...] -> (log p(target) [...], entropy [...])."""
-    lse = jax.nn.logsumexp(z, axis=-1)
-    target_logit = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
-    probs = jnp.exp(z - lse[..., None])
-    # H = logsumexp(z) - sum softmax(z) z  (finite logits assumed).
-    return target_logit - lse, lse - jnp.sum(probs * z, axis=-1)
+    zs, lse_s, mean_s = _shifted_stats(z)
+    target_logit = jnp.take_along_axis(zs, targets[..., None], axis=-1)[..., 0]
+    return target_logit - lse_s, lse_s - mean_s  # finite logits assumed
 
 
 def _chunked_over_time(chunk_fn: Callable[[int | Array, int], tuple[Array, Array]], t: int,
@@ -453,8 +491,9 @@ def token_logprobs_and_entropy(logits: Array, targets: Array, *, temperature: fl
     """Log-prob of each target token and the full-vocabulary entropy, from logits, in float32.
 
     ``z = logits / temperature`` (spec 9: divide before log-softmax), ``log p = z[target] - logsumexp(z)``,
-    ``H = logsumexp(z) - sum softmax(z) z``. The sequence axis is processed ``chunk_size`` positions at a
-    time, so float32 temporaries stay at [B, chunk_size, V] even when ``logits`` is bf16 [B, T, V].
+    ``H = logsumexp(z) - sum softmax(z) z``, both evaluated on ``z - max(z)`` (``_shifted_stats``). The sequence
+    axis is processed ``chunk_size`` positions at a time, so float32 temporaries stay at [B, chunk_size, V] even
+    when ``logits`` is bf16 [B, T, V].
 
     Args:
       logits: [B, T, V] logits (any float dtype); ``logits[b, t]`` predicts ``targets[b, t]``.
@@ -480,8 +519,9 @@ def token_logprobs_and_entropy_from_hidden(hidden: Array, unembed: Array, target
     """Like ``token_logprobs_and_entropy`` but from final hidden states and the unembedding matrix.
 
     Logits are formed ``chunk_size`` positions at a time and never kept: the forward pass saves only two floats
-    per position (logsumexp and the mean logit under the softmax), and the backward pass recomputes each chunk's
-    logits once and applies the closed-form gradients (``d logp / dz = onehot - p``, ``dH / dz = -p (z - E_p[z])``)
+    per position (logsumexp and the mean logit under the softmax, both of the max-shifted logits: see
+    ``_shifted_stats``), and the backward pass recomputes each chunk's logits once and applies the closed-form
+    gradients (``d logp / dz = onehot - p``, ``dH / dz = -p (z - E_p[z])``, also evaluated on shifted logits)
     instead of differentiating the softmax graph. Memory stays at [B, chunk, V] float32 forward and backward, for
     the same four matmuls as rematerialisation and fewer passes over the chunk (half the time of autodiff through
     a rematerialised scan on CPU, benchmarks/RESULTS.md).
@@ -520,32 +560,32 @@ def _fused_head(h_nbcd, w_vd, targets_nbc, temperature):
 def _fused_head_fwd(h_nbcd, w_vd, targets_nbc, temperature):
     def body(_, xs):
         h, tg = xs
-        z = _chunk_logits(h, w_vd, temperature)
-        lse = jax.nn.logsumexp(z, axis=-1)
-        mean_z = jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1)  # E_p[z]
-        logp = jnp.take_along_axis(z, tg[..., None], axis=-1)[..., 0] - lse
-        return None, (logp, lse - mean_z, lse, mean_z)
+        zs, lse_s, mean_s = _shifted_stats(_chunk_logits(h, w_vd, temperature))
+        logp = jnp.take_along_axis(zs, tg[..., None], axis=-1)[..., 0] - lse_s
+        return None, (logp, lse_s - mean_s, lse_s, mean_s)
 
-    _, (logp, ent, lse, mean_z) = jax.lax.scan(body, None, (h_nbcd, targets_nbc))
-    return (logp, ent), (h_nbcd, w_vd, targets_nbc, lse, mean_z)
+    _, (logp, ent, lse_s, mean_s) = jax.lax.scan(body, None, (h_nbcd, targets_nbc))
+    return (logp, ent), (h_nbcd, w_vd, targets_nbc, lse_s, mean_s)
 
 
 def _fused_head_bwd(temperature, residuals, cotangents):
-    h_nbcd, w_vd, targets_nbc, lse_nbc, mean_z_nbc = residuals
+    h_nbcd, w_vd, targets_nbc, lse_s_nbc, mean_s_nbc = residuals
     d_logp_nbc, d_ent_nbc = cotangents
 
     def body(d_w, xs):
-        h, tg, lse, mean_z, d_logp, d_ent = xs
+        h, tg, lse_s, mean_s, d_logp, d_ent = xs
         z = _chunk_logits(h, w_vd, temperature)
-        p = jnp.exp(z - lse[..., None])
+        # The forward's shifted logits again (same max): p and z - E_p[z] from numbers of the size of H, not of z.
+        zs = z - jnp.max(z, axis=-1, keepdims=True)
+        p = jnp.exp(zs - lse_s[..., None])
         onehot = jnp.arange(z.shape[-1]) == tg[..., None]
-        d_logp, d_ent, mean_z = d_logp[..., None], d_ent[..., None], mean_z[..., None]
-        d_z = jnp.where(onehot, d_logp, 0.0) - p * (d_logp + d_ent * (z - mean_z))
+        d_logp, d_ent, mean_s = d_logp[..., None], d_ent[..., None], mean_s[..., None]
+        d_z = jnp.where(onehot, d_logp, 0.0) - p * (d_logp + d_ent * (zs - mean_s))
         d_z = (d_z / temperature).astype(w_vd.dtype)
         d_h = jnp.einsum("bcv,vd->bcd", d_z, w_vd, preferred_element_type=jnp.float32).astype(h.dtype)
         return d_w + jnp.einsum("bcv,bcd->vd", d_z, h, preferred_element_type=jnp.float32), d_h
 
-    xs = (h_nbcd, targets_nbc, lse_nbc, mean_z_nbc, d_logp_nbc, d_ent_nbc)
+    xs = (h_nbcd, targets_nbc, lse_s_nbc, mean_s_nbc, d_logp_nbc, d_ent_nbc)
     d_w, d_h = jax.lax.scan(body, jnp.zeros(w_vd.shape, jnp.float32), xs)
     return d_h, d_w.astype(w_vd.dtype), None
 

@@ -165,6 +165,7 @@ def _entropy_stats(graphdef, params, batch: Batch, cfg: UpdateConfig) -> tuple[A
         m = (mb["loss_weight"] > 0).astype(jnp.float32)
         n_b = jnp.sum(m)
         mean_b = jnp.sum(jnp.where(m > 0, ent, 0.0)) / jnp.maximum(n_b, 1.0)
+        mean_b = mean_b + jnp.sum(jnp.where(m > 0, ent - mean_b, 0.0)) / jnp.maximum(n_b, 1.0)  # two-pass mean
         m2_b = jnp.sum(jnp.where(m > 0, jnp.square(ent - mean_b), 0.0))
         # Chan et al.'s pairwise combination of (count, mean, sum of squared deviations): float32 sum-of-squares
         # minus squared-sum would cancel catastrophically (H ~ 6 nats, std ~ 0.1) and break split invariance.
@@ -177,8 +178,8 @@ def _entropy_stats(graphdef, params, batch: Batch, cfg: UpdateConfig) -> tuple[A
     zero = jnp.zeros((), jnp.float32)
     (n, mean, m2), _ = jax.lax.scan(body, (zero, zero, zero), batch)
     std = jnp.sqrt(m2 / jnp.maximum(n - 1.0, 1.0))
-    # As algos.entropy_aware_advantages: std 0 (or fewer than two tokens) -> 1.
-    return mean, jnp.where((std == 0) | (n < 2), 1.0, std)
+    # As algos.entropy_aware_advantages: std 0 up to rounding (or fewer than two tokens) -> 1.
+    return mean, algos.robust_std(std, mean, n)
 
 
 def _micro_loss(params, graphdef, mb: Batch, h_stats, cfg: UpdateConfig) -> tuple[Array, dict[str, Array]]:
