@@ -221,7 +221,8 @@ def worker_batch(traj: Trajectories, cfg, *, mini_prompts: int, rows: int,
     batch, layout = packing.pack_batch(traj.sequences, traj.loss_masks, adv,
                                        mini_batch_size=mini_prompts * cfg.rollout.n, row_len=row_len,
                                        rows_per_micro=rows, pack=cfg.actor.pack, agg_mode=cfg.actor.agg_mode,
-                                       micro_norm=cfg.actor.micro_norm)
+                                       micro_norm=cfg.actor.micro_norm,
+                                       norm_len=cfg.data.max_response_length)  # seq-mean-token-sum-norm's divisor
     counts = np.zeros((layout.shape[0], 2), np.float64)  # per mini-batch: loss tokens, sequences with loss tokens
     for i, m in enumerate(traj.loss_masks):
         n = float(m[1:].sum())
@@ -360,7 +361,8 @@ class Trainer:
         if self.use_critic:
             critic_cfg = critic_lib.CriticConfig(cliprange_value=cfg.critic.cliprange_value, lr=cfg.critic.lr,
                                                  max_grad_norm=cfg.actor.max_grad_norm,
-                                                 weight_decay=cfg.actor.weight_decay)
+                                                 weight_decay=cfg.actor.weight_decay,
+                                                 reference_compat=cfg.critic.reference_compat)
             self.critic_optimizer = critic_lib.make_optimizer(critic_cfg, optimizer_steps)
             value_graphdef = critic_lib.value_graphdef(self.model_cfg)
             v_sh = critic_lib.value_param_shardings(self.model_cfg, self.mesh)

@@ -174,6 +174,7 @@ def get_config() -> ConfigDict:
     c.critic = ConfigDict()
     c.critic.lr = 1e-5
     c.critic.cliprange_value = 0.5  # verl's clipped value loss
+    c.critic.reference_compat = False  # the reference's value loss: no 0.5 factor (x2 loss and gradient)
     # The first warmup_steps training steps update only the critic (verl's critic_warmup = warmup_steps + 1: verl
     # compares it with a step counter that starts at 1, so its critic_warmup = 1 skips nothing).
     c.critic.warmup_steps = 0
