@@ -199,7 +199,9 @@ def agg_loss(loss: Array, mask: Array, mode: str = "token-mean", *, num_tokens=N
       * ``token-mean``: ``sum_{b,t} L m / (N + 1e-8)`` with ``N = sum m`` by default.
       * ``seq-mean-token-sum``: ``sum_b S_b / N_seq``.
       * ``seq-mean-token-mean``: ``sum_b (S_b / sum_t m[b,t]) / N_seq``.
-      * ``seq-mean-token-sum-norm``: ``sum_{b,t} L m / T`` (T = padded length ``loss.shape[-1]``, fixed).
+      * ``seq-mean-token-sum-norm``: ``sum_{b,t} L m / T`` with T = ``loss.shape[-1]``: the reference pads responses
+        to the configured response length, so pass arrays of that width (a batch padded to its longest response
+        would divide by a length that changes from batch to batch).
     ``N_seq`` counts the rows with at least one valid token by default. The reference averages over all rows,
     which is the same there (it has no empty rows); here an all-masked padding row adds neither NaN nor weight.
 

@@ -152,3 +152,19 @@ def critic_updates(steps: int) -> int:
     """Critic optimizer steps after `steps` training steps of the toy config (batch 4 / mini-batch 2, 1 epoch)."""
     return steps * 2
 
+
+
+def test_seq_mean_token_sum_norm_divides_by_the_configured_response_length(tmp_path):
+    """Fidelity 4d: the reference divides by its padded response length (data.max_response_length), a constant; the
+    trainer used the longest response of the batch, so the divisor changed from batch to batch."""
+    cfg = _config(tmp_path, "--config.algorithm.adv_estimator=grpo", "--config.actor.agg_mode=seq-mean-token-sum-norm",
+                  "--config.rollout.n=2", "--config.actor.ppo_mini_batch_size=2")
+    seqs = [np.arange(3, 3 + n, dtype=np.int32) for n in (9, 7, 12, 6)]
+    masks = [(np.arange(len(s)) >= 4).astype(np.int32) for s in seqs]  # 4 prompt tokens each
+    traj = trainer_lib.Trajectories(seqs, np.full(4, 4), masks, np.array([0.0, 1.0, 1.0, 0.5], np.float32),
+                                    np.array([0, 0, 1, 1]), [], [], None)
+    batch, _, layout = trainer_lib.worker_batch(traj, cfg, mini_prompts=2, rows=2, row_len=32)
+    r = cfg.data.max_response_length
+    assert r > 8  # longer than every response here: the old divisor (8) differs
+    for w, m in zip(packing.unpack(layout, batch["loss_weight"]), masks):
+        np.testing.assert_allclose(w[1:], m[1:] / r, rtol=1e-6)
