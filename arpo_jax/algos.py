@@ -14,6 +14,7 @@ Shape letters: B = sequences, T = response length, V = vocabulary, D = model wid
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -242,7 +243,8 @@ def agg_loss(loss: Array, mask: Array, mode: str = "token-mean", *, num_tokens=N
 
 
 def _clipped_policy_loss(logp, old_logp, advantages, mask, *, clip_low, clip_high, clip_c, agg_mode,
-                         num_tokens, num_seqs, entropy_balanced: bool) -> tuple[Array, dict[str, Array]]:
+                         num_tokens, num_seqs, entropy_balanced: bool,
+                         is_weights=None) -> tuple[Array, dict[str, Array]]:
     """Shared PPO / AEPO body; only the upper clip bound differs (see the public functions)."""
     if isinstance(clip_c, (int, float)) and not clip_c > 1.0:
         raise ValueError(f"dual-clip constant clip_c must be > 1, got {clip_c}")  # the reference asserts this
@@ -270,6 +272,8 @@ def _clipped_policy_loss(logp, old_logp, advantages, mask, *, clip_low, clip_hig
     loss_clip = jnp.maximum(loss1, loss2)
     loss3 = -adv * clip_c  # dual clip: bounds the loss of A<0 tokens whose ratio explodes
     per_token = jnp.where(adv < 0, jnp.minimum(loss_clip, loss3), loss_clip)  # [B, T]
+    if is_weights is not None:  # rollout correction (``rollout_correction``): a constant factor per token, as verl
+        per_token = per_token * jnp.where(valid, jax.lax.stop_gradient(_f32(is_weights)), 0.0)
 
     loss = agg_loss(per_token, mask, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
     metrics = {
@@ -283,7 +287,7 @@ def _clipped_policy_loss(logp, old_logp, advantages, mask, *, clip_low, clip_hig
 
 def ppo_policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *, clip_low: float = 0.2,
                     clip_high: float = 0.2, clip_c: float = 3.0, agg_mode: str = "token-mean",
-                    num_tokens=None, num_seqs=None) -> tuple[Array, dict[str, Array]]:
+                    num_tokens=None, num_seqs=None, is_weights=None) -> tuple[Array, dict[str, Array]]:
     """PPO-clip policy loss with dual clip (verl ``compute_policy_loss``, spec 8.3).
 
     With ``r = exp(clip(logp - old_logp, -20, 20))`` (the clamp only avoids overflow, see the code):
@@ -301,6 +305,8 @@ def ppo_policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array
       agg_mode: loss aggregation, see ``agg_loss`` (static).
       num_tokens: optional token-mean normaliser forwarded to ``agg_loss``.
       num_seqs: optional sequence-count normaliser forwarded to ``agg_loss``.
+      is_weights: optional [B, T] rollout-correction weights (``rollout_correction``): each token's loss is
+        multiplied by its (constant, no-gradient) weight before aggregation, as verl's ``rollout_is_weights``.
 
     Returns:
       (scalar loss, metrics) where metrics holds scalars ``pg_loss``, ``pg_clipfrac`` (share of tokens with
@@ -309,13 +315,13 @@ def ppo_policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array
     """
     return _clipped_policy_loss(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
                                 clip_c=clip_c, agg_mode=agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                                entropy_balanced=False)
+                                entropy_balanced=False, is_weights=is_weights)
 
 
 def entropy_balanced_policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
                                  clip_low: float = 0.2, clip_high: float = 0.2, clip_c: float = 3.0,
-                                 agg_mode: str = "token-mean", num_tokens=None,
-                                 num_seqs=None) -> tuple[Array, dict[str, Array]]:
+                                 agg_mode: str = "token-mean", num_tokens=None, num_seqs=None,
+                                 is_weights=None) -> tuple[Array, dict[str, Array]]:
     """AEPO entropy-balanced clipping (``compute_policy_loss_entropy_balanced_clipping``, spec 10.1, B7).
 
     Same as ``ppo_policy_loss`` except that the upper bound of the clipped ratio is the tensor
@@ -327,14 +333,14 @@ def entropy_balanced_policy_loss(logp: Array, old_logp: Array, advantages: Array
 
     Args:
       logp, old_logp, advantages, mask: [B, T], as in ``ppo_policy_loss``.
-      clip_low, clip_high, clip_c, agg_mode, num_tokens, num_seqs: as in ``ppo_policy_loss``.
+      clip_low, clip_high, clip_c, agg_mode, num_tokens, num_seqs, is_weights: as in ``ppo_policy_loss``.
 
     Returns:
       (scalar loss, metrics), the same keys as ``ppo_policy_loss``.
     """
     return _clipped_policy_loss(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
                                 clip_c=clip_c, agg_mode=agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                                entropy_balanced=True)
+                                entropy_balanced=True, is_weights=is_weights)
 
 
 # Name -> policy loss with the ppo_policy_loss signature.
@@ -398,6 +404,114 @@ def entropy_moments(h: Array, valid: Array) -> tuple[Array, Array]:
     var = jnp.sum(jnp.where(valid, jnp.square(h - mean), 0.0)) / jnp.maximum(n - 1.0, 1.0)
     std = jnp.sqrt(var)
     return mean, robust_std(std, mean, n)
+
+
+# --------------------------------------------------------------------------------------------------
+# Rollout / trainer mismatch correction (verl's rollout correction, decoupled mode)
+# --------------------------------------------------------------------------------------------------
+
+ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
+ROLLOUT_CORRECTION_MODES = ("off", "truncate", "mask")
+_LOG_RATIO_BOUND = 20.0  # verl's SAFETY_BOUND: ratios are formed as exp(clip(log r, -20, 20))
+
+
+def _sequence_keys(shape: tuple[int, ...], segment_ids: Array | None) -> tuple[Array, int]:
+    """A flat sequence index per position of a [..., T] array, and the number of indices.
+
+    A sequence is one row (``segment_ids`` None) or one (row, segment) of a packed row.
+    """
+    t = shape[-1]
+    rows = math.prod(shape[:-1])
+    seg = jnp.ones(shape, jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+    keys = jnp.arange(rows, dtype=jnp.int32).reshape(shape[:-1] + (1,)) * (t + 1) + seg
+    return keys.reshape(-1), rows * (t + 1)
+
+
+def rollout_correction(old_logp: Array, rollout_logp: Array, mask: Array, *, level: str = "token",
+                       mode: str = "truncate", threshold: float = 2.0,
+                       segment_ids: Array | None = None) -> tuple[Array, Array, dict[str, Array]]:
+    """Correction for the gap between the engine that sampled (pi_rollout) and the trainer's old policy (pi_old).
+
+    verl's rollout correction in its decoupled mode: the PPO ratio stays pi / pi_old, and each token's loss is
+    reweighted by the importance ratio ``rho = pi_old / pi_rollout`` of the token (``level="token"``) or of its
+    whole sequence (``"sequence"``: ``prod_t rho_t``, broadcast to every token), formed as
+    ``exp(clip(log rho, -20, 20))``. Modes, with ``C = threshold``:
+
+    * ``truncate`` (TIS, verl ``rollout_is``): weight ``min(rho, C)``;
+    * ``mask`` (rejection, verl ``rollout_rs`` with the default lower bound ``1/C``): tokens (or every token of the
+      sequences) with ``rho`` outside ``[1/C, C]`` are dropped: ``keep = 0``, weight 1;
+    * ``off``: weights 1, keep 1, metrics only.
+
+    Outside ``mask`` the weights and keep are 1 (padding, prompt and tool tokens, tokens without an engine
+    log-prob: pass their mask as 0).
+
+    Args:
+      old_logp: [..., T] log-probs of the sampled tokens under the trainer's old policy.
+      rollout_logp: [..., T] log-probs the rollout engine reported for them (finite where ``mask``).
+      mask: [..., T] tokens to correct and to measure (model tokens with an engine log-prob).
+      level: ``ROLLOUT_CORRECTION_LEVELS`` (static).
+      mode: ``ROLLOUT_CORRECTION_MODES`` (static).
+      threshold: C > 1.
+      segment_ids: optional [..., T] packed-row segment ids: a sequence is then a (row, segment).
+
+    Returns:
+      (weights [..., T] float32, keep [..., T] bool, metrics): scalar float32 metrics over the masked tokens:
+      ``tokens``; ``abs_logp_diff_mean`` / ``abs_logp_diff_max`` (of ``|logp_rollout - logp_old|``); ``kl``
+      (``mean(logp_rollout - logp_old)``, the k1 estimate of KL(pi_rollout || pi_old) on tokens drawn from
+      pi_rollout) and ``k3_kl`` (``mean(rho - log rho - 1)``); ``ratio_fraction_high`` / ``ratio_fraction_low``
+      (tokens whose level ratio is above C / below 1/C); ``truncated_fraction`` and ``masked_fraction`` (tokens
+      whose weight was truncated / that were dropped; 0 in the other modes) and ``seq_truncated_fraction`` /
+      ``seq_masked_fraction`` (sequences with at least one such token).
+    """
+    if level not in ROLLOUT_CORRECTION_LEVELS:
+        raise ValueError(f"rollout correction level={level!r}; allowed: {ROLLOUT_CORRECTION_LEVELS}")
+    if mode not in ROLLOUT_CORRECTION_MODES:
+        raise ValueError(f"rollout correction mode={mode!r}; allowed: {ROLLOUT_CORRECTION_MODES}")
+    if isinstance(threshold, (int, float)) and not threshold > 1.0:
+        raise ValueError(f"rollout correction threshold={threshold} must be > 1")
+    shape = jnp.shape(old_logp)
+    valid = _f32(mask) > 0
+    old = jax.lax.stop_gradient(_f32(old_logp))
+    rollout = jax.lax.stop_gradient(_f32(rollout_logp))
+    log_rho = jnp.where(valid, old - rollout, 0.0)  # log pi_old / pi_rollout; 0 (and finite) outside the mask
+    keys, n_keys = _sequence_keys(shape, segment_ids)
+    seq_sum = lambda x: jax.ops.segment_sum(x.reshape(-1), keys, num_segments=n_keys)  # [n_keys]
+    if level == "token":
+        level_log_rho = log_rho
+    else:
+        level_log_rho = seq_sum(log_rho)[keys].reshape(shape)
+    rho = jnp.exp(jnp.clip(level_log_rho, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))
+    high = valid & (rho > threshold)
+    low = valid & (rho < 1.0 / threshold)
+    ones = jnp.ones(shape, jnp.float32)
+    weights, keep = ones, jnp.ones(shape, bool)
+    if mode == "truncate":
+        weights = jnp.where(valid, jnp.minimum(rho, threshold), 1.0)
+    elif mode == "mask":
+        keep = ~(high | low)
+    truncated = high if mode == "truncate" else jnp.zeros(shape, bool)
+    dropped = ~keep
+
+    has_seq = seq_sum(valid.astype(jnp.float32)) > 0
+    n_seq = jnp.maximum(jnp.sum(has_seq.astype(jnp.float32)), 1.0)
+    seq_fraction = lambda flag: jnp.sum(((seq_sum(flag.astype(jnp.float32)) > 0) & has_seq).astype(jnp.float32)) / n_seq
+    diff = jnp.where(valid, rollout - old, 0.0)
+    k3_log = jnp.clip(log_rho, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+    fraction = lambda flag: masked_mean(flag.astype(jnp.float32), valid)
+    metrics = {
+        "tokens": jnp.sum(valid.astype(jnp.float32)),
+        "abs_logp_diff_mean": masked_mean(jnp.abs(diff), valid),
+        "abs_logp_diff_max": jnp.max(jnp.abs(diff)),
+        "kl": masked_mean(diff, valid),
+        "k3_kl": masked_mean(jnp.exp(k3_log) - k3_log - 1.0, valid),
+        "ratio_fraction_high": fraction(high),
+        "ratio_fraction_low": fraction(low),
+        "truncated_fraction": fraction(truncated),
+        "masked_fraction": fraction(dropped),
+        "seq_truncated_fraction": seq_fraction(truncated),
+        "seq_masked_fraction": seq_fraction(dropped),
+    }
+    return weights, keep, metrics
 
 
 # --------------------------------------------------------------------------------------------------

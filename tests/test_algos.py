@@ -684,3 +684,94 @@ def test_full_loss_pipeline_jits_and_is_finite():
     (loss, metrics), grad = jax.value_and_grad(total_loss, has_aux=True)(unembed)
     assert np.isfinite(float(loss)) and np.all(np.isfinite(grad))
     assert all(np.isfinite(float(x)) for x in metrics.values())
+
+
+# ------------------------------------------------------------------------------------------------
+# Rollout correction (verl's rollout correction, decoupled mode)
+# ------------------------------------------------------------------------------------------------
+
+# Two sequences of 4 slots. log rho = old - rollout per token: row 0: ln 3, ln 1.5, -ln 4, (padding);
+# row 1: ln 1.2, ln 1.2, 0, 0 (the last two: masked, e.g. a tool result with a garbage rollout log-prob).
+_LOG_RHO = np.log(np.array([[3.0, 1.5, 0.25, 1.0], [1.2, 1.2, 1.0, 1.0]]))
+_RC_MASK = np.array([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+
+
+def _rc(level, mode, threshold=2.0, **kw):
+    old = jnp.asarray(np.full((2, 4), -1.0) + _LOG_RHO, jnp.float32)
+    rollout = jnp.asarray(np.where(_RC_MASK > 0, -1.0, np.nan), jnp.float32)  # garbage outside the mask
+    return algos.rollout_correction(old, rollout, jnp.asarray(_RC_MASK), level=level, mode=mode, threshold=threshold,
+                                    **kw)
+
+
+def test_rollout_correction_token_truncate_by_hand():
+    w, keep, m = _rc("token", "truncate")
+    np.testing.assert_allclose(w, [[2.0, 1.5, 0.25, 1.0], [1.2, 1.2, 1.0, 1.0]], rtol=1e-6)  # min(rho, 2)
+    assert bool(jnp.all(keep))
+    diffs = np.abs(_LOG_RHO[_RC_MASK > 0])  # |ln 3|, |ln 1.5|, |ln 4|, |ln 1.2|, |ln 1.2|
+    np.testing.assert_allclose(m["abs_logp_diff_mean"], diffs.mean(), rtol=1e-6)
+    np.testing.assert_allclose(m["abs_logp_diff_max"], np.log(4.0), rtol=1e-6)
+    np.testing.assert_allclose(m["kl"], -_LOG_RHO[_RC_MASK > 0].mean(), rtol=1e-5)  # mean(rollout - old)
+    rho = np.exp(_LOG_RHO[_RC_MASK > 0])
+    np.testing.assert_allclose(m["k3_kl"], np.mean(rho - np.log(rho) - 1), rtol=1e-5)
+    assert float(m["tokens"]) == 5
+    np.testing.assert_allclose(m["ratio_fraction_high"], 1 / 5)  # rho 3
+    np.testing.assert_allclose(m["ratio_fraction_low"], 1 / 5)  # rho 1/4
+    np.testing.assert_allclose(m["truncated_fraction"], 1 / 5)  # only the high side is truncated
+    np.testing.assert_allclose(m["seq_truncated_fraction"], 1 / 2)
+    assert float(m["masked_fraction"]) == 0 and float(m["seq_masked_fraction"]) == 0
+
+
+def test_rollout_correction_token_mask_by_hand():
+    w, keep, m = _rc("token", "mask")
+    np.testing.assert_array_equal(w, 1.0)
+    # rho 3 > 2 and 1/4 < 1/2 are dropped; padding / masked slots are kept (they are not the correction's business).
+    np.testing.assert_array_equal(keep, [[False, True, False, True], [True, True, True, True]])
+    np.testing.assert_allclose(m["masked_fraction"], 2 / 5)
+    np.testing.assert_allclose(m["seq_masked_fraction"], 1 / 2)
+    assert float(m["truncated_fraction"]) == 0
+
+
+def test_rollout_correction_sequence_level_by_hand():
+    # Sequence ratios: row 0: 3 * 1.5 * 0.25 = 1.125; row 1: 1.44.
+    w, keep, m = _rc("sequence", "truncate", threshold=1.3)
+    np.testing.assert_allclose(w, [[1.125, 1.125, 1.125, 1.0], [1.3, 1.3, 1.0, 1.0]], rtol=1e-5)
+    np.testing.assert_allclose(m["truncated_fraction"], 2 / 5)  # the two tokens of row 1
+    np.testing.assert_allclose(m["seq_truncated_fraction"], 1 / 2)
+    _, keep, m = _rc("sequence", "mask", threshold=1.3)
+    np.testing.assert_array_equal(keep, [[True] * 4, [False, False, True, True]])
+    np.testing.assert_allclose(m["seq_masked_fraction"], 1 / 2)
+    # Packed: the same two sequences as two segments of one row give the same weights.
+    old = np.full((1, 8), -1.0)
+    old[0, :4], old[0, 4:] = -1.0 + _LOG_RHO[0], -1.0 + _LOG_RHO[1]
+    mask = np.concatenate([_RC_MASK[0], _RC_MASK[1]])[None]
+    seg = np.array([[1, 1, 1, 1, 2, 2, 2, 2]])
+    w_packed, _, _ = algos.rollout_correction(jnp.asarray(old), jnp.full((1, 8), -1.0), jnp.asarray(mask),
+                                              level="sequence", mode="truncate", threshold=1.3,
+                                              segment_ids=jnp.asarray(seg))
+    np.testing.assert_allclose(w_packed[0], [1.125, 1.125, 1.125, 1.0, 1.3, 1.3, 1.0, 1.0], rtol=1e-5)
+
+
+def test_rollout_correction_off_measures_only_and_rejects_bad_arguments():
+    w, keep, m = _rc("token", "off")
+    np.testing.assert_array_equal(w, 1.0)
+    assert bool(jnp.all(keep)) and float(m["truncated_fraction"]) == 0 and float(m["masked_fraction"]) == 0
+    np.testing.assert_allclose(m["abs_logp_diff_max"], np.log(4.0), rtol=1e-6)
+    for kw, match in (({"level": "tok"}, "level='tok'"), ({"mode": "clip"}, "mode='clip'"),
+                      ({"threshold": 1.0}, "threshold=1.0")):
+        with pytest.raises(ValueError, match=match):
+            algos.rollout_correction(jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.ones((1, 2)),
+                                     **({"level": "token", "mode": "truncate"} | kw))
+
+
+def test_policy_loss_applies_is_weights_per_token():
+    """verl multiplies each token's (clipped) policy loss by its rollout-correction weight before aggregation."""
+    logp = jnp.log(jnp.array([[1.1, 0.5, 1.0]]))
+    adv, mask = jnp.array([[1.0, -2.0, 0.5]]), jnp.ones((1, 3))
+    wts = jnp.array([[2.0, 0.5, 1.0]])
+    base, _ = algos.ppo_policy_loss(logp, jnp.zeros((1, 3)), adv, mask, agg_mode="seq-mean-token-sum")
+    got, _ = algos.ppo_policy_loss(logp, jnp.zeros((1, 3)), adv, mask, agg_mode="seq-mean-token-sum", is_weights=wts)
+    # Per token: -1 * 1.1 (inside the clip), -(-2) * 0.8 (clipped at 1 - 0.2), -0.5 * 1.
+    np.testing.assert_allclose(base, -1.1 + 1.6 - 0.5, rtol=1e-6)
+    np.testing.assert_allclose(got, 2 * -1.1 + 0.5 * 1.6 - 0.5, rtol=1e-6)
+    g = jax.grad(lambda lp: algos.ppo_policy_loss(lp, jnp.zeros((1, 3)), adv, mask, is_weights=wts)[0])(logp)
+    np.testing.assert_allclose(g, [[-2 * 1.1 / 3, 0.0, -0.5 / 3]], rtol=1e-5)  # the weight scales the gradient
