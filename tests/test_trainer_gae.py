@@ -168,3 +168,21 @@ def test_seq_mean_token_sum_norm_divides_by_the_configured_response_length(tmp_p
     assert r > 8  # longer than every response here: the old divisor (8) differs
     for w, m in zip(packing.unpack(layout, batch["loss_weight"]), masks):
         np.testing.assert_allclose(w[1:], m[1:] / r, rtol=1e-6)
+
+
+def test_rollout_correction_defaults_by_engine(tmp_path):
+    """auto: token TIS with C = 2 for vLLM, off for the JAX engine (the trainer's own model code) and for vLLM at a
+    temperature other than 1 (its log-probs are temperature 1's); an explicit mode is kept."""
+    def resolved(*overrides):
+        return trainer_lib.update_config(_config(tmp_path, "--config.algorithm.adv_estimator=grpo", *overrides))
+
+    vllm = resolved("--config.rollout.engine=vllm")
+    assert (vllm.rollout_correction, vllm.rollout_correction_level, vllm.rollout_correction_threshold) == (
+        "truncate", "token", 2.0)
+    assert resolved().rollout_correction == "off"
+    assert resolved("--config.rollout.engine=vllm", "--config.rollout.temperature=0.7").rollout_correction == "off"
+    explicit = resolved("--config.actor.rollout_correction.mode=mask",
+                        "--config.actor.rollout_correction.level=sequence",
+                        "--config.actor.rollout_correction.threshold=3.0")
+    assert (explicit.rollout_correction, explicit.rollout_correction_level,
+            explicit.rollout_correction_threshold) == ("mask", "sequence", 3.0)
