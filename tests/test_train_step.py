@@ -290,6 +290,19 @@ def test_rollout_correction_mask_drops_tokens_from_the_token_mean(tiny):
     assert 0 < n_rejected < n_loss
 
 
+@pytest.mark.parametrize("value", [0.7, 2.3456789, 6.9077554])
+def test_pooled_entropy_stats_of_equal_entropies_give_divisor_one(monkeypatch, value):
+    """Fidelity 4f for the mini-batch pooled statistics (Chan's combination over micro-batches): equal entropies
+    give the mean itself and the divisor 1 (std 0), not float32 noise."""
+    rng = np.random.RandomState(0)
+    weights = rng.rand(3, 4, 29) * (rng.rand(3, 4, 29) < 0.7)  # [M, B, T] loss weights, some tokens without loss
+    monkeypatch.setattr(ts, "token_logprobs", lambda g, p, mb, **kw: (jnp.zeros(mb["loss_weight"].shape),
+                                                                       jnp.full(mb["loss_weight"].shape, value)))
+    mean, divisor = ts._entropy_stats(None, None, {"loss_weight": jnp.asarray(weights, jnp.float32)},
+                                      ts.UpdateConfig(entropy_adv=True))
+    assert float(divisor) == 1.0 and abs(float(mean) - value) <= 1e-6 * value
+
+
 def test_adamw_schedules_and_first_step():
     const = ts.make_schedule(ts.UpdateConfig(lr=1e-3, warmup_steps=4), 100)
     np.testing.assert_allclose([float(const(s)) for s in (0, 1, 2, 4, 50)], [0, 2.5e-4, 5e-4, 1e-3, 1e-3], rtol=1e-6)
