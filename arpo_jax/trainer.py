@@ -162,7 +162,7 @@ class Trajectories:
     responses: list[str]
     reward_infos: list[dict]
     out: RolloutOutput
-    rollout_logps: list[np.ndarray] | None = None  # token-aligned engine log-probs (NaN: none), for the correction
+    rollout_logps: list[np.ndarray]  # token-aligned engine log-probs (NaN: none), for the rollout correction
 
     @property
     def failed(self) -> np.ndarray:
@@ -180,16 +180,15 @@ def score_rollout(out: RolloutOutput, examples, tokenizer, reward_fn) -> Traject
         seqs.append(np.concatenate([prompt, resp]).astype(np.int32))
         prompt_lengths.append(len(prompt))
         masks.append(np.concatenate([np.zeros(len(prompt), np.int32), out.loss_mask[i, :n_resp]]))
-        if out.rollout_logp is not None:
-            no_logp = np.full(len(prompt), np.nan, np.float32)  # the prompt was not sampled
-            rollout_logps.append(np.concatenate([no_logp, out.rollout_logp[i, :n_resp]]))
+        no_logp = np.full(len(prompt), np.nan, np.float32)  # the prompt was not sampled
+        rollout_logps.append(np.concatenate([no_logp, out.rollout_logp[i, :n_resp]]))
         texts.append(tokenizer.decode(resp, skip_special_tokens=True))
     ex = [examples[int(p)] for p in out.prompt_index]
     infos = rewards.score_responses(reward_fn, [e.data_source for e in ex], texts, [e.ground_truth for e in ex],
                                     [e.extra_info for e in ex])
     scores = np.asarray([float(r["score"]) for r in infos], np.float32)
     return Trajectories(seqs, np.asarray(prompt_lengths), masks, scores, np.asarray(out.prompt_index), texts, infos,
-                        out, rollout_logps if out.rollout_logp is not None else None)
+                        out, rollout_logps)
 
 
 def shape_rollout(traj: Trajectories, cfg) -> Trajectories:
@@ -234,13 +233,12 @@ def worker_batch(traj: Trajectories, cfg, *, mini_prompts: int, rows: int,
         adv = np.asarray(algos.compute_advantages(estimator, traj.scores, group,
                                                   **({"norm_by_std": cfg.algorithm.norm_adv_by_std}
                                                      if estimator == "grpo" else {})))
-    extra = None if traj.rollout_logps is None else {"rollout_logp": traj.rollout_logps}
     batch, layout = packing.pack_batch(traj.sequences, traj.loss_masks, adv,
                                        mini_batch_size=mini_prompts * cfg.rollout.n, row_len=row_len,
                                        rows_per_micro=rows, pack=cfg.actor.pack, agg_mode=cfg.actor.agg_mode,
                                        micro_norm=cfg.actor.micro_norm,
                                        norm_len=cfg.data.max_response_length,  # seq-mean-token-sum-norm's divisor
-                                       extra=extra)
+                                       extra={"rollout_logp": traj.rollout_logps})
     counts = np.zeros((layout.shape[0], 2), np.float64)  # per mini-batch: loss tokens, sequences with loss tokens
     for i, m in enumerate(traj.loss_masks):
         n = float(m[1:].sum())

@@ -7,6 +7,7 @@ warm-up (policy frozen, critic moving), critic checkpoints and resume.
 """
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -161,8 +162,9 @@ def test_seq_mean_token_sum_norm_divides_by_the_configured_response_length(tmp_p
                   "--config.rollout.n=2", "--config.actor.ppo_mini_batch_size=2")
     seqs = [np.arange(3, 3 + n, dtype=np.int32) for n in (9, 7, 12, 6)]
     masks = [(np.arange(len(s)) >= 4).astype(np.int32) for s in seqs]  # 4 prompt tokens each
+    out = SimpleNamespace(failed=np.array([""] * 4, dtype=object))  # what worker_batch reads of the rollout
     traj = trainer_lib.Trajectories(seqs, np.full(4, 4), masks, np.array([0.0, 1.0, 1.0, 0.5], np.float32),
-                                    np.array([0, 0, 1, 1]), [], [], None)
+                                    np.array([0, 0, 1, 1]), [], [], out, [np.zeros(len(s)) for s in seqs])
     batch, _, layout = trainer_lib.worker_batch(traj, cfg, mini_prompts=2, rows=2, row_len=32)
     r = cfg.data.max_response_length
     assert r > 8  # longer than every response here: the old divisor (8) differs

@@ -174,7 +174,7 @@ class RolloutOutput:
     metrics: dict[str, float]
     # [B*n, R] float32: the engine's log-prob of each sampled response token (`SamplingSettings.token_logprobs`);
     # NaN where it has none (tool results, an appended call-limit EOS, padding, engines that report none).
-    rollout_logp: np.ndarray | None = None
+    rollout_logp: np.ndarray
 
 
 @dataclasses.dataclass
