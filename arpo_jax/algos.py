@@ -14,6 +14,7 @@ Shape letters: B = sequences, T = response length, V = vocabulary, D = model wid
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -199,7 +200,9 @@ def agg_loss(loss: Array, mask: Array, mode: str = "token-mean", *, num_tokens=N
       * ``token-mean``: ``sum_{b,t} L m / (N + 1e-8)`` with ``N = sum m`` by default.
       * ``seq-mean-token-sum``: ``sum_b S_b / N_seq``.
       * ``seq-mean-token-mean``: ``sum_b (S_b / sum_t m[b,t]) / N_seq``.
-      * ``seq-mean-token-sum-norm``: ``sum_{b,t} L m / T`` (T = padded length ``loss.shape[-1]``, fixed).
+      * ``seq-mean-token-sum-norm``: ``sum_{b,t} L m / T`` with T = ``loss.shape[-1]``: the reference pads responses
+        to the configured response length, so pass arrays of that width (a batch padded to its longest response
+        would divide by a length that changes from batch to batch).
     ``N_seq`` counts the rows with at least one valid token by default. The reference averages over all rows,
     which is the same there (it has no empty rows); here an all-masked padding row adds neither NaN nor weight.
 
@@ -240,7 +243,8 @@ def agg_loss(loss: Array, mask: Array, mode: str = "token-mean", *, num_tokens=N
 
 
 def _clipped_policy_loss(logp, old_logp, advantages, mask, *, clip_low, clip_high, clip_c, agg_mode,
-                         num_tokens, num_seqs, entropy_balanced: bool) -> tuple[Array, dict[str, Array]]:
+                         num_tokens, num_seqs, entropy_balanced: bool,
+                         is_weights=None) -> tuple[Array, dict[str, Array]]:
     """Shared PPO / AEPO body; only the upper clip bound differs (see the public functions)."""
     if isinstance(clip_c, (int, float)) and not clip_c > 1.0:
         raise ValueError(f"dual-clip constant clip_c must be > 1, got {clip_c}")  # the reference asserts this
@@ -268,6 +272,8 @@ def _clipped_policy_loss(logp, old_logp, advantages, mask, *, clip_low, clip_hig
     loss_clip = jnp.maximum(loss1, loss2)
     loss3 = -adv * clip_c  # dual clip: bounds the loss of A<0 tokens whose ratio explodes
     per_token = jnp.where(adv < 0, jnp.minimum(loss_clip, loss3), loss_clip)  # [B, T]
+    if is_weights is not None:  # rollout correction (``rollout_correction``): a constant factor per token, as verl
+        per_token = per_token * jnp.where(valid, jax.lax.stop_gradient(_f32(is_weights)), 0.0)
 
     loss = agg_loss(per_token, mask, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
     metrics = {
@@ -281,7 +287,7 @@ def _clipped_policy_loss(logp, old_logp, advantages, mask, *, clip_low, clip_hig
 
 def ppo_policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *, clip_low: float = 0.2,
                     clip_high: float = 0.2, clip_c: float = 3.0, agg_mode: str = "token-mean",
-                    num_tokens=None, num_seqs=None) -> tuple[Array, dict[str, Array]]:
+                    num_tokens=None, num_seqs=None, is_weights=None) -> tuple[Array, dict[str, Array]]:
     """PPO-clip policy loss with dual clip (verl ``compute_policy_loss``, spec 8.3).
 
     With ``r = exp(clip(logp - old_logp, -20, 20))`` (the clamp only avoids overflow, see the code):
@@ -299,6 +305,8 @@ def ppo_policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array
       agg_mode: loss aggregation, see ``agg_loss`` (static).
       num_tokens: optional token-mean normaliser forwarded to ``agg_loss``.
       num_seqs: optional sequence-count normaliser forwarded to ``agg_loss``.
+      is_weights: optional [B, T] rollout-correction weights (``rollout_correction``): each token's loss is
+        multiplied by its (constant, no-gradient) weight before aggregation, as verl's ``rollout_is_weights``.
 
     Returns:
       (scalar loss, metrics) where metrics holds scalars ``pg_loss``, ``pg_clipfrac`` (share of tokens with
@@ -307,13 +315,13 @@ def ppo_policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array
     """
     return _clipped_policy_loss(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
                                 clip_c=clip_c, agg_mode=agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                                entropy_balanced=False)
+                                entropy_balanced=False, is_weights=is_weights)
 
 
 def entropy_balanced_policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
                                  clip_low: float = 0.2, clip_high: float = 0.2, clip_c: float = 3.0,
-                                 agg_mode: str = "token-mean", num_tokens=None,
-                                 num_seqs=None) -> tuple[Array, dict[str, Array]]:
+                                 agg_mode: str = "token-mean", num_tokens=None, num_seqs=None,
+                                 is_weights=None) -> tuple[Array, dict[str, Array]]:
     """AEPO entropy-balanced clipping (``compute_policy_loss_entropy_balanced_clipping``, spec 10.1, B7).
 
     Same as ``ppo_policy_loss`` except that the upper bound of the clipped ratio is the tensor
@@ -325,14 +333,14 @@ def entropy_balanced_policy_loss(logp: Array, old_logp: Array, advantages: Array
 
     Args:
       logp, old_logp, advantages, mask: [B, T], as in ``ppo_policy_loss``.
-      clip_low, clip_high, clip_c, agg_mode, num_tokens, num_seqs: as in ``ppo_policy_loss``.
+      clip_low, clip_high, clip_c, agg_mode, num_tokens, num_seqs, is_weights: as in ``ppo_policy_loss``.
 
     Returns:
       (scalar loss, metrics), the same keys as ``ppo_policy_loss``.
     """
     return _clipped_policy_loss(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
                                 clip_c=clip_c, agg_mode=agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                                entropy_balanced=True)
+                                entropy_balanced=True, is_weights=is_weights)
 
 
 # Name -> policy loss with the ppo_policy_loss signature.
@@ -351,6 +359,10 @@ def entropy_aware_advantages(advantages: Array, entropy: Array, mask: Array, *, 
     NaN, here it is 1, so a single valid token gets ``H_hat = 0`` and keeps its advantage (finite, not NaN).
     Padding positions get ``H_hat = 0`` (advantage unchanged; the loss masks them anyway).
 
+    Equal entropies give a factor of exactly 1 (``entropy_moments``: a corrected two-pass mean, and a std below
+    ``ENTROPY_STD_RTOL`` of the mean counts as 0). The reference's float32 torch.std gets exactly 0 only in some
+    of those cases; otherwise it divides rounding noise by rounding noise (factors 0.8-1.2 instead of 1).
+
     Args:
       advantages: [B, T] per-token advantages.
       entropy: [B, T] current-policy token entropies (no gradient flows into them).
@@ -360,16 +372,146 @@ def entropy_aware_advantages(advantages: Array, entropy: Array, mask: Array, *, 
     Returns:
       [B, T] float32 advantages. For ``H_hat < -1/alpha`` the factor is negative, as in the reference.
     """
-    mask = _f32(mask)
-    valid = mask > 0
-    h = jnp.where(valid, jax.lax.stop_gradient(_f32(entropy)), 0.0)
-    n = jnp.sum(mask)
-    mean = jnp.sum(h * mask) / jnp.maximum(n, 1.0)
-    var = jnp.sum(jnp.where(valid, jnp.square(h - mean) * mask, 0.0)) / jnp.maximum(n - 1.0, 1.0)
-    std = jnp.sqrt(var)
-    std = jnp.where((std == 0) | (n < 2), 1.0, std)
+    valid = _f32(mask) > 0
+    h = jax.lax.stop_gradient(_f32(entropy))
+    mean, std = entropy_moments(h, valid)
     h_hat = jnp.where(valid, (h - mean) / std, 0.0)
     return _f32(advantages) * (1.0 + alpha * h_hat)
+
+
+# A pooled entropy std below this fraction of max(|mean|, 1) is float32 rounding of equal values: it counts as 0.
+ENTROPY_STD_RTOL = 1e-6
+
+
+def robust_std(std: Array, mean: Array, n: Array) -> Array:
+    """The entropy-aware divisor: ``std``, or 1 where it is 0 up to rounding (``ENTROPY_STD_RTOL``) or n < 2."""
+    tiny = std <= ENTROPY_STD_RTOL * jnp.maximum(jnp.abs(mean), 1.0)
+    return jnp.where(tiny | (n < 2), 1.0, std)
+
+
+def entropy_moments(h: Array, valid: Array) -> tuple[Array, Array]:
+    """(mean, divisor) of ``h`` over ``valid``: corrected two-pass mean, unbiased std through ``robust_std``.
+
+    The second pass (``mean += mean(h - mean)``) removes the rounding of ``sum / n``: for equal values every
+    ``h - mean`` is then exactly 0, and so is the std.
+    """
+    valid = jnp.asarray(valid, bool)
+    h = jnp.where(valid, _f32(h), 0.0)
+    n = jnp.sum(valid.astype(jnp.float32))
+    denom = jnp.maximum(n, 1.0)
+    mean = jnp.sum(h) / denom
+    mean = mean + jnp.sum(jnp.where(valid, h - mean, 0.0)) / denom
+    var = jnp.sum(jnp.where(valid, jnp.square(h - mean), 0.0)) / jnp.maximum(n - 1.0, 1.0)
+    std = jnp.sqrt(var)
+    return mean, robust_std(std, mean, n)
+
+
+# --------------------------------------------------------------------------------------------------
+# Rollout / trainer mismatch correction (verl's rollout correction, decoupled mode)
+# --------------------------------------------------------------------------------------------------
+
+ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
+ROLLOUT_CORRECTION_MODES = ("off", "truncate", "mask")
+_LOG_RATIO_BOUND = 20.0  # verl's SAFETY_BOUND: ratios are formed as exp(clip(log r, -20, 20))
+
+
+def _sequence_keys(shape: tuple[int, ...], segment_ids: Array | None) -> tuple[Array, int]:
+    """A flat sequence index per position of a [..., T] array, and the number of indices.
+
+    A sequence is one row (``segment_ids`` None) or one (row, segment) of a packed row.
+    """
+    t = shape[-1]
+    rows = math.prod(shape[:-1])
+    seg = jnp.ones(shape, jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+    keys = jnp.arange(rows, dtype=jnp.int32).reshape(shape[:-1] + (1,)) * (t + 1) + seg
+    return keys.reshape(-1), rows * (t + 1)
+
+
+def rollout_correction(old_logp: Array, rollout_logp: Array, mask: Array, *, level: str = "token",
+                       mode: str = "truncate", threshold: float = 2.0,
+                       segment_ids: Array | None = None) -> tuple[Array, Array, dict[str, Array]]:
+    """Correction for the gap between the engine that sampled (pi_rollout) and the trainer's old policy (pi_old).
+
+    verl's rollout correction in its decoupled mode: the PPO ratio stays pi / pi_old, and each token's loss is
+    reweighted by the importance ratio ``rho = pi_old / pi_rollout`` of the token (``level="token"``) or of its
+    whole sequence (``"sequence"``: ``prod_t rho_t``, broadcast to every token), formed as
+    ``exp(clip(log rho, -20, 20))``. Modes, with ``C = threshold``:
+
+    * ``truncate`` (TIS, verl ``rollout_is``): weight ``min(rho, C)``;
+    * ``mask`` (rejection, verl ``rollout_rs`` with the default lower bound ``1/C``): tokens (or every token of the
+      sequences) with ``rho`` outside ``[1/C, C]`` are dropped: ``keep = 0``, weight 1;
+    * ``off``: weights 1, keep 1, metrics only.
+
+    Outside ``mask`` the weights and keep are 1 (padding, prompt and tool tokens, tokens without an engine
+    log-prob: pass their mask as 0).
+
+    Args:
+      old_logp: [..., T] log-probs of the sampled tokens under the trainer's old policy.
+      rollout_logp: [..., T] log-probs the rollout engine reported for them (finite where ``mask``).
+      mask: [..., T] tokens to correct and to measure (model tokens with an engine log-prob).
+      level: ``ROLLOUT_CORRECTION_LEVELS`` (static).
+      mode: ``ROLLOUT_CORRECTION_MODES`` (static).
+      threshold: C > 1.
+      segment_ids: optional [..., T] packed-row segment ids: a sequence is then a (row, segment).
+
+    Returns:
+      (weights [..., T] float32, keep [..., T] bool, metrics): scalar float32 metrics over the masked tokens:
+      ``tokens``; ``abs_logp_diff_mean`` / ``abs_logp_diff_max`` (of ``|logp_rollout - logp_old|``); ``kl``
+      (``mean(logp_rollout - logp_old)``, the k1 estimate of KL(pi_rollout || pi_old) on tokens drawn from
+      pi_rollout) and ``k3_kl`` (``mean(rho - log rho - 1)``); ``ratio_fraction_high`` / ``ratio_fraction_low``
+      (tokens whose level ratio is above C / below 1/C); ``truncated_fraction`` and ``masked_fraction`` (tokens
+      whose weight was truncated / that were dropped; 0 in the other modes) and ``seq_truncated_fraction`` /
+      ``seq_masked_fraction`` (sequences with at least one such token).
+    """
+    if level not in ROLLOUT_CORRECTION_LEVELS:
+        raise ValueError(f"rollout correction level={level!r}; allowed: {ROLLOUT_CORRECTION_LEVELS}")
+    if mode not in ROLLOUT_CORRECTION_MODES:
+        raise ValueError(f"rollout correction mode={mode!r}; allowed: {ROLLOUT_CORRECTION_MODES}")
+    if isinstance(threshold, (int, float)) and not threshold > 1.0:
+        raise ValueError(f"rollout correction threshold={threshold} must be > 1")
+    shape = jnp.shape(old_logp)
+    valid = _f32(mask) > 0
+    old = jax.lax.stop_gradient(_f32(old_logp))
+    rollout = jax.lax.stop_gradient(_f32(rollout_logp))
+    log_rho = jnp.where(valid, old - rollout, 0.0)  # log pi_old / pi_rollout; 0 (and finite) outside the mask
+    keys, n_keys = _sequence_keys(shape, segment_ids)
+    seq_sum = lambda x: jax.ops.segment_sum(x.reshape(-1), keys, num_segments=n_keys)  # [n_keys]
+    if level == "token":
+        level_log_rho = log_rho
+    else:
+        level_log_rho = seq_sum(log_rho)[keys].reshape(shape)
+    rho = jnp.exp(jnp.clip(level_log_rho, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))
+    high = valid & (rho > threshold)
+    low = valid & (rho < 1.0 / threshold)
+    ones = jnp.ones(shape, jnp.float32)
+    weights, keep = ones, jnp.ones(shape, bool)
+    if mode == "truncate":
+        weights = jnp.where(valid, jnp.minimum(rho, threshold), 1.0)
+    elif mode == "mask":
+        keep = ~(high | low)
+    truncated = high if mode == "truncate" else jnp.zeros(shape, bool)
+    dropped = ~keep
+
+    has_seq = seq_sum(valid.astype(jnp.float32)) > 0
+    n_seq = jnp.maximum(jnp.sum(has_seq.astype(jnp.float32)), 1.0)
+    seq_fraction = lambda flag: jnp.sum(((seq_sum(flag.astype(jnp.float32)) > 0) & has_seq).astype(jnp.float32)) / n_seq
+    diff = jnp.where(valid, rollout - old, 0.0)
+    k3_log = jnp.clip(log_rho, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+    fraction = lambda flag: masked_mean(flag.astype(jnp.float32), valid)
+    metrics = {
+        "tokens": jnp.sum(valid.astype(jnp.float32)),
+        "abs_logp_diff_mean": masked_mean(jnp.abs(diff), valid),
+        "abs_logp_diff_max": jnp.max(jnp.abs(diff)),
+        "kl": masked_mean(diff, valid),
+        "k3_kl": masked_mean(jnp.exp(k3_log) - k3_log - 1.0, valid),
+        "ratio_fraction_high": fraction(high),
+        "ratio_fraction_low": fraction(low),
+        "truncated_fraction": fraction(truncated),
+        "masked_fraction": fraction(dropped),
+        "seq_truncated_fraction": seq_fraction(truncated),
+        "seq_masked_fraction": seq_fraction(dropped),
+    }
+    return weights, keep, metrics
 
 
 # --------------------------------------------------------------------------------------------------
@@ -415,13 +557,25 @@ def kl_penalty(logp: Array, ref_logp: Array, kind: str = "low_var_kl") -> Array:
 # --------------------------------------------------------------------------------------------------
 
 
+def _shifted_stats(z: Array) -> tuple[Array, Array, Array]:
+    """Max-shifted softmax statistics of float32 logits z [..., V].
+
+    Returns ``(zs, lse_s, mean_s)``: ``zs = z - max(z)`` (<= 0), ``lse_s = logsumexp(zs)`` (in [0, log V]) and
+    ``mean_s = E_p[zs]`` (<= 0). Then ``log p = zs - lse_s`` and ``H = lse_s - mean_s``: a sum of two non-negative
+    terms of the size of H itself. Unshifted, ``H = lse - E_p[z]`` subtracts two numbers of the size of the
+    logits, and exp(z - lse) carries lse's rounding (2e-5 nats on LLM-like logits, negative H when peaked).
+    """
+    zs = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+    lse_s = jax.nn.logsumexp(zs, axis=-1)
+    mean_s = jnp.sum(jnp.exp(zs - lse_s[..., None]) * zs, axis=-1)
+    return zs, lse_s, mean_s
+
+
 def _logprob_entropy(z: Array, targets: Array) -> tuple[Array, Array]:
     """float32 logits z [..., V], targets [...] -> (log p(target) [...], entropy [...])."""
-    lse = jax.nn.logsumexp(z, axis=-1)
-    target_logit = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
-    probs = jnp.exp(z - lse[..., None])
-    # H = logsumexp(z) - sum softmax(z) z  (finite logits assumed).
-    return target_logit - lse, lse - jnp.sum(probs * z, axis=-1)
+    zs, lse_s, mean_s = _shifted_stats(z)
+    target_logit = jnp.take_along_axis(zs, targets[..., None], axis=-1)[..., 0]
+    return target_logit - lse_s, lse_s - mean_s  # finite logits assumed
 
 
 def _chunked_over_time(chunk_fn: Callable[[int | Array, int], tuple[Array, Array]], t: int,
@@ -453,8 +607,9 @@ def token_logprobs_and_entropy(logits: Array, targets: Array, *, temperature: fl
     """Log-prob of each target token and the full-vocabulary entropy, from logits, in float32.
 
     ``z = logits / temperature`` (spec 9: divide before log-softmax), ``log p = z[target] - logsumexp(z)``,
-    ``H = logsumexp(z) - sum softmax(z) z``. The sequence axis is processed ``chunk_size`` positions at a
-    time, so float32 temporaries stay at [B, chunk_size, V] even when ``logits`` is bf16 [B, T, V].
+    ``H = logsumexp(z) - sum softmax(z) z``, both evaluated on ``z - max(z)`` (``_shifted_stats``). The sequence
+    axis is processed ``chunk_size`` positions at a time, so float32 temporaries stay at [B, chunk_size, V] even
+    when ``logits`` is bf16 [B, T, V].
 
     Args:
       logits: [B, T, V] logits (any float dtype); ``logits[b, t]`` predicts ``targets[b, t]``.
@@ -480,8 +635,9 @@ def token_logprobs_and_entropy_from_hidden(hidden: Array, unembed: Array, target
     """Like ``token_logprobs_and_entropy`` but from final hidden states and the unembedding matrix.
 
     Logits are formed ``chunk_size`` positions at a time and never kept: the forward pass saves only two floats
-    per position (logsumexp and the mean logit under the softmax), and the backward pass recomputes each chunk's
-    logits once and applies the closed-form gradients (``d logp / dz = onehot - p``, ``dH / dz = -p (z - E_p[z])``)
+    per position (logsumexp and the mean logit under the softmax, both of the max-shifted logits: see
+    ``_shifted_stats``), and the backward pass recomputes each chunk's logits once and applies the closed-form
+    gradients (``d logp / dz = onehot - p``, ``dH / dz = -p (z - E_p[z])``, also evaluated on shifted logits)
     instead of differentiating the softmax graph. Memory stays at [B, chunk, V] float32 forward and backward, for
     the same four matmuls as rematerialisation and fewer passes over the chunk (half the time of autodiff through
     a rematerialised scan on CPU, benchmarks/RESULTS.md).
@@ -520,32 +676,32 @@ def _fused_head(h_nbcd, w_vd, targets_nbc, temperature):
 def _fused_head_fwd(h_nbcd, w_vd, targets_nbc, temperature):
     def body(_, xs):
         h, tg = xs
-        z = _chunk_logits(h, w_vd, temperature)
-        lse = jax.nn.logsumexp(z, axis=-1)
-        mean_z = jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1)  # E_p[z]
-        logp = jnp.take_along_axis(z, tg[..., None], axis=-1)[..., 0] - lse
-        return None, (logp, lse - mean_z, lse, mean_z)
+        zs, lse_s, mean_s = _shifted_stats(_chunk_logits(h, w_vd, temperature))
+        logp = jnp.take_along_axis(zs, tg[..., None], axis=-1)[..., 0] - lse_s
+        return None, (logp, lse_s - mean_s, lse_s, mean_s)
 
-    _, (logp, ent, lse, mean_z) = jax.lax.scan(body, None, (h_nbcd, targets_nbc))
-    return (logp, ent), (h_nbcd, w_vd, targets_nbc, lse, mean_z)
+    _, (logp, ent, lse_s, mean_s) = jax.lax.scan(body, None, (h_nbcd, targets_nbc))
+    return (logp, ent), (h_nbcd, w_vd, targets_nbc, lse_s, mean_s)
 
 
 def _fused_head_bwd(temperature, residuals, cotangents):
-    h_nbcd, w_vd, targets_nbc, lse_nbc, mean_z_nbc = residuals
+    h_nbcd, w_vd, targets_nbc, lse_s_nbc, mean_s_nbc = residuals
     d_logp_nbc, d_ent_nbc = cotangents
 
     def body(d_w, xs):
-        h, tg, lse, mean_z, d_logp, d_ent = xs
+        h, tg, lse_s, mean_s, d_logp, d_ent = xs
         z = _chunk_logits(h, w_vd, temperature)
-        p = jnp.exp(z - lse[..., None])
+        # The forward's shifted logits again (same max): p and z - E_p[z] from numbers of the size of H, not of z.
+        zs = z - jnp.max(z, axis=-1, keepdims=True)
+        p = jnp.exp(zs - lse_s[..., None])
         onehot = jnp.arange(z.shape[-1]) == tg[..., None]
-        d_logp, d_ent, mean_z = d_logp[..., None], d_ent[..., None], mean_z[..., None]
-        d_z = jnp.where(onehot, d_logp, 0.0) - p * (d_logp + d_ent * (z - mean_z))
+        d_logp, d_ent, mean_s = d_logp[..., None], d_ent[..., None], mean_s[..., None]
+        d_z = jnp.where(onehot, d_logp, 0.0) - p * (d_logp + d_ent * (zs - mean_s))
         d_z = (d_z / temperature).astype(w_vd.dtype)
         d_h = jnp.einsum("bcv,vd->bcd", d_z, w_vd, preferred_element_type=jnp.float32).astype(h.dtype)
         return d_w + jnp.einsum("bcv,bcd->vd", d_z, h, preferred_element_type=jnp.float32), d_h
 
-    xs = (h_nbcd, targets_nbc, lse_nbc, mean_z_nbc, d_logp_nbc, d_ent_nbc)
+    xs = (h_nbcd, targets_nbc, lse_s_nbc, mean_s_nbc, d_logp_nbc, d_ent_nbc)
     d_w, d_h = jax.lax.scan(body, jnp.zeros(w_vd.shape, jnp.float32), xs)
     return d_h, d_w.astype(w_vd.dtype), None
 

@@ -253,6 +253,8 @@ def _allowed() -> dict[str, tuple]:
         "actor.agg_mode": algos.AGG_MODES,
         "actor.micro_norm": ("global_token_mean", "reference"),  # train_step.UpdateConfig
         "actor.kl_kind": algos.KL_KINDS,
+        "actor.rollout_correction.mode": ("auto", *algos.ROLLOUT_CORRECTION_MODES),  # auto: trainer.update_config
+        "actor.rollout_correction.level": algos.ROLLOUT_CORRECTION_LEVELS,
         "actor.schedule": train_step.SCHEDULES,
         "sft.schedule": train_step.SCHEDULES,
     }
@@ -515,6 +517,12 @@ def _check_actor(ck: _Checker) -> None:
     for path in ("actor.clip_low", "actor.clip_high"):
         ck.require(path, lambda v: 0 <= v < 1, "0 <= clip < 1")
     ck.require("actor.clip_c", lambda v: v > 1, "> 1")
+    ck.require("actor.rollout_correction.threshold", lambda v: v > 1, "> 1")
+    mode = ck.get("actor.rollout_correction.mode")
+    if mode in ("truncate", "mask") and ck.get("rollout.engine") == "vllm" and ck.get("rollout.temperature") != 1:
+        # vLLM's raw_logprobs are the temperature-1 distribution; the trainer's old log-probs divide by T.
+        ck.add("actor.rollout_correction.mode", f"{mode} with rollout.engine=vllm needs rollout.temperature=1 "
+               "(vLLM reports temperature-1 log-probs)", "off | auto")
     for path in ("actor.kl_coef", "actor.entropy_coef", "actor.entropy_adv_alpha", "actor.weight_decay",
                  "actor.warmup_steps", "actor.max_token_len_per_device", "critic.warmup_steps"):
         ck.require(path, _nonneg, _NONNEG)

@@ -50,6 +50,8 @@ class CriticConfig:
     lr: float = 1e-5
     max_grad_norm: float = 1.0
     weight_decay: float = 0.01
+    # True: the reference's value loss, without current verl's 0.5 factor (twice the loss and gradient; value_loss).
+    reference_compat: bool = False
 
     def update_config(self) -> ts.UpdateConfig:
         """The optimizer part as a policy UpdateConfig, so ``train_step.make_optimizer`` builds the critic's AdamW."""
@@ -135,11 +137,15 @@ def values_of(graphdef: nnx.GraphDef, params, mb: Batch) -> Array:
 
 
 def value_loss(values: Array, old_values: Array, returns: Array, mask: Array, cliprange_value: float, *,
-               agg_mode: str = "token-mean", num_tokens=None, num_seqs=None) -> tuple[Array, dict[str, Array]]:
+               agg_mode: str = "token-mean", num_tokens=None, num_seqs=None,
+               reference_compat: bool = False) -> tuple[Array, dict[str, Array]]:
     """Clipped value loss (verl ``compute_value_loss``).
 
     ``L1 = (v - R)^2``, ``L2 = (clip(v, v_old - c, v_old + c) - R)^2``, ``loss = 0.5 * agg(max(L1, L2))``: the
     pessimistic max keeps an update from moving a value more than ``c`` away from the rollout's estimate.
+    The 0.5 is current verl's (the gradient of ``0.5 (v - R)^2`` is ``v - R``); the reference's verl 0.3.1 has
+    ``agg(max(L1, L2))`` without it, i.e. twice the loss and gradient (an effective critic lr of 2x):
+    ``reference_compat=True`` reproduces that.
 
     Args:
       values: [B, T] current values (differentiated).
@@ -148,6 +154,7 @@ def value_loss(values: Array, old_values: Array, returns: Array, mask: Array, cl
       mask: [B, T] loss mask or loss weights (``packing.loss_weights``; use ``num_tokens=1`` for ``sum(w L)``).
       cliprange_value: c.
       agg_mode, num_tokens, num_seqs: loss aggregation, see ``algos.agg_loss``.
+      reference_compat: drop the 0.5 factor, as the reference does.
 
     Returns:
       (scalar loss, metrics): ``vf_clipfrac`` (share of tokens with ``L2 > L1``) and ``vpred_mean``, both means
@@ -161,7 +168,9 @@ def value_loss(values: Array, old_values: Array, returns: Array, mask: Array, cl
     v_clipped = jnp.clip(v, v_old - cliprange_value, v_old + cliprange_value)
     loss1 = jnp.square(v - ret)
     loss2 = jnp.square(v_clipped - ret)
-    loss = 0.5 * algos.agg_loss(jnp.maximum(loss1, loss2), mask, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    factor = 1.0 if reference_compat else 0.5
+    loss = factor * algos.agg_loss(jnp.maximum(loss1, loss2), mask, agg_mode, num_tokens=num_tokens,
+                                   num_seqs=num_seqs)
     metrics = {"vf_clipfrac": algos.masked_mean((loss2 > loss1).astype(jnp.float32), mask),
                "vpred_mean": algos.masked_mean(jax.lax.stop_gradient(v), mask)}
     return loss, metrics
@@ -171,7 +180,8 @@ def _micro_value_loss(params, graphdef, mb: Batch, cfg: CriticConfig) -> tuple[A
     """``sum(w * loss)`` of one micro-batch and its metric sums (weighted by w; divided by the total later)."""
     w = mb["loss_weight"].astype(jnp.float32)
     loss, m = value_loss(values_of(graphdef, params, mb), mb["old_values"], mb["returns"], w,
-                         cfg.cliprange_value, num_tokens=1.0)  # w already holds the normaliser
+                         cfg.cliprange_value, num_tokens=1.0,  # w already holds the normaliser
+                         reference_compat=cfg.reference_compat)
     w_sum = jnp.sum(w)
     metrics = {"vf_loss": loss, "weight": w_sum, **{k: v * w_sum for k, v in m.items()}}
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)

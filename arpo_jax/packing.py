@@ -135,8 +135,11 @@ def loss_weights(layout: Layout, loss_masks: Sequence[np.ndarray], *, agg_mode: 
     normalisation group (the mini-batch for ``global_token_mean``; the micro-batch for ``reference``, whose
     result is then scaled by ``S_micro / S_mini``):
       token-mean ``1/N``; seq-mean-token-sum ``1/S``; seq-mean-token-mean ``1/(S n_i)``;
-      seq-mean-token-sum-norm ``1/norm_len`` (default: the longest span from a sequence's first loss token
-      to its end, i.e. the padded response length of the reference).
+      seq-mean-token-sum-norm ``1/norm_len``. The reference divides by its padded response length, i.e. the
+      configured ``data.max_response_length``, a constant: pass that (the trainer does). The default, the
+      longest span from a sequence's first loss token to its end, is only a fallback for direct use: it is
+      shorter than the reference's whenever no response of the batch reaches the maximum, and changes from
+      batch to batch.
     """
     if agg_mode not in AGG_MODES:
         raise ValueError(f"unknown agg_mode {agg_mode!r}; choose from {AGG_MODES}")
@@ -171,7 +174,7 @@ def loss_weights(layout: Layout, loss_masks: Sequence[np.ndarray], *, agg_mode: 
 
 def pack_batch(sequences: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray], advantages, *,
                mini_batch_size: int, row_len: int, rows_per_micro: int, pack: bool = True,
-               agg_mode: str = "token-mean", micro_norm: str = "global_token_mean",
+               agg_mode: str = "token-mean", micro_norm: str = "global_token_mean", norm_len: int | None = None,
                extra: dict[str, Sequence[np.ndarray]] | None = None) -> tuple[dict[str, np.ndarray], Layout]:
     """Builds the train-step batch for a rollout, as numpy arrays of shape [K, M, B, T].
 
@@ -180,7 +183,7 @@ def pack_batch(sequences: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray]
       loss_masks: N 0/1 arrays, token-aligned (1 = model-generated token that is trained on).
       advantages: [N] per-sequence advantages (broadcast to tokens) or N token-aligned arrays.
       mini_batch_size, row_len, rows_per_micro, pack: see ``plan_layout``.
-      agg_mode, micro_norm: loss normalisation, see ``loss_weights``.
+      agg_mode, micro_norm, norm_len: loss normalisation, see ``loss_weights``.
       extra: more token-aligned per-sequence arrays to place (e.g. ``old_logp``, ``ref_logp`` from a rollout).
 
     Returns:
@@ -201,7 +204,8 @@ def pack_batch(sequences: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray]
     if np.ndim(advantages) == 1 and len(advantages) == len(sequences) and np.isscalar(advantages[0]):
         adv = [np.full(len(s), a, np.float32) for s, a in zip(sequences, advantages)]
     batch = {"input_ids": ids, "targets": targets, "positions": positions, "segment_ids": segments,
-             "loss_weight": loss_weights(layout, loss_masks, agg_mode=agg_mode, micro_norm=micro_norm),
+             "loss_weight": loss_weights(layout, loss_masks, agg_mode=agg_mode, micro_norm=micro_norm,
+                                         norm_len=norm_len),
              "advantages": place(layout, adv)}
     for name, values in (extra or {}).items():
         batch[name] = place(layout, values)

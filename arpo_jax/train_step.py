@@ -19,7 +19,9 @@ the default mode, which costs one extra forward pass but keeps the update indepe
 
 Batch keys, each [M, B, T] (per-token values describe the *next* token, see ``packing``): ``input_ids``,
 ``targets``, ``positions``, ``segment_ids`` (int32); ``loss_weight``, ``advantages``, ``old_logp`` and,
-when ``kl_coef != 0``, ``ref_logp`` (float32).
+when ``kl_coef != 0``, ``ref_logp`` (float32). Optional ``rollout_logp`` (float32): the rollout engine's log-prob
+of each sampled token (NaN where it has none); with it, every step measures the rollout / trainer mismatch and
+applies ``rollout_correction`` (``algos.rollout_correction`` over the whole mini-batch, before the micro-batches).
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ class UpdateConfig:
     entropy_adv: bool = False  # AEPO entropy-aware advantages (spec 10.2)
     entropy_adv_alpha: float = 0.2
     reference_compat: bool = False  # True: entropy-aware advantages only act when entropy_coef != 0 (B2)
+    # Rollout / trainer mismatch correction when the batch has rollout_logp (algos.rollout_correction): mode off |
+    # truncate (TIS) | mask (rejection), at the token or sequence level, threshold C.
+    rollout_correction: str = "off"
+    rollout_correction_level: str = "token"
+    rollout_correction_threshold: float = 2.0
     temperature: float = 1.0  # logits / temperature before log-softmax (spec 9)
     logprob_chunk: int = 256  # positions per chunk of the [B, chunk, V] logits
     max_grad_norm: float = 1.0
@@ -76,12 +83,17 @@ class UpdateConfig:
     def __post_init__(self):
         checks = (("loss", self.loss, tuple(algos.POLICY_LOSSES)), ("agg_mode", self.agg_mode, algos.AGG_MODES),
                   ("micro_norm", self.micro_norm, ("global_token_mean", "reference")),
-                  ("kl_kind", self.kl_kind, algos.KL_KINDS), ("schedule", self.schedule, SCHEDULES))
+                  ("kl_kind", self.kl_kind, algos.KL_KINDS), ("schedule", self.schedule, SCHEDULES),
+                  ("rollout_correction", self.rollout_correction, algos.ROLLOUT_CORRECTION_MODES),
+                  ("rollout_correction_level", self.rollout_correction_level, algos.ROLLOUT_CORRECTION_LEVELS))
         for name, value, allowed in checks:
             if value not in allowed:
                 raise ValueError(f"UpdateConfig.{name}={value!r}; allowed: {allowed}")
         if not self.clip_c > 1.0:
             raise ValueError(f"UpdateConfig.clip_c={self.clip_c} must be > 1")
+        if not self.rollout_correction_threshold > 1.0:
+            raise ValueError(f"UpdateConfig.rollout_correction_threshold={self.rollout_correction_threshold} "
+                             "must be > 1")
 
     @property
     def uses_entropy_adv(self) -> bool:
@@ -165,6 +177,7 @@ def _entropy_stats(graphdef, params, batch: Batch, cfg: UpdateConfig) -> tuple[A
         m = (mb["loss_weight"] > 0).astype(jnp.float32)
         n_b = jnp.sum(m)
         mean_b = jnp.sum(jnp.where(m > 0, ent, 0.0)) / jnp.maximum(n_b, 1.0)
+        mean_b = mean_b + jnp.sum(jnp.where(m > 0, ent - mean_b, 0.0)) / jnp.maximum(n_b, 1.0)  # two-pass mean
         m2_b = jnp.sum(jnp.where(m > 0, jnp.square(ent - mean_b), 0.0))
         # Chan et al.'s pairwise combination of (count, mean, sum of squared deviations): float32 sum-of-squares
         # minus squared-sum would cancel catastrophically (H ~ 6 nats, std ~ 0.1) and break split invariance.
@@ -177,8 +190,8 @@ def _entropy_stats(graphdef, params, batch: Batch, cfg: UpdateConfig) -> tuple[A
     zero = jnp.zeros((), jnp.float32)
     (n, mean, m2), _ = jax.lax.scan(body, (zero, zero, zero), batch)
     std = jnp.sqrt(m2 / jnp.maximum(n - 1.0, 1.0))
-    # As algos.entropy_aware_advantages: std 0 (or fewer than two tokens) -> 1.
-    return mean, jnp.where((std == 0) | (n < 2), 1.0, std)
+    # As algos.entropy_aware_advantages: std 0 up to rounding (or fewer than two tokens) -> 1.
+    return mean, algos.robust_std(std, mean, n)
 
 
 def _micro_loss(params, graphdef, mb: Batch, h_stats, cfg: UpdateConfig) -> tuple[Array, dict[str, Array]]:
@@ -196,7 +209,7 @@ def _micro_loss(params, graphdef, mb: Batch, h_stats, cfg: UpdateConfig) -> tupl
     # mask=w with num_tokens=1 turns the token-mean into sum(w * loss): w already holds the normaliser.
     pg_loss, pg_metrics = algos.POLICY_LOSSES[cfg.loss](
         logp, mb["old_logp"], adv, w, clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c,
-        agg_mode="token-mean", num_tokens=1.0)
+        agg_mode="token-mean", num_tokens=1.0, is_weights=mb.get("is_weight"))
     w_sum = jnp.sum(w)
     ent_term = jnp.sum(jnp.where(mask, w * ent, 0.0))
     loss = pg_loss - cfg.entropy_coef * ent_term if cfg.entropy_coef else pg_loss
@@ -210,6 +223,28 @@ def _micro_loss(params, graphdef, mb: Batch, h_stats, cfg: UpdateConfig) -> tupl
         metrics["kl_loss"] = kl_term
     metrics["loss"] = loss
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def _rollout_correction(batch: Batch, cfg: UpdateConfig) -> tuple[Batch, dict[str, Array]]:
+    """The mini-batch with its rollout-correction weights (``is_weight``) and, in mask mode, rejected tokens' loss
+    weights at 0, plus the ``rollout_corr/*`` metrics.
+
+    Measured and corrected: loss tokens with a finite engine log-prob (tool results, prompts and an appended
+    call-limit EOS have none). Mask mode rescales the kept weights so the mini-batch's total weight is unchanged:
+    with token-mean weights that is verl's rule (rejected tokens leave the normaliser); with the sequence means it
+    keeps the total instead of recounting sequences.
+    """
+    w = batch["loss_weight"]
+    has = (w > 0) & jnp.isfinite(batch["rollout_logp"])
+    rollout = jnp.where(has, batch["rollout_logp"], batch["old_logp"])
+    weights, keep, metrics = algos.rollout_correction(
+        batch["old_logp"], rollout, has, level=cfg.rollout_correction_level, mode=cfg.rollout_correction,
+        threshold=cfg.rollout_correction_threshold, segment_ids=batch["segment_ids"])
+    out = batch | {"is_weight": weights}
+    if cfg.rollout_correction == "mask":
+        kept = jnp.where(keep, w, 0.0)
+        out["loss_weight"] = kept * (jnp.sum(w) / jnp.maximum(jnp.sum(kept), 1e-30))
+    return out, {f"rollout_corr/{k}": v for k, v in metrics.items()}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -236,9 +271,13 @@ def train_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef, cfg: 
     Returns:
       (new state, metrics): scalar float32 metrics ``loss``, ``pg_loss``, ``kl_loss`` (when kl_coef != 0),
       ``entropy``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` (loss-weighted means over the mini-batch;
-      with token-mean weights, plain token means), ``grad_norm`` (before clipping), ``skipped`` (0 or 1).
+      with token-mean weights, plain token means), ``grad_norm`` (before clipping), ``skipped`` (0 or 1); with
+      ``rollout_logp`` in the batch also the ``rollout_corr/*`` metrics of ``algos.rollout_correction``.
     """
     params = state.params
+    rc_metrics = {}
+    if "rollout_logp" in batch:
+        batch, rc_metrics = _rollout_correction(batch, cfg)
     h_stats = None
     if cfg.uses_entropy_adv and cfg.micro_norm == "global_token_mean":
         h_stats = jax.lax.stop_gradient(_entropy_stats(graphdef, params, batch, cfg))
@@ -267,7 +306,7 @@ def train_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef, cfg: 
 
     w_total = jnp.maximum(sums.pop("weight"), 1e-30)
     metrics = {k: v if k in ("loss", "pg_loss", "kl_loss") else v / w_total for k, v in sums.items()}
-    metrics.update(grad_norm=grad_norm, skipped=skipped.astype(jnp.float32))
+    metrics.update(grad_norm=grad_norm, skipped=skipped.astype(jnp.float32), **rc_metrics)
     return new_state, metrics
 
 

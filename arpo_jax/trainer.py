@@ -65,9 +65,20 @@ BUILTIN_TOY = toy.BUILTIN
 # ------------------------------------------------------------------------------------------------------------------
 
 
+def rollout_correction_mode(cfg) -> str:
+    """`actor.rollout_correction.mode` with "auto" resolved: truncate (TIS) for vLLM, off for the JAX engine (the
+    trainer's own model code) and for vLLM at a temperature other than 1 (its log-probs are temperature 1's)."""
+    mode = cfg.actor.rollout_correction.mode
+    if mode == "auto":
+        return "truncate" if cfg.rollout.engine == "vllm" and cfg.rollout.temperature == 1 else "off"
+    return mode
+
+
 def update_config(cfg) -> ts.UpdateConfig:
     a = cfg.actor
     return ts.UpdateConfig(
+        rollout_correction=rollout_correction_mode(cfg), rollout_correction_level=a.rollout_correction.level,
+        rollout_correction_threshold=a.rollout_correction.threshold,
         loss=a.loss, clip_low=a.clip_low, clip_high=a.clip_high, clip_c=a.clip_c, agg_mode=a.agg_mode,
         micro_norm=a.micro_norm, kl_coef=a.kl_coef, kl_kind=a.kl_kind, entropy_coef=a.entropy_coef,
         entropy_adv=a.entropy_adv, entropy_adv_alpha=a.entropy_adv_alpha, reference_compat=a.reference_compat,
@@ -91,7 +102,8 @@ def rollout_config(cfg) -> RolloutConfig:
 def sampling_settings(cfg, stop: list[str], seed: int) -> SamplingSettings:
     r = cfg.rollout
     return SamplingSettings(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop=tuple(stop),
-                            logprobs=r.entropy_top_k, logprob_positions=r.entropy_window, seed=seed)
+                            logprobs=r.entropy_top_k, logprob_positions=r.entropy_window, seed=seed,
+                            token_logprobs=True)  # the rollout correction and its metrics
 
 
 def make_tool_executor(cfg):
@@ -150,6 +162,7 @@ class Trajectories:
     responses: list[str]
     reward_infos: list[dict]
     out: RolloutOutput
+    rollout_logps: list[np.ndarray]  # token-aligned engine log-probs (NaN: none), for the rollout correction
 
     @property
     def failed(self) -> np.ndarray:
@@ -159,7 +172,7 @@ class Trajectories:
 
 def score_rollout(out: RolloutOutput, examples, tokenizer, reward_fn) -> Trajectories:
     """Decodes each valid response (spec 7.2: up to its response mask, special tokens skipped) and scores it."""
-    seqs, masks, texts, prompt_lengths = [], [], [], []
+    seqs, masks, texts, prompt_lengths, rollout_logps = [], [], [], [], []
     for i in range(len(out.responses)):
         n_resp = int(out.response_mask[i].sum())
         prompt = out.input_ids[i, :-out.responses.shape[1]][out.attention_mask[i, :-out.responses.shape[1]] > 0]
@@ -167,13 +180,15 @@ def score_rollout(out: RolloutOutput, examples, tokenizer, reward_fn) -> Traject
         seqs.append(np.concatenate([prompt, resp]).astype(np.int32))
         prompt_lengths.append(len(prompt))
         masks.append(np.concatenate([np.zeros(len(prompt), np.int32), out.loss_mask[i, :n_resp]]))
+        no_logp = np.full(len(prompt), np.nan, np.float32)  # the prompt was not sampled
+        rollout_logps.append(np.concatenate([no_logp, out.rollout_logp[i, :n_resp]]))
         texts.append(tokenizer.decode(resp, skip_special_tokens=True))
     ex = [examples[int(p)] for p in out.prompt_index]
     infos = rewards.score_responses(reward_fn, [e.data_source for e in ex], texts, [e.ground_truth for e in ex],
                                     [e.extra_info for e in ex])
     scores = np.asarray([float(r["score"]) for r in infos], np.float32)
     return Trajectories(seqs, np.asarray(prompt_lengths), masks, scores, np.asarray(out.prompt_index), texts, infos,
-                        out)
+                        out, rollout_logps)
 
 
 def shape_rollout(traj: Trajectories, cfg) -> Trajectories:
@@ -221,7 +236,9 @@ def worker_batch(traj: Trajectories, cfg, *, mini_prompts: int, rows: int,
     batch, layout = packing.pack_batch(traj.sequences, traj.loss_masks, adv,
                                        mini_batch_size=mini_prompts * cfg.rollout.n, row_len=row_len,
                                        rows_per_micro=rows, pack=cfg.actor.pack, agg_mode=cfg.actor.agg_mode,
-                                       micro_norm=cfg.actor.micro_norm)
+                                       micro_norm=cfg.actor.micro_norm,
+                                       norm_len=cfg.data.max_response_length,  # seq-mean-token-sum-norm's divisor
+                                       extra={"rollout_logp": traj.rollout_logps})
     counts = np.zeros((layout.shape[0], 2), np.float64)  # per mini-batch: loss tokens, sequences with loss tokens
     for i, m in enumerate(traj.loss_masks):
         n = float(m[1:].sum())
@@ -363,7 +380,8 @@ class Trainer:
         if self.use_critic:
             critic_cfg = critic_lib.CriticConfig(cliprange_value=cfg.critic.cliprange_value, lr=cfg.critic.lr,
                                                  max_grad_norm=cfg.actor.max_grad_norm,
-                                                 weight_decay=cfg.actor.weight_decay)
+                                                 weight_decay=cfg.actor.weight_decay,
+                                                 reference_compat=cfg.critic.reference_compat)
             self.critic_optimizer = critic_lib.make_optimizer(critic_cfg, optimizer_steps)
             value_graphdef = critic_lib.value_graphdef(self.model_cfg)
             v_sh = critic_lib.value_param_shardings(self.model_cfg, self.mesh)
@@ -728,7 +746,10 @@ class Trainer:
         if not step_metrics:
             return {}
         keys = step_metrics[0].keys()
-        return {f"{prefix}{k}": float(np.mean([np.asarray(m[k]) for m in step_metrics])) for k in keys}
+        # rollout_corr/* keep their own prefix; maxima stay maxima over the mini-batches.
+        name = lambda k: k if k.startswith("rollout_corr/") else f"{prefix}{k}"
+        agg = lambda k: np.max if k.endswith("_max") else np.mean
+        return {name(k): float(agg(k)([np.asarray(m[k]) for m in step_metrics])) for k in keys}
 
     def _log_trajectories(self, trajs: dict[int, Trajectories]) -> None:
         n = self.cfg.trainer.log_trajectories

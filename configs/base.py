@@ -166,6 +166,15 @@ def get_config() -> ConfigDict:
     c.actor.max_token_len_per_device = 0  # tokens per device per micro-batch (packed); 0 = 2 * (P + R) (scripts)
     c.actor.pack = True  # pack several trajectories per row (segment ids) instead of one padded row each
     c.actor.logprob_chunk = 256  # positions per chunk of the [rows, chunk, vocab] logits
+    # Rollout / trainer mismatch correction (verl's rollout correction): rho = pi_old / pi_rollout of each sampled
+    # token, from the engine's log-prob of it. Its metrics (rollout_corr/*) are logged every step in every mode.
+    c.actor.rollout_correction = ConfigDict()
+    # auto (truncate with rollout.engine=vllm, off with jax: same model code; off with vLLM at temperature != 1,
+    # whose log-probs are temperature 1's) | off | truncate (TIS: loss x min(rho, C)) | mask (rejection: tokens /
+    # sequences with rho outside [1/C, C] leave the loss)
+    c.actor.rollout_correction.mode = "auto"
+    c.actor.rollout_correction.level = "token"  # token | sequence (rho = product over the sequence's tokens)
+    c.actor.rollout_correction.threshold = 2.0  # C > 1
 
     # ---------------------------------------------------------------- critic (adv_estimator = gae only)
     # A second copy of the policy's backbone with a value head (arpo_jax/critic.py), sharded like the policy,
@@ -174,6 +183,7 @@ def get_config() -> ConfigDict:
     c.critic = ConfigDict()
     c.critic.lr = 1e-5
     c.critic.cliprange_value = 0.5  # verl's clipped value loss
+    c.critic.reference_compat = False  # the reference's value loss: no 0.5 factor (x2 loss and gradient)
     # The first warmup_steps training steps update only the critic (verl's critic_warmup = warmup_steps + 1: verl
     # compares it with a step counter that starts at 1, so its critic_warmup = 1 skips nothing).
     c.critic.warmup_steps = 0

@@ -22,7 +22,7 @@ from arpo_jax.rollout.agent_loop import (
     rollout,
     wrap_tool_result,
 )
-from arpo_jax.rollout.fake_sampler import ScriptedSampler, Segment, by_slot
+from arpo_jax.rollout.fake_sampler import ScriptedSampler, Segment, by_slot, fake_token_logprob
 from arpo_jax.rollout.sampler import SamplingSettings
 
 
@@ -374,7 +374,7 @@ def test_rollout_invariants(tok, n, m, beam, R, call_limit, rule, compat, p, w, 
     prompts = _prompts(tok, batch)
     sampler = ScriptedSampler(tok, _random_script, seed=seed)
     ex = EchoExecutor()
-    out = rollout(prompts, sampler, ex, tok, cfg, SamplingSettings(), seed)
+    out = rollout(prompts, sampler, ex, tok, cfg, SamplingSettings(token_logprobs=True), seed)
 
     # Exactly n trajectories per prompt, in prompt order; the trees hold exactly those.
     assert out.input_ids.shape == (batch * n, max(map(len, prompts)) + R)
@@ -411,6 +411,15 @@ def test_rollout_invariants(tok, n, m, beam, R, call_limit, rule, compat, p, w, 
         expected = np.zeros(R, np.int32)
         expected[:L] = model & (np.arange(L) <= first_eos)
         assert (out.loss_mask[i] == expected).all()  # 0 exactly on tool-result tokens (and after EOS)
+        # The engine's log-prob of every token it sampled (a branch inherits its parent's), NaN elsewhere: tool
+        # results, padding and an appended call-limit EOS (not sampled).
+        sampled = np.zeros(R, bool)
+        sampled[:L] = model
+        if out.finish_reason[i] == "call_limit" and seq[-1] == eos and not out.truncated[i]:
+            sampled[L - 1] = False
+        assert (np.isfinite(out.rollout_logp[i]) == sampled).all()
+        np.testing.assert_array_equal(out.rollout_logp[i][sampled],
+                                      np.float32([fake_token_logprob(int(t)) for t in out.responses[i][sampled]]))
         # The call limit.
         assert out.tool_calls[i] <= call_limit and n_results <= call_limit
         if out.finish_reason[i] == "call_limit":

@@ -440,6 +440,20 @@ def test_entropy_aware_zero_std_and_single_token():
     np.testing.assert_allclose(empty, adv)
 
 
+@pytest.mark.parametrize("value", [0.7, 2.3456789, 5.123457, 6.9077554])
+def test_entropy_aware_equal_entropies_give_factor_exactly_one(value):
+    """Fidelity 4f: equal entropies over many tokens. A one-pass float32 mean is not exactly the value, so the
+    std was ~1e-7 instead of 0 and H_hat = +-O(1) (factors 0.8-1.2); now every factor is exactly 1."""
+    rng = np.random.default_rng(22)
+    adv = jnp.asarray(rng.normal(size=(6, 53)), jnp.float32)
+    mask = jnp.asarray(rng.random((6, 53)) < 0.8, jnp.float32)
+    ent = jnp.where(mask > 0, jnp.float32(value), 3.0)  # padding holds other values: they must not count
+    got = algos.entropy_aware_advantages(adv, ent, mask)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(adv))
+    mean, divisor = algos.entropy_moments(ent, mask > 0)
+    assert float(mean) == np.float32(value) and float(divisor) == 1.0
+
+
 def test_entropy_aware_stops_gradient_into_entropy():
     adv, mask = jnp.array([[1.0, -1.0, 2.0]]), jnp.ones((1, 3))
     g = jax.grad(lambda e: jnp.sum(algos.entropy_aware_advantages(adv, e, mask)))(jnp.array([[0.1, 0.5, 2.0]]))
@@ -560,6 +574,67 @@ def test_logprobs_from_hidden_matches_logits_values_and_gradients(temperature, c
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def _llm_like_logits(rng, rows, v=32768):
+    """float32 logits as an LLM emits them: a large common offset, a spread of a few nats, a head of likely tokens."""
+    logits = 18.0 + rng.normal(size=(rows, v)) * 2.5
+    logits[:, :50] += 8.0 + rng.normal(size=(rows, 50)) * 3.0
+    return logits.astype(np.float32)
+
+
+def test_entropy_from_shifted_logits_is_accurate_on_llm_like_logits():
+    """Fidelity 4e: H = lse - E[z] on unshifted float32 logits was off by 6e-5 here (and 0 instead of 7e-6 when
+    peaked); from max-shifted logits the error is that of float32 at the size of H."""
+    rng = np.random.default_rng(20)
+    logits = _llm_like_logits(rng, 8)
+    lp, ent = algos.token_logprobs_and_entropy(jnp.asarray(logits)[None], jnp.zeros((1, 8), jnp.int32),
+                                               chunk_size=None)
+    ref_lp, ref_ent = _ref_logprob_entropy(logits, np.zeros(8, np.int64), 1.0)
+    assert np.abs(np.asarray(ent[0]) - ref_ent).max() < 2e-6
+    np.testing.assert_allclose(lp[0], ref_lp, rtol=1e-6)
+    # Peaked: one token at +26 nats over a vocabulary of N(10, 1) logits. H ~ 7e-6 must come out positive and close.
+    peaked = (10.0 + rng.normal(size=(6, 32768))).astype(np.float32)
+    peaked[:, 3] = 36.0
+    _, ent = algos.token_logprobs_and_entropy(jnp.asarray(peaked)[None], jnp.zeros((1, 6), jnp.int32),
+                                              chunk_size=None)
+    ref_ent = _ref_logprob_entropy(peaked, np.zeros(6, np.int64), 1.0)[1]
+    assert np.all(np.asarray(ent) > 0)
+    assert np.abs(np.asarray(ent[0]) - ref_ent).max() < 1e-6
+
+
+def test_fused_head_entropy_and_gradient_from_shifted_logits():
+    """The fused head's forward and closed-form backward on LLM-like logits: entropy against float64 (the unshifted
+    head was off by 4e-5), gradients against jax.grad of a plain log_softmax implementation."""
+    rng = np.random.default_rng(21)
+    d, v = 8, 32768
+    hidden = rng.normal(size=(1, 8, d)).astype(np.float32)
+    hidden[..., 0] = 1.0  # with unembed row 0 at +18: a large common offset of every logit
+    unembed = rng.normal(size=(d, v)).astype(np.float32)
+    unembed[0] += 18.0
+    targets = jnp.asarray(rng.integers(0, v, size=(1, 8)))
+    lp, ent = jax.jit(lambda h, w: algos.token_logprobs_and_entropy_from_hidden(h, w, targets, chunk_size=4))(
+        hidden, unembed)
+    logits64 = np.einsum("btd,dv->btv", hidden.astype(np.float64), unembed.astype(np.float64))
+    ref_lp, ref_ent = _ref_logprob_entropy(logits64[0], np.asarray(targets[0]), 1.0)
+    assert np.abs(np.asarray(ent[0]) - ref_ent).max() < 5e-6
+    np.testing.assert_allclose(lp[0], ref_lp, rtol=1e-5)
+
+    def plain(h, w):
+        logp_all = jax.nn.log_softmax(jnp.einsum("btd,dv->btv", h, w), axis=-1)
+        lp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
+        return lp, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+
+    def fused(h, w):
+        return algos.token_logprobs_and_entropy_from_hidden(h, w, targets, chunk_size=4)
+
+    def objective(fn):
+        return lambda h, w: jnp.sum(fn(h, w)[0] * 0.7) - 0.3 * jnp.sum(fn(h, w)[1])
+
+    g_plain = jax.grad(objective(plain), argnums=(0, 1))(jnp.asarray(hidden), jnp.asarray(unembed))
+    g_fused = jax.grad(objective(fused), argnums=(0, 1))(jnp.asarray(hidden), jnp.asarray(unembed))
+    for a, b in zip(g_plain, g_fused):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+
+
 def test_logprobs_from_hidden_never_materialises_full_logits():
     b, d, v = 2, 16, 4096
 
@@ -609,3 +684,94 @@ def test_full_loss_pipeline_jits_and_is_finite():
     (loss, metrics), grad = jax.value_and_grad(total_loss, has_aux=True)(unembed)
     assert np.isfinite(float(loss)) and np.all(np.isfinite(grad))
     assert all(np.isfinite(float(x)) for x in metrics.values())
+
+
+# ------------------------------------------------------------------------------------------------
+# Rollout correction (verl's rollout correction, decoupled mode)
+# ------------------------------------------------------------------------------------------------
+
+# Two sequences of 4 slots. log rho = old - rollout per token: row 0: ln 3, ln 1.5, -ln 4, (padding);
+# row 1: ln 1.2, ln 1.2, 0, 0 (the last two: masked, e.g. a tool result with a garbage rollout log-prob).
+_LOG_RHO = np.log(np.array([[3.0, 1.5, 0.25, 1.0], [1.2, 1.2, 1.0, 1.0]]))
+_RC_MASK = np.array([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+
+
+def _rc(level, mode, threshold=2.0, **kw):
+    old = jnp.asarray(np.full((2, 4), -1.0) + _LOG_RHO, jnp.float32)
+    rollout = jnp.asarray(np.where(_RC_MASK > 0, -1.0, np.nan), jnp.float32)  # garbage outside the mask
+    return algos.rollout_correction(old, rollout, jnp.asarray(_RC_MASK), level=level, mode=mode, threshold=threshold,
+                                    **kw)
+
+
+def test_rollout_correction_token_truncate_by_hand():
+    w, keep, m = _rc("token", "truncate")
+    np.testing.assert_allclose(w, [[2.0, 1.5, 0.25, 1.0], [1.2, 1.2, 1.0, 1.0]], rtol=1e-6)  # min(rho, 2)
+    assert bool(jnp.all(keep))
+    diffs = np.abs(_LOG_RHO[_RC_MASK > 0])  # |ln 3|, |ln 1.5|, |ln 4|, |ln 1.2|, |ln 1.2|
+    np.testing.assert_allclose(m["abs_logp_diff_mean"], diffs.mean(), rtol=1e-6)
+    np.testing.assert_allclose(m["abs_logp_diff_max"], np.log(4.0), rtol=1e-6)
+    np.testing.assert_allclose(m["kl"], -_LOG_RHO[_RC_MASK > 0].mean(), rtol=1e-5)  # mean(rollout - old)
+    rho = np.exp(_LOG_RHO[_RC_MASK > 0])
+    np.testing.assert_allclose(m["k3_kl"], np.mean(rho - np.log(rho) - 1), rtol=1e-5)
+    assert float(m["tokens"]) == 5
+    np.testing.assert_allclose(m["ratio_fraction_high"], 1 / 5)  # rho 3
+    np.testing.assert_allclose(m["ratio_fraction_low"], 1 / 5)  # rho 1/4
+    np.testing.assert_allclose(m["truncated_fraction"], 1 / 5)  # only the high side is truncated
+    np.testing.assert_allclose(m["seq_truncated_fraction"], 1 / 2)
+    assert float(m["masked_fraction"]) == 0 and float(m["seq_masked_fraction"]) == 0
+
+
+def test_rollout_correction_token_mask_by_hand():
+    w, keep, m = _rc("token", "mask")
+    np.testing.assert_array_equal(w, 1.0)
+    # rho 3 > 2 and 1/4 < 1/2 are dropped; padding / masked slots are kept (they are not the correction's business).
+    np.testing.assert_array_equal(keep, [[False, True, False, True], [True, True, True, True]])
+    np.testing.assert_allclose(m["masked_fraction"], 2 / 5)
+    np.testing.assert_allclose(m["seq_masked_fraction"], 1 / 2)
+    assert float(m["truncated_fraction"]) == 0
+
+
+def test_rollout_correction_sequence_level_by_hand():
+    # Sequence ratios: row 0: 3 * 1.5 * 0.25 = 1.125; row 1: 1.44.
+    w, keep, m = _rc("sequence", "truncate", threshold=1.3)
+    np.testing.assert_allclose(w, [[1.125, 1.125, 1.125, 1.0], [1.3, 1.3, 1.0, 1.0]], rtol=1e-5)
+    np.testing.assert_allclose(m["truncated_fraction"], 2 / 5)  # the two tokens of row 1
+    np.testing.assert_allclose(m["seq_truncated_fraction"], 1 / 2)
+    _, keep, m = _rc("sequence", "mask", threshold=1.3)
+    np.testing.assert_array_equal(keep, [[True] * 4, [False, False, True, True]])
+    np.testing.assert_allclose(m["seq_masked_fraction"], 1 / 2)
+    # Packed: the same two sequences as two segments of one row give the same weights.
+    old = np.full((1, 8), -1.0)
+    old[0, :4], old[0, 4:] = -1.0 + _LOG_RHO[0], -1.0 + _LOG_RHO[1]
+    mask = np.concatenate([_RC_MASK[0], _RC_MASK[1]])[None]
+    seg = np.array([[1, 1, 1, 1, 2, 2, 2, 2]])
+    w_packed, _, _ = algos.rollout_correction(jnp.asarray(old), jnp.full((1, 8), -1.0), jnp.asarray(mask),
+                                              level="sequence", mode="truncate", threshold=1.3,
+                                              segment_ids=jnp.asarray(seg))
+    np.testing.assert_allclose(w_packed[0], [1.125, 1.125, 1.125, 1.0, 1.3, 1.3, 1.0, 1.0], rtol=1e-5)
+
+
+def test_rollout_correction_off_measures_only_and_rejects_bad_arguments():
+    w, keep, m = _rc("token", "off")
+    np.testing.assert_array_equal(w, 1.0)
+    assert bool(jnp.all(keep)) and float(m["truncated_fraction"]) == 0 and float(m["masked_fraction"]) == 0
+    np.testing.assert_allclose(m["abs_logp_diff_max"], np.log(4.0), rtol=1e-6)
+    for kw, match in (({"level": "tok"}, "level='tok'"), ({"mode": "clip"}, "mode='clip'"),
+                      ({"threshold": 1.0}, "threshold=1.0")):
+        with pytest.raises(ValueError, match=match):
+            algos.rollout_correction(jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.ones((1, 2)),
+                                     **({"level": "token", "mode": "truncate"} | kw))
+
+
+def test_policy_loss_applies_is_weights_per_token():
+    """verl multiplies each token's (clipped) policy loss by its rollout-correction weight before aggregation."""
+    logp = jnp.log(jnp.array([[1.1, 0.5, 1.0]]))
+    adv, mask = jnp.array([[1.0, -2.0, 0.5]]), jnp.ones((1, 3))
+    wts = jnp.array([[2.0, 0.5, 1.0]])
+    base, _ = algos.ppo_policy_loss(logp, jnp.zeros((1, 3)), adv, mask, agg_mode="seq-mean-token-sum")
+    got, _ = algos.ppo_policy_loss(logp, jnp.zeros((1, 3)), adv, mask, agg_mode="seq-mean-token-sum", is_weights=wts)
+    # Per token: -1 * 1.1 (inside the clip), -(-2) * 0.8 (clipped at 1 - 0.2), -0.5 * 1.
+    np.testing.assert_allclose(base, -1.1 + 1.6 - 0.5, rtol=1e-6)
+    np.testing.assert_allclose(got, 2 * -1.1 + 0.5 * 1.6 - 0.5, rtol=1e-6)
+    g = jax.grad(lambda lp: algos.ppo_policy_loss(lp, jnp.zeros((1, 3)), adv, mask, is_weights=wts)[0])(logp)
+    np.testing.assert_allclose(g, [[-2 * 1.1 / 3, 0.0, -0.5 / 3]], rtol=1e-5)  # the weight scales the gradient

@@ -144,6 +144,11 @@ BAD = [  # (overrides, problem's field, words the message must contain, validate
     (dict(rollout__val_kwargs__n=4), "rollout.val_kwargs.n", "do_sample=True", {}),
     (dict(rollout__val_kwargs__do_sample=True, rollout__val_kwargs__temperature=0.0), "rollout.val_kwargs.temperature",
      "> 0", {}),
+    (dict(actor__rollout_correction__mode="tis"), "actor.rollout_correction.mode", "auto | off | truncate | mask", {}),
+    (dict(actor__rollout_correction__level="seq"), "actor.rollout_correction.level", "token | sequence", {}),
+    (dict(actor__rollout_correction__threshold=1.0), "actor.rollout_correction.threshold", "> 1", {}),
+    (dict(actor__rollout_correction__mode="mask", rollout__engine="vllm", rollout__temperature=0.7),
+     "actor.rollout_correction.mode", "needs rollout.temperature=1", {}),
 ]
 
 

@@ -76,6 +76,23 @@ def test_value_loss_hand_computed():
     assert float(m_u["vf_clipfrac"]) == 0.0
 
 
+def test_value_loss_reference_compat_drops_the_half(monkeypatch):
+    """Fidelity 4c: the reference's verl has no 0.5 factor: loss and gradient exactly twice current verl's."""
+    v = jnp.array([[1.0, 2.0, 0.0, 3.0]])
+    old = jnp.array([[0.0, 1.8, 0.0, 0.0]])
+    ret = jnp.array([[1.0, 1.0, 3.0, 0.0]])
+    mask = jnp.ones((1, 4))
+    loss_fn = lambda compat: lambda x: critic.value_loss(x, old, ret, mask, 0.5, reference_compat=compat)[0]
+    np.testing.assert_allclose(float(loss_fn(True)(v)), (0.25 + 1 + 9 + 9) / 4, rtol=1e-6)
+    np.testing.assert_allclose(float(loss_fn(True)(v)), 2 * float(loss_fn(False)(v)), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(loss_fn(True))(v), 2 * jax.grad(loss_fn(False))(v), rtol=1e-6)
+    # The step's micro-batch loss reads the flag from CriticConfig.
+    monkeypatch.setattr(critic, "values_of", lambda graphdef, params, mb: v)  # the loss, not the model, is tested
+    mb = {"loss_weight": mask * 0.25, "old_values": old, "returns": ret}
+    micro = lambda compat: critic._micro_value_loss(None, None, mb, critic.CriticConfig(reference_compat=compat))[0]
+    np.testing.assert_allclose(float(micro(True)), 2 * float(micro(False)), rtol=1e-6)
+
+
 def test_values_are_next_token_aligned_and_layout_independent(tiny):
     """Token-aligned value j (after unpack) is V(tokens < j): the model's last-slot value on the prefix."""
     graphdef, params = tiny

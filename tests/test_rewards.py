@@ -264,6 +264,7 @@ def test_qa_rewards():
         ("90^\\circ", "90"),
         ("\\left( 1, 2 \\right)", "(1,2)"),
         ("10\\%", "10"),
+        ("50%", "50%"),  # the reference removes only the escaped percent (fidelity 4a)
         ("\\$5", "5"),
         ("5 \\text{ cm}", "5"),
         ("1\n0", "10"),
@@ -315,6 +316,22 @@ def test_math_compute_score():
     assert mr.compute_score("so \\boxed{2\\sqrt{2}}", ["\\sqrt{8}"])["reason"] == "symbolic match"
     assert mr.compute_score("so \\boxed{3}", "4")["score"] == 0.0
     assert mr.compute_score("no box: 3", "3")["score"] == 0.0
+
+
+def test_math_bare_percent_follows_the_reference():
+    """Fidelity 4a: the reference's strip_string keeps a bare %, so 50% is not 50 (math_verify alone says it is)."""
+    assert mr.compute_score("so \\boxed{50%}", "50") == {"score": 0.0, "reason": "wrong answer", "answer": "50%"}
+    assert mr.compute_score("so \\boxed{50\\%}", "50")["reason"] == "string match"
+    assert mr.compute_score("so \\boxed{50%}", "50%")["reason"] == "string match"
+    assert not mr.math_equal("50%", "50") and not mr.math_equal("50", "50%")
+    assert mr.math_equal("0.5%", "\\frac{1}{2}%")  # % on both sides: still compared symbolically
+
+
+def test_math_fbox_is_graded_as_a_documented_deviation():
+    """Fidelity 4b, kept: \\fbox{} counts like \\boxed{} (the reference's remove_boxed asserts and scores 0);
+    documented in the math_reward module docstring."""
+    assert mr.compute_score("so \\fbox{3}", "3") == {"score": 1.0, "reason": "string match", "answer": "3"}
+    assert "fbox" in mr.__doc__
 
 
 def test_math_pathological_input_is_cut_off_and_the_worker_recovers():

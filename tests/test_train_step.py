@@ -233,6 +233,76 @@ def test_reference_micro_norm_uses_micro_batch_entropy_statistics(tiny):
     _assert_trees_close(g_default, g_ref, atol=1e-6)
 
 
+def _with_rollout_logp(batch, layout, shifts):
+    """The batch plus rollout_logp = old_logp - shift (token-aligned shifts per sequence; NaN: no engine log-prob)."""
+    old = packing.unpack(layout, batch["old_logp"])
+    return batch | {"rollout_logp": packing.place(layout, [o - sh for o, sh in zip(old, shifts)])}
+
+
+def test_rollout_correction_truncate_weights_the_token_losses(tiny):
+    """TIS in the step: rho = pi_old / pi_rollout per token, loss x min(rho, 2); with no KL/entropy terms that is the
+    step on advantages x min(rho, 2). rollout_logp == old_logp (or NaN: none reported) changes nothing."""
+    _, _, model_cfg, graphdef, params = tiny
+    batch, layout = _batch(graphdef, params, model_cfg, seed=7)
+    seqs, masks, adv = _rollout(12, 7)
+    rng = np.random.RandomState(3)
+    log_rho = [rng.choice([0.0, np.log(1.5), np.log(3.0), np.log(0.3)], size=len(s)) for s in seqs]
+    cfg = ts.UpdateConfig(rollout_correction="truncate")
+    mini = lambda b: {k: v[0] for k, v in b.items()}
+    got, m = _sgd_grads(tiny, mini(_with_rollout_logp(batch, layout, log_rho)), cfg)
+    scaled = [a * np.minimum(np.exp(r), 2.0) for a, r in zip(adv, log_rho)]
+    expected, _ = _sgd_grads(tiny, mini(batch | {"advantages": packing.place(layout, scaled)}), ts.UpdateConfig())
+    _assert_trees_close(got, expected, atol=1e-6)
+    loss_rho = np.concatenate([r[1:][mk[1:] > 0] for r, mk in zip(log_rho, masks)])
+    np.testing.assert_allclose(m["rollout_corr/truncated_fraction"], np.mean(loss_rho > np.log(2.0)), rtol=1e-5)
+    np.testing.assert_allclose(m["rollout_corr/abs_logp_diff_max"], -np.log(0.3), rtol=1e-5)
+    np.testing.assert_allclose(m["rollout_corr/kl"], -loss_rho.mean(), rtol=1e-4, atol=1e-6)
+
+    plain, _ = _sgd_grads(tiny, mini(batch), ts.UpdateConfig())
+    same, m0 = _sgd_grads(tiny, mini(_with_rollout_logp(batch, layout, [np.zeros(len(s)) for s in seqs])), cfg)
+    _assert_trees_close(same, plain, atol=0, rtol=0)
+    assert m0["rollout_corr/abs_logp_diff_max"] == 0 and m0["rollout_corr/tokens"] == sum(m[1:].sum() for m in masks)
+    none, m_nan = _sgd_grads(tiny, mini(_with_rollout_logp(batch, layout, [np.full(len(s), np.nan) for s in seqs])),
+                             cfg)
+    _assert_trees_close(none, plain, atol=0, rtol=0)
+    assert m_nan["rollout_corr/tokens"] == 0
+
+
+def test_rollout_correction_mask_drops_tokens_from_the_token_mean(tiny):
+    """Rejection in the step: tokens with rho outside [1/2, 2] leave the loss and its token-mean normaliser, exactly as
+    if their loss mask had been 0."""
+    _, _, model_cfg, graphdef, params = tiny
+    batch, layout = _batch(graphdef, params, model_cfg, seed=8)
+    seqs, masks, adv = _rollout(12, 8)
+    rng = np.random.RandomState(4)
+    rejected = [rng.rand(len(s)) < 0.2 for s in seqs]
+    log_rho = [np.where(r, np.log(4.0), 0.5 * np.log(2.0) * rng.uniform(-1, 1, len(r))) for r in rejected]
+    got, m = _sgd_grads(tiny, {k: v[0] for k, v in _with_rollout_logp(batch, layout, log_rho).items()},
+                        ts.UpdateConfig(rollout_correction="mask"))
+    kept_masks = [mk * ~r for mk, r in zip(masks, rejected)]
+    kept_batch, _ = packing.pack_batch(seqs, kept_masks, adv, mini_batch_size=12, row_len=64, rows_per_micro=2)
+    expected, _ = _sgd_grads(tiny, {k: v[0] for k, v in (batch | {"loss_weight": kept_batch["loss_weight"]}).items()},
+                             ts.UpdateConfig())
+    _assert_trees_close(got, expected, atol=1e-6)
+    n_loss = sum(mk[1:].sum() for mk in masks)
+    n_rejected = sum((mk[1:] > 0)[r[1:]].sum() for mk, r in zip(masks, rejected))
+    np.testing.assert_allclose(m["rollout_corr/masked_fraction"], n_rejected / n_loss, rtol=1e-5)
+    assert 0 < n_rejected < n_loss
+
+
+@pytest.mark.parametrize("value", [0.7, 2.3456789, 6.9077554])
+def test_pooled_entropy_stats_of_equal_entropies_give_divisor_one(monkeypatch, value):
+    """Fidelity 4f for the mini-batch pooled statistics (Chan's combination over micro-batches): equal entropies
+    give the mean itself and the divisor 1 (std 0), not float32 noise."""
+    rng = np.random.RandomState(0)
+    weights = rng.rand(3, 4, 29) * (rng.rand(3, 4, 29) < 0.7)  # [M, B, T] loss weights, some tokens without loss
+    monkeypatch.setattr(ts, "token_logprobs", lambda g, p, mb, **kw: (jnp.zeros(mb["loss_weight"].shape),
+                                                                       jnp.full(mb["loss_weight"].shape, value)))
+    mean, divisor = ts._entropy_stats(None, None, {"loss_weight": jnp.asarray(weights, jnp.float32)},
+                                      ts.UpdateConfig(entropy_adv=True))
+    assert float(divisor) == 1.0 and abs(float(mean) - value) <= 1e-6 * value
+
+
 def test_adamw_schedules_and_first_step():
     const = ts.make_schedule(ts.UpdateConfig(lr=1e-3, warmup_steps=4), 100)
     np.testing.assert_allclose([float(const(s)) for s in (0, 1, 2, 4, 50)], [0, 2.5e-4, 5e-4, 1e-3, 1e-3], rtol=1e-6)

@@ -95,6 +95,9 @@ def test_train_writes_metrics_checkpoints_tensorboard(uninterrupted):
                     "time/old_logprob", "time/update", "time/weight_sync", "perf/tokens_per_s", "train/lr"):
             assert key in r, key
         assert r["actor/grad_norm"] > 0  # the custom reward gives non-zero advantages: a real update
+        # The JAX engine runs the trainer's own model code: its log-probs of the sampled tokens are the old ones.
+        assert r["rollout_corr/tokens"] > 0 and r["rollout_corr/abs_logp_diff_max"] < 1e-4
+        assert r["rollout_corr/truncated_fraction"] == 0  # correction off by default with the JAX engine
     assert any(k.startswith("val/") for k in records[-1])  # validation at test_freq
     with Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:
         assert ckpt.all_steps() == [1, 2, 3]
@@ -185,6 +188,11 @@ def test_two_steps_with_the_vllm_sampler(shared):
     records = metrics.read_jsonl(workdir / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["time/weight_sync"] > 0 and r["rollout/trajectories"] > 0 for r in records)
+    # The mismatch metrics every step (token TIS with C = 2 by default with vLLM), from vLLM's log-probs.
+    for r in records:
+        assert r["rollout_corr/tokens"] > 0 and 0 <= r["rollout_corr/truncated_fraction"] <= 1
+        assert np.isfinite([r["rollout_corr/abs_logp_diff_mean"], r["rollout_corr/abs_logp_diff_max"],
+                            r["rollout_corr/kl"], r["rollout_corr/k3_kl"]]).all()
     assert (workdir / "vllm.log").exists()
 
 

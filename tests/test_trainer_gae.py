@@ -7,6 +7,7 @@ warm-up (policy frozen, critic moving), critic checkpoints and resume.
 """
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -152,3 +153,38 @@ def critic_updates(steps: int) -> int:
     """Critic optimizer steps after `steps` training steps of the toy config (batch 4 / mini-batch 2, 1 epoch)."""
     return steps * 2
 
+
+
+def test_seq_mean_token_sum_norm_divides_by_the_configured_response_length(tmp_path):
+    """Fidelity 4d: the reference divides by its padded response length (data.max_response_length), a constant; the
+    trainer used the longest response of the batch, so the divisor changed from batch to batch."""
+    cfg = _config(tmp_path, "--config.algorithm.adv_estimator=grpo", "--config.actor.agg_mode=seq-mean-token-sum-norm",
+                  "--config.rollout.n=2", "--config.actor.ppo_mini_batch_size=2")
+    seqs = [np.arange(3, 3 + n, dtype=np.int32) for n in (9, 7, 12, 6)]
+    masks = [(np.arange(len(s)) >= 4).astype(np.int32) for s in seqs]  # 4 prompt tokens each
+    out = SimpleNamespace(failed=np.array([""] * 4, dtype=object))  # what worker_batch reads of the rollout
+    traj = trainer_lib.Trajectories(seqs, np.full(4, 4), masks, np.array([0.0, 1.0, 1.0, 0.5], np.float32),
+                                    np.array([0, 0, 1, 1]), [], [], out, [np.zeros(len(s)) for s in seqs])
+    batch, _, layout = trainer_lib.worker_batch(traj, cfg, mini_prompts=2, rows=2, row_len=32)
+    r = cfg.data.max_response_length
+    assert r > 8  # longer than every response here: the old divisor (8) differs
+    for w, m in zip(packing.unpack(layout, batch["loss_weight"]), masks):
+        np.testing.assert_allclose(w[1:], m[1:] / r, rtol=1e-6)
+
+
+def test_rollout_correction_defaults_by_engine(tmp_path):
+    """auto: token TIS with C = 2 for vLLM, off for the JAX engine (the trainer's own model code) and for vLLM at a
+    temperature other than 1 (its log-probs are temperature 1's); an explicit mode is kept."""
+    def resolved(*overrides):
+        return trainer_lib.update_config(_config(tmp_path, "--config.algorithm.adv_estimator=grpo", *overrides))
+
+    vllm = resolved("--config.rollout.engine=vllm")
+    assert (vllm.rollout_correction, vllm.rollout_correction_level, vllm.rollout_correction_threshold) == (
+        "truncate", "token", 2.0)
+    assert resolved().rollout_correction == "off"
+    assert resolved("--config.rollout.engine=vllm", "--config.rollout.temperature=0.7").rollout_correction == "off"
+    explicit = resolved("--config.actor.rollout_correction.mode=mask",
+                        "--config.actor.rollout_correction.level=sequence",
+                        "--config.actor.rollout_correction.threshold=3.0")
+    assert (explicit.rollout_correction, explicit.rollout_correction_level,
+            explicit.rollout_correction_threshold) == ("mask", "sequence", 3.0)

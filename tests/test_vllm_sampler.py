@@ -240,6 +240,25 @@ def test_sampling_is_seeded_per_request(sampler, qwen2):
     assert top1.token_ids == sampler.generate([SampleRequest(prompt, 12)], GREEDY)[0].token_ids
 
 
+def test_token_logprobs_of_every_sampled_token(sampler, qwen2):
+    """settings.token_logprobs: the log-prob of each sampled token, at every position (the rollout correction's
+    pi_rollout), with or without top-k log-probs; None when not asked for."""
+    _, models, tok = qwen2
+    _use(sampler, qwen2, "a")
+    prompt = _prompts(tok)[1]
+    for k in (0, 10):
+        settings = SamplingSettings(temperature=1.0, stop=(), logprobs=k, logprob_positions=5, seed=7,
+                                    token_logprobs=True)
+        r = sampler.generate([SampleRequest(prompt, 30)], settings)[0]
+        assert len(r.token_logprobs) == len(r.token_ids) >= 1  # the seed depends on the call count: any length
+        ref = _hf_logprobs(models["a"], prompt, r.token_ids)
+        want = ref[np.arange(len(r.token_ids)), r.token_ids]
+        assert np.abs(np.asarray(r.token_logprobs) - want).max() < LOGPROB_ATOL
+        assert len(r.top_logprobs) == (min(5, len(r.token_ids)) if k else 0)
+        assert all(top[t] == lp for top, t, lp in zip(r.top_logprobs, r.token_ids, r.token_logprobs))
+    assert sampler.generate([SampleRequest(prompt, 3)], SamplingSettings(stop=()))[0].token_logprobs is None
+
+
 def test_startup_failure_is_reported(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "no_such_model"}')
     with pytest.raises(VllmWorkerError, match="no_such_model|exited"):

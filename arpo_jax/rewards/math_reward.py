@@ -2,6 +2,16 @@
 
 Named ``math_reward`` so that ``from arpo_jax.rewards import ...`` never shadows the stdlib ``math``.
 
+Deviations from the reference ``math.py`` (string equality after ``strip_string`` only):
+  * symbolic equivalence via ``math_verify`` when the strings differ (``2\\sqrt{2}`` = ``\\sqrt{8}``), except
+    that a bare ``%`` on one side only never matches (below);
+  * ``\\fbox{...}`` is graded like ``\\boxed{...}``: the reference's ``last_boxed_only_string`` finds it but its
+    ``remove_boxed`` asserts ``\\boxed{`` and the answer scores 0.
+
+As in the reference, ``strip_string`` removes ``\\%`` but keeps a bare ``%``, so ``\\boxed{50%}`` against ``50``
+scores 0 (and ``\\boxed{50\\%}`` scores 1). math_verify would read ``50%`` as ``50``, so the symbolic check
+refuses a bare ``%`` on one side only.
+
 Thread and hang safety: ``math_verify`` bounds sympy with ``signal.alarm``, which only works in the main
 thread, and no in-process timeout can stop a C-level bignum operation that holds the GIL. So symbolic checks
 run in a small pool of child interpreters with a hard deadline: an overrunning child is killed and restarted.
@@ -90,7 +100,7 @@ def strip_string(s: str) -> str:
     s = s.replace("^{\\circ}", "").replace("^\\circ", "")  # degrees
     s = s.replace("\\$", "")
     s = _remove_right_units(s)
-    s = s.replace("\\%", "").replace("%", "")
+    s = s.replace("\\%", "")  # only the escaped percent: a bare % stays (the reference's strip_string)
     # " .5" / "{.5" / ".5" -> leading zero
     s = s.replace(" .", " 0.").replace("{.", "{0.")
     if not s:
@@ -205,6 +215,11 @@ _NEXT_WORKER = itertools.count()
 atexit.register(lambda: [w.close() for w in _WORKERS])
 
 
+def _has_bare_percent(s: str) -> bool:
+    """Whether ``s`` holds a ``%`` that is not ``\\%`` (which ``strip_string`` removes)."""
+    return "%" in s.replace("\\%", "")
+
+
 def symbolic_equal(pred: str, gold: str, timeout_s: float = _SYMBOLIC_TIMEOUT_S) -> bool:
     """Symbolic/numeric equivalence via ``math_verify``; never raises, never hangs.
 
@@ -216,6 +231,8 @@ def symbolic_equal(pred: str, gold: str, timeout_s: float = _SYMBOLIC_TIMEOUT_S)
     """
     if len(pred) > _MAX_SYMBOLIC_CHARS or len(gold) > _MAX_SYMBOLIC_CHARS:
         return False
+    if _has_bare_percent(pred) != _has_bare_percent(gold):
+        return False  # the reference's strip_string keeps a bare %, so "50%" is not "50" (module docstring)
     pred_text, gold_text = _TEXT_WRAPPER.sub(r"\1", pred), _TEXT_WRAPPER.sub(r"\1", gold)
     if _PLAIN_WORDS.match(pred_text) or _PLAIN_WORDS.match(gold_text):
         # Words are compared as words (case-insensitive), never symbolically (see _PLAIN_WORDS).

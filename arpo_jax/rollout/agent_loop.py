@@ -172,6 +172,9 @@ class RolloutOutput:
     failed: np.ndarray  # [B*n] str: "" or the first failure cause (FAILURE_CAUSES), with isolate_failures
     trees: list[PromptTree]
     metrics: dict[str, float]
+    # [B*n, R] float32: the engine's log-prob of each sampled response token (`SamplingSettings.token_logprobs`);
+    # NaN where it has none (tool results, an appended call-limit EOS, padding, engines that report none).
+    rollout_logp: np.ndarray
 
 
 @dataclasses.dataclass
@@ -184,6 +187,7 @@ class _Slot:
     round_created: int = 0
     parent: int | None = None
     mask: list[int] = dataclasses.field(default_factory=list)  # per response token: 1 model, 0 tool result
+    logps: list[float] = dataclasses.field(default_factory=list)  # per response token: engine log-prob or NaN
     calls: int = 0
     segments: int = 0
     branch_point: int = 0
@@ -389,12 +393,15 @@ class _Loop:
         s.post_tool = False
         s.tokens.extend(res.token_ids)
         s.mask.extend([1] * len(res.token_ids))
+        lps = res.token_logprobs
+        s.logps.extend(lps if lps is not None and len(lps) == len(res.token_ids) else [np.nan] * len(res.token_ids))
         s.segments += 1
         if res.finish_reason == "stop" and res.stop_string in self.closers:
             tag = res.stop_string[2:-1]
             if s.calls >= self.cfg.call_limit:
                 s.tokens.append(self.eos)  # the extra call: EOS, trained (mask 1)
                 s.mask.append(1)
+                s.logps.append(np.nan)  # not sampled: no engine log-prob
                 s.finish = "call_limit"
                 self.m["call_limit_reached"] += 1
                 return None
@@ -426,6 +433,7 @@ class _Loop:
             ids = encode_tool_result(self.tok, text, self.compat)
             s.tokens.extend(ids)
             s.mask.extend([0] * len(ids))
+            s.logps.extend([np.nan] * len(ids))
             s.post_tool = True
 
     def _execute(self, requests: list[tuple[str, str]]) -> list[tuple[str, str | None]]:
@@ -476,6 +484,7 @@ class _Loop:
         child = self._new_slot(src.prompt, "branch", r + 1)
         child.tokens = list(src.tokens[:length])
         child.mask = list(src.mask[:length - src.prompt_len])
+        child.logps = list(src.logps[:length - src.prompt_len])
         child.calls, child.segments, child.parent = calls, segments, src.id
         child.branch_point = length - src.prompt_len
         child.baseline = None if self.compat else src.baseline
@@ -568,12 +577,14 @@ class _Loop:
         N = len(rows)
         responses = np.full((N, R), pad, np.int32)
         mask = np.zeros((N, R), np.int32)
+        rollout_logp = np.full((N, R), np.nan, np.float32)
         lengths = np.zeros(N, np.int32)
         for i, s in enumerate(rows):
             resp = s.tokens[s.prompt_len:s.prompt_len + R]
             lengths[i] = len(resp)
             responses[i, :len(resp)] = resp
             mask[i, :len(resp)] = s.mask[:R]
+            rollout_logp[i, :len(resp)] = s.logps[:R]
         is_eos = (responses == self.eos).astype(np.int32)
         attn = (np.cumsum(is_eos, axis=1) - is_eos) == 0  # up to and including the first EOS
         if not self.compat:
@@ -600,7 +611,7 @@ class _Loop:
             truncated=np.asarray([s.resp_len > R for s in rows]),
             finish_reason=np.asarray([s.finish for s in rows], dtype=object),
             failed=np.asarray([s.failed for s in rows], dtype=object),
-            trees=self._trees(), metrics=self._metrics(rows, lengths))
+            trees=self._trees(), metrics=self._metrics(rows, lengths), rollout_logp=rollout_logp)
 
     def _trees(self) -> list[PromptTree]:
         for tree in self.trees:

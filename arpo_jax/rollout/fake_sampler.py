@@ -4,7 +4,8 @@ A *script* decides, for every request of every `generate` call, what the "model"
 or token ids, optionally followed by EOS, with a chosen entropy level for its log-probs. The sampler then behaves
 like an engine: it stops at the first stop string found in the decoded new text (keeping the ids of the token that
 completed it), at EOS, or after `max_tokens` tokens, and reports `finish_reason`, `stop_string`, `text` (stop
-string removed) and top-k log-probs for the first `logprob_positions` positions.
+string removed) and top-k log-probs for the first `logprob_positions` positions; with `settings.token_logprobs`,
+`fake_token_logprob(t)` for every emitted token t (a token-dependent value, so alignment errors show).
 
     sampler = ScriptedSampler(tok, lambda call: Segment("<python>print(1)</python>"))
 """
@@ -54,6 +55,11 @@ def top_logprobs_for(token: int, k: int, spread: float, vocab_size: int) -> dict
     for t in others:
         out[t] = math.log(max(spread / max(len(others), 1), 1e-12))
     return out
+
+
+def fake_token_logprob(token: int) -> float:
+    """The scripted engine's log-prob of an emitted token: -0.01 .. -0.97, depending on the token id."""
+    return -(1 + token % 97) / 100
 
 
 class ScriptedSampler:
@@ -106,7 +112,8 @@ class ScriptedSampler:
             top = [dict(lp) for lp in seg.logprobs[:n_pos]]
         else:
             top = [top_logprobs_for(t, settings.logprobs, seg.spread, self.vocab_size) for t in out[:n_pos]]
-        return SampleResult(out, text, finish, stop_string, top)
+        token_lp = [fake_token_logprob(t) for t in out] if settings.token_logprobs else None
+        return SampleResult(out, text, finish, stop_string, top, token_lp)
 
 
 def by_slot(segments: Mapping[int, Sequence[Segment]], default: Segment = Segment(eos=True)) -> Script:

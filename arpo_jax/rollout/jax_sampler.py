@@ -22,6 +22,7 @@ top-k/top-p truncation applied (truncated tokens have -inf and are not reported)
 temperature is taken as 1 and no truncation applies (vLLM forces top_p=1, top_k=-1 then). With the training
 settings (T=1, top_p=1, top_k=-1) this is the plain model log_softmax. `logprobs_mode="raw"` reports the model's
 log_softmax (restricted to tokenizer ids) regardless of temperature/top-k/top-p (vLLM V1's default).
+`settings.token_logprobs` adds the sampled token's log-prob (same distribution) at every position.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def process_logits(logits, allowed, temperature, top_k, top_p, *, greedy: bool, 
 
 
 def _decode_chunk(graphdef, state, cache, h, active, ngen, row_ids, ctx_lens, limits, eos_ids, allowed, seed,
-                  temperature, top_k, top_p, *, n_steps, greedy, truncate, n_logprobs, raw_logprobs, rules):
+                  temperature, top_k, top_p, *, n_steps, greedy, truncate, n_logprobs, raw_logprobs, rules,
+                  tok_logprobs=False):
     """`n_steps` sampling steps. Each: logits from the carried hidden state -> sample -> feed the token.
 
     A row samples while `active`; a sampled token is written to the cache unless it ends the row (EOS or the
@@ -130,12 +132,13 @@ def _decode_chunk(graphdef, state, cache, h, active, ngen, row_ids, ctx_lens, li
         hidden, cache = model.extend_hidden(tok[:, None], (ctx_lens + ngen - 1)[:, None], cache, written[:, None])
         h = jnp.where(written[:, None], hidden[:, 0], h)
         out = {"tok": tok, "sampled": sampled, "written": written}
-        if n_logprobs:
+        if n_logprobs or tok_logprobs:  # tok_logprobs: the sampled token's log-prob at every step
             if raw_logprobs:  # the model's distribution over tokenizer ids
                 lp = jax.nn.log_softmax(logits if allowed is None else jnp.where(allowed[None], logits, -jnp.inf))
             else:  # the distribution sampled from
                 lp = jax.nn.log_softmax(z, axis=-1)
-            out["top_vals"], out["top_ids"] = jax.lax.top_k(lp, n_logprobs)
+            if n_logprobs:
+                out["top_vals"], out["top_ids"] = jax.lax.top_k(lp, n_logprobs)
             out["tok_lp"] = jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
         return (cache, h, active & ~done, ngen), out
 
@@ -187,7 +190,8 @@ def _jitted(graphdef, cfg) -> SimpleNamespace:
         prefill=jax.jit(_counted("prefill", functools.partial(_prefill_chunk, graphdef, rules=rules)),
                         donate_argnums=(1, 2)),
         decode=jax.jit(_counted("decode", functools.partial(_decode_chunk, graphdef, rules=rules)),
-                       static_argnames=("n_steps", "greedy", "truncate", "n_logprobs", "raw_logprobs"),
+                       static_argnames=("n_steps", "greedy", "truncate", "n_logprobs", "raw_logprobs",
+                                        "tok_logprobs"),
                        donate_argnums=(1, 2, 4)),
         # Not donated: the new cache has another shape, so XLA could not reuse the old buffers anyway.
         regather=jax.jit(_counted("regather", functools.partial(_regather, rules=rules)), static_argnames=("s_new",)),
@@ -211,6 +215,7 @@ class _Row:
         self.limit, self.stop = limit, stop
         self.gen: list[int] = []
         self.top_logprobs: list[dict[int, float]] = []
+        self.token_logprobs: list[float] = []  # the sampled tokens' (settings.token_logprobs)
         self.text = ""
         self.finish: str | None = None
         self.stop_string: str | None = None
@@ -352,7 +357,8 @@ class JaxSampler:
             h = self._prefill_all(plan)
             rows = self._decode_all(plan, h, settings)
         self._save_slots(requests, plan)
-        return [SampleResult(r.gen, r.text, r.finish, r.stop_string, r.top_logprobs) for r in rows]
+        return [SampleResult(r.gen, r.text, r.finish, r.stop_string, r.top_logprobs,
+                             r.token_logprobs if settings.token_logprobs else None) for r in rows]
 
     # -- the three phases ---------------------------------------------------------------------------------------
 
@@ -442,7 +448,8 @@ class JaxSampler:
             n_steps = min(self.decode_chunk, _bucket(remaining, pow2_buckets(1, self.decode_chunk), "steps"))
             cache, h, dev_active, ngen, out = self._fns.decode(
                 self._state, cache, h, jnp.asarray(active), ngen, **fixed, n_steps=n_steps, greedy=greedy,
-                truncate=truncate, n_logprobs=lp_k, raw_logprobs=self.logprobs_mode == "raw")
+                truncate=truncate, n_logprobs=lp_k, raw_logprobs=self.logprobs_mode == "raw",
+                tok_logprobs=settings.token_logprobs)
             out = jax.device_get(out)
             for i in np.flatnonzero(active):
                 row = rows[i]
@@ -452,6 +459,8 @@ class JaxSampler:
                     if lp_k and len(row.gen) < settings.logprob_positions:
                         lps = _logprob_dict(out["top_vals"][i, j], out["top_ids"][i, j], out["tok"][i, j],
                                             out["tok_lp"][i, j])
+                    if settings.token_logprobs:
+                        row.token_logprobs.append(float(out["tok_lp"][i, j]))
                     row.add(int(out["tok"][i, j]), self.eos_ids, lps)
                     if row.finish is not None:
                         active[i] = False

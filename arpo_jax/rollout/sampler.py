@@ -29,6 +29,9 @@ class SamplingSettings:
     logprobs: int = 10  # top-k log-probs per generated position (0 = none)
     logprob_positions: int = 20  # how many leading generated positions need them (ARPO: 20)
     seed: int = 0  # base seed; engines derive per-request keys from it explicitly
+    # Also return the log-prob of every sampled token (SampleResult.token_logprobs), for the trainer's rollout
+    # correction: the distribution the engine reports its top-k log-probs from (see each engine).
+    token_logprobs: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +61,9 @@ class SampleResult:
     # top_logprobs[t] = {token_id: logprob} for generated position t (t < logprob_positions): the top-k tokens,
     # plus the sampled token if it is not among them (vLLM's convention: k or k + 1 entries).
     top_logprobs: list[dict[int, float]]
+    # token_logprobs[t] = log-prob of token_ids[t] when `SamplingSettings.token_logprobs` was set and the engine
+    # reports it; None otherwise.
+    token_logprobs: list[float] | None = None
 
 
 class Sampler(Protocol):

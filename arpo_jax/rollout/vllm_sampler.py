@@ -6,10 +6,12 @@ The trainer's JAX process never imports vllm or torch. `VllmSampler` starts this
 talks to it over a `multiprocessing.connection` socket with plain dicts and lists.
 
 Per call it builds the reference's SamplingParams (spec 3.1): n=1, the stop strings, `logprobs=k`, max_tokens
-per request, temperature / top_p / top_k and an explicit per-request seed. vLLM keeps the tokens of a matched
-stop string in `token_ids` (`include_stop_str_in_output=False` only strips the text), which is what the agent
-loop relies on; finish reasons map to "stop" (a stop string), "eos" (EOS or another stop token, included in
-`token_ids`) and "length".
+per request, temperature / top_p / top_k and an explicit per-request seed. With `settings.token_logprobs` the
+sampled token's log-prob at every position comes back too (vLLM reports it with any `logprobs` >= 0), in the
+engine's `logprobs_mode`: with "raw_logprobs" (the default here) the model's log_softmax at temperature 1. vLLM
+keeps the tokens of a matched stop string in `token_ids` (`include_stop_str_in_output=False` only strips the text),
+which is what the agent loop relies on; finish reasons map to "stop" (a stop string), "eos" (EOS or another stop
+token, included in `token_ids`) and "length".
 
 Weight sync (`update_weights`): the trainer exports an HF safetensors folder (`arpo_jax.hf.save_pretrained`,
 e.g. to /dev/shm) and the worker reloads it in place with vLLM's `reload_weights` worker RPC
@@ -254,7 +256,8 @@ class VllmSampler:
         out = self._call("generate", payload, "generating")
         self.last_stats = out["stats"]
         return [SampleResult(token_ids=r["token_ids"], text=r["text"], finish_reason=r["finish_reason"],
-                             stop_string=r["stop_string"], top_logprobs=r["top_logprobs"]) for r in out["results"]]
+                             stop_string=r["stop_string"], top_logprobs=r["top_logprobs"],
+                             token_logprobs=r.get("token_logprobs")) for r in out["results"]]
 
     def update_weights(self, params_or_path) -> float:
         """Reloads new policy weights in place and returns the seconds the sync took (export included).
@@ -352,16 +355,19 @@ class _Engine:
         stop = list(s["stop"]) or None
         k = int(s["logprobs"])
         positions = int(s["logprob_positions"])
+        want_token_lp = bool(s.get("token_logprobs"))
+        # logprobs=k reports the sampled token too at every position (k or k + 1 entries); 0 = only the sampled one.
+        n_logprobs = k if k > 0 else (0 if want_token_lp else None)
         results: list[dict | None] = [None] * len(payload["requests"])
         prompts, params, index = [], [], []
         for i, ((ids, max_tokens), seed) in enumerate(zip(payload["requests"], payload["seeds"])):
             room = self.max_model_len - len(ids)
             if room <= 0 or max_tokens <= 0:  # nothing can be generated: the context is full
-                results[i] = _result([], "", "length", None, [])
+                results[i] = _result([], "", "length", None, [], [] if want_token_lp else None)
                 continue
             params.append(SamplingParams(
                 n=1, temperature=float(s["temperature"]), top_p=float(s["top_p"]),
-                top_k=int(s["top_k"]) if s["top_k"] > 0 else 0, seed=seed, stop=stop, logprobs=k if k > 0 else None,
+                top_k=int(s["top_k"]) if s["top_k"] > 0 else 0, seed=seed, stop=stop, logprobs=n_logprobs,
                 max_tokens=min(int(max_tokens), room), allowed_token_ids=self.allowed_ids))
             prompts.append({"prompt_token_ids": ids})
             index.append(i)
@@ -375,8 +381,13 @@ class _Engine:
                 reason = "length"
             else:
                 raise RuntimeError(f"request {i} finished with {o.finish_reason!r} (stop_reason {o.stop_reason!r})")
-            top = [{int(t): float(lp.logprob) for t, lp in pos.items()} for pos in (o.logprobs or [])[:positions]]
-            results[i] = _result(list(o.token_ids), o.text, reason, o.stop_reason if reason == "stop" else None, top)
+            top = [{int(t): float(lp.logprob) for t, lp in pos.items()} for pos in (o.logprobs or [])[:positions]
+                   if k > 0]
+            token_lp = None
+            if want_token_lp and o.logprobs is not None and len(o.logprobs) == len(o.token_ids):
+                token_lp = [float(pos[int(t)].logprob) for pos, t in zip(o.logprobs, o.token_ids)]
+            results[i] = _result(list(o.token_ids), o.text, reason, o.stop_reason if reason == "stop" else None, top,
+                                 token_lp)
             stats["prompt_tokens"] += len(out.prompt_token_ids)
             stats["cached_tokens"] += int(out.num_cached_tokens or 0)
             stats["generated_tokens"] += len(o.token_ids)
@@ -391,9 +402,9 @@ class _Engine:
         return time.perf_counter() - t0
 
 
-def _result(token_ids, text, finish_reason, stop_string, top_logprobs) -> dict:
+def _result(token_ids, text, finish_reason, stop_string, top_logprobs, token_logprobs=None) -> dict:
     return {"token_ids": token_ids, "text": text, "finish_reason": finish_reason, "stop_string": stop_string,
-            "top_logprobs": top_logprobs}
+            "top_logprobs": top_logprobs, "token_logprobs": token_logprobs}
 
 
 def _has_gpu() -> bool:
