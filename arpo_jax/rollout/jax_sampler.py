@@ -10,8 +10,10 @@ One `generate` call runs, for a batch of trajectories:
      detected on device, stop strings on the host between chunks, on incrementally decoded text (as vLLM does).
 
 Shapes are bucketed so compiles stay bounded: batch B to powers of two (a multiple of the mesh's batch axes), the
-cache length S to powers of two, prefill chunks T to powers of two up to `prefill_chunk`. Each jitted function
-counts its traces in `TRACE_COUNTS` (a trace = a compile); samplers of one model share the compiled functions.
+cache length S (the longest context + new tokens; padding is never stored past it) and prefill chunks T (up to
+`prefill_chunk`) in 1.5x / 2x steps. Each jitted function counts its traces in `TRACE_COUNTS` (a trace = a
+compile); samplers of one model share the compiled functions. The model's layers run as one `lax.scan`
+(`Config.scan_layers`), so a compile costs about one layer's, whatever the depth.
 
 Cache invariant: every row is contiguous from slot 0 and slot index == RoPE position. Slots >= the row's
 `lengths` are free (position -1). The host records, per saved slot, the token ids its row holds.
