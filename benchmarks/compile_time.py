@@ -18,7 +18,7 @@ import json
 import os
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import jax  # noqa: E402
