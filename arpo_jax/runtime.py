@@ -28,8 +28,30 @@ TINY_MAX_POSITIONS = 2048  # the builtin tiny model's positions: data.max_prompt
 COORDINATOR_ENV = ("ARPO_COORDINATOR", "ARPO_NUM_PROCESSES", "ARPO_PROCESS_ID")
 
 
+COMPILATION_CACHE_ENV = "ARPO_COMPILATION_CACHE"
+
+
+def enable_compilation_cache(directory: str | os.PathLike | None = None) -> Path | None:
+    """Turns on JAX's persistent compilation cache, so a resumed or repeated run loads its compiled programs
+    instead of compiling them again. The directory: `directory`, else $ARPO_COMPILATION_CACHE, else
+    `$ARPO_CACHE/jax-compilation` (default ~/.cache/arpo-jax/jax-compilation); $ARPO_COMPILATION_CACHE=off turns
+    it off. A directory already configured for JAX (JAX_COMPILATION_CACHE_DIR) is left as it is. Returns the
+    directory in use, or None.
+    """
+    if jax.config.jax_compilation_cache_dir:
+        return Path(jax.config.jax_compilation_cache_dir)
+    choice = str(directory or os.environ.get(COMPILATION_CACHE_ENV) or "")
+    if choice.lower() == "off":
+        return None
+    path = Path(choice).expanduser() if choice else named_models.cache_dir() / "jax-compilation"
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    return path
+
+
 def initialize_distributed() -> None:
-    """Joins a multi-process run when the environment describes one; a single process does nothing.
+    """Joins a multi-process run when the environment describes one; a single process does nothing. Also turns
+    on the persistent compilation cache (`enable_compilation_cache`).
 
     `ARPO_COORDINATOR=host:port`, `ARPO_NUM_PROCESSES`, `ARPO_PROCESS_ID` start it explicitly; otherwise a SLURM
     job with several tasks or a multi-host TPU slice is detected by `jax.distributed.initialize()` itself.
@@ -43,6 +65,7 @@ def initialize_distributed() -> None:
                                    int(os.environ["ARPO_PROCESS_ID"]), initialization_timeout=300)
     elif int(os.environ.get("SLURM_NTASKS", "1")) > 1 or os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0:
         jax.distributed.initialize()
+    enable_compilation_cache()
 
 
 def is_main_process() -> bool:

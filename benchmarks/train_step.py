@@ -1,18 +1,23 @@
-"""Policy-update throughput: arpo_jax's jitted train step against the same update in PyTorch + transformers.
+"""Policy-update and forward log-prob throughput: arpo_jax's jitted steps against the same in PyTorch + transformers.
 
 One optimizer step = forward, backward and AdamW over a mini-batch of ``--micro`` micro-batches of ``--batch``
 sequences of ``--seq`` tokens (gradient accumulation), PPO-clip token-mean loss, grad clip 1.0, AdamW (wd 0.01),
-float32, on a random Qwen2 model of ~57M parameters (same weights on both sides). PyTorch computes the loss the
-way verl does (full [B, T, V] logits, log_softmax, gather; the entropy metric under no_grad); arpo_jax uses its
-chunked hidden-state path. Both run on this machine's CPUs with the same thread count.
+on ``--model`` (default the real SmolLM2-135M-Instruct, 2 x 4 x 256 tokens; ``--model random`` is the synthetic
+~57M Qwen2 of ``--hidden/--layers/--vocab``), same weights on both sides. PyTorch computes the loss the way verl
+does (full [B, T, V] logits, log_softmax, gather; the entropy metric under no_grad); arpo_jax uses its chunked
+hidden-state path. The forward log-probs (old / reference log-probs of a rollout) are timed the same way, no grad.
+Both run on this machine's CPUs with the same thread count (or, on a GPU, both on the GPU; the PyTorch columns are
+skipped when torch has no CUDA there).
 
-MFU = model FLOPs per second / this machine's measured float32 matmul peak (best of a few large ``jnp.dot``).
-Model FLOPs per token = 3 x forward (2 x non-embedding params + 4 x layers x seq x heads x head_dim, full
-attention as PaLM counts it).
+MFU = model FLOPs per second / this machine's matmul peak measured in the same run (best of a few large
+``jnp.dot`` in ``--dtype``). Model FLOPs per token = 3 x forward for the update, 1 x forward for the log-probs
+(forward = 2 x matmul params (LM head included) + 4 x layers x seq x heads x head_dim, full attention as PaLM
+counts it). Compile seconds = first call (compile + one run) minus a timed run.
 
-  python benchmarks/train_step.py [--hidden 512 --layers 8 --vocab 32000 --seq 1024 --batch 1 --micro 2 --steps 3]
+  python benchmarks/train_step.py [--model smollm2-135m-instruct|PATH|random] [--seq 256 --batch 4 --micro 2]
+                                  [--steps 3] [--dtype float32|bfloat16] [--remat none] [--no-scan]
 
-Prints a table, then a final JSON line: tokens/s of both, the ratio (ours / torch; > 1 means faster) and MFU.
+Prints a table, then a final JSON line: tokens/s of both, the ratios (ours / torch; > 1 means faster) and MFU.
 """
 
 from __future__ import annotations
@@ -21,32 +26,54 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch may share the accelerator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
+
+try:
+    import torch
+except ImportError:  # the PyTorch columns are skipped
+    torch = None
 
 import arpo_jax
-from arpo_jax import packing, testing
+from arpo_jax import named_models, packing, testing
 from arpo_jax import train_step as ts
 
-PROMPT = 128  # leading tokens of every sequence without loss
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
-    """Best float32 FLOP/s of an n x n matmul through XLA on this machine."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+def matmul_peak_flops(dtype: str = "float32", n: int | None = None, repeats: int = 5) -> float:
+    """Best FLOP/s of an n x n matmul through XLA on this machine's default device (n 2048 on CPU, 8192 else)."""
+    n = n or (2048 if jax.default_backend() == "cpu" else 8192)
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
     best = min(_timed(lambda: f(a).block_until_ready()) for _ in range(repeats))
     return 2 * n**3 / best
+
+
+def machine() -> dict:
+    """The device and, on CPU, the CPU's model and its vector-unit flags (the peak depends on them)."""
+    info = {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "cpus": os.cpu_count()}
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return {**info, "cpu": platform.processor() or platform.machine()}
+    model = re.search(r"^model name\s*:\s*(.*)$", text, re.M)
+    flags_line = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
+    flags = set(flags_line.group(1).split()) if flags_line else set()
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+    return {**info, "cpu": model.group(1).strip() if model else platform.machine(),
+            "cpu_flags": [f for f in wanted if f in flags]}
 
 
 def _timed(fn) -> float:
@@ -68,18 +95,27 @@ def _rollout(args, vocab: int):
     rng = np.random.RandomState(0)
     n = args.micro * args.batch
     seqs = [rng.randint(3, vocab, args.seq) for _ in range(n)]
-    masks = [(np.arange(args.seq) >= PROMPT).astype(np.float32) for _ in range(n)]
+    masks = [(np.arange(args.seq) >= args.prompt).astype(np.float32) for _ in range(n)]
     return seqs, masks, rng.randn(n).astype(np.float32)
 
 
 def setup_jax(path: Path, args):
-    """Returns (one timed-step closure, compile + first step seconds)."""
-    model = arpo_jax.from_pretrained(path, remat=args.remat)
+    """Returns (timed update-step closure, its compile + first step seconds, timed forward-log-probs closure, its
+    compile + first call seconds)."""
+    model = arpo_jax.from_pretrained(path, dtype=args.dtype, remat=args.remat, scan_layers=not args.no_scan)
     graphdef, params = ts.split_model(model)
     seqs, masks, adv = _rollout(args, model.config.vocab_size)
     batch, _ = packing.pack_batch(seqs, masks, adv, mini_batch_size=len(seqs), row_len=args.seq,
                                   rows_per_micro=args.batch, pack=False)
-    batch["old_logp"] = np.asarray(ts.jit_forward_logprobs(graphdef, model.config)(params, batch)[0])
+    forward = ts.jit_forward_logprobs(graphdef, model.config)
+    out = {}
+
+    def fwd():
+        out["logp"] = forward(params, batch)[0]
+        jax.block_until_ready(out["logp"])
+
+    fwd_first = _timed(fwd)
+    batch["old_logp"] = np.asarray(out["logp"])
     mini = {k: jnp.asarray(v[0]) for k, v in batch.items()}  # [M, B, T]
     cfg = ts.UpdateConfig(lr=1e-6)
     opt = ts.make_optimizer(cfg, 100)
@@ -90,7 +126,7 @@ def setup_jax(path: Path, args):
         holder[0], metrics = jitted(holder[0], mini)
         jax.block_until_ready((holder[0], metrics))
 
-    return step, _timed(step)
+    return step, _timed(step), fwd, fwd_first
 
 
 def _torch_ppo_loss(logp, old_logp, adv, mask, clip=0.2, clip_c=3.0):
@@ -102,13 +138,14 @@ def _torch_ppo_loss(logp, old_logp, adv, mask, clip=0.2, clip_c=3.0):
     return (loss * mask).sum() / (mask.sum() + 1e-8)
 
 
-def setup_torch(ref_model, args):
-    """Returns one timed-step closure (after a warm-up step)."""
+def setup_torch(ref_model, args, device):
+    """Returns (timed update-step closure, timed forward-log-probs closure), after a warm-up of each."""
     seqs, masks, adv = _rollout(args, ref_model.config.vocab_size)
-    ids = torch.tensor(np.stack(seqs)).view(args.micro, args.batch, args.seq)
-    mask = torch.tensor(np.stack(masks))[:, 1:].reshape(args.micro, args.batch, args.seq - 1)
-    adv_t = torch.tensor(adv).view(args.micro, args.batch, 1).expand(-1, -1, args.seq - 1)
-    model = ref_model.train()
+    ids = torch.tensor(np.stack(seqs)).view(args.micro, args.batch, args.seq).to(device)
+    mask = torch.tensor(np.stack(masks))[:, 1:].reshape(args.micro, args.batch, args.seq - 1).to(device)
+    adv_t = torch.tensor(adv).view(args.micro, args.batch, 1).expand(-1, -1, args.seq - 1).to(device)
+    model = ref_model.to(device).train()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
     def logprobs(x):
@@ -118,8 +155,13 @@ def setup_torch(ref_model, args):
             (-(logp_all.exp() * logp_all).sum(-1)).mean()
         return torch.gather(logp_all, -1, x[:, 1:, None])[..., 0]
 
-    with torch.no_grad():
-        old = [logprobs(ids[m]) for m in range(args.micro)]
+    def forward():
+        with torch.no_grad():
+            out = [logprobs(ids[m]) for m in range(args.micro)]
+        sync()
+        return out
+
+    old = forward()
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -129,60 +171,113 @@ def setup_torch(ref_model, args):
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        sync()
 
     step()  # warm-up (allocator, optimizer state)
-    return step
+    return step, forward
+
+
+def torch_device(args) -> str | None:
+    """Where PyTorch runs: beside JAX (the CPU, or CUDA when JAX is on a GPU); None: skip (no CUDA torch there)."""
+    if jax.default_backend() == "cpu":
+        return "cpu"
+    return "cuda" if torch is not None and torch.cuda.is_available() else None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=1, help="sequences per micro-batch")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="a named model, an HF folder, or 'random'")
+    ap.add_argument("--hidden", type=int, default=512, help="--model random only")
+    ap.add_argument("--layers", type=int, default=8, help="--model random only")
+    ap.add_argument("--vocab", type=int, default=32000, help="--model random only")
+    ap.add_argument("--seq", type=int, default=None, help="default 256 (real model) or 1024 (random)")
+    ap.add_argument("--prompt", type=int, default=None, help="leading tokens without loss (default seq / 2)")
+    ap.add_argument("--batch", type=int, default=None, help="sequences per micro-batch (default 4 or 1)")
     ap.add_argument("--micro", type=int, default=2, help="micro-batches per optimizer step")
     ap.add_argument("--steps", type=int, default=3, help="timed steps of each, interleaved (best is reported)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--remat", default="none")
+    ap.add_argument("--no-scan", action="store_true", help="unrolled layers (scan_layers=False)")
     args = ap.parse_args()
+    real = args.model != "random"
+    args.seq = args.seq or (256 if real else 1024)
+    args.batch = args.batch or (4 if real else 1)
+    args.prompt = args.seq // 2 if args.prompt is None else args.prompt
     threads = os.cpu_count() or 1
-    torch.set_num_threads(threads)  # XLA's CPU client uses every core by default
+    device = torch_device(args)
+    if torch is not None:
+        torch.set_num_threads(threads)  # XLA's CPU client uses every core by default
+    tdtype = getattr(torch, args.dtype) if torch is not None else None
 
     root = Path(tempfile.mkdtemp(prefix="arpo_bench_train_"))
     try:
-        heads = args.hidden // 64
-        ref = testing.make_tiny_hf_model(root, "qwen2", vocab_size=args.vocab, hidden_size=args.hidden,
-                                         num_layers=args.layers, num_heads=heads, num_kv_heads=max(1, heads // 4),
-                                         intermediate_size=args.hidden * 3, max_position_embeddings=args.seq,
-                                         scale=0.02)
-        n_params = sum(p.numel() for p in ref.parameters())
-        cfg = arpo_jax.hf.read_config(root)[0]
-        peak = matmul_peak_flops()
-        ours_step, compile_s = setup_jax(root, args)
-        torch_step = setup_torch(ref, args)
+        if real:
+            path = named_models.model_folder(args.model)
+            ref = None
+            if device is not None:
+                import transformers
+                ref = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=tdtype)
+        else:
+            path = root
+            heads = args.hidden // 64
+            ref = testing.make_tiny_hf_model(root, "qwen2", vocab_size=args.vocab, hidden_size=args.hidden,
+                                             num_layers=args.layers, num_heads=heads, num_kv_heads=max(1, heads // 4),
+                                             intermediate_size=args.hidden * 3, max_position_embeddings=args.seq,
+                                             scale=0.02)
+            if tdtype is not None:
+                ref = ref.to(tdtype)
+        cfg = arpo_jax.hf.read_config(path)[0]
+        n_params = arpo_jax.models.param_count(arpo_jax.models.abstract_model(cfg))
+        peak = matmul_peak_flops(args.dtype)
+        print(f"[train_step] matmul peak {peak / 1e9:.1f} GFLOP/s", flush=True)
+        ours_step, step_first, ours_fwd, fwd_first = setup_jax(path, args)
+        print(f"[train_step] arpo_jax first forward {fwd_first:.1f} s, first step {step_first:.1f} s", flush=True)
+        torch_step = torch_fwd = None
+        if ref is not None and device is not None:
+            torch_step, torch_fwd = setup_torch(ref, args, device)
         # Interleaved and best-of: the CPUs may be shared, and contention then hits both sides alike.
-        ours_t, torch_t = [], []
+        t = {"step": [], "fwd": [], "torch_step": [], "torch_fwd": []}
         for _ in range(args.steps):
-            ours_t.append(_timed(ours_step))
-            torch_t.append(_timed(torch_step))
-        ours_s, torch_s = min(ours_t), min(torch_t)
+            t["step"].append(_timed(ours_step))
+            t["fwd"].append(_timed(ours_fwd))
+            if torch_step is not None:
+                t["torch_step"].append(_timed(torch_step))
+                t["torch_fwd"].append(_timed(torch_fwd))
+            print(f"[train_step] seconds: { {k: round(v[-1], 2) for k, v in t.items() if v} }", flush=True)
+        best = {k: min(v) for k, v in t.items() if v}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
     tokens = args.micro * args.batch * args.seq
-    flops = model_flops_per_token(cfg, args.seq) * tokens
-    rows = {"arpo_jax": ours_s, "pytorch+transformers": torch_s}
-    print(f"{n_params / 1e6:.1f}M params, {args.micro} x {args.batch} x {args.seq} tokens per step, float32, "
-          f"{threads} threads, {platform.processor() or platform.machine()}; matmul peak {peak / 1e9:.1f} GFLOP/s; "
-          f"arpo_jax compile + first step {compile_s:.1f} s")
-    print(f"{'update step':24s} {'seconds':>8s} {'tokens/s':>9s} {'GFLOP/s':>8s} {'MFU':>6s}")
-    for name, s in rows.items():
-        print(f"{name:24s} {s:8.2f} {tokens / s:9.0f} {flops / s / 1e9:8.1f} {flops / s / peak:6.1%}")
-    result = {"benchmark": "train_step", "params_m": round(n_params / 1e6, 1), "seq": args.seq,
-              "tokens_per_step": tokens, "threads": threads, "peak_gflops": round(peak / 1e9, 1),
-              "tokens_s": round(tokens / ours_s, 1), "torch_tokens_s": round(tokens / torch_s, 1),
-              "ratio": round(torch_s / ours_s, 2), "mfu": round(flops / ours_s / peak, 3),
-              "torch_mfu": round(flops / torch_s / peak, 3)}
+    fwd_flops = model_flops_per_token(cfg, args.seq) / 3 * tokens
+    flops = {"step": 3 * fwd_flops, "fwd": fwd_flops, "torch_step": 3 * fwd_flops, "torch_fwd": fwd_flops}
+    mach = machine()
+    print(f"{args.model}: {n_params / 1e6:.1f}M params, {args.micro} x {args.batch} x {args.seq} tokens, {args.dtype}, "
+          f"{threads} threads, {mach}; matmul peak {peak / 1e9:.1f} GFLOP/s; scan_layers={not args.no_scan}; "
+          f"arpo_jax first update step {step_first:.1f} s, first forward {fwd_first:.1f} s")
+    print(f"{'':30s} {'seconds':>8s} {'tokens/s':>9s} {'GFLOP/s':>8s} {'MFU':>6s}")
+    names = {"step": "update arpo_jax", "torch_step": "update pytorch+transformers", "fwd": "log-probs arpo_jax",
+             "torch_fwd": "log-probs pytorch+transformers"}
+    for k, sec in best.items():
+        print(f"{names[k]:30s} {sec:8.2f} {tokens / sec:9.0f} {flops[k] / sec / 1e9:8.1f} {flops[k] / sec / peak:6.1%}")
+    result = {"benchmark": "train_step", "model": args.model, "params_m": round(n_params / 1e6, 1),
+              "dtype": args.dtype, "seq": args.seq, "tokens_per_step": tokens, "threads": threads, **mach,
+              "peak_gflops": round(peak / 1e9, 1), "scan_layers": not args.no_scan, "remat": args.remat,
+              "tokens_s": round(tokens / best["step"], 1), "mfu": round(flops["step"] / best["step"] / peak, 3),
+              "fwd_tokens_s": round(tokens / best["fwd"], 1),
+              "fwd_mfu": round(flops["fwd"] / best["fwd"] / peak, 3),
+              "compile_step_s": round(step_first - best["step"], 1), "compile_fwd_s": round(fwd_first - best["fwd"], 1)}
+    if "torch_step" in best:
+        result.update({
+            "torch_device": device, "torch_tokens_s": round(tokens / best["torch_step"], 1),
+            "torch_mfu": round(flops["step"] / best["torch_step"] / peak, 3),
+            "torch_fwd_tokens_s": round(tokens / best["torch_fwd"], 1),
+            "torch_fwd_mfu": round(flops["fwd"] / best["torch_fwd"] / peak, 3),
+            "ratio": round(best["torch_step"] / best["step"], 2),
+            "fwd_ratio": round(best["torch_fwd"] / best["fwd"], 2)})
+    else:
+        why = "torch is not installed" if torch is None else "no CUDA build of torch here"
+        result["torch"] = f"skipped: {why}"
     print(json.dumps(result))
 
 

@@ -73,9 +73,13 @@ class Config:
     param_dtype: str = "float32"  # storage dtype of params (and of their gradients / optimizer moments)
     remat: str = "none"  # one of REMAT_POLICIES
     # None: blockwise on CPU, else JAX chooses (cuDNN on GPU when it can); or "xla", "cudnn", "blockwise"
-    # (`attention.blockwise_causal_attention`, for training-time self-attention; cached decoding uses JAX's).
+    # (`attention.blockwise_causal_attention`, for training-time self-attention; the KV-cache path always uses
+    # `cached_attention`).
     attention_impl: str | None = None
     sharding_rules: str = "fsdp_tp"  # name of a table in arpo_jax.sharding.RULES
+    # Run the layers as one `lax.scan` over their stacked params (compiled once, whatever the depth) instead of a
+    # Python loop (one copy of the layer per layer in the program). Params stay per layer either way.
+    scan_layers: bool = True
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -168,16 +172,18 @@ class KVCache(NamedTuple):
 
     `positions[b, s]` is the RoPE position of the token in slot s, or -1 for an empty or padding slot; attention
     masks by it, so rows may hold different lengths, left padding and holes. `lengths[b]` is the next free slot.
+    Keys/values are stored heads before slots, so that the decode attention's matmuls read them in place (batch
+    dims B, K leading, as XLA's CPU dot wants them) instead of transposing the whole cache every layer and step.
     """
 
-    k: jax.Array  # [L, B, S, K, H]
-    v: jax.Array  # [L, B, S, K, H]
+    k: jax.Array  # [L, B, K, S, H]
+    v: jax.Array  # [L, B, K, S, H]
     positions: jax.Array  # [B, S] int32
     lengths: jax.Array  # [B] int32
 
     @classmethod
     def init(cls, cfg: Config, batch: int, max_len: int, dtype=None) -> KVCache:
-        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
         dtype = dtype or cfg.compute_dtype
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.full((batch, max_len), -1, jnp.int32),
                    jnp.zeros((batch,), jnp.int32))
@@ -188,11 +194,42 @@ class KVCache(NamedTuple):
         return KVCache(self.k[:, rows], self.v[:, rows], self.positions[rows], self.lengths[rows])
 
 
-def _write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """buf [B, S, ...] <- new [B, T, ...] at per-row slot offsets start [B]."""
-    def one(b, n, s):
-        return jax.lax.dynamic_update_slice_in_dim(b, n, s, axis=0)
-    return jax.vmap(one)(buf, new, start)
+def _slots(start: jax.Array, t: int) -> jax.Array:
+    """[B, T] slot indices of a chunk of T tokens written from per-row offsets start [B]."""
+    return start[:, None] + jnp.arange(t)[None]
+
+
+def _write_positions(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """buf [B, S] <- new [B, T] at slots start[b] ..; slots at or past S are dropped (see `_write_kv`)."""
+    return buf.at[jnp.arange(buf.shape[0])[:, None], _slots(start, new.shape[1])].set(new, mode="drop")
+
+
+def _write_kv(buf: jax.Array, new: jax.Array, start: jax.Array, layer) -> jax.Array:
+    """Cache buf [L, B, K, S, H] <- new [B, T, K, H] of layer `layer` at slots start[b] ...
+
+    One scatter straight into `buf` (in place when the buffer is donated or a loop carry); slots at or past S are
+    dropped, so a right-padded chunk may run over the end of a row whose real tokens fit.
+    """
+    b, t, k = new.shape[:3]
+    rows, heads = jnp.arange(b)[:, None, None], jnp.arange(k)[None, :, None]
+    return buf.at[layer, rows, heads, _slots(start, t)[:, None, :]].set(new.transpose(0, 2, 1, 3), mode="drop")
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float) -> jax.Array:
+    """Attention of queries q [B, T, N, H] over one layer's cache k, v [B, K, S, H] under mask [B, 1, T, S].
+
+    Exact attention (float32 scores and softmax) in the cache's own layout: grouped-query attention without
+    repeating k/v (N = K x G), and no copy of the cache. A query with no visible key gets the uniform average, as
+    `jax.nn.dot_product_attention`.
+    """
+    b, t, n, h = q.shape
+    kv = k.shape[1]
+    qg = q.reshape(b, t, kv, n // kv, h).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H] (small: T query tokens)
+    s = jnp.einsum("bkgth,bksh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask[:, :, None], s, -1e30)  # [B, 1, 1, T, S] over [B, K, G, T, S]
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bksh->bkgth", p, v, preferred_element_type=jnp.float32).astype(q.dtype)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
 class Attention(nnx.Module):
@@ -222,11 +259,14 @@ class Attention(nnx.Module):
         k = constrain(k, ("batch", "seq", "act_kv_heads", None), cfg.sharding_rules)
         return q, k, v
 
-    def attend(self, q, k, v, mask, *, causal_self: bool = False):
+    def attend(self, q, k, v, mask, *, causal_self: bool = False, cached: bool = False):
         """mask: [B, 1, T, S] bool. GQA is native: K kv heads serve N query heads. `causal_self`: S == T and the
-        mask is causal (the training forward), where the blockwise kernel may be used."""
+        mask is causal (the training forward), where the blockwise kernel may be used. `cached`: k, v are one
+        layer of a KVCache ([B, K, S, H]), attended in place by `cached_attention`."""
         impl, scale = self.cfg.attention_impl, self.cfg.head_dim ** -0.5
-        if causal_self and (impl == "blockwise" or (impl is None and jax.default_backend() == "cpu")):
+        if cached:
+            out = cached_attention(q, k, v, mask, scale=scale)
+        elif causal_self and (impl == "blockwise" or (impl is None and jax.default_backend() == "cpu")):
             out = blockwise_causal_attention(q, k, v, mask, scale=scale)
         else:
             impl = None if impl == "blockwise" else impl
@@ -268,11 +308,10 @@ class DecoderLayer(nnx.Module):
     def extend(self, x, positions, mask, k_all, v_all, i, start):
         """Cached step of layer i: writes this chunk's k/v at slots `start` [B] of the cache, attends over it."""
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions)
-        # Slice, update and write back: XLA turns this into an in-place update of the (donated) cache buffer.
-        k_all = k_all.at[i].set(_write_rows(k_all[i], k.astype(k_all.dtype), start))
-        v_all = v_all.at[i].set(_write_rows(v_all[i], v.astype(v_all.dtype), start))
+        k_all = _write_kv(k_all, k.astype(k_all.dtype), start, i)
+        v_all = _write_kv(v_all, v.astype(v_all.dtype), start, i)
         dt = self.cfg.compute_dtype
-        x = x + self.self_attn.attend(q, k_all[i].astype(dt), v_all[i].astype(dt), mask)
+        x = x + self.self_attn.attend(q, k_all[i].astype(dt), v_all[i].astype(dt), mask, cached=True)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_all, v_all
 
@@ -340,9 +379,29 @@ class CausalLM(nnx.Module):
             positions = default_positions(attention_mask, segment_ids, shape)
         mask = attention_mask_4d(attention_mask, segment_ids, shape)
         x = self.embed(input_ids)
-        for layer in self.model.layers:
-            x = _remat_layer(cfg.remat)(layer, x, positions, mask)
+        if cfg.scan_layers:
+            graphdef, stacked = self.stacked_layers()
+
+            def body(x, layer_state):
+                return nnx.merge(graphdef, layer_state)(x, positions, mask), None
+
+            if cfg.remat != "none":  # per layer: the backward recomputes one layer at a time
+                body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+            x, _ = jax.lax.scan(body, x, stacked)
+        else:
+            for layer in self.model.layers:
+                x = _remat_layer(cfg.remat)(layer, x, positions, mask)
         return self.model.norm(x)
+
+    def stacked_layers(self):
+        """(graphdef of one layer, the layers' states stacked on a leading [L] axis), for `lax.scan` over layers.
+
+        The stack is a copy made inside the traced function (params are stored per layer, keyed as HF); a caller
+        that runs many steps (the sampler) makes it once per call and passes it to `extend_hidden`.
+        """
+        layers = self.model.layers
+        graphdef, _ = nnx.split(layers[0])
+        return graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.state(layer) for layer in layers))
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits `[B, T, V]` from hidden states (the matmul accumulates in float32)."""
@@ -360,7 +419,7 @@ class CausalLM(nnx.Module):
         Args:
           input_ids: [B, T] tokens; positions: [B, T] their RoPE positions.
           cache: the KVCache; the chunk is written at slots `lengths[b] .. lengths[b] + T - 1` of each row. The
-            caller keeps `lengths + T <= max_len` (a dynamic slice past the end would be clamped, not raised).
+            caller keeps each row's real tokens within max_len; writes past the end (right padding) are dropped.
           valid: [B, T] bool, False for padding tokens (they get position -1 and are never attended to).
             Trailing padding slots are reclaimed by the next write; leading/middle padding stays as a hole.
         Returns:
@@ -369,21 +428,34 @@ class CausalLM(nnx.Module):
         hidden, cache = self.extend_hidden(input_ids, positions, cache, valid)
         return self.logits(hidden), cache
 
-    def extend_hidden(self, input_ids, positions, cache: KVCache, valid=None) -> tuple[jax.Array, KVCache]:
+    def extend_hidden(self, input_ids, positions, cache: KVCache, valid=None, layers=None
+                      ) -> tuple[jax.Array, KVCache]:
         """`extend` without the vocab projection: (final-norm hidden states [B, T, D], cache). A sampler that
-        needs logits at one position per row projects only those ([B, T, V] would dominate prefill memory)."""
+        needs logits at one position per row projects only those ([B, T, V] would dominate prefill memory).
+        `layers`: `stacked_layers()` made once by a caller that extends many times (scan_layers only)."""
         b, t = input_ids.shape
         if valid is None:
             valid = jnp.ones((b, t), bool)
         start = cache.lengths
-        kv_pos = _write_rows(cache.positions, jnp.where(valid, positions, -1).astype(jnp.int32), start)
+        kv_pos = _write_positions(cache.positions, jnp.where(valid, positions, -1).astype(jnp.int32), start)
         # Attend to every filled slot at or before the query's position (positions are increasing along a row).
         mask = (kv_pos[:, None, :] >= 0) & (kv_pos[:, None, :] <= positions[:, :, None])  # [B, T, S]
         mask = mask[:, None]
         x = self.embed(input_ids)
         k_all, v_all = cache.k, cache.v
-        for i, layer in enumerate(self.model.layers):
-            x, k_all, v_all = layer.extend(x, positions, mask, k_all, v_all, i, start)
+        if self.config.scan_layers:
+            graphdef, stacked = layers if layers is not None else self.stacked_layers()
+
+            def body(carry, xs):
+                x, k_all, v_all = carry
+                layer_state, i = xs
+                return nnx.merge(graphdef, layer_state).extend(x, positions, mask, k_all, v_all, i, start), None
+
+            n = self.config.num_layers
+            (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (stacked, jnp.arange(n, dtype=jnp.int32)))
+        else:
+            for i, layer in enumerate(self.model.layers):
+                x, k_all, v_all = layer.extend(x, positions, mask, k_all, v_all, i, start)
         last_valid = jnp.max(jnp.where(valid, jnp.arange(t)[None] + 1, 0), axis=1)
         return self.model.norm(x), KVCache(k_all, v_all, kv_pos, cache.lengths + last_valid.astype(jnp.int32))
 

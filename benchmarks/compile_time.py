@@ -1,0 +1,104 @@
+"""Compile seconds of the jitted programs on a real model's shapes, layers scanned vs unrolled (nothing runs).
+
+Lowers and compiles, from abstract shapes (no weights are loaded or allocated), what the first RL step compiles:
+the update step (``--micro`` x ``--batch`` x ``--seq`` tokens, PPO-clip + AdamW), the forward log-probs, and the
+JAX sampler's prefill chunk and decode chunk (``--sampler-batch`` rows, a ``--prompt`` token prompt,
+``--new`` new tokens, top-10 log-probs). Wall and CPU seconds of each (CPU seconds are what a loaded machine
+inflates least: XLA compiles on one thread). No persistent compilation cache is used.
+
+  python benchmarks/compile_time.py [--model smollm2-135m-instruct|PATH] [--modes scan,unrolled] [--dtype float32]
+
+Prints one line per program, then a final JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from arpo_jax import hf, models, named_models  # noqa: E402
+from arpo_jax import train_step as ts  # noqa: E402
+from arpo_jax.models import KVCache  # noqa: E402
+from arpo_jax.rollout import jax_sampler as js  # noqa: E402
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def _compile(fn, *args, **kw) -> tuple[float, float]:
+    t, c = time.perf_counter(), time.process_time()
+    fn.lower(*args, **kw).compile()
+    return round(time.perf_counter() - t, 2), round(time.process_time() - c, 2)
+
+
+def programs(cfg, args) -> dict[str, tuple[float, float]]:
+    graphdef, params = nnx.split(models.abstract_model(cfg), nnx.Param)
+    params = _abstract(nnx.to_pure_dict(params))
+    m, b, t = args.micro, args.batch, args.seq
+    i32 = jax.ShapeDtypeStruct((1, m, b, t), jnp.int32)
+    batch = {"input_ids": i32, "targets": i32, "positions": i32, "segment_ids": i32}
+    out = {"forward_logprobs": _compile(ts.jit_forward_logprobs(graphdef, cfg), params, batch)}
+    ucfg = ts.UpdateConfig(lr=1e-6)
+    opt = ts.make_optimizer(ucfg, 100)
+    state = jax.eval_shape(lambda p: ts.init_train_state(p, opt), params)
+    mini = {**{k: jax.ShapeDtypeStruct((m, b, t), v.dtype) for k, v in batch.items()},
+            **{k: jax.ShapeDtypeStruct((m, b, t), jnp.float32) for k in ("loss_weight", "advantages", "old_logp")}}
+    out["update_step"] = _compile(ts.jit_train_step(graphdef, cfg, ucfg, opt), state, mini)
+    # The sampler: its prefill and decode programs, on the shapes of the issue's workload.
+    sgraph, sstate = nnx.split(models.abstract_model(cfg))
+    fns = js._jitted(sgraph, cfg)
+    sb = args.sampler_batch
+    s_len = js._bucket(args.prompt + args.new, js.pow2_buckets(64, 1 << 20, half_steps=True), "cache")
+    t_len = js._bucket(args.prompt, js.pow2_buckets(16, 512, half_steps=True), "prefill")
+    cache = jax.eval_shape(lambda: KVCache.init(cfg, sb, s_len))
+    h = jax.ShapeDtypeStruct((sb, cfg.hidden_size), cfg.compute_dtype)
+    vec = lambda dt: jax.ShapeDtypeStruct((sb,), dt)  # noqa: E731
+    tok = jax.ShapeDtypeStruct((sb, t_len), jnp.int32)
+    out["sampler_prefill"] = _compile(fns.prefill, _abstract(sstate), cache, h, tok, tok,
+                                      jax.ShapeDtypeStruct((sb, t_len), jnp.bool_), vec(jnp.int32))
+    scalar = lambda dt: jax.ShapeDtypeStruct((), dt)  # noqa: E731
+    out["sampler_decode"] = _compile(
+        fns.decode, _abstract(sstate), cache, h, vec(jnp.bool_), vec(jnp.int32), row_ids=vec(jnp.int32),
+        ctx_lens=vec(jnp.int32), limits=vec(jnp.int32), eos_ids=jax.ShapeDtypeStruct((1,), jnp.int32), allowed=None,
+        seed=scalar(jnp.uint32), temperature=scalar(jnp.float32), top_k=scalar(jnp.int32),
+        top_p=scalar(jnp.float32), n_steps=16, greedy=False, truncate=False, n_logprobs=10, raw_logprobs=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--modes", default="scan,unrolled")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--micro", type=int, default=2)
+    ap.add_argument("--sampler-batch", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=150)
+    ap.add_argument("--new", type=int, default=100)
+    args = ap.parse_args()
+    base = hf.read_config(named_models.model_folder(args.model), dtype=args.dtype)[0]
+    result = {"benchmark": "compile_time", "model": args.model, "dtype": args.dtype, "layers": base.num_layers,
+              "device": jax.devices()[0].device_kind, "cpus": os.cpu_count()}
+    for mode in args.modes.split(","):
+        cfg = base.replace(scan_layers=mode == "scan")
+        res = programs(cfg, args)
+        for name, (wall, cpu) in res.items():
+            print(f"{mode:9s} {name:18s} {wall:7.1f} s wall {cpu:7.1f} s CPU", flush=True)
+        result[mode] = {name: {"wall_s": w, "cpu_s": c} for name, (w, c) in res.items()}
+        result[mode]["total_wall_s"] = round(sum(w for w, _ in res.values()), 1)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
