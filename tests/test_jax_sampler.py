@@ -88,6 +88,26 @@ def test_continuing_a_slot_after_a_tool_result_equals_a_fresh_prefill(tiny_hf_di
     _assert_same_results(got, want)
 
 
+def test_a_failed_call_forgets_the_cached_slots(tiny_hf_dir, tokenizer, monkeypatch):
+    """Regression: a call that raised after taking the cache (here an injected device error in the prefill) kept its
+    slots, so the next call prefilled only their suffixes onto a fresh, empty cache (silently wrong tokens)."""
+    path, _ = tiny_hf_dir("qwen2")
+    sampler, fresh = _sampler(path, tokenizer), _sampler(path, tokenizer)
+    (p0,) = _prompts([9], seed=4)
+    first = sampler.generate([SampleRequest(p0, 6, slot_id=0)], GREEDY)
+    ctx = p0 + first[0].token_ids + tokenizer.encode(" <result>\n7\n</result>")
+    def failing_prefill(plan):
+        raise RuntimeError("RESOURCE_EXHAUSTED: injected")
+
+    monkeypatch.setattr(sampler, "_prefill_all", failing_prefill)
+    with pytest.raises(RuntimeError, match="injected"):
+        sampler.generate([SampleRequest(ctx, 4, slot_id=0)], GREEDY)
+    monkeypatch.undo()
+    got = sampler.generate([SampleRequest(ctx, 8, slot_id=0)], GREEDY)
+    assert sampler.last_stats["reused_tokens"] == 0
+    _assert_same_results(got, fresh.generate([SampleRequest(ctx, 8)], GREEDY))
+
+
 def test_a_branch_copies_its_parents_cache_row(tiny_hf_dir, tokenizer):
     path, _ = tiny_hf_dir("qwen2")
     cached, fresh = _sampler(path, tokenizer), _sampler(path, tokenizer)

@@ -386,10 +386,17 @@ class JaxSampler:
             self._slots.clear()
             return []
         _check_settings(settings)
-        with self._mesh_ctx():
-            plan = self._plan(requests)
-            h = self._prefill_all(plan)
-            rows = self._decode_all(plan, h, settings)
+        try:
+            with self._mesh_ctx():
+                plan = self._plan(requests)
+                h = self._prefill_all(plan)
+                rows = self._decode_all(plan, h, settings)
+        except BaseException:
+            # `_plan` has already taken the cache: slots kept now would point into a cache that is gone, and the
+            # next call would prefill only their suffixes onto empty rows.
+            self._slots.clear()
+            self._cache = None
+            raise
         self._save_slots(requests, plan)
         return [SampleResult(r.gen, r.text, r.finish, r.stop_string, r.top_logprobs,
                              r.token_logprobs if settings.token_logprobs else None) for r in rows]
