@@ -243,8 +243,9 @@ def _run_sft(cfg, workdir: Path, resuming: bool, stop: run_guard.StopSignals, t_
 
     loss = float("nan")
     t_last = time.perf_counter()
-    while step < total_steps:
+    while True:
         ckpt.raise_if_failed()  # a save that failed in the background (full disk) stops the run now
+        # Checked after the last step too: a signal during it stops the run as asked (the step is saved).
         if stop.requested():
             bar.close()
             if step > start_step and step not in ckpt.all_steps():
@@ -254,6 +255,8 @@ def _run_sft(cfg, workdir: Path, resuming: bool, stop: run_guard.StopSignals, t_
             logger.close()
             raise stop.stopped(f"step {step} is saved in {ckpt.directory}; the same command resumes it"
                                if step else "no step was trained, nothing to save")
+        if step >= total_steps:
+            break
         # This step's examples: a seeded permutation per epoch, this process's contiguous shard of the batch.
         idx = rl_dataset.batch_indices(len(data), bs, position.epoch, position.step_in_epoch, seed=cfg.data.seed,
                                        shuffle=cfg.data.shuffle, drop_last=True)

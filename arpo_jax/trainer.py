@@ -859,6 +859,8 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(reward=f"{last.get('reward/mean', 0):.3f}")
         bar.close()
+        if stop is not None and stop.requested():  # the signal came during the last step: it is saved, stop as asked
+            raise stop.stopped(self._save_for_stop())
         for ckpt in (self.ckpt, self.critic_ckpt):
             if ckpt is not None:
                 ckpt.wait()

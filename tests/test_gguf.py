@@ -176,7 +176,7 @@ def test_named_model_is_converted_once_and_equals_transformers_dequantization(sm
 
     gguf_path = _smollm2_gguf()
     assert named_models.model_folder(SMOLLM2) == smollm2  # cached: the second call converts nothing
-    assert sorted(p.name for p in smollm2.iterdir()) == ["chat_template.jinja", "config.json",
+    assert sorted(p.name for p in smollm2.iterdir()) == [".arpo_jax_export", "chat_template.jinja", "config.json",
                                                          "generation_config.json", "model.safetensors",
                                                          "tokenizer.json", "tokenizer_config.json"]
     cfg = json.loads((smollm2 / "config.json").read_text())
