@@ -139,3 +139,29 @@ def test_transformers_sampler_matches_the_jax_sampler(tiny_hf_dir):
         # The JAX sampler (like vLLM) holds back a trailing incomplete UTF-8 character; transformers decodes it as �.
         assert t.text.rstrip("\ufffd") == j.text.rstrip("\ufffd")
     assert jax_out[0].finish_reason == "stop"
+
+
+def test_demo_prompts_and_solutions_fit_its_lengths_in_the_chat_template(smollm2):
+    """With SmolLM2's tokenizer and ChatML template, every demo prompt (the short system prompt + a question) fits
+    data.max_prompt_length and every solved response (real search results) fits data.max_response_length with its
+    end-of-turn token, so no validation question is cut or dropped."""
+    from transformers import AutoTokenizer
+
+    from arpo_jax import demo
+    from arpo_jax.data import rl_dataset
+    from arpo_jax.tools import LocalSearchTool
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    cfg = demo.demo_config(demo.DEFAULT_MODEL, demo.FULL, "arpo", 0, "jax")
+    search = LocalSearchTool(documents=toy.corpus(), max_results=cfg.tools.search.max_results,
+                             result_length=cfg.tools.search.result_length)
+    longest = {}
+    for task in toy.toy_tasks("val", 60, 0):
+        messages = [{"role": "system", "content": toy.DEMO_SYSTEM_PROMPT}, {"role": "user", "content": task.question}]
+        prompt = rl_dataset.encode_prompt(tokenizer, messages)
+        response = tokenizer.encode(toy.solution_text(toy.with_search_results(task, search)))
+        assert len(prompt) <= cfg.data.max_prompt_length
+        assert len(response) + 1 <= cfg.data.max_response_length
+        longest[task.data_source] = max(longest.get(task.data_source, 0), len(response))
+    assert tokenizer.decode(prompt).startswith(f"<|im_start|>system\n{toy.DEMO_SYSTEM_PROMPT}<|im_end|>")
+    assert longest["toy_twohop"] > longest["toy_arith"]  # the two-hop solutions set the response length
