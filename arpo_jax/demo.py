@@ -57,11 +57,12 @@ class DemoSize:
     flaw_fraction: float = 0.6  # share of cold-start conversations with a typical mistake (toy.flawed_text)
 
 
-# Sized for 2 shared CPU cores (benchmarks/RESULTS.md, "Demo"): SmolLM2-135M costs ~0.8 GFLOP a token forward and
-# backward, and a demo row is ~100 prompt + 80-230 response tokens. The pretrained model already copies numbers and
-# names, so the cold-start SFT only teaches the tool format (a few dozen steps). 60% flawed conversations: greedy
-# decoding then makes the mistake on most questions while sampling solves some, which is the gap RL closes.
-# Validation: 102 held-out questions greedy (34 per kind), so the accuracy's standard error is <= 0.05.
+# SmolLM2-135M costs ~0.8 GFLOP a token forward and backward; a demo row is ~100 prompt + 80-230 response tokens.
+# The pretrained model already copies numbers and names, so the cold-start SFT only has to teach the tool format
+# (24 steps of 8). 60% flawed conversations: greedy decoding then makes the mistake on most questions while sampling
+# solves some, which is the gap RL closes. Validation: 102 held-out questions greedy (34 per kind), so the accuracy's
+# standard error is <= 0.05. FULL's RL gain is not measured yet: on 2 shared CPU cores this size takes hours
+# (benchmarks/RESULTS.md, "Demo"); it is sized for the accuracy requirement, not for a CPU budget.
 FULL = DemoSize(sft_examples=192, sft_epochs=1, sft_batch=8, rl_steps=16, rl_prompts=4, rl_n=8, train_prompts=240,
                 val_prompts=102, test_freq=8)
 # QUICK: every phase on the same model, as small as it goes (2 SFT steps teach nothing, so the responses run to the
