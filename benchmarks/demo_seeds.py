@@ -1,11 +1,11 @@
 """The full demo over several seeds: does RL beat the SFT baseline beyond seed noise, and ARPO vs plain GRPO.
 
 For each seed, one work dir: `arpo-jax demo` with each algorithm in turn (`--algos`, default arpo then grpo). The
-data, the tiny model and the cold-start SFT are built by the first run and reused by the others (the demo resumes
+data and the cold-start SFT are built by the first run and reused by the others (the demo resumes
 them), so both algorithms start from the same SFT model with the same rollout budget n and the same number of steps;
 GRPO spends the budget on independent rollouts, ARPO branches at tool calls.
 
-  python benchmarks/demo_seeds.py --workdir runs/demo_seeds [--seeds 0 1 2] [--algos arpo grpo]
+  python benchmarks/demo_seeds.py --workdir runs/demo_seeds [--seeds 0 1 2] [--algos arpo grpo] [--model NAME]
 
 Prints one line per run, then per algorithm the mean and spread (sample std, min..max) over seeds of the SFT
 baseline and final greedy validation accuracy, their difference, and the tool calls per training trajectory over the
@@ -34,14 +34,17 @@ def main() -> None:
     parser.add_argument("--workdir", default="runs/demo_seeds")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--algos", nargs="+", default=["arpo", "grpo"], choices=demo.ALGOS)
+    parser.add_argument("--model", default=demo.DEFAULT_MODEL)
     args = parser.parse_args()
 
     runs = []
     for seed in args.seeds:
         for algo in args.algos:
-            s = demo.run_demo(Path(args.workdir) / f"seed{seed}", algo=algo, seed=seed, vllm=False)
+            s = demo.run_demo(Path(args.workdir) / f"seed{seed}", algo=algo, seed=seed, model=args.model,
+                              vllm=False)
             run = {"seed": seed, "algo": algo, "baseline": s["baseline_val_accuracy"],
-                   "final": s["final_val_accuracy"], "tool_calls": s["tool_calls_per_trajectory_last"],
+                   "final": s["final_val_accuracy"], "baseline_val": s["baseline_val"],
+                   "final_val": s["final_val"], "tool_calls": s["tool_calls_per_trajectory_last"],
                    "wall_s": s["wall_s"]}
             runs.append(run)
             print("RUN " + json.dumps(run), flush=True)

@@ -1,4 +1,5 @@
-"""`arpo-jax demo --quick` end to end (the README's first command), and the pieces only the demo uses.
+"""`arpo-jax demo --quick` end to end (the README's first command) on SmolLM2-135M-Instruct, and the pieces only the
+demo uses.
 
 The quick run is a smoke run: 2 RL steps cannot show learning (benchmarks/RESULTS.md has the full runs); here every
 phase must run and leave its outputs, and the summary must be consistent with the metrics it came from.
@@ -21,12 +22,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def quick_demo(tmp_path_factory):
+def quick_demo(tmp_path_factory, smollm2):  # smollm2: the named model converted once (into $ARPO_CACHE)
     workdir = tmp_path_factory.mktemp("demo")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu",
                                                                          "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, "-m", "arpo_jax.cli", "demo", "--quick", f"--workdir={workdir}"], env=env,
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
+                          cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return workdir, proc.stdout
 
@@ -34,6 +35,7 @@ def quick_demo(tmp_path_factory):
 def test_quick_demo_runs_every_phase(quick_demo):
     workdir, stdout = quick_demo
     summary = json.loads(stdout.strip().splitlines()[-1])  # the last line is the summary
+    assert summary["model"] == "smollm2-135m-instruct" and summary["rollout_engine"] in ("jax", "vllm")
     out = workdir / "arpo"  # the RL run's outputs; data, model and SFT are shared by the algorithms in workdir
     assert summary == json.loads((out / "summary.json").read_text())
     for phase in ("setup", "sft", "rl", "transcript", "total"):
@@ -43,6 +45,8 @@ def test_quick_demo_runs_every_phase(quick_demo):
     assert vals[0]["step"] == 0 and vals[-1]["step"] == 2  # the SFT baseline, then after the RL steps
     assert summary["baseline_val_accuracy"] == round(vals[0]["val/accuracy"], 4)
     assert summary["final_val_accuracy"] == round(vals[-1]["val/accuracy"], 4)
+    p, n = vals[-1]["val/accuracy"], summary["val_questions"]
+    assert summary["final_val_stderr"] == pytest.approx((p * (1 - p) / n) ** 0.5, abs=1e-4)
     train = [r for r in records if "reward/mean" in r]
     edge = summary["train_steps_averaged"]
     assert len(train) == 2 and edge == 1
@@ -61,6 +65,7 @@ def test_quick_demo_runs_every_phase(quick_demo):
     sft_rows = [json.loads(line) for line in (workdir / "data" / "sft.jsonl").read_text().splitlines()]
     tasks = toy.toy_tasks("sft", len(sft_rows), 0)
     assert [r["messages"][1]["content"] for r in sft_rows] == [t.question for t in tasks]
+    assert {r["messages"][0]["content"] for r in sft_rows} == {toy.DEMO_SYSTEM_PROMPT}  # the short system prompt
     flawed = sum(f"\\boxed{{{t.answer}}}" not in r["messages"][-1]["content"] for r, t in zip(sft_rows, tasks))
     assert 0 < flawed < len(sft_rows)  # deliberately imperfect cold-start data
     assert "--- transformers ---" in stdout and "validation accuracy" in stdout
@@ -73,7 +78,7 @@ def test_second_algorithm_reuses_the_sft_model(quick_demo):
     sft_lines = (workdir / "sft" / "metrics.jsonl").read_text().splitlines()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-m", "arpo_jax.cli", "demo", "--quick", "--algo=grpo",
-                           f"--workdir={workdir}"], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+                           f"--workdir={workdir}"], env=env, cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     grpo = json.loads(proc.stdout.strip().splitlines()[-1])
     arpo = json.loads((workdir / "arpo" / "summary.json").read_text())
@@ -134,3 +139,29 @@ def test_transformers_sampler_matches_the_jax_sampler(tiny_hf_dir):
         # The JAX sampler (like vLLM) holds back a trailing incomplete UTF-8 character; transformers decodes it as �.
         assert t.text.rstrip("\ufffd") == j.text.rstrip("\ufffd")
     assert jax_out[0].finish_reason == "stop"
+
+
+def test_demo_prompts_and_solutions_fit_its_lengths_in_the_chat_template(smollm2):
+    """With SmolLM2's tokenizer and ChatML template, every demo prompt (the short system prompt + a question) fits
+    data.max_prompt_length and every solved response (real search results) fits data.max_response_length with its
+    end-of-turn token, so no validation question is cut or dropped."""
+    from transformers import AutoTokenizer
+
+    from arpo_jax import demo
+    from arpo_jax.data import rl_dataset
+    from arpo_jax.tools import LocalSearchTool
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    cfg = demo.demo_config(demo.DEFAULT_MODEL, demo.FULL, "arpo", 0, "jax")
+    search = LocalSearchTool(documents=toy.corpus(), max_results=cfg.tools.search.max_results,
+                             result_length=cfg.tools.search.result_length)
+    longest = {}
+    for task in toy.toy_tasks("val", 60, 0):
+        messages = [{"role": "system", "content": toy.DEMO_SYSTEM_PROMPT}, {"role": "user", "content": task.question}]
+        prompt = rl_dataset.encode_prompt(tokenizer, messages)
+        response = tokenizer.encode(toy.solution_text(toy.with_search_results(task, search)))
+        assert len(prompt) <= cfg.data.max_prompt_length
+        assert len(response) + 1 <= cfg.data.max_response_length
+        longest[task.data_source] = max(longest.get(task.data_source, 0), len(response))
+    assert tokenizer.decode(prompt).startswith(f"<|im_start|>system\n{toy.DEMO_SYSTEM_PROMPT}<|im_end|>")
+    assert longest["toy_twohop"] > longest["toy_arith"]  # the two-hop solutions set the response length

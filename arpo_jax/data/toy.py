@@ -38,6 +38,14 @@ SYSTEM_PROMPT = (
     "the final exact answer is enclosed within \\boxed{} with latex format."
 )
 
+# The demo's shorter system prompt (~70 tokens instead of ~270: every rollout, validation and training row carries
+# it, and on a CPU that is most of the prompt). Same tags, same answer format, same reward.
+DEMO_SYSTEM_PROMPT = (
+    "Solve the question with tools. Think inside <think> </think>. To compute, write Python that prints the "
+    "result inside <python> </python>; to look a fact up, write a query inside <search> </search>. Each tool's "
+    "output comes back inside <result> </result>. End with <answer> \\boxed{answer} </answer>."
+)
+
 DATA_SOURCES = ("toy_arith", "toy_lookup", "toy_twohop")
 BUILTIN = "builtin:toy"  # the data.train_files / data.val_files value that selects this task set
 NUM_COUNTRIES = 32
@@ -154,20 +162,20 @@ def toy_tasks(split: str, n: int, seed: int = 0, *, world_seed: int = 0) -> list
     return [makers[i % 3]() for i in range(n)]
 
 
-def _row(task: Task, index: int, split: str) -> dict:
+def _row(task: Task, index: int, split: str, system_prompt: str = SYSTEM_PROMPT) -> dict:
     """A row in the reference parquet schema (spec 2.1)."""
     return {
         "data_source": task.data_source,
-        "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.question}],
+        "prompt": [{"role": "system", "content": system_prompt}, {"role": "user", "content": task.question}],
         "ability": "math" if task.data_source == "toy_arith" else "qa",
         "reward_model": {"ground_truth": task.answer, "style": "rule"},
         "extra_info": {"index": index, "question": task.question, "split": split},
     }
 
 
-def toy_rows(split: str, n: int, seed: int = 0) -> list[dict]:
+def toy_rows(split: str, n: int, seed: int = 0, *, system_prompt: str = SYSTEM_PROMPT) -> list[dict]:
     """`n` rows of `split` in the reference parquet schema; the facts come from `corpus(0)`."""
-    return [_row(t, i, split) for i, t in enumerate(toy_tasks(split, n, seed))]
+    return [_row(t, i, split, system_prompt) for i, t in enumerate(toy_tasks(split, n, seed))]
 
 
 def with_search_results(task: Task, search) -> Task:
@@ -247,12 +255,13 @@ def _write_if_changed(path: str, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def write_toy_parquet(directory: str, *, n_train: int = 64, n_val: int = 16, seed: int = 0) -> tuple[str, str]:
+def write_toy_parquet(directory: str, *, n_train: int = 64, n_val: int = 16, seed: int = 0,
+                      system_prompt: str = SYSTEM_PROMPT) -> tuple[str, str]:
     """Writes toy_train.parquet / toy_val.parquet under `directory` (idempotent); returns their paths."""
     os.makedirs(directory, exist_ok=True)
     paths = (os.path.join(directory, "toy_train.parquet"), os.path.join(directory, "toy_val.parquet"))
     for path, split, n in zip(paths, ("train", "val"), (n_train, n_val), strict=True):
-        _write_if_changed(path, toy_rows(split, n, seed))
+        _write_if_changed(path, toy_rows(split, n, seed, system_prompt=system_prompt))
     return paths
 
 
