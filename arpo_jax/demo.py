@@ -109,10 +109,10 @@ def build_model(directory: Path, size: DemoSize, seed: int) -> Path:
 
 
 def demo_config(model: Path, size: DemoSize, algo: str, seed: int):
-    """configs/toy_cpu.py with the demo's model, data and schedule; `algo` picks the rollout and the loss."""
+    """builtin:toy_cpu with the demo's model, data and schedule; `algo` picks the rollout and the loss."""
     from arpo_jax import config as config_lib
 
-    cfg = config_lib.load_config([f"--config={REPO / 'configs' / 'toy_cpu.py'}"])
+    cfg = config_lib.load_config(["--config=builtin:toy_cpu"])
     with cfg.unlocked():
         cfg.seed = seed
         cfg.model.path = str(model)
