@@ -1,11 +1,12 @@
-"""Loading, validating and summarising experiment configs (``configs/*.py``, ml_collections).
+"""Loading, validating and summarising experiment configs (``arpo_jax/configs/*.py``, ml_collections).
 
-``load_config(["--config=configs/x.py", "--config.rollout.n=16"])`` goes through the real ``config_flags`` parser
-(the same syntax as every flax example). ``validate(cfg)`` checks every field against the schema in
-``configs/base.py`` (types), the allowed values the code accepts (taken from the modules that use them), ranges,
-cross-field rules and the files a command needs, and raises one ``ConfigError`` listing every problem as
-``field.path: problem (allowed: ...)``, so a bad launch fails in a second with all of its mistakes at once, before
-any device is touched. ``redact`` makes a loggable copy; ``derived`` resolves the automatic (0 / "") values.
+``load_config(["--config=builtin:toy_cpu", "--config.rollout.n=16"])`` goes through the real ``config_flags`` parser
+(the same syntax as every flax example; ``builtin:NAME`` is a file shipped in ``arpo_jax/configs/``).
+``validate(cfg)`` checks every field against the schema in ``arpo_jax/configs/base.py`` (types), the allowed values
+the code accepts (taken from the modules that use them), ranges, cross-field rules and the files a command needs,
+and raises one ``ConfigError`` listing every problem as ``field.path: problem (allowed: ...)``, so a bad launch fails
+in a second with all of its mistakes at once, before any device is touched. ``redact`` makes a loggable copy;
+``derived`` resolves the automatic (0 / "") values.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import logging
 import math
 import os
 import re
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,37 @@ def _is_config_arg(arg: str) -> bool:
     return re.match(r"^--?(config(=|$|\.)|noconfig\.)", arg) is not None
 
 
+BUILTIN_CONFIGS = Path(__file__).resolve().parent / "configs"  # shipped with the package: arpo_jax/configs/*.py
+
+
+def builtin_configs() -> list[str]:
+    """Names accepted as `--config=builtin:NAME`: the experiment files shipped in arpo_jax/configs/."""
+    return sorted(p.stem for p in BUILTIN_CONFIGS.glob("*.py") if p.stem != "__init__")
+
+
+def config_file(spec: str) -> str:
+    """The config file of `spec`: `builtin:NAME[:ARG]` -> the shipped arpo_jax/configs/NAME.py[:ARG]; a path as is."""
+    if not spec.startswith(BUILTIN):
+        return spec
+    name, _, arg = spec[len(BUILTIN):].partition(":")
+    if name not in builtin_configs():
+        raise ValueError(f"--config={spec}: no built-in config {name!r}; allowed: "
+                         f"{', '.join(f'builtin:{n}' for n in builtin_configs())}, or a path to a .py file")
+    return str(BUILTIN_CONFIGS / f"{name}.py") + (f":{arg}" if arg else "")
+
+
+def _resolve_builtin(config_args: list[str]) -> list[str]:
+    """`--config=builtin:NAME` / `--config builtin:NAME` with the shipped file's path."""
+    out = list(config_args)
+    for i, arg in enumerate(out):
+        if re.match(r"^--?config=", arg):
+            flag, value = arg.split("=", 1)
+            out[i] = f"{flag}={config_file(value)}"
+        elif re.match(r"^--?config$", arg) and i + 1 < len(out):
+            out[i + 1] = config_file(out[i + 1])
+    return out
+
+
 def split_config_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """Splits argv into the config arguments (with their space-separated values) and the rest.
 
@@ -85,7 +116,7 @@ def split_config_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
             config_args.extend(args[i:i + 2])
             i += 1
         i += 1
-    return config_args, rest
+    return _resolve_builtin(config_args), rest
 
 
 def _parse_with_absl(config_args: list[str]) -> ConfigDict:
@@ -97,7 +128,8 @@ def _parse_with_absl(config_args: list[str]) -> ConfigDict:
     fv(argv)
     cfg = fv.config
     if cfg is None:
-        raise ValueError("no config file given; pass --config=configs/<experiment>.py")
+        raise ValueError(f"no config file given; pass --config=builtin:<name> ({', '.join(builtin_configs())}) "
+                         "or --config=path/to/file.py")
     if not isinstance(cfg, ConfigDict):
         cfg.keys()  # config_flags defers a load failure to the first access: this raises it (OSError)
         raise ValueError(f"get_config() returned a {type(cfg).__name__}, not a ConfigDict")
@@ -132,14 +164,16 @@ def _unknown_field_message(cfg: ConfigDict, path: str) -> str:
 
 
 def parse_config_args(argv: Sequence[str]) -> tuple[ConfigDict, list[str]]:
-    """Loads `--config=configs/x.py[:arg]` with its `--config.a.b=v` overrides; returns (config, other args).
+    """Loads `--config=FILE[:arg]` (or `builtin:NAME[:arg]`) with its `--config.a.b=v` overrides; returns
+    (config, other args).
 
     Errors from absl / ml_collections (missing file, unknown field, a value of the wrong type) become a
     ``ValueError`` whose message names the argument.
     """
     config_args, rest = split_config_args(argv)
     if not any(re.match(r"^--?config(=|$)", a) for a in config_args):
-        raise ValueError("no config file given; pass --config=configs/<experiment>.py")
+        raise ValueError(f"no config file given; pass --config=builtin:<name> ({', '.join(builtin_configs())}) "
+                         "or --config=path/to/file.py")
     try:
         cfg = _parse_with_absl(config_args)
     except (AttributeError, KeyError) as e:  # config_flags reports an unknown override as a bare attribute error
@@ -215,17 +249,10 @@ def _to_dict(cfg: Any) -> dict:
 
 @functools.cache
 def _schema() -> dict[str, Any] | None:
-    """Flat defaults of configs/base.py: the schema (field set and types). None if base.py cannot be found."""
-    module = sys.modules.get("configs.base")
-    if module is None:
-        base = Path(__file__).resolve().parents[1] / "configs" / "base.py"
-        if not base.exists():
-            log.warning("configs/base.py not found next to the package; field types are not checked")
-            return None
-        spec = importlib.util.spec_from_file_location("_arpo_configs_base", base)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return _leaves(module.get_config().to_dict())
+    """Flat defaults of arpo_jax/arpo_jax/configs/base.py: the schema (field set and types)."""
+    from arpo_jax.configs import base
+
+    return _leaves(base.get_config().to_dict())
 
 
 @functools.cache
@@ -339,9 +366,9 @@ def _check_types(ck: _Checker, schema: dict[str, Any]) -> None:
     for path in sorted(set(ck.flat) - set(schema)):
         section = path.rpartition(".")[0]
         siblings = sorted(p.removeprefix(section + ".") for p in schema if p.rpartition(".")[0] == section)
-        ck.add(path, "unknown field (not defined in configs/base.py; a typo?)", ", ".join(siblings) or None)
+        ck.add(path, "unknown field (not defined in arpo_jax/configs/base.py; a typo?)", ", ".join(siblings) or None)
     for path in sorted(set(schema) - set(ck.flat)):
-        ck.add(path, "missing (configs/base.py defines it)", f"any {_type_name(schema[path])}")
+        ck.add(path, "missing (arpo_jax/configs/base.py defines it)", f"any {_type_name(schema[path])}")
     for path, default in schema.items():
         if path in ck.flat and path not in ck.bad:
             ck.flat[path] = _check_leaf_type(ck, path, ck.flat[path], default)

@@ -36,7 +36,6 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
 ALGOS = ("arpo", "aepo", "grpo")
 
 
@@ -116,10 +115,10 @@ def rollout_engine() -> str:
 
 
 def demo_config(model: str, size: DemoSize, algo: str, seed: int, engine: str):
-    """configs/toy_cpu.py with the demo's model, data and schedule; `algo` picks the rollout and the loss."""
+    """builtin:toy_cpu with the demo's model, data and schedule; `algo` picks the rollout and the loss."""
     from arpo_jax import config as config_lib
 
-    cfg = config_lib.load_config([f"--config={REPO / 'configs' / 'toy_cpu.py'}"])
+    cfg = config_lib.load_config(["--config=builtin:toy_cpu"])
     with cfg.unlocked():
         cfg.seed = seed
         cfg.model.path = model

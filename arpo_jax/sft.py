@@ -166,7 +166,7 @@ def export_hf(graphdef: nnx.GraphDef, params, path: Path, tokenizer) -> Path:
 
 
 def run_sft(cfg, workdir: str | os.PathLike) -> dict:
-    """Runs cold-start SFT with `cfg` (configs/base.py fields, `sft.*`) in `workdir`; returns a summary dict.
+    """Runs cold-start SFT with `cfg` (arpo_jax/configs/base.py fields, `sft.*`) in `workdir`; returns a summary dict.
 
     Data order comes from `data.seed` / `data.shuffle` (a permutation per epoch; the incomplete tail batch of an
     epoch is left out). `sft.mask_tool_results` (default True; see `sft_data`) chooses whether

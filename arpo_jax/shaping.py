@@ -1,6 +1,6 @@
 """Which trajectories train, and on what reward: DAPO's overlong shaping and dynamic sampling (pure numpy).
 
-None of this is in the reference ARPO/AEPO code; all of it is off by default (configs/base.py, `algorithm.*`).
+None of this is in the reference ARPO/AEPO code; all of it is off by default (arpo_jax/configs/base.py, `algorithm.*`).
 
 * Soft overlong punishment (DAPO, arXiv 2503.14476 eq. 13; verl's `overlong_buffer`): a response of |y| tokens
   with L_max = `data.max_response_length` and L_cache = `algorithm.overlong_buffer_len` gets

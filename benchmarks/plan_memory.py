@@ -1,6 +1,6 @@
 """Memory plan of the policy-update step for a published model on a fake-device mesh (see arpo_jax/plan.py).
 
-`arpo-jax plan --config configs/<experiment>.py` does the same for an experiment config; this script plans any
+`arpo-jax plan --config builtin:<experiment>` does the same for an experiment config; this script plans any
 published model / mesh / micro-batch shape by hand:
 
   python benchmarks/plan_memory.py [--model Qwen2.5-7B-Instruct --mesh 1,8,1 --micro 2 --rows 8 --seq 4096]

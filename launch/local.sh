@@ -1,8 +1,8 @@
 #!/bin/bash
 # One machine, one process (all of its GPUs, or TPU chips, or the CPU):
 #
-#   launch/local.sh configs/toy_cpu.py runs/toy --config.trainer.max_steps=2
-#   ARPO_COMMAND=sft launch/local.sh configs/sft_qwen25_7b.py runs/sft_7b
+#   launch/local.sh builtin:toy_cpu runs/toy --config.trainer.max_steps=2
+#   ARPO_COMMAND=sft launch/local.sh builtin:sft_qwen25_7b runs/sft_7b
 #
 # Env: ARPO_DATA, ARPO_MODELS, BRIGHTDATA_API_KEY (brightdata search only; or in ARPO_ENV_FILE, default
 # ~/.arpo_env), ARPO_COMMAND (train | sft, default train).

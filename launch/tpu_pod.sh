@@ -2,7 +2,7 @@
 # A Cloud TPU slice (single- or multi-host): the same command on every TPU VM worker.
 #
 #   launch/tpu_pod.sh TPU_NAME ZONE CONFIG WORKDIR [--config.x=y ...]
-#   ARPO_SETUP=1 launch/tpu_pod.sh my-v4-32 us-central2-b configs/arpo_qwen3_14b_tpu_v4_32.py gs://bucket/runs/14b
+#   ARPO_SETUP=1 launch/tpu_pod.sh my-v4-32 us-central2-b builtin:arpo_qwen3_14b_tpu_v4_32 gs://bucket/runs/14b
 #
 # ARPO_SETUP=1 first copies this repository to ARPO_REMOTE_DIR (default ~/arpo-jax) on every worker, installs it
 # with the TPU extra into ARPO_REMOTE_DIR/.venv, and copies ARPO_ENV_FILE (default ~/.arpo_env: `export` lines

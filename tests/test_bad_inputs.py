@@ -15,7 +15,7 @@ from arpo_jax import cli, config
 from arpo_jax.data import sft_data
 
 REPO = Path(__file__).resolve().parents[1]
-TOY = str(REPO / "configs" / "toy_cpu.py")
+TOY = str(REPO / "arpo_jax" / "configs" / "toy_cpu.py")
 
 
 def _error(capsys, argv) -> str:
@@ -89,7 +89,7 @@ def test_non_utf8_sft_file_is_named(tmp_path):
 
 def test_eval_of_builtin_tiny_checks_its_positions_before_any_engine(tmp_path):
     """The default P + R (1536 + 4096) exceeds builtin:tiny's 2048 positions: said by validation, not by vLLM."""
-    cfg = config.load_config([f"--config={REPO / 'configs' / 'base.py'}", "--config.model.path=builtin:tiny"])
+    cfg = config.load_config(["--config=builtin:base", "--config.model.path=builtin:tiny"])
     with pytest.raises(config.ConfigError, match=r"data.max_response_length: P \+ R = 5632 exceeds the model's "
                                                  r"max_position_embeddings=2048"):
         config.validate(cfg, command="eval", check_files=True)

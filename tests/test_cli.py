@@ -120,3 +120,37 @@ def test_convert_from_a_missing_checkpoint_creates_nothing(tmp_path, capsys):
                      str(tmp_path / "o")]) == 2
     assert "nonexistent" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_help_shows_the_config_argument_and_builtin_names():
+    code, out, _ = _run("-m", "arpo_jax.cli", "train", "--help")
+    assert code == 0 and "--config FILE|builtin:NAME" in out and "toy_cpu" in out and "arpo_qwen25_7b_reasoning" in out
+    code, out, _ = _run("-m", "arpo_jax.cli", "quickstart", "--help")
+    assert code == 0 and "nothing is downloaded" in out
+    code, _, err = _run("-m", "arpo_jax.cli", "train", "--config=builtin:nope", "--workdir=/tmp/never")
+    assert code == 2 and "no built-in config 'nope'; allowed: builtin:aepo_qwen25_7b" in err
+    assert not Path("/tmp/never").exists()
+
+
+def test_non_editable_install_trains_from_an_empty_directory(tmp_path):
+    """`pip install .` (not editable) ships the configs: `arpo-jax train --config=builtin:toy_cpu` runs one step from
+    an empty directory with nothing of the checkout in reach."""
+    site = tmp_path / "site"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                           "--target", str(site), str(REPO)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (site / "arpo_jax" / "configs" / "toy_cpu.py").is_file()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"PYTHONPATH": str(site), "JAX_PLATFORMS": "cpu"}
+    code = ("import sys, arpo_jax; from arpo_jax import cli; assert arpo_jax.__file__.startswith(sys.argv[1]), "
+            "arpo_jax.__file__; sys.exit(cli.main(sys.argv[2:]))")
+    proc = subprocess.run([sys.executable, "-c", code, str(site), "train", "--config=builtin:toy_cpu",
+                           "--workdir=run", "--config.trainer.max_steps=1", "--config.trainer.progress=false",
+                           "--config.data.train_batch_size=2", "--config.rollout.n=2",
+                           "--config.rollout.initial_rollouts=1", "--config.rollout.beam_size=1",
+                           "--config.data.max_response_length=32", "--config.actor.ppo_mini_batch_size=2"],
+                          cwd=empty, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 1
+    assert (empty / "run" / "metrics.jsonl").is_file()

@@ -12,8 +12,8 @@ from ml_collections import ConfigDict
 from arpo_jax import config, testing
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = sorted(p for p in (REPO / "configs").glob("*.py") if p.name not in ("__init__.py", "base.py"))
-TOY = str(REPO / "configs" / "toy_cpu.py")
+CONFIGS = sorted(p for p in (REPO / "arpo_jax" / "configs").glob("*.py") if p.name not in ("__init__.py", "base.py"))
+TOY = str(REPO / "arpo_jax" / "configs" / "toy_cpu.py")
 
 
 def _devices(cfg) -> int | None:
@@ -53,7 +53,7 @@ def test_every_config_loads_and_validates(path):
 
 
 def test_base_loads_but_needs_a_model_and_data():
-    cfg = config.load_config([f"--config={REPO / 'configs' / 'base.py'}"])
+    cfg = config.load_config(["--config=builtin:base"])
     fields = {p.split(":")[0] for p in _problems(cfg)}
     assert fields == {"model.path", "model.tokenizer", "data.train_files", "data.val_files"}
 
@@ -68,7 +68,7 @@ def test_reference_values_of_the_scripts():
         "aepo_qwen3_14b": (64, 8, 2000, 6192, 12, 6, 5, 0.6, 6),
     }
     for name, values in expect.items():
-        c = config.load_config([f"--config={REPO / 'configs' / name}.py"])
+        c = config.load_config([f"--config={REPO / 'arpo_jax' / 'configs' / name}.py"])
         got = (c.data.train_batch_size, c.actor.ppo_mini_batch_size, c.data.max_prompt_length,
                c.data.max_response_length, c.rollout.n, c.rollout.initial_rollouts, c.trainer.total_epochs,
                c.rollout.vllm.gpu_memory_utilization, c.tools.call_limit)
@@ -241,19 +241,21 @@ def test_enum_values_come_from_the_code():
 
 
 def test_configs_load_from_another_directory(tmp_path):
-    """config_flags imports a file by path: `from configs.base import ...` must work wherever the run starts."""
+    """config_flags imports a file by path: `from arpo_jax.configs.base import ...` must work wherever the run starts,
+    and `builtin:NAME` names the shipped file from any directory."""
     code = ("import sys; from arpo_jax import config; "
             "c = config.load_config(sys.argv[1:]); print(c.rollout.n, c.data.train_batch_size)")
     env = {**os.environ, "PYTHONPATH": ""}
-    for name, expect in (("aepo_qwen3_14b.py", "12 64"), ("toy_cpu.py", "16 4")):
-        argv = [f"--config={REPO / 'configs' / name}"] + (["--config.rollout.n=16"] if name == "toy_cpu.py" else [])
+    shipped = str(REPO / "arpo_jax" / "configs" / "aepo_qwen3_14b.py")
+    for spec, expect in ((shipped, "12 64"), ("builtin:toy_cpu", "16 4"), ("builtin:aepo_qwen3_14b", "12 64")):
+        argv = [f"--config={spec}"] + (["--config.rollout.n=16"] if "toy_cpu" in spec else [])
         proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.split("\n")[-2] == expect
     # A relative path from the repository's parent folder too.
-    proc = subprocess.run([sys.executable, "-c", code, f"--config={REPO.name}/configs/toy_cpu.py"], cwd=REPO.parent,
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code, f"--config={REPO.name}/arpo_jax/configs/toy_cpu.py"],
+                          cwd=REPO.parent, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.split("\n")[-2] == "4 4", proc.stderr
 
 
@@ -263,7 +265,7 @@ def test_configs_load_from_another_directory(tmp_path):
     ("arpo_qwen25_7b_reasoning", 8, 1),
 ])
 def test_hardware_configs_fit_their_slices(name, devices, processes):
-    cfg = config.load_config([f"--config={REPO / 'configs' / name}.py"])
+    cfg = config.load_config([f"--config={REPO / 'arpo_jax' / 'configs' / name}.py"])
     config.validate(cfg, check_files=False, device_count=devices, process_count=processes)
     assert cfg.rollout.engine == ("jax" if "tpu" in name else "vllm")
 
@@ -272,7 +274,7 @@ def test_launch_scripts_parse_and_size_jax_memory():
     for script in ("local.sh", "tpu_pod.sh", "slurm_gpu.sbatch"):
         subprocess.run(["bash", "-n", str(REPO / "launch" / script)], check=True)
     run = [sys.executable, str(REPO / "launch" / "mem_fraction.py"), "--workdir=x"]
-    vllm = subprocess.run([*run, f"--config={REPO / 'configs' / 'arpo_qwen3_8b_deepsearch.py'}"], capture_output=True,
+    vllm = subprocess.run([*run, "--config=builtin:arpo_qwen3_8b_deepsearch"], capture_output=True,
                           text=True, check=True)
     jax_engine = subprocess.run([*run, f"--config={TOY}"], capture_output=True, text=True, check=True)
     assert (vllm.stdout.split()[-1], jax_engine.stdout.split()[-1]) == ("0.35", "0.9")

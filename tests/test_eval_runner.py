@@ -31,7 +31,7 @@ from arpo_jax.eval.chat import format_transcript
 from arpo_jax.eval.scoring import pass_at_k
 
 REPO = Path(__file__).resolve().parents[1]
-TOY = str(REPO / "configs" / "toy_cpu.py")
+TOY = str(REPO / "arpo_jax" / "configs" / "toy_cpu.py")
 BENCHMARKS = ("gsm8k", "hotpotqa", "aime24")
 LIMIT, K, BATCH = 3, 2, 2
 OVERRIDES = ("--config.data.max_prompt_length=512", "--config.data.max_response_length=32")

@@ -19,7 +19,7 @@ from arpo_jax.rollout.jax_sampler import JaxSampler
 from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
 
 REPO = Path(__file__).resolve().parents[1]
-TOY = str(REPO / "configs" / "toy_cpu.py")
+TOY = str(REPO / "arpo_jax" / "configs" / "toy_cpu.py")
 SMOLLM2 = "smollm2-135m-instruct"
 PROMPTS = ["What is the capital of France?", "Write a Python expression for 17 times 23.",
            "Name three colours of the rainbow."]

@@ -17,7 +17,7 @@ from arpo_jax import cli, run_guard
 from arpo_jax import config as config_lib
 
 REPO = Path(__file__).resolve().parents[1]
-TOY = str(REPO / "configs" / "toy_cpu.py")
+TOY = str(REPO / "arpo_jax" / "configs" / "toy_cpu.py")
 
 HOLD_LOCK = """
 import sys, time

@@ -9,7 +9,7 @@ from ml_collections import ConfigDict
 
 from arpo_jax import config, shaping
 
-TOY = str(Path(__file__).resolve().parents[1] / "configs" / "toy_cpu.py")
+TOY = str(Path(__file__).resolve().parents[1] / "arpo_jax" / "configs" / "toy_cpu.py")
 
 
 def test_overlong_penalty_hand_computed():

@@ -25,7 +25,7 @@ from arpo_jax import metrics
 from arpo_jax.checkpoint import Checkpointer
 
 REPO = Path(__file__).resolve().parents[1]
-TOY = str(REPO / "configs" / "toy_cpu.py")
+TOY = str(REPO / "arpo_jax" / "configs" / "toy_cpu.py")
 REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return {"score": (sum(map(ord, solution_str)) % 97) / 97.0}
@@ -198,7 +198,7 @@ def test_two_steps_with_the_vllm_sampler(shared):
 
 def test_plan_reports_per_device_memory_of_the_7b_config(shared):
     root, _, cache = shared
-    cmd = [sys.executable, "-m", "arpo_jax.cli", "plan", f"--config={REPO / 'configs' / 'arpo_qwen25_7b_reasoning.py'}"]
+    cmd = [sys.executable, "-m", "arpo_jax.cli", "plan", "--config=builtin:arpo_qwen25_7b_reasoning"]
     out = _run(cmd, _env(1, cache), timeout=900)
     result = json.loads(out.strip().splitlines()[-1])
     assert result["devices"] == 8 and result["mesh"] == [1, 8, 1]

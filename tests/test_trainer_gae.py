@@ -32,7 +32,7 @@ def _config(tmp_path: Path, *overrides: str):
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
     return config_lib.load_config([
-        f"--config={REPO / 'configs' / 'toy_cpu.py'}", "--config.algorithm.adv_estimator=gae",
+        "--config=builtin:toy_cpu", "--config.algorithm.adv_estimator=gae",
         f"--config.algorithm.gamma={GAMMA}", f"--config.algorithm.lam={LAM}", f"--config.reward.custom_path={reward}",
         "--config.trainer.progress=false", "--config.trainer.loggers=('jsonl',)", "--config.rollout.workers=2",
         "--config.critic.lr=1e-3", *overrides])

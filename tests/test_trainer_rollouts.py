@@ -35,7 +35,7 @@ def _config(tmp_path: Path, reward: str, *overrides: str):
     path = tmp_path / "reward.py"
     path.write_text(reward)
     return config_lib.load_config([
-        f"--config={REPO / 'configs' / 'toy_cpu.py'}", f"--config.reward.custom_path={path}",
+        "--config=builtin:toy_cpu", f"--config.reward.custom_path={path}",
         "--config.trainer.progress=false", "--config.trainer.loggers=('jsonl',)", *overrides])
 
 

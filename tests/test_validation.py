@@ -18,7 +18,7 @@ def _trainer(tmp_path: Path, *overrides: str) -> trainer_lib.Trainer:
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
     cfg = config_lib.load_config([
-        f"--config={REPO / 'configs' / 'toy_cpu.py'}", f"--config.reward.custom_path={reward}",
+        "--config=builtin:toy_cpu", f"--config.reward.custom_path={reward}",
         "--config.trainer.progress=false", "--config.trainer.loggers=('jsonl',)", "--config.data.val_max_samples=6",
         "--config.data.max_response_length=24", "--config.trainer.max_steps=1", *overrides])
     return trainer_lib.Trainer(cfg, tmp_path / "run")

@@ -132,16 +132,12 @@ class EvalOptions:
 
 
 def base_config_path() -> Path:
-    """``configs/base.py`` of the repository this package lives in (the default evaluation config)."""
-    path = Path(__file__).resolve().parents[2] / "configs" / "base.py"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found (configs/ is not part of a non-editable install); pass "
-                                "--config=path/to/configs/<experiment>.py")
-    return path
+    """The shipped ``arpo_jax/configs/base.py`` (the default evaluation config)."""
+    return config_lib.BUILTIN_CONFIGS / "base.py"
 
 
 def load_eval_config(config_args: Sequence[str]) -> ConfigDict:
-    """The experiment config of `--config=FILE --config.a.b=v ...`; without a file, configs/base.py's values."""
+    """The experiment config of `--config=FILE --config.a.b=v ...`; without a file, builtin:base's values."""
     args = list(config_args)
     if not any(re.match(r"^--?config(=|$)", a) for a in args):
         args = [f"--config={base_config_path()}", *args]

@@ -2,18 +2,11 @@
 on 2 cores). Nothing is downloaded: `builtin:tiny` is built into the workdir, `builtin:toy` data (train and val
 splits) and search corpus are generated.
 
-  arpo-jax train --config=configs/toy_cpu.py --config.trainer.max_steps=2 --workdir=runs/toy
-  arpo-jax sft --config=configs/toy_cpu.py --workdir=runs/toy_sft
+  arpo-jax train --config=builtin:toy_cpu --config.trainer.max_steps=2 --workdir=runs/toy
+  arpo-jax sft --config=builtin:toy_cpu --workdir=runs/toy_sft
 """
 
-import sys
-from pathlib import Path
-
-# config_flags loads this file by path, outside any package: make the repository root importable for `configs.*`.
-if (_root := str(Path(__file__).resolve().parents[1])) not in sys.path:
-    sys.path.insert(0, _root)
-
-from configs.base import get_config as base_config  # noqa: E402
+from arpo_jax.configs.base import get_config as base_config
 
 
 def get_config():

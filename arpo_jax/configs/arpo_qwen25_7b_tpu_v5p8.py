@@ -5,14 +5,7 @@ the 4 chips, and the JAX KV-cache sampler instead of vLLM (no co-located vLLM on
 reference script's. Launch with launch/tpu_pod.sh (a single host also works with launch/local.sh on the VM).
 """
 
-import sys
-from pathlib import Path
-
-# config_flags loads this file by path, outside any package: make the repository root importable for `configs.*`.
-if (_root := str(Path(__file__).resolve().parents[1])) not in sys.path:
-    sys.path.insert(0, _root)
-
-from configs.arpo_qwen25_7b_reasoning import get_config as arpo_config  # noqa: E402
+from arpo_jax.configs.arpo_qwen25_7b_reasoning import get_config as arpo_config
 
 
 def get_config():

@@ -5,14 +5,7 @@ in the rollout (spec 5.2), entropy-balanced clipping (10.1) and entropy-aware ad
 dynamic rollouts (5.1) off. AEPO yaml tools: call_limit 6, 32 workers, 4 attempts.
 """
 
-import sys
-from pathlib import Path
-
-# config_flags loads this file by path, outside any package: make the repository root importable for `configs.*`.
-if (_root := str(Path(__file__).resolve().parents[1])) not in sys.path:
-    sys.path.insert(0, _root)
-
-from configs.arpo_qwen25_7b_reasoning import get_config as arpo_config  # noqa: E402
+from arpo_jax.configs.arpo_qwen25_7b_reasoning import get_config as arpo_config
 
 
 def set_aepo(c):

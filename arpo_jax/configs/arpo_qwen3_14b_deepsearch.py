@@ -4,14 +4,7 @@ The 8B deep-search setup with a smaller batch and group: 64 prompts x 12 traject
 mini-batch, R = 6192. hard_search_1k gives 16 steps an epoch, 80 in all.
 """
 
-import sys
-from pathlib import Path
-
-# config_flags loads this file by path, outside any package: make the repository root importable for `configs.*`.
-if (_root := str(Path(__file__).resolve().parents[1])) not in sys.path:
-    sys.path.insert(0, _root)
-
-from configs.arpo_qwen3_8b_deepsearch import get_config as deepsearch_config  # noqa: E402
+from arpo_jax.configs.arpo_qwen3_8b_deepsearch import get_config as deepsearch_config
 
 
 def get_config():

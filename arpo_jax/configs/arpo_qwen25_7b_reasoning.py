@@ -6,14 +6,7 @@ The reference starts RL from the cold-start SFT model: pass `--config.model.init
 (see sft_qwen25_7b.py) or point model.path at an exported SFT folder.
 """
 
-import sys
-from pathlib import Path
-
-# config_flags loads this file by path, outside any package: make the repository root importable for `configs.*`.
-if (_root := str(Path(__file__).resolve().parents[1])) not in sys.path:
-    sys.path.insert(0, _root)
-
-from configs.base import get_config as base_config  # noqa: E402
+from arpo_jax.configs.base import get_config as base_config
 
 
 def get_config():

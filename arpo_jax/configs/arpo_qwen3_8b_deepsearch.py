@@ -4,14 +4,7 @@ One node of 8 GPUs. hard_search_1k (1071 prompts) at 128 a step: 8 steps an epoc
 on GAIA and HLE. Longer responses (R = 10000) and up to 6 tool calls per trajectory.
 """
 
-import sys
-from pathlib import Path
-
-# config_flags loads this file by path, outside any package: make the repository root importable for `configs.*`.
-if (_root := str(Path(__file__).resolve().parents[1])) not in sys.path:
-    sys.path.insert(0, _root)
-
-from configs.base import get_config as base_config  # noqa: E402
+from arpo_jax.configs.base import get_config as base_config
 
 
 def get_config():

@@ -4,18 +4,11 @@ Full fine-tuning on 8 GPUs: cutoff 15000 tokens, lr 7e-6, 3 epochs, cosine with 
 reference's per-device batch 1 x gradient accumulation 2 x 8 GPUs = 16 examples per optimizer step. Put the
 cold-start conversations (ShareGPT `conversations` or OpenAI `messages`, JSON / JSON lines / parquet) at
 `$ARPO_DATA/sft/arpo_sft.json`, or override `--config.sft.train_files=<file>`.
-Run: `arpo-jax sft --config=configs/sft_qwen25_7b.py --workdir=runs/sft_7b`; then start RL from it with
+Run: `arpo-jax sft --config=builtin:sft_qwen25_7b --workdir=runs/sft_7b`; then start RL from it with
 `--config.model.init_checkpoint=runs/sft_7b/checkpoints`.
 """
 
-import sys
-from pathlib import Path
-
-# config_flags loads this file by path, outside any package: make the repository root importable for `configs.*`.
-if (_root := str(Path(__file__).resolve().parents[1])) not in sys.path:
-    sys.path.insert(0, _root)
-
-from configs.base import get_config as base_config  # noqa: E402
+from arpo_jax.configs.base import get_config as base_config
 
 
 def get_config():

@@ -7,14 +7,7 @@ for tensor parallelism: `--config.mesh.shape="(1, 8, 2)" --config.mesh.rules=fsd
 8 KV heads divide by 2). Each of the 4 processes rolls out 16 of the 64 prompts of a step.
 """
 
-import sys
-from pathlib import Path
-
-# config_flags loads this file by path, outside any package: make the repository root importable for `configs.*`.
-if (_root := str(Path(__file__).resolve().parents[1])) not in sys.path:
-    sys.path.insert(0, _root)
-
-from configs.arpo_qwen3_14b_deepsearch import get_config as arpo_config  # noqa: E402
+from arpo_jax.configs.arpo_qwen3_14b_deepsearch import get_config as arpo_config
 
 
 def get_config():
