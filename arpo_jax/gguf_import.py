@@ -60,10 +60,7 @@ def open_gguf(path: str | os.PathLike):
 
 def _field(reader, key: str, default=None):
     field = reader.get_field(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value
+    return default if field is None else field.contents()
 
 
 def architecture(reader) -> str:

@@ -61,7 +61,7 @@ def write_gguf(path, model: arpo_jax.CausalLM, qtype=gguf.GGMLQuantizationType.F
         w.add_tensor(f"{name_map.get_name(base)}.{suffix}", q, raw_shape=q.shape if t != q.dtype else None,
                      raw_dtype=t)
         back = gguf.quants.dequantize(q, t).reshape(hf_shape)
-        expected[key] = _permute_back(back, head) if head and arch == "llama" else back
+        expected[key] = gguf_import._unpermute_qk(back, head) if head and arch == "llama" else back
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -78,10 +78,6 @@ def _random_k_quant(shape, qtype) -> np.ndarray:
     n = (scale_at[1] - scale_at[0]) // 2
     q.reshape(-1, size)[:, scale_at[0]:scale_at[1]] = np.full(n, 0.002, np.float16).view(np.uint8)
     return q
-
-
-def _permute_back(w, n_head):
-    return gguf_import._unpermute_qk(w, n_head)
 
 
 def _params(model) -> dict[str, np.ndarray]:
