@@ -51,6 +51,13 @@ class Layout:
         """Index of sequence i's tokens in a [K, M, B, T] array."""
         return self.mini[i], self.micro[i], self.row[i], slice(self.start[i], self.start[i] + self.lengths[i])
 
+    def with_micro_batches(self, m: int) -> Layout:
+        """The same placement in a batch of m >= M micro-batches (the extra ones empty: segment 0, weight 0), so
+        that workers whose layouts need fewer micro-batches form blocks of one global shape."""
+        if m < self.shape[1]:
+            raise ValueError(f"with_micro_batches({m}): the layout needs {self.shape[1]}")
+        return dataclasses.replace(self, shape=(self.shape[0], m, *self.shape[2:]))
+
 
 def _fill_rows(lengths: np.ndarray, row_len: int, pack: bool) -> list[list[int]]:
     """Sequence indices per row: first-fit decreasing into rows of ``row_len`` tokens, or one per row."""
@@ -127,19 +134,43 @@ def unpack(layout: Layout, arr: np.ndarray) -> list[np.ndarray]:
     return out
 
 
+def loss_totals(layout: Layout, loss_masks: Sequence[np.ndarray]) -> np.ndarray:
+    """[K, 2] per mini-batch: loss tokens and sequences with at least one loss token (token 0 is never predicted).
+
+    Several rollout workers each pack their share of every mini-batch; the sum of their totals is what
+    ``loss_weights`` normalises by (``totals``), so the blocks side by side form the global mini-batch's loss.
+    """
+    totals = np.zeros((layout.shape[0], 2), np.float64)
+    for k, m in zip(layout.mini, loss_masks):
+        n = float((np.asarray(m)[1:] > 0).sum())
+        totals[k] += (n, float(n > 0))
+    return totals
+
+
 def loss_weights(layout: Layout, loss_masks: Sequence[np.ndarray], *, agg_mode: str = "token-mean",
-                 micro_norm: str = "global_token_mean", norm_len: int | None = None) -> np.ndarray:
+                 micro_norm: str = "global_token_mean", norm_len: int | None = None,
+                 totals: np.ndarray | None = None, workers: int = 1) -> np.ndarray:
     """Per-token loss weights [K, M, B, T] implementing ``agg_mode`` under ``micro_norm`` (module docstring).
 
+    The one owner of loss normalisation: the train step computes ``sum(w * per-token loss)`` and nothing else.
     Per sequence ``i`` with ``n_i`` loss tokens, ``N`` loss tokens and ``S`` sequences (with loss tokens) in the
-    normalisation group (the mini-batch for ``global_token_mean``; the micro-batch for ``reference``, whose
-    result is then scaled by ``S_micro / S_mini``):
+    normalisation group (the global mini-batch for ``global_token_mean``: ``totals``; the micro-batch for
+    ``reference``, whose result is then scaled by ``S_micro / S_mini``):
       token-mean ``1/N``; seq-mean-token-sum ``1/S``; seq-mean-token-mean ``1/(S n_i)``;
       seq-mean-token-sum-norm ``1/norm_len``. The reference divides by its padded response length, i.e. the
       configured ``data.max_response_length``, a constant: pass that (the trainer does). The default, the
       longest span from a sequence's first loss token to its end, is only a fallback for direct use: it is
       shorter than the reference's whenever no response of the batch reaches the maximum, and changes from
       batch to batch.
+
+    Args:
+      layout, loss_masks: the packed sequences and their token-aligned 0/1 loss masks.
+      agg_mode: ``AGG_MODES``; micro_norm: ``MICRO_NORMS``; norm_len: see above.
+      totals: [K, 2] loss tokens and sequences per mini-batch summed over every worker (``loss_totals``);
+        None: this layout's own (one worker).
+      workers: rollout workers whose blocks form the global batch. Where the normaliser is not a global count
+        (``reference``, whose ranks each normalise their own micro-batches, and the constant of
+        ``seq-mean-token-sum-norm``) their losses are averaged as verl's ranks' gradients are: ``1 / workers``.
     """
     if agg_mode not in AGG_MODES:
         raise ValueError(f"unknown agg_mode {agg_mode!r}; choose from {AGG_MODES}")
@@ -150,10 +181,14 @@ def loss_weights(layout: Layout, loss_masks: Sequence[np.ndarray], *, agg_mode: 
     if norm_len is None:
         norm_len = max(len(m) - int(np.argmax(m)) for m in masks if m[1:].any()) if n_tok.any() else 1
     has = n_tok > 0
-    # Group key: the mini-batch (global) or the micro-batch (reference).
-    group = layout.mini if micro_norm == "global_token_mean" else layout.mini * layout.shape[1] + layout.micro
-    tok_in = {g: n_tok[group == g].sum() for g in np.unique(group)}
-    seq_in = {g: has[group == g].sum() for g in np.unique(group)}
+    if micro_norm == "global_token_mean":
+        group = layout.mini
+        totals = loss_totals(layout, masks) if totals is None else np.asarray(totals, np.float64)
+        tok_in, seq_in = totals[:, 0], totals[:, 1]
+    else:  # the micro-batch, this worker's own
+        group = layout.mini * layout.shape[1] + layout.micro
+        tok_in, seq_in = (np.bincount(group, x.astype(np.float64), minlength=layout.shape[0] * layout.shape[1])
+                          for x in (n_tok, has))
     scale = np.ones(len(masks))
     for i in range(len(masks)):
         g = group[i]
@@ -169,30 +204,31 @@ def loss_weights(layout: Layout, loss_masks: Sequence[np.ndarray], *, agg_mode: 
             # verl: loss * (rows in this micro-batch / per-GPU mini-batch size).
             scale[i] *= (layout.micro == layout.micro[i])[layout.mini == layout.mini[i]].sum() / max(
                 (layout.mini == layout.mini[i]).sum(), 1)
+        if micro_norm == "reference" or agg_mode == "seq-mean-token-sum-norm":
+            scale[i] /= workers
     return place(layout, [m * s for m, s in zip(masks, scale)], np.float32)
 
 
-def pack_batch(sequences: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray], advantages, *,
-               mini_batch_size: int, row_len: int, rows_per_micro: int, pack: bool = True,
-               agg_mode: str = "token-mean", micro_norm: str = "global_token_mean", norm_len: int | None = None,
-               extra: dict[str, Sequence[np.ndarray]] | None = None) -> tuple[dict[str, np.ndarray], Layout]:
-    """Builds the train-step batch for a rollout, as numpy arrays of shape [K, M, B, T].
+def assemble(layout: Layout, sequences: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray], advantages, *,
+         agg_mode: str = "token-mean", micro_norm: str = "global_token_mean", norm_len: int | None = None,
+         totals: np.ndarray | None = None, workers: int = 1,
+         extra: dict[str, Sequence[np.ndarray]] | None = None) -> dict[str, np.ndarray]:
+    """The train-step batch of sequences placed by ``layout``, as numpy arrays of shape [K, M, B, T].
 
     Args:
+      layout: from ``plan_layout`` (its M may be raised to match other workers: the extra micro-batches are
+        empty, segment 0 and weight 0).
       sequences: N int arrays, the full token sequence of each trajectory (no padding).
       loss_masks: N 0/1 arrays, token-aligned (1 = model-generated token that is trained on).
       advantages: [N] per-sequence advantages (broadcast to tokens) or N token-aligned arrays.
-      mini_batch_size, row_len, rows_per_micro, pack: see ``plan_layout``.
-      agg_mode, micro_norm, norm_len: loss normalisation, see ``loss_weights``.
-      extra: more token-aligned per-sequence arrays to place (e.g. ``old_logp``, ``ref_logp`` from a rollout).
+      agg_mode, micro_norm, norm_len, totals, workers: loss normalisation, see ``loss_weights``.
+      extra: more token-aligned per-sequence arrays to place (e.g. ``rollout_logp``, ``returns``).
 
     Returns:
-      (batch, layout): batch holds ``input_ids``, ``targets``, ``positions``, ``segment_ids`` (int32) and
-      ``loss_weight``, ``advantages`` (+ ``extra``) (float32), all [K, M, B, T].
+      ``input_ids``, ``targets``, ``positions``, ``segment_ids`` (int32) and ``loss_weight``, ``advantages``
+      (+ ``extra``) (float32), all [K, M, B, T].
     """
     sequences = [np.asarray(s) for s in sequences]
-    layout = plan_layout([len(s) for s in sequences], mini_batch_size=mini_batch_size, row_len=row_len,
-                         rows_per_micro=rows_per_micro, pack=pack)
     ids, targets, positions, segments = (np.zeros(layout.shape, np.int32) for _ in range(4))
     for i, s in enumerate(sequences):
         k, m, b, sl = layout.slots(i)
@@ -200,13 +236,20 @@ def pack_batch(sequences: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray]
         targets[k, m, b, sl.start:sl.stop - 1] = s[1:]
         positions[k, m, b, sl] = np.arange(len(s))
         segments[k, m, b, sl] = segments[k, m, b].max() + 1  # 1, 2, ... in order of placement within the row
-    adv = advantages
-    if np.ndim(advantages) == 1 and len(advantages) == len(sequences) and np.isscalar(advantages[0]):
-        adv = [np.full(len(s), a, np.float32) for s, a in zip(sequences, advantages)]
+    adv = [np.broadcast_to(np.asarray(a, np.float32), (len(s),)) for s, a in zip(sequences, advantages)]
     batch = {"input_ids": ids, "targets": targets, "positions": positions, "segment_ids": segments,
              "loss_weight": loss_weights(layout, loss_masks, agg_mode=agg_mode, micro_norm=micro_norm,
-                                         norm_len=norm_len),
+                                         norm_len=norm_len, totals=totals, workers=workers),
              "advantages": place(layout, adv)}
     for name, values in (extra or {}).items():
         batch[name] = place(layout, values)
-    return batch, layout
+    return batch
+
+
+def pack_batch(sequences: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray], advantages, *,
+               mini_batch_size: int, row_len: int, rows_per_micro: int, pack: bool = True,
+               **kwargs) -> tuple[dict[str, np.ndarray], Layout]:
+    """``plan_layout`` then ``assemble`` (its keyword arguments): the batch of one worker, and its layout."""
+    layout = plan_layout([len(s) for s in sequences], mini_batch_size=mini_batch_size, row_len=row_len,
+                         rows_per_micro=rows_per_micro, pack=pack)
+    return assemble(layout, sequences, loss_masks, advantages, **kwargs), layout

@@ -38,20 +38,21 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from arpo_jax import algos, hf, packing, rewards, run_guard, runtime, shaping, sharding
+from arpo_jax import algos, experience, hf, packing, rewards, run_guard, runtime, shaping, sharding
 from arpo_jax import config as config_lib
 from arpo_jax import critic as critic_lib
 from arpo_jax import metrics as metrics_lib
 from arpo_jax import train_step as ts
 from arpo_jax.checkpoint import Checkpointer
 from arpo_jax.data import rl_dataset, toy
+from arpo_jax.experience import Trajectories
 from arpo_jax.rollout.agent_loop import (
     FAILURE_CAUSES,
     RolloutConfig,
     RolloutOutput,
+    RolloutState,
     greedy_settings,
     rollout,
-    select_rows,
 )
 from arpo_jax.rollout.sampler import SamplingSettings
 from arpo_jax.tools import make_executor
@@ -143,163 +144,6 @@ def num_workers(cfg) -> int:
 def worker_seed(seed: int, step: int, worker: int, salt: str = "") -> int:
     """A 31-bit seed that depends only on (seed, step, worker, salt): the same in every process layout."""
     return zlib.crc32(f"{seed}/{step}/{worker}/{salt}".encode()) & 0x7FFFFFFF
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Rollout -> training sequences
-# ------------------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Trajectories:
-    """One worker's rollout as training data: unpadded sequences and what the metrics need."""
-
-    sequences: list[np.ndarray]  # prompt + kept response tokens
-    prompt_lengths: np.ndarray  # [N] tokens of the prompt at the start of each sequence
-    loss_masks: list[np.ndarray]  # 0 over the prompt and tool results, 1 over model tokens
-    scores: np.ndarray  # [N] reward
-    group: np.ndarray  # [N] prompt index (GRPO group)
-    responses: list[str]
-    reward_infos: list[dict]
-    out: RolloutOutput
-    rollout_logps: list[np.ndarray]  # token-aligned engine log-probs (NaN: none), for the rollout correction
-
-    @property
-    def failed(self) -> np.ndarray:
-        """[N] bool: failed trajectories (out.failed names the cause), masked out of the loss and the baselines."""
-        return self.out.failed != ""
-
-
-def score_rollout(out: RolloutOutput, examples, tokenizer, reward_fn) -> Trajectories:
-    """Decodes each valid response (spec 7.2: up to its response mask, special tokens skipped) and scores it."""
-    seqs, masks, texts, prompt_lengths, rollout_logps = [], [], [], [], []
-    for i in range(len(out.responses)):
-        n_resp = int(out.response_mask[i].sum())
-        prompt = out.input_ids[i, :-out.responses.shape[1]][out.attention_mask[i, :-out.responses.shape[1]] > 0]
-        resp = out.responses[i, :n_resp]
-        seqs.append(np.concatenate([prompt, resp]).astype(np.int32))
-        prompt_lengths.append(len(prompt))
-        masks.append(np.concatenate([np.zeros(len(prompt), np.int32), out.loss_mask[i, :n_resp]]))
-        no_logp = np.full(len(prompt), np.nan, np.float32)  # the prompt was not sampled
-        rollout_logps.append(np.concatenate([no_logp, out.rollout_logp[i, :n_resp]]))
-        texts.append(tokenizer.decode(resp, skip_special_tokens=True))
-    ex = [examples[int(p)] for p in out.prompt_index]
-    infos = rewards.score_responses(reward_fn, [e.data_source for e in ex], texts, [e.ground_truth for e in ex],
-                                    [e.extra_info for e in ex])
-    scores = np.asarray([float(r["score"]) for r in infos], np.float32)
-    return Trajectories(seqs, np.asarray(prompt_lengths), masks, scores, np.asarray(out.prompt_index), texts, infos,
-                        out, rollout_logps)
-
-
-def shape_rollout(traj: Trajectories, cfg) -> Trajectories:
-    """The training signal of a scored rollout: failed trajectories (and with `algorithm.overlong = mask` the
-    truncated ones) masked out of the loss, the DAPO overlong penalty added to the scores (`shaping`)."""
-    a = cfg.algorithm
-    scores = traj.scores
-    if a.overlong == "penalty":
-        scores = scores + shaping.overlong_penalty(traj.out.response_length, max_length=cfg.data.max_response_length,
-                                                   buffer_length=a.overlong_buffer_len,
-                                                   factor=a.overlong_penalty_factor)
-    drop = traj.failed | ((traj.out.finish_reason == "length") if a.overlong == "mask" else False)
-    masks = [np.zeros_like(m) if d else m for m, d in zip(traj.loss_masks, drop)]
-    return dataclasses.replace(traj, scores=np.asarray(scores, np.float32), loss_masks=masks)
-
-
-def select_groups(parts: list[tuple[Trajectories, list[int]]]) -> Trajectories:
-    """The rows of the chosen groups (prompt indices) of one or more rollouts, as one rollout (dynamic sampling)."""
-    picks = [(t, np.concatenate([np.flatnonzero(t.group == g) for g in groups]).astype(np.int64))
-             for t, groups in parts if groups]
-    out = select_rows([(t.out, rows) for t, rows in picks])
-    fields = {"out": out, "group": out.prompt_index}
-    for f in dataclasses.fields(Trajectories):  # every other field holds one entry per row
-        if f.name not in fields:
-            rows = [getattr(t, f.name)[i] for t, idx in picks for i in idx]
-            fields[f.name] = np.asarray(rows) if isinstance(getattr(picks[0][0], f.name), np.ndarray) else rows
-    return Trajectories(**fields)
-
-
-def worker_batch(traj: Trajectories, cfg, *, mini_prompts: int, rows: int,
-                 row_len: int) -> tuple[dict, np.ndarray, packing.Layout]:
-    """One worker's [K, M, rows, T] batch (numpy), its loss-token counts per mini-batch [K, 2] and its layout.
-
-    With `gae` the advantages are zeros here: they need the critic's values on this very batch (`Trainer._add_gae`).
-    """
-    estimator = cfg.algorithm.adv_estimator
-    # A failed trajectory is its own group: its score must not move the baseline of the others (it has no loss).
-    group = np.where(traj.failed, -1 - np.arange(len(traj.group)), traj.group)
-    if estimator == "gae":
-        adv = np.zeros(len(traj.sequences), np.float32)
-    else:
-        adv = np.asarray(algos.compute_advantages(estimator, traj.scores, group,
-                                                  **({"norm_by_std": cfg.algorithm.norm_adv_by_std}
-                                                     if estimator == "grpo" else {})))
-    batch, layout = packing.pack_batch(traj.sequences, traj.loss_masks, adv,
-                                       mini_batch_size=mini_prompts * cfg.rollout.n, row_len=row_len,
-                                       rows_per_micro=rows, pack=cfg.actor.pack, agg_mode=cfg.actor.agg_mode,
-                                       micro_norm=cfg.actor.micro_norm,
-                                       norm_len=cfg.data.max_response_length,  # seq-mean-token-sum-norm's divisor
-                                       extra={"rollout_logp": traj.rollout_logps})
-    counts = np.zeros((layout.shape[0], 2), np.float64)  # per mini-batch: loss tokens, sequences with loss tokens
-    for i, m in enumerate(traj.loss_masks):
-        n = float(m[1:].sum())
-        counts[layout.mini[i]] += (n, float(n > 0))
-    return batch, counts, layout
-
-
-def gae_inputs(traj: Trajectories, values: list[np.ndarray], response_length: int):
-    """Per-trajectory response slices for `algos.gae_advantages`, padded to [N, response_length].
-
-    Returns (rewards, values, mask): the score sits on the last response token (spec 7.2), values are the critic's
-    token-aligned old values over the whole response (tool results are states too), 0 past its end, and the mask
-    is the loss mask (model tokens), over which the advantages are whitened and the losses taken.
-    """
-    n = len(traj.sequences)
-    rew, val, mask = (np.zeros((n, response_length), np.float32) for _ in range(3))
-    for i, (seq, v, m) in enumerate(zip(traj.sequences, values, traj.loss_masks)):
-        p = int(traj.prompt_lengths[i])
-        r = len(seq) - p
-        if r:
-            rew[i, r - 1] = traj.scores[i]
-            val[i, :r] = v[p:]
-            mask[i, :r] = m[p:]
-    return rew, val, mask
-
-
-def response_to_tokens(traj: Trajectories, per_response: np.ndarray) -> list[np.ndarray]:
-    """[N, R] values over each response -> token-aligned arrays over each whole sequence (0 over the prompt)."""
-    out = []
-    for i, seq in enumerate(traj.sequences):
-        p = int(traj.prompt_lengths[i])
-        full = np.zeros(len(seq), np.float32)
-        full[p:] = per_response[i, :len(seq) - p]
-        out.append(full)
-    return out
-
-
-def pad_micro(batch: dict, m: int) -> dict:
-    """Pads the micro-batch axis (1) to m with empty micro-batches (segment 0, weight 0: no loss, no gradient)."""
-    return {k: pad_axis1(v, m) for k, v in batch.items()}
-
-
-def pad_axis1(x: np.ndarray, m: int) -> np.ndarray:
-    """[K, M, ...] -> [K, m, ...] with zeros."""
-    extra = m - x.shape[1]
-    return x if extra == 0 else np.concatenate([x, np.zeros(x.shape[:1] + (extra,) + x.shape[2:], x.dtype)], axis=1)
-
-
-def rescale_weights(batch: dict, counts: np.ndarray, totals: np.ndarray, cfg, workers: int) -> dict:
-    """Per-worker loss weights -> weights of the global mini-batch (the workers' blocks are summed by the step).
-
-    A worker normalised its weights over its own share of a mini-batch; the global mean needs the global count:
-    token-mean scales by the worker's share of loss tokens, the sequence means by its share of sequences. verl's
-    per-GPU weighting (`micro_norm = reference`) averages the ranks' losses: 1 / workers.
-    """
-    if cfg.actor.micro_norm == "reference" or cfg.actor.agg_mode == "seq-mean-token-sum-norm":
-        scale = np.full(len(counts), 1.0 / workers)
-    else:
-        col = 0 if cfg.actor.agg_mode == "token-mean" else 1
-        scale = counts[:, col] / np.maximum(totals[:, col], 1.0)
-    return batch | {"loss_weight": (batch["loss_weight"] * scale[:, None, None, None]).astype(np.float32)}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -423,6 +267,7 @@ class Trainer:
             resume_step=self.step if latest is not None else None, enabled=self.is_main)
         self.timers = metrics_lib.PhaseTimer()
         self.skipped_in_a_row = 0  # steps skipped for failures (rollout.failures), in a row
+        self.rollout_states = {w: RolloutState() for w in self.local_workers}  # B1 compat, see `_rollout`
 
     # -- setup helpers -------------------------------------------------------------------------------------------
 
@@ -505,7 +350,45 @@ class Trainer:
 
     # -- one step ------------------------------------------------------------------------------------------------
 
-    def _rollout(self, examples, worker: int, *, validation: bool = False, extra_round: int = 0) -> Trajectories:
+    def train_step(self) -> dict:
+        """One RL step, phase by phase (each timed under its name: `time/<phase>`). Returns its metrics."""
+        timers = self.timers
+        timers.reset()
+        t0 = time.perf_counter()
+        # rollout -> reward, per draw: dynamic sampling needs the rewards to decide whether to draw again.
+        trajs, position, sampling_metrics = self._collect_rollouts()
+        skip = self._too_many_failures(trajs)
+        minis = []
+        if not skip:
+            with timers("advantages"):
+                token_arrays = self._advantages(trajs)
+            with timers("pack"):
+                minis = self._pack(trajs, token_arrays)
+            with timers("old_logprob"):
+                minis = [self._old_logprobs(batch) for batch in minis]
+        with timers("update"):
+            step_metrics, critic_metrics = self._update(minis)
+        with timers("weight_sync"):
+            if minis:
+                self._sync_weights()
+        self.step += 1
+        self.position = position
+        with timers("metrics"):
+            out = (self._rollout_metrics(trajs) | self._update_metrics(step_metrics)
+                   | self._update_metrics(critic_metrics, prefix="critic/") | sampling_metrics
+                   | {"rollout/step_skipped": float(skip)})
+            self._log_trajectories(trajs)
+        tokens = sum(len(s) for t in trajs.values() for s in t.sequences)
+        elapsed = time.perf_counter() - t0
+        out |= timers.as_metrics(prefix="time/") | {
+            "time/step": elapsed, "perf/tokens_per_s": tokens * jax.process_count() / elapsed,
+            "train/epoch": self.position.epoch, "train/lr": float(self.schedule(int(self.state.step)))}
+        return out
+
+    # rollout
+
+    def _rollout(self, examples, worker: int, *, validation: bool = False, extra_round: int = 0) -> RolloutOutput:
+        """The tool rollout of one worker's prompts, seeded by (seed, step, worker, draw)."""
         cfg = self.cfg
         val = cfg.rollout.val_kwargs
         rcfg = self.rollout_cfg.for_validation(val.n) if validation else self.rollout_cfg
@@ -517,35 +400,27 @@ class Trainer:
                         if val.do_sample else greedy_settings(settings))
         if hasattr(self.sampler, "reset_cache"):
             self.sampler.reset_cache()  # cached rows of another worker's prompts must not leak into this rollout
-        out = rollout([e.prompt_ids for e in examples], self.sampler, self.executor, self.tokenizer, rcfg, settings,
-                      np.random.default_rng(seed))
-        return score_rollout(out, examples, self.tokenizer, self.reward_fn)
+        # The worker's RolloutState persists across calls (validation included, as in the reference): with
+        # rollout.reference_compat it carries B1's stale entropy baselines from one step to the next.
+        return rollout([e.prompt_ids for e in examples], self.sampler, self.executor, self.tokenizer, rcfg, settings,
+                       np.random.default_rng(seed), state=self.rollout_states[worker])
 
-    def _batch_examples(self, position: rl_dataset.DataPosition | None = None) -> dict[int, list]:
-        """This step's prompts (or those of the batch at `position`) per local rollout worker."""
-        cfg = self.cfg
-        position = position or self.position
-        idx = rl_dataset.batch_indices(len(self.train_data), cfg.data.train_batch_size, position.epoch,
-                                       position.step_in_epoch, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
-                                       drop_last=cfg.data.drop_last)
-        return {w: [self.train_data[int(i)] for i in rl_dataset.shard(idx, w, self.workers)]
-                for w in self.local_workers}
+    # reward
 
-    def _global(self, local: np.ndarray, lead: int = 0) -> jax.Array:
-        """The global [M, B, T] array (with `lead` = 1: [K, M, B, T]) from this process's rows (its workers' blocks
-        along B)."""
-        b = local.ndim - 2
-        global_shape = local.shape[:b] + (local.shape[b] * jax.process_count(),) + local.shape[b + 1:]
-        return jax.make_array_from_process_local_data(self.batch_sh4 if lead else self.batch_sh, local, global_shape)
+    def _reward(self, out: RolloutOutput, examples, *, shape: bool = True) -> Trajectories:
+        """The scored trajectories of a rollout; `shape`: with the training signal's masks and penalties."""
+        traj = experience.score_rollout(out, examples, self.tokenizer, self.reward_fn)
+        return experience.shape_rollout(traj, self.cfg) if shape else traj
 
     def _collect_rollouts(self) -> tuple[dict[int, Trajectories], rl_dataset.DataPosition, dict]:
-        """This step's shaped rollouts per local worker, the data position after them, and dynamic-sampling metrics.
+        """The rollout and reward phases: this step's shaped rollouts per local worker, the data position after
+        them, and dynamic-sampling metrics.
 
         With `algorithm.dynamic_sampling`, groups whose rewards are all equal are dropped and the next batches of
         the data stream are rolled out (up to `algorithm.max_extra_rounds` more) until every worker has its share
         of informative groups; a worker still short is topped up with dropped groups (`shaping.pick_groups`).
         """
-        cfg, a = self.cfg, self.cfg.algorithm
+        cfg, a, timers = self.cfg, self.cfg.algorithm, self.timers
         position = self.position
         draws: dict[int, list[Trajectories]] = {w: [] for w in self.local_workers}
         informative: dict[int, list[np.ndarray]] = {w: [] for w in self.local_workers}
@@ -555,7 +430,10 @@ class Trainer:
             for w, ex in self._batch_examples(position).items():
                 if extra and sum(int(i.sum()) for i in informative[w]) >= need:
                     continue  # this worker is full; others draw on
-                t = shape_rollout(self._rollout(ex, w, extra_round=extra), cfg)
+                with timers("rollout"):
+                    out = self._rollout(ex, w, extra_round=extra)
+                with timers("reward"):
+                    t = self._reward(out, ex)
                 draws[w].append(t)
                 informative[w].append(shaping.informative_groups(t.scores, t.group, ~t.failed)[1])
             position = position.advance(self.steps_per_epoch)
@@ -570,13 +448,24 @@ class Trainer:
         trajs, counts = {}, np.zeros(3)  # informative groups drawn, groups drawn, uninformative groups kept
         for w in self.local_workers:
             picks = shaping.pick_groups(informative[w], need)
-            trajs[w] = select_groups([(t, [k for r, k in picks if r == j]) for j, t in enumerate(draws[w])])
+            trajs[w] = experience.select_groups([(t, [k for r, k in picks if r == j])
+                                                 for j, t in enumerate(draws[w])])
             counts += (sum(int(i.sum()) for i in informative[w]), sum(len(i) for i in informative[w]),
                        sum(not informative[w][r][k] for r, k in picks))
         counts = self._gather(counts[None]).sum(0)
         return trajs, position, {"dynamic_sampling/kept_fraction": float(counts[0] / max(counts[1], 1)),
                                  "dynamic_sampling/extra_rounds": float(extra),
                                  "dynamic_sampling/filled_groups": float(counts[2])}
+
+    def _batch_examples(self, position: rl_dataset.DataPosition | None = None) -> dict[int, list]:
+        """This step's prompts (or those of the batch at `position`) per local rollout worker."""
+        cfg = self.cfg
+        position = position or self.position
+        idx = rl_dataset.batch_indices(len(self.train_data), cfg.data.train_batch_size, position.epoch,
+                                       position.step_in_epoch, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
+                                       drop_last=cfg.data.drop_last)
+        return {w: [self.train_data[int(i)] for i in rl_dataset.shard(idx, w, self.workers)]
+                for w in self.local_workers}
 
     def _too_many_failures(self, trajs: dict[int, Trajectories]) -> bool:
         """True (with a warning) when more than `rollout.failures.max_fraction` of the step's trajectories failed;
@@ -597,65 +486,67 @@ class Trainer:
                                "the engine or a tool is broken")
         return True
 
-    def _build_batch(self, trajs: dict[int, Trajectories]) -> list[dict]:
-        """K mini-batches of global arrays (old and reference log-probs included), in optimizer-step order."""
-        cfg = self.cfg
-        mini_prompts = cfg.actor.ppo_mini_batch_size // self.workers
-        parts = {w: worker_batch(t, cfg, mini_prompts=mini_prompts, rows=self.rows_per_worker, row_len=self.row_len)
-                 for w, t in trajs.items()}  # w -> (batch, counts, layout)
-        local_counts = np.stack([parts[w][1] for w in self.local_workers])  # [W_local, K, 2]
-        local_m = max(parts[w][0]["input_ids"].shape[1] for w in self.local_workers)
-        if jax.process_count() > 1:
-            all_counts = multihost_utils.process_allgather(local_counts)  # [P, W_local, K, 2]
-            totals = all_counts.reshape(-1, *local_counts.shape[1:]).sum(0)
-            m = int(multihost_utils.process_allgather(np.asarray(local_m)).max())
-        else:
-            totals, m = local_counts.sum(0), local_m
-        padded = {w: pad_micro(parts[w][0], m) for w in self.local_workers}
-        if self.use_critic:
-            self._add_gae(padded, {w: parts[w][2] for w in self.local_workers}, trajs)
-        blocks = [rescale_weights(padded[w], parts[w][1], totals, cfg, self.workers) for w in self.local_workers]
-        local = {k: np.concatenate([b[k] for b in blocks], axis=2) for k in blocks[0]}  # [K, M, B_local, T]
-        minis = []
-        for k in range(local["input_ids"].shape[0]):
-            batch = {name: self._global(v[k]) for name, v in local.items()}
-            batch["old_logp"], _ = self.logprob_fn(self.state.params, batch)
-            if self.ref_params is not None:
-                batch["ref_logp"], _ = self.logprob_fn(self.ref_params, batch)
-            minis.append(batch)
-        return minis
+    # advantages
 
-    def _add_gae(self, padded: dict[int, dict], layouts: dict[int, packing.Layout],
-                 trajs: dict[int, Trajectories]) -> None:
-        """PPO with a critic (spec 8.2): the rollout's old values, GAE per trajectory, whitening over the global batch.
+    def _advantages(self, trajs: dict[int, Trajectories]) -> dict[int, dict[str, list[np.ndarray]]]:
+        """Per worker, token-aligned `advantages` per sequence (with a critic also `returns` and `old_values`)."""
+        a = self.cfg.algorithm
+        if not self.use_critic:
+            return {w: {"advantages": experience.outcome_advantages(t, a.adv_estimator, norm_by_std=a.norm_adv_by_std)}
+                    for w, t in trajs.items()}
+        values = self._old_values(trajs)
+        n_local = sum(len(t.sequences) for t in trajs.values())
+        rows = slice(jax.process_index() * n_local, (jax.process_index() + 1) * n_local)
+        # Whitened over every trajectory of the step (as the reference's driver does), not per process.
+        whiten = lambda adv, mask: np.asarray(algos.masked_whiten(self._gather(adv), self._gather(mask)))[rows]
+        out = experience.gae([trajs[w] for w in self.local_workers], [values[w] for w in self.local_workers],
+                             response_length=self.cfg.data.max_response_length, gamma=a.gamma, lam=a.lam,
+                             whiten=whiten)
+        return {w: {"advantages": adv, "returns": ret, "old_values": values[w]}
+                for w, (adv, ret) in zip(self.local_workers, out)}
 
-        Fills `advantages`, `returns` and `old_values` of each worker's padded [K, M, rows, T] block in place.
-        The values come from one forward pass over the packed global batch; GAE itself runs per trajectory on its
-        response (a reverse scan over a packed row would cross from one trajectory into another).
-        """
-        cfg = self.cfg
-        local = {k: np.concatenate([padded[w][k] for w in self.local_workers], axis=2) for k in critic_lib.FORWARD_KEYS}
+    def _old_values(self, trajs: dict[int, Trajectories]) -> dict[int, list[np.ndarray]]:
+        """The critic's token-aligned values of every sequence: one forward pass over the packed global batch (GAE
+        itself runs per trajectory: a reverse scan over a packed row would cross into another trajectory)."""
+        layouts = self._layouts(trajs)
+        zeros = {w: [np.zeros(len(s), np.float32) for s in t.sequences] for w, t in trajs.items()}
+        blocks = [packing.assemble(layouts[w], trajs[w].sequences, trajs[w].loss_masks, zeros[w])
+                  for w in self.local_workers]
+        local = {k: np.concatenate([b[k] for b in blocks], axis=2) for k in critic_lib.FORWARD_KEYS}
         values = self._host_local(self.value_fn(self.critic_state.params,
                                                 {k: self._global(v, lead=1) for k, v in local.items()}))
-        per_worker = dict(zip(self.local_workers, np.split(values, len(self.local_workers), axis=2)))
-        tok_values = {w: packing.unpack(layouts[w], per_worker[w]) for w in self.local_workers}
-        inputs = [gae_inputs(trajs[w], tok_values[w], cfg.data.max_response_length) for w in self.local_workers]
-        rew, val, mask = (np.concatenate(x) for x in zip(*inputs))
-        _, returns = algos.gae_advantages(rew, val, mask, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam)
-        returns = np.asarray(returns)
-        # Whitened over every trajectory of the step (as the reference's driver does), not per process.
-        n_local = len(rew)
-        adv = np.asarray(algos.masked_whiten(self._gather(returns - val), self._gather(mask)))
-        adv = adv[jax.process_index() * n_local:(jax.process_index() + 1) * n_local]
-        start = 0
-        for w in self.local_workers:
-            t, layout, block = trajs[w], layouts[w], padded[w]
-            sl = slice(start, start + len(t.sequences))
-            start = sl.stop
-            m = block["input_ids"].shape[1]
-            block["advantages"] = pad_axis1(packing.place(layout, response_to_tokens(t, adv[sl])), m)
-            block["returns"] = pad_axis1(packing.place(layout, response_to_tokens(t, returns[sl])), m)
-            block["old_values"] = pad_axis1(packing.place(layout, tok_values[w]), m)
+        per_worker = np.split(values, len(self.local_workers), axis=2)
+        return {w: packing.unpack(layouts[w], v) for w, v in zip(self.local_workers, per_worker)}
+
+    # pack
+
+    def _layouts(self, trajs: dict[int, Trajectories]) -> dict[int, packing.Layout]:
+        """Each worker's layout, with the micro-batch count of the largest one over every process."""
+        mini_prompts = self.cfg.actor.ppo_mini_batch_size // self.workers
+        layouts = {w: experience.layout(t, self.cfg, mini_prompts=mini_prompts, rows=self.rows_per_worker,
+                                        row_len=self.row_len) for w, t in trajs.items()}
+        m = max(layouts[w].shape[1] for w in self.local_workers)
+        if jax.process_count() > 1:
+            m = int(multihost_utils.process_allgather(np.asarray(m)).max())
+        return {w: lay.with_micro_batches(m) for w, lay in layouts.items()}
+
+    def _pack(self, trajs: dict[int, Trajectories], token_arrays: dict[int, dict]) -> list[dict]:
+        """K mini-batches of global [M, B, T] arrays, in optimizer-step order. The loss weights are normalised by
+        the loss tokens and sequences of each whole mini-batch, summed over every worker of every process."""
+        layouts = self._layouts(trajs)
+        totals = self._gather(np.stack([packing.loss_totals(layouts[w], trajs[w].loss_masks)
+                                        for w in self.local_workers])).sum(0)  # [K, 2]
+        blocks = [experience.worker_batch(trajs[w], token_arrays[w], layouts[w], self.cfg, totals=totals,
+                                          workers=self.workers) for w in self.local_workers]
+        local = {k: np.concatenate([b[k] for b in blocks], axis=2) for k in blocks[0]}  # [K, M, B_local, T]
+        return [{name: self._global(v[k]) for name, v in local.items()} for k in range(local["input_ids"].shape[0])]
+
+    def _global(self, local: np.ndarray, lead: int = 0) -> jax.Array:
+        """The global [M, B, T] array (with `lead` = 1: [K, M, B, T]) from this process's rows (its workers' blocks
+        along B)."""
+        b = local.ndim - 2
+        global_shape = local.shape[:b] + (local.shape[b] * jax.process_count(),) + local.shape[b + 1:]
+        return jax.make_array_from_process_local_data(self.batch_sh4 if lead else self.batch_sh, local, global_shape)
 
     def _host_local(self, x: jax.Array) -> np.ndarray:
         """This process's rows of a global [K, M, B, T] array (inverse of `_global(..., lead=1)`)."""
@@ -663,45 +554,33 @@ class Trainer:
             return np.asarray(x)
         return np.asarray(multihost_utils.global_array_to_host_local_array(x, self.mesh, self.batch_sh4.spec))
 
-    def train_step(self) -> dict:
-        """One training step: rollout, rewards, advantages, update, weight sync. Returns its metrics."""
-        cfg, timers = self.cfg, self.timers
-        timers.reset()
-        t0 = time.perf_counter()
-        with timers("rollout"):
-            trajs, position, sampling_metrics = self._collect_rollouts()
-        skip = self._too_many_failures(trajs)
-        with timers("old_logprob"):
-            minis = [] if skip else self._build_batch(trajs)
-        update_policy = not (self.use_critic and self.step < cfg.critic.warmup_steps)
+    # old / ref log-probs
+
+    def _old_logprobs(self, batch: dict) -> dict:
+        """The mini-batch with the pre-update policy's log-probs (and the reference policy's, with a KL loss)."""
+        batch = batch | {"old_logp": self.logprob_fn(self.state.params, batch)[0]}
+        if self.ref_params is not None:
+            batch["ref_logp"] = self.logprob_fn(self.ref_params, batch)[0]
+        return batch
+
+    # update
+
+    def _update(self, minis: list[dict]) -> tuple[list[dict], list[dict]]:
+        """`ppo_epochs` passes over the mini-batches: the critic first (as the reference), then the policy (not
+        during `critic.warmup_steps`). Returns the per-step metrics of each, on the host."""
+        cfg = self.cfg
         step_metrics, critic_metrics = [], []
         if self.use_critic:
-            with timers("critic_update"):  # the reference updates the critic first, on the same mini-batches
-                for _ in range(cfg.actor.ppo_epochs):
-                    for batch in minis:
-                        self.critic_state, m = self.value_step_fn(self.critic_state, batch)
-                        critic_metrics.append(m)
-                critic_metrics = jax.device_get(critic_metrics)
-        with timers("update"):
-            for _ in range(cfg.actor.ppo_epochs if update_policy else 0):
+            for _ in range(cfg.actor.ppo_epochs):
                 for batch in minis:
-                    self.state, m = self.step_fn(self.state, batch)
-                    step_metrics.append(m)
-            step_metrics = jax.device_get(step_metrics)
-        with timers("weight_sync"):
-            if minis:
-                self._sync_weights()
-        self.step += 1
-        self.position = position
-        out = (self._rollout_metrics(trajs) | self._update_metrics(step_metrics) | timers.as_metrics(prefix="time/")
-               | self._update_metrics(critic_metrics, prefix="critic/") | sampling_metrics
-               | {"rollout/step_skipped": float(skip)})
-        tokens = sum(len(s) for t in trajs.values() for s in t.sequences)
-        elapsed = time.perf_counter() - t0
-        out |= {"time/step": elapsed, "perf/tokens_per_s": tokens * jax.process_count() / elapsed,
-                "train/epoch": self.position.epoch, "train/lr": float(self.schedule(int(self.state.step)))}
-        self._log_trajectories(trajs)
-        return out
+                    self.critic_state, m = self.value_step_fn(self.critic_state, batch)
+                    critic_metrics.append(m)
+        update_policy = not (self.use_critic and self.step < cfg.critic.warmup_steps)
+        for _ in range(cfg.actor.ppo_epochs if update_policy else 0):
+            for batch in minis:
+                self.state, m = self.step_fn(self.state, batch)
+                step_metrics.append(m)
+        return jax.device_get(step_metrics), jax.device_get(critic_metrics)
 
     # -- metrics -------------------------------------------------------------------------------------------------
 
@@ -784,7 +663,7 @@ class Trainer:
             for start in range(0, len(exs), bs or max(len(exs), 1)):
                 chunk = exs[start:start + (bs or len(exs))]
                 if chunk:
-                    t = self._rollout(chunk, w, validation=True)
+                    t = self._reward(self._rollout(chunk, w, validation=True), chunk, shape=False)
                     scores += list(t.scores)
                     sources += [chunk[int(p)].data_source for p in t.group]
         scores, sources = self._gather_ragged(np.asarray(scores, np.float32), sources, width=len(self.val_data) * n)

@@ -102,3 +102,86 @@ def test_global_weights_do_not_depend_on_the_split():
     for other in per_split[1:]:
         for a, b in zip(per_split[0], other):
             np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# The aggregation modes through the loss weights (verl's agg_loss on [B, T] rows; moved from test_algos)
+# ------------------------------------------------------------------------------------------------
+
+
+def _row_agg(loss, mask, mode, *, rows=None, totals=None, workers=1):
+    """sum(w * loss) for [B, T] per-token losses whose rows are sequences of T + 1 tokens (token 0: the prompt).
+
+    The train step computes exactly this (per-token losses are 0 outside the loss tokens: `where`)."""
+    loss, mask = np.asarray(loss, np.float64), np.asarray(mask, np.float64)
+    b, t = mask.shape
+    masks = [np.concatenate([[0.0], m]) for m in mask]
+    layout = packing.plan_layout([t + 1] * b, mini_batch_size=b, row_len=t + 1, rows_per_micro=rows or b, pack=False)
+    w = _weights_per_seq(layout, packing.loss_weights(layout, masks, agg_mode=mode, norm_len=t, totals=totals,
+                                                      workers=workers))
+    return float(sum(np.where(wi > 0, wi * li, 0.0).sum() for wi, li in zip(w, loss)))
+
+
+_L = np.array([[1.0, 2, 3, 9], [4, 5, 6, 9], [7, 7, 7, 7]])
+_M = np.array([[1.0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]])  # the third row is an all-masked padding row
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("token-mean", 7 / 3),  # (1 + 2 + 4) / 3 tokens
+    ("seq-mean-token-sum", 3.5),  # (3 + 4) / 2 non-empty rows
+    ("seq-mean-token-mean", 2.75),  # (1.5 + 4) / 2
+    ("seq-mean-token-sum-norm", 1.75),  # 7 / T=4
+])
+def test_agg_modes_hand_values(mode, expected):
+    np.testing.assert_allclose(_row_agg(_L, _M, mode), expected, rtol=1e-6)
+    np.testing.assert_allclose(_row_agg(np.where(_M > 0, _L, np.nan), _M, mode), expected, rtol=1e-6)
+
+
+def test_agg_all_masked_is_zero_not_nan():
+    for mode in packing.AGG_MODES:
+        assert _row_agg(_L, np.zeros_like(_M), mode) == 0.0
+
+
+def test_agg_unknown_mode_raises():
+    with pytest.raises(ValueError, match="unknown agg_mode 'sum'"):
+        _row_agg(_L, _M, "sum")
+
+
+@pytest.mark.parametrize("split", [(3, 5), (2, 2, 4), (1, 7)])
+@pytest.mark.parametrize("mode", packing.AGG_MODES)
+def test_agg_invariant_to_micro_batch_split(split, mode):
+    """One worker: micro-batches of any size give the mini-batch's aggregate (the normaliser is the mini-batch's)."""
+    rng = np.random.default_rng(4)
+    loss = rng.normal(size=(8, 6))
+    mask = (rng.random((8, 6)) < 0.6).astype(np.float64)
+    mask[5] = 0.0
+    full = _row_agg(loss, mask, mode)
+    for rows in split:
+        np.testing.assert_allclose(_row_agg(loss, mask, mode, rows=rows), full, rtol=1e-6)
+
+
+@pytest.mark.parametrize("split", [(3, 5), (2, 2, 4), (1, 7)])
+@pytest.mark.parametrize("mode", packing.AGG_MODES)
+def test_workers_with_global_totals_sum_to_the_global_aggregate(split, mode):
+    """Rollout workers each pack their share of the mini-batch; with the totals of all (`loss_totals` summed) their
+    weighted sums add up to the aggregate of the whole mini-batch. seq-mean-token-sum-norm's normaliser is a
+    constant, not a count: the workers' losses are averaged as verl's ranks' are (1 / workers)."""
+    rng = np.random.default_rng(4)
+    loss = rng.normal(size=(8, 6))
+    mask = (rng.random((8, 6)) < 0.6).astype(np.float64)
+    mask[5] = 0.0
+    bounds = np.cumsum((0,) + split)
+    parts = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    totals = 0
+    for sl in parts:
+        t = mask.shape[1]
+        layout = packing.plan_layout([t + 1] * (sl.stop - sl.start), mini_batch_size=8, row_len=t + 1,
+                                     rows_per_micro=8, pack=False)
+        totals = totals + packing.loss_totals(layout, [np.concatenate([[0.0], m]) for m in mask[sl]])
+    np.testing.assert_array_equal(totals, [[mask.sum(), (mask.sum(1) > 0).sum()]])
+    got = sum(_row_agg(loss[sl], mask[sl], mode, totals=totals, workers=len(split)) for sl in parts)
+    full = _row_agg(loss, mask, mode) / (len(split) if mode == "seq-mean-token-sum-norm" else 1)
+    np.testing.assert_allclose(got, full, rtol=1e-6)
+    if mode != "seq-mean-token-sum-norm":  # without the global totals each worker normalises by its own share
+        alone = sum(_row_agg(loss[sl], mask[sl], mode) for sl in parts)
+        assert not np.isclose(alone, full)

@@ -92,7 +92,8 @@ def test_train_writes_metrics_checkpoints_tensorboard(uninterrupted):
     for r in records:
         for key in ("reward/mean", "tools/calls_per_trajectory/mean", "response/length/mean", "actor/pg_clipfrac",
                     "actor/grad_norm", "actor/entropy", "rollout/branches_per_prompt", "time/rollout",
-                    "time/old_logprob", "time/update", "time/weight_sync", "perf/tokens_per_s", "train/lr"):
+                    "time/old_logprob", "time/update", "time/weight_sync", "time/reward", "time/advantages",
+                    "time/pack", "time/metrics", "perf/tokens_per_s", "train/lr"):
             assert key in r, key
         assert r["actor/grad_norm"] > 0  # the custom reward gives non-zero advantages: a real update
         # The JAX engine runs the trainer's own model code: its log-probs of the sampled tokens are the old ones.

@@ -16,7 +16,7 @@ from flax import nnx
 
 from arpo_jax import config as config_lib
 from arpo_jax import critic as critic_lib
-from arpo_jax import metrics, packing
+from arpo_jax import experience, metrics, packing
 from arpo_jax import trainer as trainer_lib
 from arpo_jax.checkpoint import Checkpointer
 
@@ -57,13 +57,10 @@ def test_gae_packed_equals_direct(tmp_path):
         head["weight"] = jax.device_put(0.05 * jax.random.normal(jax.random.key(1), head["weight"].shape),
                                         head["weight"].sharding)
         head["bias"] = jax.device_put(jnp.full(head["bias"].shape, 0.3), head["bias"].sharding)
-        trajs = {w: tr._rollout(ex, w) for w, ex in tr._batch_examples().items()}
-        mini = cfg.actor.ppo_mini_batch_size // tr.workers
-        parts = {w: trainer_lib.worker_batch(t, cfg, mini_prompts=mini, rows=tr.rows_per_worker, row_len=tr.row_len)
-                 for w, t in trajs.items()}
-        m = max(p[0]["input_ids"].shape[1] for p in parts.values())
-        padded = {w: trainer_lib.pad_micro(parts[w][0], m) for w in parts}
-        tr._add_gae(padded, {w: parts[w][2] for w in parts}, trajs)
+        trajs = {w: tr._reward(tr._rollout(ex, w), ex) for w, ex in tr._batch_examples().items()}
+        arrays = tr._advantages(trajs)
+        layouts = tr._layouts(trajs)
+        packed = {w: experience.worker_batch(trajs[w], arrays[w], layouts[w], cfg) for w in trajs}
 
         model = critic_lib.ValueModel(tr.model_cfg, rngs=nnx.Rngs(0))
         state = nnx.state(model, nnx.Param)
@@ -88,9 +85,7 @@ def test_gae_packed_equals_direct(tmp_path):
 
         i = 0
         for w, t in trajs.items():
-            layout = parts[w][2]
-            got = {k: packing.unpack(layout, padded[w][k][:, :layout.shape[1]]) for k in
-                   ("advantages", "returns", "old_values")}
+            got = {k: packing.unpack(layouts[w], packed[w][k]) for k in ("advantages", "returns", "old_values")}
             for j, (p, lm) in enumerate(zip(t.prompt_lengths, t.loss_masks)):
                 model_tokens = lm[p:].astype(bool)
                 assert model_tokens.any()
@@ -162,10 +157,12 @@ def test_seq_mean_token_sum_norm_divides_by_the_configured_response_length(tmp_p
                   "--config.rollout.n=2", "--config.actor.ppo_mini_batch_size=2")
     seqs = [np.arange(3, 3 + n, dtype=np.int32) for n in (9, 7, 12, 6)]
     masks = [(np.arange(len(s)) >= 4).astype(np.int32) for s in seqs]  # 4 prompt tokens each
-    out = SimpleNamespace(failed=np.array([""] * 4, dtype=object))  # what worker_batch reads of the rollout
-    traj = trainer_lib.Trajectories(seqs, np.full(4, 4), masks, np.array([0.0, 1.0, 1.0, 0.5], np.float32),
-                                    np.array([0, 0, 1, 1]), [], [], out, [np.zeros(len(s)) for s in seqs])
-    batch, _, layout = trainer_lib.worker_batch(traj, cfg, mini_prompts=2, rows=2, row_len=32)
+    out = SimpleNamespace(failed=np.array([""] * 4, dtype=object))  # what the packing reads of the rollout
+    traj = experience.Trajectories(seqs, np.full(4, 4), masks, np.array([0.0, 1.0, 1.0, 0.5], np.float32),
+                                   np.array([0, 0, 1, 1]), [], [], out, [np.zeros(len(s)) for s in seqs])
+    layout = experience.layout(traj, cfg, mini_prompts=2, rows=2, row_len=32)
+    adv = experience.outcome_advantages(traj, cfg.algorithm.adv_estimator)
+    batch = experience.worker_batch(traj, {"advantages": adv}, layout, cfg)
     r = cfg.data.max_response_length
     assert r > 8  # longer than every response here: the old divisor (8) differs
     for w, m in zip(packing.unpack(layout, batch["loss_weight"]), masks):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from arpo_jax import config as config_lib
-from arpo_jax import metrics, packing, shaping
+from arpo_jax import experience, metrics, packing, shaping
 from arpo_jax import trainer as trainer_lib
 from arpo_jax.data import rl_dataset
 from arpo_jax.rollout.sampler import SampleResult
@@ -88,8 +88,8 @@ def test_injected_tool_and_engine_failures_are_masked_and_counted(tmp_path):
         tr.executor.tools["python"] = broken = BrokenPython()
         tr.sampler = InjectingSampler(tr.sampler, tr.tokenizer)
         seen = []
-        build = tr._build_batch
-        tr._build_batch = lambda trajs: seen.append(trajs) or build(trajs)
+        advantages = tr._advantages
+        tr._advantages = lambda trajs: seen.append(trajs) or advantages(trajs)
         summary = tr.run()
         p1 = _leaves(tr.state.params)
 
@@ -109,8 +109,9 @@ def test_injected_tool_and_engine_failures_are_masked_and_counted(tmp_path):
             # Masked: no loss token, no loss weight in the packed batch; every other trajectory trains.
             assert not t.loss_masks[0].any() and not t.loss_masks[1].any()
             assert all(m.any() for m in t.loss_masks[2:])
-            batch, _, layout = trainer_lib.worker_batch(t, cfg, mini_prompts=2, rows=tr.rows_per_worker,
-                                                        row_len=tr.row_len)
+            layout = experience.layout(t, cfg, mini_prompts=2, rows=tr.rows_per_worker, row_len=tr.row_len)
+            adv = experience.outcome_advantages(t, cfg.algorithm.adv_estimator)
+            batch = experience.worker_batch(t, {"advantages": adv}, layout, cfg)
             for i in range(len(t.sequences)):
                 k, m, b, sl = layout.slots(i)
                 assert (batch["loss_weight"][k, m, b, sl].sum() > 0) == (i >= 2)
@@ -143,8 +144,8 @@ def test_dynamic_sampling_and_overlong_handling(tmp_path):
         roll = tr._rollout
         tr._rollout = lambda ex, w, **kw: rollouts.append((ex, w, kw)) or roll(ex, w, **kw)
         seen = []
-        build = tr._build_batch
-        tr._build_batch = lambda trajs: seen.append(trajs) or build(trajs)
+        advantages = tr._advantages
+        tr._advantages = lambda trajs: seen.append(trajs) or advantages(trajs)
         tr.run()
         record = metrics.read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]
         # Odd-indexed prompts are the informative groups. Each of the 2 workers needs 2 of them: it draws its share
@@ -177,7 +178,7 @@ def test_dynamic_sampling_and_overlong_handling(tmp_path):
         # overlong = penalty on the same rollout: the score is the reward plus 0.5 * min(0, (128 - 64 - length) / 64).
         penalty = _config(tmp_path, HALF_CONSTANT_REWARD, "--config.algorithm.overlong=penalty",
                           "--config.algorithm.overlong_buffer_len=64", "--config.algorithm.overlong_penalty_factor=0.5")
-        shaped = trainer_lib.shape_rollout(t, penalty)
+        shaped = experience.shape_rollout(t, penalty)
         length = t.out.response_length.astype(np.float64)
         np.testing.assert_allclose(shaped.scores, t.scores + 0.5 * np.minimum(0.0, (64 - length) / 64), atol=1e-6)
         assert (shaped.scores < t.scores).any() and (shaped.scores == t.scores).any()

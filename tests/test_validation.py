@@ -27,7 +27,7 @@ def _trainer(tmp_path: Path, *overrides: str) -> trainer_lib.Trainer:
 def test_sampled_validation_draws_n_different_trajectories_per_prompt(tmp_path):
     tr = _trainer(tmp_path, "--config.rollout.val_kwargs.do_sample=true", "--config.rollout.val_kwargs.n=3")
     examples = [tr.val_data[i] for i in range(len(tr.val_data))]
-    t = tr._rollout(examples, 0, validation=True)
+    t = tr._reward(tr._rollout(examples, 0, validation=True), examples, shape=False)
     assert sorted(t.group.tolist()) == sorted(list(range(len(examples))) * 3)
     assert (t.out.parent_id < 0).all()  # no branching in validation
     distinct = [len({t.responses[i] for i in np.flatnonzero(t.group == p)}) for p in range(len(examples))]
