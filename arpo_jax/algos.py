@@ -1,8 +1,9 @@
-"""Pure RL maths for ARPO / AEPO: advantages, policy losses, KL estimators, entropy, loss aggregation.
+"""Pure RL maths for ARPO / AEPO: advantages, per-token policy losses, KL estimators, entropy.
 
 Everything here is a pure function of arrays plus explicit Python scalars: no model, no config object, no
 host sync, no Python loop over the batch, so every function can be jitted (string arguments such as
-``agg_mode`` or ``kind`` are static). Computation is float32 whatever the input dtype.
+``kind`` are static). Computation is float32 whatever the input dtype. Losses are per token: their aggregation
+(verl's ``agg_loss`` modes, micro-batch normalisation) is the packer's loss weights (``packing.loss_weights``).
 
 Semantics follow ``spec/arpo_aepo_reference.md`` sections 8-10 (verl 0.3.1 ``core_algos.py`` and the AEPO
 fork). Where the reference divides by zero (single-token whitening, single-token entropy std, all-masked
@@ -97,7 +98,7 @@ def grpo_advantages(rewards: Array, group_ids: Array, *, norm_by_std: bool = Tru
       eps: added to the std.
 
     Returns:
-      [B] float32 advantages; broadcast them to tokens with ``broadcast_to_tokens``.
+      [B] float32 advantages (one per sequence, for each of its tokens).
     """
     scores = _sequence_scores(rewards)
     count, mean, std = _group_stats(scores, group_ids)
@@ -148,11 +149,6 @@ def compute_advantages(name: str, rewards: Array, group_ids: Array, **kwargs) ->
     return ADVANTAGE_ESTIMATORS[name](rewards, group_ids, **kwargs)
 
 
-def broadcast_to_tokens(seq_advantages: Array, mask: Array) -> Array:
-    """``A[b, t] = A_b * mask[b, t]`` (spec 8.1): [B] x [B, T] -> [B, T] float32."""
-    return _f32(seq_advantages)[:, None] * _f32(mask)
-
-
 def gae_advantages(rewards: Array, values: Array, mask: Array, *, gamma: float = 1.0,
                    lam: float = 1.0) -> tuple[Array, Array]:
     """GAE with masked whitening (verl ``compute_gae_advantage_return``, spec 8.2).
@@ -187,63 +183,11 @@ def gae_advantages(rewards: Array, values: Array, mask: Array, *, gamma: float =
 
 
 # --------------------------------------------------------------------------------------------------
-# Loss aggregation (spec 8.3)
-# --------------------------------------------------------------------------------------------------
-
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
-
-def agg_loss(loss: Array, mask: Array, mode: str = "token-mean", *, num_tokens=None, num_seqs=None) -> Array:
-    """Aggregates a per-token loss matrix to a scalar (verl ``agg_loss``, spec 8.3).
-
-    Normalisers (``m`` = mask, ``S_b = sum_t L[b,t] m[b,t]``):
-      * ``token-mean``: ``sum_{b,t} L m / (N + 1e-8)`` with ``N = sum m`` by default.
-      * ``seq-mean-token-sum``: ``sum_b S_b / N_seq``.
-      * ``seq-mean-token-mean``: ``sum_b (S_b / sum_t m[b,t]) / N_seq``.
-      * ``seq-mean-token-sum-norm``: ``sum_{b,t} L m / T`` with T = ``loss.shape[-1]``: the reference pads responses
-        to the configured response length, so pass arrays of that width (a batch padded to its longest response
-        would divide by a length that changes from batch to batch).
-    ``N_seq`` counts the rows with at least one valid token by default. The reference averages over all rows,
-    which is the same there (it has no empty rows); here an all-masked padding row adds neither NaN nor weight.
-
-    Micro-batching: pass the mini-batch totals as ``num_tokens`` (token-mean) or ``num_seqs`` (seq-mean-*) and
-    *sum* the micro-batch losses; the result is then independent of the micro-batch split (also true of
-    ``seq-mean-token-sum-norm``, whose normaliser is a constant).
-
-    Args:
-      loss: [B, T] per-token loss.
-      mask: [B, T] 0/1 (or bool) loss mask.
-      mode: one of ``AGG_MODES`` (static).
-      num_tokens: optional explicit token-mean normaliser (scalar, may be a traced array).
-      num_seqs: optional explicit sequence count for the ``seq-mean-*`` modes.
-
-    Returns:
-      Scalar float32 loss.
-    """
-    mask = _f32(mask)
-    lm = jnp.where(mask > 0, _f32(loss) * mask, 0.0)  # where: NaN/inf at padding must not leak
-    if mode == "token-mean":
-        denom = jnp.sum(mask) if num_tokens is None else _f32(num_tokens)
-        return jnp.sum(lm) / (denom + _MASK_EPS)
-    if mode == "seq-mean-token-sum-norm":
-        return jnp.sum(lm) / loss.shape[-1]
-    seq_tokens = jnp.sum(mask, axis=-1)  # [B]
-    seq_loss = jnp.sum(lm, axis=-1)  # [B]
-    if mode == "seq-mean-token-mean":
-        seq_loss = seq_loss / jnp.maximum(seq_tokens, 1.0)
-    elif mode != "seq-mean-token-sum":
-        raise ValueError(f"unknown loss aggregation mode {mode!r}; choose from {AGG_MODES}")
-    n_seq = jnp.sum((seq_tokens > 0).astype(jnp.float32)) if num_seqs is None else _f32(num_seqs)
-    return jnp.sum(seq_loss) / jnp.maximum(n_seq, 1.0)
-
-
-# --------------------------------------------------------------------------------------------------
 # Policy losses: PPO-clip (spec 8.3) and AEPO entropy-balanced clipping (spec 10.1)
 # --------------------------------------------------------------------------------------------------
 
 
-def _clipped_policy_loss(logp, old_logp, advantages, mask, *, clip_low, clip_high, clip_c, agg_mode,
-                         num_tokens, num_seqs, entropy_balanced: bool,
+def _clipped_policy_loss(logp, old_logp, advantages, mask, *, clip_low, clip_high, clip_c, entropy_balanced: bool,
                          is_weights=None) -> tuple[Array, dict[str, Array]]:
     """Shared PPO / AEPO body; only the upper clip bound differs (see the public functions)."""
     if isinstance(clip_c, (int, float)) and not clip_c > 1.0:
@@ -275,19 +219,17 @@ def _clipped_policy_loss(logp, old_logp, advantages, mask, *, clip_low, clip_hig
     if is_weights is not None:  # rollout correction (``rollout_correction``): a constant factor per token, as verl
         per_token = per_token * jnp.where(valid, jax.lax.stop_gradient(_f32(is_weights)), 0.0)
 
-    loss = agg_loss(per_token, mask, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    per_token = jnp.where(valid, per_token, 0.0)
     metrics = {
-        "pg_loss": loss,
         "pg_clipfrac": masked_mean((loss2 > loss1).astype(jnp.float32), mask),
         "pg_clipfrac_lower": masked_mean(((loss_clip > loss3) & (adv < 0)).astype(jnp.float32), mask),
         "ppo_kl": masked_mean(-log_ratio, mask),
     }
-    return loss, metrics
+    return per_token, metrics
 
 
 def ppo_policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *, clip_low: float = 0.2,
-                    clip_high: float = 0.2, clip_c: float = 3.0, agg_mode: str = "token-mean",
-                    num_tokens=None, num_seqs=None, is_weights=None) -> tuple[Array, dict[str, Array]]:
+                    clip_high: float = 0.2, clip_c: float = 3.0, is_weights=None) -> tuple[Array, dict[str, Array]]:
     """PPO-clip policy loss with dual clip (verl ``compute_policy_loss``, spec 8.3).
 
     With ``r = exp(clip(logp - old_logp, -20, 20))`` (the clamp only avoids overflow, see the code):
@@ -302,25 +244,21 @@ def ppo_policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array
       clip_low: eps_l (``clip_ratio_low``).
       clip_high: eps_h (``clip_ratio_high``).
       clip_c: dual-clip constant c > 1 (``clip_ratio_c``).
-      agg_mode: loss aggregation, see ``agg_loss`` (static).
-      num_tokens: optional token-mean normaliser forwarded to ``agg_loss``.
-      num_seqs: optional sequence-count normaliser forwarded to ``agg_loss``.
       is_weights: optional [B, T] rollout-correction weights (``rollout_correction``): each token's loss is
-        multiplied by its (constant, no-gradient) weight before aggregation, as verl's ``rollout_is_weights``.
+        multiplied by its (constant, no-gradient) weight, as verl's ``rollout_is_weights``.
 
     Returns:
-      (scalar loss, metrics) where metrics holds scalars ``pg_loss``, ``pg_clipfrac`` (share of tokens with
-      ``L2 > L1``), ``pg_clipfrac_lower`` (share with ``A < 0`` and ``L_clip > -A c``) and ``ppo_kl``
-      (masked mean of ``old_logp - logp``).
+      (per-token loss [B, T], 0 outside ``mask``; metrics): aggregate the loss as ``sum(w * loss)`` with the
+      packer's loss weights ``w`` (``packing.loss_weights``, the one owner of the aggregation modes). Metrics are
+      scalars over ``mask`` (means weighted by it): ``pg_clipfrac`` (share of tokens with ``L2 > L1``),
+      ``pg_clipfrac_lower`` (share with ``A < 0`` and ``L_clip > -A c``) and ``ppo_kl`` (``old_logp - logp``).
     """
     return _clipped_policy_loss(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
-                                clip_c=clip_c, agg_mode=agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                                entropy_balanced=False, is_weights=is_weights)
+                                clip_c=clip_c, entropy_balanced=False, is_weights=is_weights)
 
 
 def entropy_balanced_policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
                                  clip_low: float = 0.2, clip_high: float = 0.2, clip_c: float = 3.0,
-                                 agg_mode: str = "token-mean", num_tokens=None, num_seqs=None,
                                  is_weights=None) -> tuple[Array, dict[str, Array]]:
     """AEPO entropy-balanced clipping (``compute_policy_loss_entropy_balanced_clipping``, spec 10.1, B7).
 
@@ -333,17 +271,16 @@ def entropy_balanced_policy_loss(logp: Array, old_logp: Array, advantages: Array
 
     Args:
       logp, old_logp, advantages, mask: [B, T], as in ``ppo_policy_loss``.
-      clip_low, clip_high, clip_c, agg_mode, num_tokens, num_seqs, is_weights: as in ``ppo_policy_loss``.
+      clip_low, clip_high, clip_c, is_weights: as in ``ppo_policy_loss``.
 
     Returns:
-      (scalar loss, metrics), the same keys as ``ppo_policy_loss``.
+      (per-token loss [B, T], metrics), as ``ppo_policy_loss``.
     """
     return _clipped_policy_loss(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
-                                clip_c=clip_c, agg_mode=agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
-                                entropy_balanced=True, is_weights=is_weights)
+                                clip_c=clip_c, entropy_balanced=True, is_weights=is_weights)
 
 
-# Name -> policy loss with the ppo_policy_loss signature.
+# Name -> per-token policy loss with the ppo_policy_loss signature.
 POLICY_LOSSES: dict[str, Callable[..., tuple[Array, dict[str, Array]]]] = {
     "ppo": ppo_policy_loss,
     "aepo": entropy_balanced_policy_loss,
@@ -535,7 +472,7 @@ def kl_penalty(logp: Array, ref_logp: Array, kind: str = "low_var_kl") -> Array:
       kind: estimator name (static); ``full`` raises NotImplementedError as in the reference.
 
     Returns:
-      [...] float32 per-token KL; aggregate with ``agg_loss``.
+      [...] float32 per-token KL; aggregate as ``sum(w * kl)`` with the loss weights (``packing``).
     """
     logp, ref_logp = _f32(logp), _f32(ref_logp)
     if kind in ("k1", "kl"):

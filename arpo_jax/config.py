@@ -258,7 +258,7 @@ def _schema() -> dict[str, Any] | None:
 @functools.cache
 def _allowed() -> dict[str, tuple]:
     """Enum fields and their allowed values, from the modules that consume them (imported lazily: they pull JAX)."""
-    from arpo_jax import algos, rewards, shaping, sharding, tools, train_step
+    from arpo_jax import algos, packing, rewards, shaping, sharding, tools, train_step
     from arpo_jax.models import transformer
 
     return {
@@ -277,8 +277,8 @@ def _allowed() -> dict[str, tuple]:
         "algorithm.adv_estimator": (*algos.ADVANTAGE_ESTIMATORS, "gae"),  # gae: PPO with a critic (trainer)
         "algorithm.overlong": shaping.OVERLONG_MODES,
         "actor.loss": tuple(algos.POLICY_LOSSES),
-        "actor.agg_mode": algos.AGG_MODES,
-        "actor.micro_norm": ("global_token_mean", "reference"),  # train_step.UpdateConfig
+        "actor.agg_mode": packing.AGG_MODES,
+        "actor.micro_norm": packing.MICRO_NORMS,
         "actor.kl_kind": algos.KL_KINDS,
         "actor.rollout_correction.mode": ("auto", *algos.ROLLOUT_CORRECTION_MODES),  # auto: trainer.update_config
         "actor.rollout_correction.level": algos.ROLLOUT_CORRECTION_LEVELS,

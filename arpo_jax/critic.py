@@ -11,9 +11,9 @@ values are token-aligned: value ``j`` belongs to token ``j`` and is computed fro
 has none). This is verl's ``values[:, -R - 1:-1]`` slice.
 
 GAE runs per trajectory, never on packed rows (a reverse scan over a packed row would run from one trajectory
-into the previous one): the trainer unpacks the old values, slices each trajectory's response, pads to [N, R],
-calls ``algos.gae_advantages(rewards, values, response_mask)`` (reward on the last token), and packs the
-advantages and returns with ``packing.pack_batch(..., extra={"old_values": ..., "returns": ...})``.
+into the previous one): the trainer unpacks the old values and ``experience.gae`` slices each trajectory's
+response, pads to [N, R] and calls ``algos.gae_advantages(rewards, values, response_mask)`` (reward on the last
+token); the advantages, returns and old values are then packed as token-aligned arrays (``experience.worker_batch``).
 
 One call of ``value_step(state, batch)`` is one critic optimizer step over a mini-batch of [M, B, T] arrays:
 ``input_ids``, ``positions``, ``segment_ids`` (int32), ``loss_weight``, ``old_values``, ``returns`` (float32).
@@ -136,13 +136,12 @@ def values_of(graphdef: nnx.GraphDef, params, mb: Batch) -> Array:
 # --------------------------------------------------------------------------------------------------
 
 
-def value_loss(values: Array, old_values: Array, returns: Array, mask: Array, cliprange_value: float, *,
-               agg_mode: str = "token-mean", num_tokens=None, num_seqs=None,
+def value_loss(values: Array, old_values: Array, returns: Array, weights: Array, cliprange_value: float, *,
                reference_compat: bool = False) -> tuple[Array, dict[str, Array]]:
-    """Clipped value loss (verl ``compute_value_loss``).
+    """Clipped value loss (verl ``compute_value_loss``), aggregated by the loss weights.
 
-    ``L1 = (v - R)^2``, ``L2 = (clip(v, v_old - c, v_old + c) - R)^2``, ``loss = 0.5 * agg(max(L1, L2))``: the
-    pessimistic max keeps an update from moving a value more than ``c`` away from the rollout's estimate.
+    ``L1 = (v - R)^2``, ``L2 = (clip(v, v_old - c, v_old + c) - R)^2``, ``loss = 0.5 * sum(w * max(L1, L2))``:
+    the pessimistic max keeps an update from moving a value more than ``c`` away from the rollout's estimate.
     The 0.5 is current verl's (the gradient of ``0.5 (v - R)^2`` is ``v - R``); the reference's verl 0.3.1 has
     ``agg(max(L1, L2))`` without it, i.e. twice the loss and gradient (an effective critic lr of 2x):
     ``reference_compat=True`` reproduces that.
@@ -151,16 +150,16 @@ def value_loss(values: Array, old_values: Array, returns: Array, mask: Array, cl
       values: [B, T] current values (differentiated).
       old_values: [B, T] values of the critic that scored the rollout.
       returns: [B, T] GAE returns (advantages + old values, before whitening).
-      mask: [B, T] loss mask or loss weights (``packing.loss_weights``; use ``num_tokens=1`` for ``sum(w L)``).
+      weights: [B, T] loss weights (``packing.loss_weights``: they hold the aggregation mode and its normaliser,
+        the policy's, so the value loss aggregates like the policy loss); 0 = not a loss token.
       cliprange_value: c.
-      agg_mode, num_tokens, num_seqs: loss aggregation, see ``algos.agg_loss``.
       reference_compat: drop the 0.5 factor, as the reference does.
 
     Returns:
       (scalar loss, metrics): ``vf_clipfrac`` (share of tokens with ``L2 > L1``) and ``vpred_mean``, both means
-      weighted by ``mask``.
+      weighted by ``weights``.
     """
-    valid = mask > 0
+    valid = weights > 0
     # Double-where: padding may hold garbage; zeros there keep the squares and their gradients finite.
     v = jnp.where(valid, values.astype(jnp.float32), 0.0)
     v_old = jnp.where(valid, old_values.astype(jnp.float32), 0.0)
@@ -169,10 +168,9 @@ def value_loss(values: Array, old_values: Array, returns: Array, mask: Array, cl
     loss1 = jnp.square(v - ret)
     loss2 = jnp.square(v_clipped - ret)
     factor = 1.0 if reference_compat else 0.5
-    loss = factor * algos.agg_loss(jnp.maximum(loss1, loss2), mask, agg_mode, num_tokens=num_tokens,
-                                   num_seqs=num_seqs)
-    metrics = {"vf_clipfrac": algos.masked_mean((loss2 > loss1).astype(jnp.float32), mask),
-               "vpred_mean": algos.masked_mean(jax.lax.stop_gradient(v), mask)}
+    loss = factor * jnp.sum(jnp.where(valid, weights * jnp.maximum(loss1, loss2), 0.0))
+    metrics = {"vf_clipfrac": algos.masked_mean((loss2 > loss1).astype(jnp.float32), weights),
+               "vpred_mean": algos.masked_mean(jax.lax.stop_gradient(v), weights)}
     return loss, metrics
 
 
@@ -180,8 +178,7 @@ def _micro_value_loss(params, graphdef, mb: Batch, cfg: CriticConfig) -> tuple[A
     """``sum(w * loss)`` of one micro-batch and its metric sums (weighted by w; divided by the total later)."""
     w = mb["loss_weight"].astype(jnp.float32)
     loss, m = value_loss(values_of(graphdef, params, mb), mb["old_values"], mb["returns"], w,
-                         cfg.cliprange_value, num_tokens=1.0,  # w already holds the normaliser
-                         reference_compat=cfg.reference_compat)
+                         cfg.cliprange_value, reference_compat=cfg.reference_compat)
     w_sum = jnp.sum(w)
     metrics = {"vf_loss": loss, "weight": w_sum, **{k: v * w_sum for k, v in m.items()}}
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)

@@ -35,7 +35,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from arpo_jax import algos, models, sharding
+from arpo_jax import algos, models, packing, sharding
 from arpo_jax.models.transformer import CausalLM
 from arpo_jax.models.transformer import Config as ModelConfig
 
@@ -52,7 +52,7 @@ class UpdateConfig:
     clip_low: float = 0.2  # eps_l, clip_ratio_low
     clip_high: float = 0.2  # eps_h, clip_ratio_high
     clip_c: float = 3.0  # dual-clip constant for A < 0
-    # Loss aggregation (algos.AGG_MODES) and micro-batch normalisation ("global_token_mean", or "reference": verl's
+    # Loss aggregation (packing.AGG_MODES) and micro-batch normalisation ("global_token_mean", or "reference": verl's
     # per-micro-batch weighting, spec 9). Both act through the loss weights: pass the same values to
     # packing.pack_batch. micro_norm also picks where entropy-aware advantages pool their statistics.
     agg_mode: str = "token-mean"
@@ -81,8 +81,8 @@ class UpdateConfig:
     eps: float = 1e-8
 
     def __post_init__(self):
-        checks = (("loss", self.loss, tuple(algos.POLICY_LOSSES)), ("agg_mode", self.agg_mode, algos.AGG_MODES),
-                  ("micro_norm", self.micro_norm, ("global_token_mean", "reference")),
+        checks = (("loss", self.loss, tuple(algos.POLICY_LOSSES)), ("agg_mode", self.agg_mode, packing.AGG_MODES),
+                  ("micro_norm", self.micro_norm, packing.MICRO_NORMS),
                   ("kl_kind", self.kl_kind, algos.KL_KINDS), ("schedule", self.schedule, SCHEDULES),
                   ("rollout_correction", self.rollout_correction, algos.ROLLOUT_CORRECTION_MODES),
                   ("rollout_correction_level", self.rollout_correction_level, algos.ROLLOUT_CORRECTION_LEVELS))
@@ -206,19 +206,20 @@ def _micro_loss(params, graphdef, mb: Batch, h_stats, cfg: UpdateConfig) -> tupl
         else:  # default: statistics of the whole mini-batch, computed before the scan
             h_hat = jnp.where(mask, (jax.lax.stop_gradient(ent) - h_stats[0]) / h_stats[1], 0.0)
             adv = adv * (1.0 + cfg.entropy_adv_alpha * h_hat)
-    # mask=w with num_tokens=1 turns the token-mean into sum(w * loss): w already holds the normaliser.
-    pg_loss, pg_metrics = algos.POLICY_LOSSES[cfg.loss](
+    # w already holds the aggregation and its normaliser (packing.loss_weights): the loss is sum(w * per-token).
+    pg_token, pg_metrics = algos.POLICY_LOSSES[cfg.loss](
         logp, mb["old_logp"], adv, w, clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c,
-        agg_mode="token-mean", num_tokens=1.0, is_weights=mb.get("is_weight"))
+        is_weights=mb.get("is_weight"))
+    pg_loss = jnp.sum(w * pg_token)
     w_sum = jnp.sum(w)
     ent_term = jnp.sum(jnp.where(mask, w * ent, 0.0))
     loss = pg_loss - cfg.entropy_coef * ent_term if cfg.entropy_coef else pg_loss
     metrics = {"pg_loss": pg_loss, "entropy": jax.lax.stop_gradient(ent_term), "weight": w_sum}
     # pg_* metrics are w-weighted means within the micro-batch: times w_sum gives a sum over micro-batches.
-    metrics.update({k: v * w_sum for k, v in pg_metrics.items() if k != "pg_loss"})
+    metrics.update({k: v * w_sum for k, v in pg_metrics.items()})
     if cfg.kl_coef:
-        kl_term = algos.agg_loss(algos.kl_penalty(logp, mb["ref_logp"], cfg.kl_kind), w, "token-mean",
-                                 num_tokens=1.0)
+        kl = algos.kl_penalty(logp, mb["ref_logp"], cfg.kl_kind)
+        kl_term = jnp.sum(jnp.where(mask, w * kl, 0.0))  # where: padding's garbage log-probs must not leak
         loss = loss + cfg.kl_coef * kl_term
         metrics["kl_loss"] = kl_term
     metrics["loss"] = loss

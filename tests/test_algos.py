@@ -170,11 +170,6 @@ def test_unknown_estimator_raises():
         algos.compute_advantages("ppo", jnp.zeros(2), jnp.zeros(2, jnp.int32))
 
 
-def test_broadcast_to_tokens():
-    out = algos.broadcast_to_tokens(jnp.array([2.0, -1.0]), jnp.array([[1, 1, 0], [1, 0, 0]]))
-    np.testing.assert_array_equal(out, [[2.0, 2.0, 0.0], [-1.0, 0.0, 0.0]])
-
-
 # ------------------------------------------------------------------------------------------------
 # GAE
 # ------------------------------------------------------------------------------------------------
@@ -215,53 +210,9 @@ def test_gae_single_valid_token_is_finite():
     assert np.all(np.isfinite(adv)) and np.all(np.isfinite(ret))
 
 
-# ------------------------------------------------------------------------------------------------
-# agg_loss
-# ------------------------------------------------------------------------------------------------
-
-_L = jnp.array([[1.0, 2, 3, 9], [4, 5, 6, 9], [7, 7, 7, 7]])
-_M = jnp.array([[1.0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]])  # the third row is an all-masked padding row
-
-
-@pytest.mark.parametrize("mode,expected", [
-    ("token-mean", 7 / 3),  # (1 + 2 + 4) / 3 tokens
-    ("seq-mean-token-sum", 3.5),  # (3 + 4) / 2 non-empty rows
-    ("seq-mean-token-mean", 2.75),  # (1.5 + 4) / 2
-    ("seq-mean-token-sum-norm", 1.75),  # 7 / T=4
-])
-def test_agg_loss_hand_values(mode, expected):
-    np.testing.assert_allclose(algos.agg_loss(_L, _M, mode), expected, rtol=1e-6)
-    np.testing.assert_allclose(jax.jit(algos.agg_loss, static_argnames="mode")(_L, _M, mode), expected, rtol=1e-6)
-
-
-def test_agg_loss_all_masked_is_zero_not_nan():
-    for mode in algos.AGG_MODES:
-        assert float(algos.agg_loss(_L, jnp.zeros_like(_M), mode)) == 0.0
-
-
-def test_agg_loss_ignores_nan_at_padding():
-    loss = _L.at[2, 0].set(jnp.nan).at[0, 3].set(jnp.inf)
-    for mode in algos.AGG_MODES:
-        np.testing.assert_allclose(algos.agg_loss(loss, _M, mode), algos.agg_loss(_L, _M, mode))
-
-
-def test_agg_loss_unknown_mode_raises():
-    with pytest.raises(ValueError, match="unknown loss aggregation mode"):
-        algos.agg_loss(_L, _M, "sum")
-
-
-@pytest.mark.parametrize("split", [(3, 5), (2, 2, 4), (1, 7)])
-@pytest.mark.parametrize("mode", algos.AGG_MODES)
-def test_agg_loss_explicit_normaliser_invariant_to_micro_batch_split(split, mode):
-    rng = np.random.default_rng(4)
-    loss = jnp.asarray(rng.normal(size=(8, 6)))
-    mask = jnp.asarray((rng.random((8, 6)) < 0.6).astype(np.float32)).at[5].set(0.0)
-    n_tok, n_seq = jnp.sum(mask), jnp.sum(jnp.any(mask > 0, -1))
-    full = algos.agg_loss(loss, mask, mode)
-    bounds = np.cumsum((0,) + split)
-    parts = [algos.agg_loss(loss[a:b], mask[a:b], mode, num_tokens=n_tok, num_seqs=n_seq)
-             for a, b in zip(bounds[:-1], bounds[1:])]
-    np.testing.assert_allclose(sum(parts), full, rtol=1e-5)
+def _token_mean(per_token, mask):
+    """verl's token-mean of a per-token loss (the packer's token-mean weights are mask / tokens)."""
+    return jnp.sum(per_token * mask) / (jnp.sum(mask) + 1e-8)
 
 
 def test_ppo_gradient_invariant_to_micro_batch_split():
@@ -272,10 +223,10 @@ def test_ppo_gradient_invariant_to_micro_batch_split():
     mask = jnp.asarray((rng.random((6, 5)) < 0.7).astype(np.float32))
     n_tok = jnp.sum(mask)
 
-    def loss_fn(lp, sl):
-        return algos.ppo_policy_loss(lp, old[sl], adv[sl], mask[sl], num_tokens=n_tok)[0]
+    def loss_fn(lp, sl):  # sum(w * loss) with the mini-batch's token-mean weights w = mask / n_tok
+        return jnp.sum(mask[sl] / n_tok * algos.ppo_policy_loss(lp, old[sl], adv[sl], mask[sl])[0])
 
-    full = jax.grad(lambda lp: algos.ppo_policy_loss(lp, old, adv, mask)[0])(logp)
+    full = jax.grad(lambda lp: _token_mean(algos.ppo_policy_loss(lp, old, adv, mask)[0], mask))(logp)
     g1 = jax.grad(loss_fn)(logp[:2], slice(0, 2))
     g2 = jax.grad(loss_fn)(logp[2:], slice(2, 6))
     np.testing.assert_allclose(jnp.concatenate([g1, g2]), full, rtol=1e-5, atol=1e-7)
@@ -300,21 +251,14 @@ def _hand_batch():
 @pytest.mark.parametrize("loss_fn", [algos.ppo_policy_loss, algos.entropy_balanced_policy_loss])
 def test_policy_loss_hand_values(loss_fn):
     # per-token losses: -1.2, -0.5, 0.8, min(4, 3)=3, -2  -> token-mean 0.1/5
-    loss, m = loss_fn(*_hand_batch())
-    np.testing.assert_allclose(loss, 0.02, rtol=1e-5)
+    per_token, m = loss_fn(*_hand_batch())
+    np.testing.assert_allclose(per_token, [[-1.2, -0.5, 0.8], [3.0, -2.0, 0.0]], rtol=1e-5)  # 0 at padding
+    np.testing.assert_allclose(_token_mean(per_token, _hand_batch()[3]), 0.02, rtol=1e-5)
     np.testing.assert_allclose(m["pg_clipfrac"], 2 / 5, rtol=1e-6)  # tokens 1 and 3 are clipped
     np.testing.assert_allclose(m["pg_clipfrac_lower"], 1 / 5, rtol=1e-6)  # token 4: dual clip
     np.testing.assert_allclose(m["ppo_kl"], -math.log(1.5) / 5, rtol=1e-5)  # mean of -log r
-    grads = jax.grad(lambda lp: loss_fn(lp, *_hand_batch()[1:])[0])(_hand_batch()[0])
+    grads = jax.grad(lambda lp: jnp.sum(loss_fn(lp, *_hand_batch()[1:])[0]))(_hand_batch()[0])
     assert np.all(np.isfinite(grads)) and float(grads[1, 2]) == 0.0
-
-
-@pytest.mark.parametrize("mode", algos.AGG_MODES)
-def test_policy_loss_uses_agg_mode(mode):
-    logp, old, adv, mask = _hand_batch()
-    loss, _ = algos.ppo_policy_loss(logp, old, adv, mask, agg_mode=mode)
-    per_tok = jnp.array([[-1.2, -0.5, 0.8], [3.0, -2.0, 0.0]])
-    np.testing.assert_allclose(loss, algos.agg_loss(per_tok, mask, mode), rtol=1e-5)
 
 
 def test_policy_loss_rejects_bad_dual_clip():
@@ -325,7 +269,7 @@ def test_policy_loss_rejects_bad_dual_clip():
 def test_policy_loss_all_masked_is_finite():
     logp, old, adv, _ = _hand_batch()
     loss, m = algos.entropy_balanced_policy_loss(logp, old, adv, jnp.zeros((2, 3)))
-    assert float(loss) == 0.0 and all(np.isfinite(float(v)) for v in m.values())
+    assert not np.any(np.asarray(loss)) and all(np.isfinite(float(v)) for v in m.values())
 
 
 def _token_grad(loss_fn, adv, ratio):
@@ -335,7 +279,7 @@ def _token_grad(loss_fn, adv, ratio):
 
     def f(lp):
         return loss_fn(lp, old, jnp.full((1, 1), adv), jnp.ones((1, 1)), clip_low=EPS_L, clip_high=EPS_H,
-                       clip_c=CLIP_C)[0]
+                       clip_c=CLIP_C)[0][0, 0]
 
     return float(jax.grad(f)(logp)[0, 0]), float(f(logp))
 
@@ -391,7 +335,11 @@ def test_policy_loss_matches_torch_reference(balanced):
     t_out[0].backward()
 
     fn = algos.entropy_balanced_policy_loss if balanced else algos.ppo_policy_loss
-    jfn = jax.jit(lambda lp: fn(lp, jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask)))
+    def token_mean_loss(lp):
+        per_token, metrics = fn(lp, jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask))
+        return _token_mean(per_token, jnp.asarray(mask)), metrics
+
+    jfn = jax.jit(token_mean_loss)
     (loss, m), grad = jfn(jnp.asarray(logp)), jax.grad(lambda lp: jfn(lp)[0])(jnp.asarray(logp))
     np.testing.assert_allclose(loss, t_out[0].item(), rtol=1e-5, atol=1e-6)
     for key, t_val in zip(("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"), t_out[1:]):
@@ -675,11 +623,14 @@ def test_full_loss_pipeline_jits_and_is_finite():
     @jax.jit
     def total_loss(w):
         logp, ent = algos.token_logprobs_and_entropy_from_hidden(hidden, w, targets, chunk_size=2)
-        adv = algos.broadcast_to_tokens(algos.compute_advantages("grpo", rewards, ids), mask)
+        adv = algos.compute_advantages("grpo", rewards, ids)[:, None] * mask
         adv = algos.entropy_aware_advantages(adv, ent, mask)
-        pg, metrics = algos.entropy_balanced_policy_loss(logp, old, adv, mask, agg_mode="seq-mean-token-mean")
-        kl = algos.agg_loss(algos.kl_penalty(logp, old, "low_var_kl"), mask)
-        return pg + 0.01 * kl - 0.001 * algos.agg_loss(ent, mask), metrics
+        # seq-mean-token-mean weights (as packing.loss_weights gives them): 1 / (sequences * tokens of the sequence)
+        n_seq = jnp.sum(jnp.any(mask > 0, -1))
+        w = mask / (n_seq * jnp.maximum(jnp.sum(mask, -1, keepdims=True), 1.0))
+        pg, metrics = algos.entropy_balanced_policy_loss(logp, old, adv, mask)
+        kl = algos.kl_penalty(logp, old, "low_var_kl")
+        return jnp.sum(w * pg) + 0.01 * _token_mean(kl, mask) - 0.001 * _token_mean(ent, mask), metrics
 
     (loss, metrics), grad = jax.value_and_grad(total_loss, has_aux=True)(unembed)
     assert np.isfinite(float(loss)) and np.all(np.isfinite(grad))
@@ -768,10 +719,12 @@ def test_policy_loss_applies_is_weights_per_token():
     logp = jnp.log(jnp.array([[1.1, 0.5, 1.0]]))
     adv, mask = jnp.array([[1.0, -2.0, 0.5]]), jnp.ones((1, 3))
     wts = jnp.array([[2.0, 0.5, 1.0]])
-    base, _ = algos.ppo_policy_loss(logp, jnp.zeros((1, 3)), adv, mask, agg_mode="seq-mean-token-sum")
-    got, _ = algos.ppo_policy_loss(logp, jnp.zeros((1, 3)), adv, mask, agg_mode="seq-mean-token-sum", is_weights=wts)
+    seq_sum = lambda per_token: jnp.sum(per_token)  # seq-mean-token-sum of one sequence
+    base = seq_sum(algos.ppo_policy_loss(logp, jnp.zeros((1, 3)), adv, mask)[0])
+    got = seq_sum(algos.ppo_policy_loss(logp, jnp.zeros((1, 3)), adv, mask, is_weights=wts)[0])
     # Per token: -1 * 1.1 (inside the clip), -(-2) * 0.8 (clipped at 1 - 0.2), -0.5 * 1.
     np.testing.assert_allclose(base, -1.1 + 1.6 - 0.5, rtol=1e-6)
     np.testing.assert_allclose(got, 2 * -1.1 + 0.5 * 1.6 - 0.5, rtol=1e-6)
-    g = jax.grad(lambda lp: algos.ppo_policy_loss(lp, jnp.zeros((1, 3)), adv, mask, is_weights=wts)[0])(logp)
+    g = jax.grad(lambda lp: _token_mean(algos.ppo_policy_loss(lp, jnp.zeros((1, 3)), adv, mask, is_weights=wts)[0],
+                                        mask))(logp)
     np.testing.assert_allclose(g, [[-2 * 1.1 / 3, 0.0, -0.5 / 3]], rtol=1e-5)  # the weight scales the gradient

@@ -55,23 +55,24 @@ def test_value_loss_hand_computed():
     old = jnp.array([[0.0, 1.8, 0.0, 0.0, jnp.nan]])
     ret = jnp.array([[1.0, 1.0, 3.0, 0.0, jnp.inf]])
     mask = jnp.array([[1.0, 1.0, 1.0, 1.0, 0.0]])
-    loss, m = critic.value_loss(v, old, ret, mask, 0.5)
+    token_mean = mask / mask.sum()  # the loss weights of token-mean over these four tokens
+    loss, m = critic.value_loss(v, old, ret, token_mean, 0.5)
     np.testing.assert_allclose(float(loss), 0.5 * (0.25 + 1 + 9 + 9) / 4, rtol=1e-6)
     np.testing.assert_allclose(float(m["vf_clipfrac"]), 0.25, rtol=1e-6)
     np.testing.assert_allclose(float(m["vpred_mean"]), 1.5, rtol=1e-6)
-    grad = jax.grad(lambda x: critic.value_loss(x, old, ret, mask, 0.5)[0])(v)
+    grad = jax.grad(lambda x: critic.value_loss(x, old, ret, token_mean, 0.5)[0])(v)
     # d/dv 0.5 * (v - R)^2 / 4 = (v - R) / 4 where unclipped wins; 0 where the clipped (constant) term wins.
     np.testing.assert_allclose(np.asarray(grad), [[0.0, 0.25, -0.75, 0.75, 0.0]], atol=1e-6)
 
-    # Weights: sum(w * max(L1, L2)) * 0.5 with num_tokens=1 (the packed batch's normalised loss weights).
+    # Other weights: sum(w * max(L1, L2)) * 0.5 (the packed batch's normalised loss weights).
     w = jnp.array([[0.5, 0.25, 0.25, 0.0, 0.0]])
-    loss_w, m_w = critic.value_loss(v, old, ret, w, 0.5, num_tokens=1.0)
+    loss_w, m_w = critic.value_loss(v, old, ret, w, 0.5)
     np.testing.assert_allclose(float(loss_w), 0.5 * (0.5 * 0.25 + 0.25 * 1 + 0.25 * 9), rtol=1e-6)
     np.testing.assert_allclose(float(m_w["vf_clipfrac"]), 0.5, rtol=1e-6)
     np.testing.assert_allclose(float(m_w["vpred_mean"]), 0.5 * 1 + 0.25 * 2, rtol=1e-6)
 
     # Unclipped case (c large): plain 0.5 * mean squared error.
-    loss_u, m_u = critic.value_loss(v, old, ret, mask, 100.0)
+    loss_u, m_u = critic.value_loss(v, old, ret, token_mean, 100.0)
     np.testing.assert_allclose(float(loss_u), 0.5 * (0 + 1 + 9 + 9) / 4, rtol=1e-6)
     assert float(m_u["vf_clipfrac"]) == 0.0
 
@@ -82,7 +83,7 @@ def test_value_loss_reference_compat_drops_the_half(monkeypatch):
     old = jnp.array([[0.0, 1.8, 0.0, 0.0]])
     ret = jnp.array([[1.0, 1.0, 3.0, 0.0]])
     mask = jnp.ones((1, 4))
-    loss_fn = lambda compat: lambda x: critic.value_loss(x, old, ret, mask, 0.5, reference_compat=compat)[0]
+    loss_fn = lambda compat: lambda x: critic.value_loss(x, old, ret, mask / 4, 0.5, reference_compat=compat)[0]
     np.testing.assert_allclose(float(loss_fn(True)(v)), (0.25 + 1 + 9 + 9) / 4, rtol=1e-6)
     np.testing.assert_allclose(float(loss_fn(True)(v)), 2 * float(loss_fn(False)(v)), rtol=1e-6)
     np.testing.assert_allclose(jax.grad(loss_fn(True))(v), 2 * jax.grad(loss_fn(False))(v), rtol=1e-6)
