@@ -112,15 +112,15 @@ def outcome_advantages(traj: Trajectories, estimator: str, *, norm_by_std: bool 
     return [np.full(len(s), a, np.float32) for s, a in zip(traj.sequences, adv)]
 
 
-def gae_inputs(traj: Trajectories, values: list[np.ndarray], response_length: int):
-    """Per-trajectory response slices for `algos.gae_advantages`, padded to [N, response_length].
+def gae_inputs(traj: Trajectories, values: list[np.ndarray], max_response_length: int):
+    """Per-trajectory response slices for `algos.gae_advantages`, padded to [N, max_response_length].
 
     Returns (rewards, values, mask): the score sits on the last response token (spec 7.2), values are the critic's
     token-aligned old values over the whole response (tool results are states too), 0 past its end, and the mask
     is the loss mask (model tokens), over which the advantages are whitened and the losses taken.
     """
     n = len(traj.sequences)
-    rew, val, mask = (np.zeros((n, response_length), np.float32) for _ in range(3))
+    rew, val, mask = (np.zeros((n, max_response_length), np.float32) for _ in range(3))
     for i, (seq, v, m) in enumerate(zip(traj.sequences, values, traj.loss_masks)):
         p = int(traj.prompt_lengths[i])
         r = len(seq) - p
@@ -131,7 +131,7 @@ def gae_inputs(traj: Trajectories, values: list[np.ndarray], response_length: in
     return rew, val, mask
 
 
-def gae(trajs: list[Trajectories], values: list[list[np.ndarray]], *, response_length: int, gamma: float,
+def gae(trajs: list[Trajectories], values: list[list[np.ndarray]], *, max_response_length: int, gamma: float,
         lam: float, whiten: Callable[[np.ndarray, np.ndarray], np.ndarray] = algos.masked_whiten
         ) -> list[tuple[list[np.ndarray], list[np.ndarray]]]:
     """PPO with a critic (spec 8.2): GAE per trajectory on its response, advantages whitened over the batch.
@@ -139,7 +139,7 @@ def gae(trajs: list[Trajectories], values: list[list[np.ndarray]], *, response_l
     Args:
       trajs: the rollouts of this process's workers.
       values: per rollout, the critic's token-aligned old values of each sequence.
-      response_length: the response budget (`data.max_response_length`), the width of the GAE arrays.
+      max_response_length: the response budget (`data.max_response_length`), the width of the GAE arrays.
       gamma, lam: GAE's discount and lambda.
       whiten: (advantages [N, R], mask [N, R]) -> whitened advantages [N, R]; the trainer's whitens over every
         process's trajectories, as the reference's driver does.
@@ -147,7 +147,7 @@ def gae(trajs: list[Trajectories], values: list[list[np.ndarray]], *, response_l
     Returns:
       Per rollout: (advantages, returns), each a token-aligned array per sequence (0 over the prompt).
     """
-    inputs = [gae_inputs(t, v, response_length) for t, v in zip(trajs, values)]
+    inputs = [gae_inputs(t, v, max_response_length) for t, v in zip(trajs, values)]
     rew, val, mask = (np.concatenate(x) for x in zip(*inputs))
     _, returns = algos.gae_advantages(rew, val, mask, gamma=gamma, lam=lam)
     returns = np.asarray(returns)

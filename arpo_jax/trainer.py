@@ -1,19 +1,24 @@
 """The ARPO / AEPO training loop (spec section 1), plain Python that reads top to bottom.
 
-One training step:
-  1. a batch of `data.train_batch_size` prompts (seeded shuffle per epoch, drop_last); every process takes its own
-     contiguous share, and splits it over its rollout workers;
-  2. each rollout worker runs the tool rollout (ARPO branching / AEPO dynamic rollouts) on its prompts, with its
-     own branching generator and sampling seed derived from (seed, step, worker): the run is reproducible and a
-     single process emulating W workers computes what W processes compute;
-  3. rewards on the decoded responses (spec 7.2), GRPO-family advantages per prompt group (spec 8.1);
-  4. the trajectories are packed per worker into [K, M, B/W, T] and the workers' blocks side by side form the
-     global [K, M, B, T] batch (K optimizer steps of `ppo_mini_batch_size` prompts, M micro-batches, B rows =
-     the batch-sharded devices, T = `actor.max_token_len_per_device` tokens per packed row);
-  5. old (and, with a KL loss, reference) log-probs with the pre-update params; then `ppo_epochs` x K optimizer
-     steps (`train_step`);
-  6. the sampler gets the new weights; metrics; a checkpoint every `save_freq` steps; validation (greedy, n = 1,
-     per data_source) every `test_freq` steps.
+One training step (`Trainer.train_step`), phase by phase, each timed as `time/<phase>`:
+  rollout      a batch of `data.train_batch_size` prompts (seeded shuffle per epoch, drop_last); every process
+               takes its own contiguous share and splits it over its rollout workers; each worker runs the tool
+               rollout (ARPO branching / AEPO dynamic rollouts) with its own branching generator and sampling seed
+               derived from (seed, step, worker): the run is reproducible and a single process emulating W workers
+               computes what W processes compute;
+  reward       rewards on the decoded responses (spec 7.2), failures and overlong responses masked (with dynamic
+               sampling rollout and reward repeat per draw until every worker has informative groups);
+  advantages   GRPO-family advantages per prompt group (spec 8.1), or GAE with the critic's values (spec 8.2);
+  pack         per worker [K, M, B/W, T] blocks side by side form the global [K, M, B, T] batch (K optimizer steps
+               of `ppo_mini_batch_size` prompts, M micro-batches, B rows = the batch-sharded devices, T =
+               `actor.max_token_len_per_device` tokens per packed row); the loss weights are normalised by the
+               totals of the whole mini-batch over every worker;
+  old_logprob  old (and, with a KL loss, reference) log-probs with the pre-update params;
+  update       `ppo_epochs` x K optimizer steps (the critic's first, with GAE);
+  weight_sync  the sampler gets the new weights;
+  metrics      then a checkpoint every `save_freq` steps and validation (greedy, n = 1, per data_source) every
+               `test_freq` steps (`run`).
+The host-side maths of reward, advantages and pack are pure functions in `experience`.
 
 Randomness is a pure function of (seed, step, worker), and the data position is stored in every checkpoint, so a
 run killed at any moment resumes from its newest checkpoint and ends with the parameters an uninterrupted run
@@ -500,7 +505,7 @@ class Trainer:
         # Whitened over every trajectory of the step (as the reference's driver does), not per process.
         whiten = lambda adv, mask: np.asarray(algos.masked_whiten(self._gather(adv), self._gather(mask)))[rows]
         out = experience.gae([trajs[w] for w in self.local_workers], [values[w] for w in self.local_workers],
-                             response_length=self.cfg.data.max_response_length, gamma=a.gamma, lam=a.lam,
+                             max_response_length=self.cfg.data.max_response_length, gamma=a.gamma, lam=a.lam,
                              whiten=whiten)
         return {w: {"advantages": adv, "returns": ret, "old_values": values[w]}
                 for w, (adv, ret) in zip(self.local_workers, out)}

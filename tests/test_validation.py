@@ -48,3 +48,27 @@ def test_greedy_validation_is_one_deterministic_trajectory_per_prompt(tmp_path):
         if key.startswith("val/"):
             assert first[key] == second[key], key
     assert any(k.endswith("/reward/mean@1") for k in first)
+
+
+def test_each_worker_keeps_its_rollout_state_across_steps_and_validation(tmp_path, monkeypatch):
+    """B1 compat (spec 14): the reference's entropy dict lives in its per-GPU rollout object, never cleared, shared
+    by training and validation. The trainer passes one RolloutState per worker to every rollout of that worker."""
+    tr = _trainer(tmp_path, "--config.rollout.reference_compat=true", "--config.rollout.workers=2",
+                  "--config.trainer.max_steps=2")
+    passed = []
+    real = trainer_lib.rollout
+    monkeypatch.setattr(trainer_lib, "rollout", lambda *a, state=None, **kw: passed.append(state) or real(
+        *a, state=state, **kw))
+    try:
+        tr.train_step()
+        first = {w: dict(s.baselines.values) for w, s in tr.rollout_states.items()}
+        tr.train_step()
+        tr.validate()
+        states = [tr.rollout_states[w] for w in (0, 1)]
+        assert passed[:4] == states * 2 and all(any(s is x for x in states) for s in passed[4:])
+        for w, values in first.items():
+            assert values  # step 1 recorded first-segment entropies ...
+            now = tr.rollout_states[w].baselines.values
+            assert {k: now[k] for k in values} == values  # ... which later steps read, stale (B1)
+    finally:
+        tr.close()

@@ -237,6 +237,10 @@ def rollout(prompts_token_ids: Sequence[Sequence[int]], sampler: Sampler, execut
 
     `rng` drives every branching draw (an int seeds a fresh generator); the engine's own sampling randomness
     comes from `settings.seed`. `state` matters only with `reference_compat` (B1); keep one per worker.
+
+    `settings` gives the sampling distribution, the seed and `token_logprobs`; the loop owns the fields that follow
+    from its own inputs and sets them whatever the caller passed: `stop` (the executor's closing tags, which is how
+    a tool call is detected) and `logprobs` / `logprob_positions` (the entropy's top-k and window, `config`).
     """
     rng = np.random.default_rng(rng) if not isinstance(rng, np.random.Generator) else rng
     settings = settings or SamplingSettings()
@@ -253,6 +257,7 @@ class _Loop:
                                                                                  config, rng, state)
         self.compat = config.reference_compat
         self.closers = tuple(executor.stop_strings)
+        # The loop's own fields (see `rollout`): tool-call detection and the entropy need exactly these.
         self.settings = dataclasses.replace(settings, stop=self.closers, logprobs=config.entropy_top_k,
                                             logprob_positions=config.entropy_window)
         self.eos = tokenizer.eos_token_id
