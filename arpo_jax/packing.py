@@ -16,13 +16,16 @@ So every per-token array in the batch (``targets``, ``loss_weight``, ``advantage
 ``ref_logp``) describes the *next* token; ``place`` and ``unpack`` convert from/to token-aligned arrays
 (value ``j`` belongs to token ``j``, as the rollout records it).
 
-Loss normalisation is data: ``loss_weight`` holds the weight of each token's loss so that the train step
-only computes ``sum(w * loss)`` and is correct for any aggregation mode and any micro-batch split:
-  * ``global_token_mean`` (default): the weights make the sum over micro-batches equal ``agg_loss`` over the
-    whole mini-batch (token-mean: ``w = 1 / tokens in the mini-batch``), so the update does not depend on
-    how the mini-batch is split or packed.
+Loss normalisation is data, and this module is its one owner: ``loss_weight`` holds the weight of each token's
+loss so that the train step only computes ``sum(w * per-token loss)`` (policy, KL, entropy and value losses alike)
+and is correct for any aggregation mode (``AGG_MODES``: verl's ``agg_loss`` modes, spec 8.3) and any micro-batch
+split (``MICRO_NORMS``):
+  * ``global_token_mean`` (default): the weights make the sum over micro-batches equal verl's ``agg_loss`` over
+    the whole mini-batch (token-mean: ``w = 1 / tokens in the mini-batch``), so the update does not depend on
+    how the mini-batch is split or packed. With several rollout workers, each packing its share of every
+    mini-batch, the counts are those of the whole mini-batch (``loss_totals`` summed over the workers).
   * ``reference``: verl's dynamic-batch weighting (spec 9): ``agg_loss`` per micro-batch, scaled by
-    ``sequences in the micro-batch / sequences in the mini-batch``.
+    ``sequences in the micro-batch / sequences in the mini-batch``, and the workers (verl's ranks) averaged.
 """
 
 from __future__ import annotations
@@ -210,9 +213,9 @@ def loss_weights(layout: Layout, loss_masks: Sequence[np.ndarray], *, agg_mode: 
 
 
 def assemble(layout: Layout, sequences: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray], advantages, *,
-         agg_mode: str = "token-mean", micro_norm: str = "global_token_mean", norm_len: int | None = None,
-         totals: np.ndarray | None = None, workers: int = 1,
-         extra: dict[str, Sequence[np.ndarray]] | None = None) -> dict[str, np.ndarray]:
+             agg_mode: str = "token-mean", micro_norm: str = "global_token_mean", norm_len: int | None = None,
+             totals: np.ndarray | None = None, workers: int = 1,
+             extra: dict[str, Sequence[np.ndarray]] | None = None) -> dict[str, np.ndarray]:
     """The train-step batch of sequences placed by ``layout``, as numpy arrays of shape [K, M, B, T].
 
     Args:

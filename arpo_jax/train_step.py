@@ -9,7 +9,7 @@ optimizer state are returned unchanged and ``skipped`` is counted (the reference
 The loss of a micro-batch is ``sum_t w_t * (pg_t + kl_coef * kl_t - entropy_coef * H_t)`` where ``w`` is the
 ``loss_weight`` array the packer computed; the weights implement the aggregation mode and the micro-batch
 normalisation (``packing.loss_weights``), so the step needs no normaliser of its own and the default
-(``global_token_mean``) is exactly the mini-batch ``agg_loss`` whatever the split.
+(``global_token_mean``) is exactly verl's ``agg_loss`` of the whole mini-batch whatever the split.
 
 Entropy-aware advantages (AEPO, spec 10.2) need the current-policy entropy H. It is always computed here (the
 chunked log-prob pass yields it at little cost), which fixes B2; ``reference_compat=True`` applies the
