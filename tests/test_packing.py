@@ -73,8 +73,8 @@ def test_loss_weights_by_hand():
     masks = [np.array([0, 1, 1, 1]), np.array([0, 0, 1]), np.array([0, 1, 0, 1, 0])]
     layout = packing.plan_layout([4, 3, 5], mini_batch_size=3, row_len=5, rows_per_micro=1, pack=False)
 
-    def w(agg, norm="global_token_mean"):
-        return _weights_per_seq(layout, packing.loss_weights(layout, masks, agg_mode=agg, micro_norm=norm))
+    def w(agg, norm="global_token_mean", **kw):
+        return _weights_per_seq(layout, packing.loss_weights(layout, masks, agg_mode=agg, micro_norm=norm, **kw))
 
     for got, m in zip(w("token-mean"), masks):
         np.testing.assert_allclose(got, m[1:] / 6)
@@ -88,6 +88,12 @@ def test_loss_weights_by_hand():
     # reference: token-mean per micro-batch (one sequence each) times 1/3 sequences.
     for got, m, n in zip(w("token-mean", "reference"), masks, (3, 1, 2)):
         np.testing.assert_allclose(got, m[1:] / n / 3)
+    # One of 2 workers: reference averages the workers (verl's ranks), its counts stay its own; global_token_mean
+    # takes the counts of the whole mini-batch (here 12 loss tokens over both workers), not 1 / workers.
+    for got, m, n in zip(w("token-mean", "reference", workers=2), masks, (3, 1, 2)):
+        np.testing.assert_allclose(got, m[1:] / n / 3 / 2)
+    for got, m in zip(w("token-mean", totals=np.array([[12.0, 6.0]]), workers=2), masks):
+        np.testing.assert_allclose(got, m[1:] / 12)
     assert np.isclose(sum(x.sum() for x in w("token-mean")), 1.0)
 
 
