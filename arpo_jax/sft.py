@@ -121,20 +121,8 @@ def to_global(local: dict[str, np.ndarray], sharding: NamedSharding) -> Batch:
 
 
 # --------------------------------------------------------------------------------------------------
-# Checkpoints
+# Export
 # --------------------------------------------------------------------------------------------------
-
-
-def restore_state(ckpt: Checkpointer, step: int, *, model_cfg: ModelConfig, mesh: Mesh, optimizer,
-                  shardings: ts.TrainState, abstract_params) -> tuple[ts.TrainState, rl_dataset.DataPosition]:
-    """The TrainState and data position saved at `step`, restored into the run's shardings."""
-    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          jax.eval_shape(lambda p: ts.init_train_state(p, optimizer), abstract_params), shardings)
-    params, opt_state, meta = ckpt.restore(step, config=model_cfg, mesh=mesh, opt_state_target=target.opt_state)
-    params = jax.tree.map(jax.device_put, params, shardings.params)
-    state = ts.TrainState(params, opt_state, jnp.asarray(step, jnp.int32),
-                          jnp.asarray(meta.get("skipped_updates", 0), jnp.int32))
-    return state, rl_dataset.DataPosition.from_dict(meta["data_position"])
 
 
 def export_hf(graphdef: nnx.GraphDef, params, path: Path, tokenizer) -> Path:
@@ -205,9 +193,8 @@ def _run_sft(cfg, workdir: Path, resuming: bool, stop: run_guard.StopSignals, t_
     latest = None
     if resuming and ckpt.all_steps():
         # The newest step whose files and params are intact; a damaged newer one is moved aside (logged).
-        latest, (state, position) = ckpt.restore_newest_intact(
-            lambda s: restore_state(ckpt, s, model_cfg=model_cfg, mesh=mesh, optimizer=optimizer,
-                                    shardings=state_sh, abstract_params=abstract))
+        target = ts.abstract_train_state(optimizer, abstract, state_sh)
+        latest, (state, position, _) = ckpt.restore_newest_intact(lambda s: ckpt.restore_state(s, target))
         log.info("resumed SFT from %s step %d", ckpt.directory, latest)
     else:
         state, position = ts.init_train_state(params, optimizer, state_sh), rl_dataset.DataPosition()
@@ -219,9 +206,7 @@ def _run_sft(cfg, workdir: Path, resuming: bool, stop: run_guard.StopSignals, t_
     bar = metrics_lib.progress(total_steps, "sft", enabled=cfg.trainer.progress and is_main, initial=step)
 
     def save(state: ts.TrainState, step: int, position: rl_dataset.DataPosition) -> None:
-        meta = {"data_position": position.to_dict(), "epoch": position.epoch, "kind": "sft",
-                "skipped_updates": int(state.skipped)}
-        ckpt.save(step, state.params, config=model_cfg, opt_state=state.opt_state, meta=meta)
+        ckpt.save_state(step, state, config=model_cfg, position=position, meta={"epoch": position.epoch, "kind": "sft"})
 
     loss = float("nan")
     t_last = time.perf_counter()
