@@ -19,7 +19,7 @@ One call of ``value_step(state, batch)`` is one critic optimizer step over a min
 ``input_ids``, ``positions``, ``segment_ids`` (int32), ``loss_weight``, ``old_values``, ``returns`` (float32).
 The loss weights are the policy's (``packing.loss_weights``), so the value loss aggregates like the policy loss
 and is independent of the micro-batch split. The state is a ``train_step.TrainState`` and everything around the
-step (optimizer, shardings, init, jit) comes from ``train_step``.
+step (optimizer, gradient accumulation, shardings, init, jit, the forward over a rollout) comes from ``train_step``.
 """
 
 from __future__ import annotations
