@@ -2,8 +2,10 @@
 
 Layout of `directory/<step>/`: `params/` (the model's params as a pure dict of arrays), `opt_state/` (optional,
 any pytree of arrays), `meta/` (JSON: the model config, so a checkpoint can be exported without its run's config,
-plus whatever the caller stores, e.g. data position and PRNG state). Items are separate so that exporting or
-evaluating a checkpoint restores the params alone.
+plus whatever the caller stores). Items are separate so that exporting or evaluating a checkpoint restores the params
+alone. A training state (`train_step.TrainState`: the policy's, the critic's or SFT's) is saved and restored with
+`save_state` / `restore_state`, which own its metadata: `counters` (optimizer updates and skipped updates) and, for
+a run that reads data, `data_position`.
 
 Restore takes abstract targets (`jax.ShapeDtypeStruct` with a sharding) and orbax reads each device's slices
 directly, so a checkpoint saved on one mesh shape restores onto another (e.g. (1, 8, 1) -> (2, 2, 2)).
@@ -29,7 +31,7 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +42,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from arpo_jax import models, sharding
+from arpo_jax.data.rl_dataset import DataPosition
 from arpo_jax.models.transformer import Config, RopeScaling
+from arpo_jax.train_step import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +152,14 @@ def abstract_params(cfg: Config, mesh: Mesh | None = None) -> dict:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), nnx.to_pure_dict(state))
 
 
+class RestoredState(NamedTuple):
+    """What `Checkpointer.restore_state` returns."""
+
+    state: TrainState
+    position: DataPosition | None  # where the run's data continues; None for a state saved without one (the critic)
+    meta: dict  # the whole metadata, e.g. `step` and what the caller stored
+
+
 class Checkpointer:
     """Keep-N, asynchronous, resumable, checksummed checkpoints of (params, optimizer state, metadata) per step.
 
@@ -202,6 +214,15 @@ class Checkpointer:
             self._sealing = threading.Thread(target=self._seal, args=(step,), name=f"seal-{step}", daemon=True)
             self._sealing.start()
         return saved
+
+    def save_state(self, step: int, state: TrainState, *, config: Config, position: DataPosition | None = None,
+                   meta: dict | None = None, force: bool = False) -> bool:
+        """Starts saving a training state at `step` (`save`): its params and optimizer state, and in the metadata its
+        `counters` (updates, skipped), the `data_position` when given, and the caller's `meta`."""
+        meta = {**(meta or {}), "counters": {"updates": int(state.step), "skipped": int(state.skipped)}}
+        if position is not None:
+            meta["data_position"] = position.to_dict()
+        return self.save(step, state.params, config=config, opt_state=state.opt_state, meta=meta, force=force)
 
     def _seal(self, step: int) -> None:
         """Background: waits for the step's files, then (process 0) writes its integrity record atomically."""
@@ -325,6 +346,20 @@ class Checkpointer:
         if bad is not None:
             raise CorruptCheckpointError(self.directory, step, f"params/{bad}", "holds NaN or infinite values")
         return out["params"], out.get("opt_state"), meta
+
+    def restore_state(self, step: int, target: TrainState) -> RestoredState:
+        """The training state that `save_state` saved at `step`, restored into `target`'s shapes, dtypes and shardings
+        (`train_step.abstract_train_state`), after the checks of `restore`.
+
+        SFT checkpoints written before `save_state` existed store no `counters`: their skip count is
+        `skipped_updates` and their update count the step (SFT makes one update per step).
+        """
+        params, opt_state, meta = self.restore(step, params_target=target.params, opt_state_target=target.opt_state)
+        counters = meta.get("counters") or {"updates": meta["step"], "skipped": meta.get("skipped_updates", 0)}
+        state = TrainState(params, opt_state, jnp.asarray(counters["updates"], jnp.int32),
+                           jnp.asarray(counters["skipped"], jnp.int32))
+        position = meta.get("data_position")
+        return RestoredState(state, None if position is None else DataPosition.from_dict(position), meta)
 
     def restore_newest_intact(self, restore: Callable[[int], Any], *, steps: Sequence[int] | None = None,
                               move_damaged: bool = True, also: Sequence[Checkpointer] = ()) -> tuple[int, Any]:

@@ -19,7 +19,7 @@ One call of ``value_step(state, batch)`` is one critic optimizer step over a min
 ``input_ids``, ``positions``, ``segment_ids`` (int32), ``loss_weight``, ``old_values``, ``returns`` (float32).
 The loss weights are the policy's (``packing.loss_weights``), so the value loss aggregates like the policy loss
 and is independent of the micro-batch split. The state is a ``train_step.TrainState`` and everything around the
-step (optimizer, shardings, init, jit) comes from ``train_step``.
+step (optimizer, gradient accumulation, shardings, init, jit, the forward over a rollout) comes from ``train_step``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from arpo_jax import algos, sharding
 from arpo_jax import train_step as ts
@@ -189,53 +189,18 @@ def _micro_value_loss(params, graphdef, mb: Batch, cfg: CriticConfig) -> tuple[A
 # --------------------------------------------------------------------------------------------------
 
 
-def accumulate_and_apply(state: ts.TrainState, batch: Batch, micro_loss, optimizer: optax.GradientTransformation,
-                         grad_shardings=None) -> tuple[ts.TrainState, dict[str, Array], Array]:
-    """Sums ``micro_loss``'s gradients over the [M, ...] micro-batches, then one optimizer step, skipped (params and
-    optimizer state unchanged, ``skipped`` counted) when the loss or the gradient norm is not finite.
-
-    ``micro_loss(params, mb) -> (loss, metrics)``. Returns (new state, metric sums over micro-batches, grad norm);
-    the skeleton of ``train_step.train_step``, which could share it.
-    """
-    params = state.params
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-
-    def body(acc, mb):
-        (loss, metrics), grads = grad_fn(params, mb)
-        return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), (loss, metrics)
-
-    acc = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)  # float32 accumulators
-    if grad_shardings is not None:
-        acc = jax.lax.with_sharding_constraint(acc, grad_shardings)
-    grads, (losses, micro_metrics) = jax.lax.scan(body, acc, batch)  # losses: [M]; micro_metrics: {name: [M]}
-    sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), micro_metrics)
-    grad_norm = optax.tree.norm(grads)
-    ok = jnp.isfinite(jnp.sum(losses)) & jnp.isfinite(grad_norm)
-    # Zeroed gradients keep NaN out of the optimizer arithmetic; the result is discarded anyway when not ok.
-    grads = jax.tree.map(lambda g, p: jnp.where(ok, g, 0.0).astype(p.dtype), grads, params)
-    updates, opt_state = optimizer.update(grads, state.opt_state, params)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-    skipped = 1 - ok.astype(jnp.int32)
-    new_state = ts.TrainState(keep(optax.apply_updates(params, updates), params), keep(opt_state, state.opt_state),
-                              state.step + 1, state.skipped + skipped)
-    return new_state, sums, grad_norm
-
-
 def value_step(state: ts.TrainState, batch: Batch, *, graphdef: nnx.GraphDef, cfg: CriticConfig,
                optimizer: optax.GradientTransformation, grad_shardings=None) -> tuple[ts.TrainState, dict[str, Array]]:
-    """One critic optimizer step over a mini-batch of [M, B, T] arrays (module docstring); jit with ``jit_value_step``.
+    """One critic optimizer step over a mini-batch of [M, B, T] arrays (module docstring) with
+    ``train_step.accumulate_and_apply``; jit with ``jit_value_step``.
 
     Returns:
       (new state, metrics): float32 scalars ``vf_loss`` (the mini-batch loss), ``vf_clipfrac``, ``vpred_mean``
       (loss-weighted means), ``grad_norm`` (before clipping), ``skipped`` (0 or 1).
     """
     micro = lambda params, mb: _micro_value_loss(params, graphdef, mb, cfg)
-    new_state, sums, grad_norm = accumulate_and_apply(state, batch, micro, optimizer, grad_shardings)
-    w_total = jnp.maximum(sums.pop("weight"), 1e-30)
-    metrics = {k: v if k == "vf_loss" else v / w_total for k, v in sums.items()}
-    # The skip counter moved by 0 or 1 in this step: that is the step's skip flag.
-    metrics.update(grad_norm=grad_norm, skipped=(new_state.skipped - state.skipped).astype(jnp.float32))
-    return new_state, metrics
+    new_state, sums = ts.accumulate_and_apply(state, batch, micro, optimizer, grad_shardings)
+    return new_state, ts.weighted_means(sums, totals=("vf_loss",))
 
 
 def jit_value_step(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: CriticConfig,
@@ -255,22 +220,11 @@ def jit_value_step(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: CriticCo
 
 def forward_values(graphdef: nnx.GraphDef, params, batch: Batch) -> Array:
     """float32 values shaped like ``batch["input_ids"]`` ([..., B, T], e.g. [K, M, B, T]), one [B, T] micro-batch
-    at a time (``lax.map``), so peak memory is that of one micro-batch."""
-    lead = batch["input_ids"].shape[:-2]
-    flat = {k: batch[k].reshape((-1,) + batch[k].shape[-2:]) for k in FORWARD_KEYS}  # [prod(lead), B, T]
-    values = jax.lax.map(lambda mb: values_of(graphdef, params, mb), flat)
-    return values.reshape(lead + values.shape[-2:])
+    at a time (``train_step.map_micro_batches``)."""
+    return ts.map_micro_batches(lambda mb: values_of(graphdef, params, mb), batch, FORWARD_KEYS)
 
 
-def jit_value_forward(graphdef: nnx.GraphDef, model_cfg: ModelConfig, mesh: Mesh | None = None):
-    """``forward_values`` jitted: ``fn(params, batch) -> values``. With a mesh the trailing [B, T] of each batch array
-    is split like the train step's batch; the params keep the shardings they were created with."""
-    jitted = ts.MeshJit(jax.jit(lambda params, batch: forward_values(graphdef, params, batch)), mesh)
-    spec = None if mesh is None else ts.batch_spec(mesh, model_cfg.sharding_rules)
-
-    def place(x):  # any number of leading axes; the trailing [B, T] split as in the train step
-        if mesh is None:
-            return jnp.asarray(x)
-        return jax.device_put(x, NamedSharding(mesh, PartitionSpec(*(None,) * (x.ndim - 2), *spec[1:])))
-
-    return lambda params, batch: jitted(params, {k: place(batch[k]) for k in FORWARD_KEYS})
+def jit_value_forward(graphdef: nnx.GraphDef, model_cfg: ModelConfig, mesh: Mesh | None = None) -> ts.MeshJit:
+    """``forward_values`` jitted with ``train_step.jit_forward``: ``fn(params, batch) -> values``, the batch split
+    like the train step's."""
+    return ts.jit_forward(lambda params, batch: forward_values(graphdef, params, batch), FORWARD_KEYS, model_cfg, mesh)

@@ -55,35 +55,17 @@ def sft_loss(params, graphdef: nnx.GraphDef, mb: Batch, *, chunk: int = 256) -> 
 
 def sft_step(state: ts.TrainState, batch: Batch, *, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
              chunk: int = 256, grad_shardings=None) -> tuple[ts.TrainState, dict[str, jax.Array]]:
-    """One optimizer step over [M, B, T] arrays (`BATCH_KEYS`): gradients summed over the M micro-batches with
-    `lax.scan` (float32 accumulators), then the optimizer (global-norm clip + AdamW). An update whose loss or
-    gradient norm is not finite is skipped, as in `train_step.train_step`.
+    """One optimizer step over [M, B, T] arrays (`BATCH_KEYS`) with `train_step.accumulate_and_apply` (gradients
+    summed over the micro-batches, global-norm clip + AdamW, a non-finite update skipped).
 
     Returns:
       (new state, metrics): float32 scalars ``loss`` (token-mean NLL), ``grad_norm`` (before clipping), ``skipped``.
     """
-    grad_fn = jax.value_and_grad(sft_loss)
+    def micro_loss(params, mb):
+        loss = sft_loss(params, graphdef, mb, chunk=chunk)
+        return loss, {"loss": jax.lax.stop_gradient(loss)}
 
-    def body(carry, mb):
-        acc, loss = carry
-        mb_loss, grads = grad_fn(state.params, graphdef, mb, chunk=chunk)
-        return (jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), loss + mb_loss), None
-
-    acc = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-    if grad_shardings is not None:
-        acc = jax.lax.with_sharding_constraint(acc, grad_shardings)
-    (grads, loss), _ = jax.lax.scan(body, (acc, jnp.zeros((), jnp.float32)), batch)
-
-    grad_norm = optax.tree.norm(grads)
-    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    # Zeroed gradients keep NaN out of the optimizer arithmetic; the result is discarded anyway when not ok.
-    grads = jax.tree.map(lambda g, p: jnp.where(ok, g, 0.0).astype(p.dtype), grads, state.params)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-    skipped = 1 - ok.astype(jnp.int32)
-    new_state = ts.TrainState(keep(optax.apply_updates(state.params, updates), state.params),
-                              keep(opt_state, state.opt_state), state.step + 1, state.skipped + skipped)
-    return new_state, {"loss": loss, "grad_norm": grad_norm, "skipped": skipped.astype(jnp.float32)}
+    return ts.accumulate_and_apply(state, batch, micro_loss, optimizer, grad_shardings)
 
 
 def jit_sft_step(graphdef: nnx.GraphDef, model_cfg: ModelConfig, optimizer: optax.GradientTransformation,
@@ -139,20 +121,8 @@ def to_global(local: dict[str, np.ndarray], sharding: NamedSharding) -> Batch:
 
 
 # --------------------------------------------------------------------------------------------------
-# Checkpoints
+# Export
 # --------------------------------------------------------------------------------------------------
-
-
-def restore_state(ckpt: Checkpointer, step: int, *, model_cfg: ModelConfig, mesh: Mesh, optimizer,
-                  shardings: ts.TrainState, abstract_params) -> tuple[ts.TrainState, rl_dataset.DataPosition]:
-    """The TrainState and data position saved at `step`, restored into the run's shardings."""
-    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          jax.eval_shape(lambda p: ts.init_train_state(p, optimizer), abstract_params), shardings)
-    params, opt_state, meta = ckpt.restore(step, config=model_cfg, mesh=mesh, opt_state_target=target.opt_state)
-    params = jax.tree.map(jax.device_put, params, shardings.params)
-    state = ts.TrainState(params, opt_state, jnp.asarray(step, jnp.int32),
-                          jnp.asarray(meta.get("skipped_updates", 0), jnp.int32))
-    return state, rl_dataset.DataPosition.from_dict(meta["data_position"])
 
 
 def export_hf(graphdef: nnx.GraphDef, params, path: Path, tokenizer) -> Path:
@@ -223,9 +193,8 @@ def _run_sft(cfg, workdir: Path, resuming: bool, stop: run_guard.StopSignals, t_
     latest = None
     if resuming and ckpt.all_steps():
         # The newest step whose files and params are intact; a damaged newer one is moved aside (logged).
-        latest, (state, position) = ckpt.restore_newest_intact(
-            lambda s: restore_state(ckpt, s, model_cfg=model_cfg, mesh=mesh, optimizer=optimizer,
-                                    shardings=state_sh, abstract_params=abstract))
+        target = ts.abstract_train_state(optimizer, abstract, state_sh)
+        latest, (state, position, _) = ckpt.restore_newest_intact(lambda s: ckpt.restore_state(s, target))
         log.info("resumed SFT from %s step %d", ckpt.directory, latest)
     else:
         state, position = ts.init_train_state(params, optimizer, state_sh), rl_dataset.DataPosition()
@@ -237,9 +206,7 @@ def _run_sft(cfg, workdir: Path, resuming: bool, stop: run_guard.StopSignals, t_
     bar = metrics_lib.progress(total_steps, "sft", enabled=cfg.trainer.progress and is_main, initial=step)
 
     def save(state: ts.TrainState, step: int, position: rl_dataset.DataPosition) -> None:
-        meta = {"data_position": position.to_dict(), "epoch": position.epoch, "kind": "sft",
-                "skipped_updates": int(state.skipped)}
-        ckpt.save(step, state.params, config=model_cfg, opt_state=state.opt_state, meta=meta)
+        ckpt.save_state(step, state, config=model_cfg, position=position, meta={"epoch": position.epoch, "kind": "sft"})
 
     loss = float("nan")
     t_last = time.perf_counter()

@@ -4,7 +4,9 @@ One call of ``train_step(state, batch)`` is one optimizer step (spec 9): the min
 [M, B, T] arrays (M micro-batches of B rows of T tokens, built on the host by ``arpo_jax.packing``), gradients
 are accumulated over the micro-batches with ``lax.scan`` (float32 accumulators), then clipped to global norm
 1.0 and applied with AdamW. An update whose loss or gradient norm is not finite is skipped: params and
-optimizer state are returned unchanged and ``skipped`` is counted (the reference zeroes the gradients).
+optimizer state are returned unchanged and ``skipped`` is counted (the reference zeroes the gradients). That
+skeleton, ``accumulate_and_apply``, is shared with the SFT and critic steps, and the forward-only pass over a whole
+rollout, ``jit_forward``, with the critic's old values.
 
 The loss of a micro-batch is ``sum_t w_t * (pg_t + kl_coef * kl_t - entropy_coef * H_t)`` where ``w`` is the
 ``loss_weight`` array the packer computed; the weights implement the aggregation mode and the micro-batch
@@ -257,6 +259,51 @@ def _where_tree(ok: Array, new, old):
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
+def accumulate_and_apply(state: TrainState, batch: Batch, micro_loss, optimizer: optax.GradientTransformation,
+                         grad_shardings=None) -> tuple[TrainState, dict[str, Array]]:
+    """One optimizer step over the [M, ...] micro-batches of ``batch``: the policy, SFT and critic updates all use it.
+
+    ``micro_loss(params, mb) -> (loss, metrics)``'s gradients are summed over the micro-batches with ``lax.scan``
+    (float32 accumulators), then ``optimizer`` is applied. An update whose summed loss or gradient norm is not finite
+    is skipped: params and optimizer state are returned unchanged and ``skipped`` is counted.
+
+    Returns:
+      (new state, metrics): each of ``micro_loss``'s metrics summed over the micro-batches, plus float32 scalars
+      ``grad_norm`` (before clipping) and ``skipped`` (0 or 1).
+    """
+    params = state.params
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def body(acc, mb):
+        (loss, metrics), grads = grad_fn(params, mb)
+        return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), (loss, metrics)
+
+    acc = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    if grad_shardings is not None:
+        acc = jax.lax.with_sharding_constraint(acc, grad_shardings)
+    grads, (losses, micro_metrics) = jax.lax.scan(body, acc, batch)  # losses: [M]; micro_metrics: {name: [M]}
+    sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), micro_metrics)
+
+    grad_norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(jnp.sum(losses)) & jnp.isfinite(grad_norm)
+    # Zeroed gradients keep NaN out of the optimizer arithmetic; the result is discarded anyway when not ok.
+    grads = jax.tree.map(lambda g, p: jnp.where(ok, g, 0.0).astype(p.dtype), grads, params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    skipped = 1 - ok.astype(jnp.int32)
+    new_state = TrainState(_where_tree(ok, new_params, params), _where_tree(ok, opt_state, state.opt_state),
+                           state.step + 1, state.skipped + skipped)
+    return new_state, sums | {"grad_norm": grad_norm, "skipped": skipped.astype(jnp.float32)}
+
+
+def weighted_means(sums: dict[str, Array], *, totals: tuple[str, ...]) -> dict[str, Array]:
+    """``accumulate_and_apply``'s metric sums as loss-weighted means over the mini-batch (each divided by the summed
+    ``weight``, which is dropped), except the loss ``totals``, ``grad_norm`` and ``skipped``, kept as they are."""
+    w_total = jnp.maximum(sums["weight"], 1e-30)
+    keep = (*totals, "grad_norm", "skipped")
+    return {k: v if k in keep else v / w_total for k, v in sums.items() if k != "weight"}
+
+
 def train_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef, cfg: UpdateConfig,
                optimizer: optax.GradientTransformation, grad_shardings=None) -> tuple[TrainState, dict[str, Array]]:
     """One optimizer step over one mini-batch of [M, B, T] arrays; pure, jit it with ``jit_train_step``.
@@ -275,40 +322,15 @@ def train_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef, cfg: 
       with token-mean weights, plain token means), ``grad_norm`` (before clipping), ``skipped`` (0 or 1); with
       ``rollout_logp`` in the batch also the ``rollout_corr/*`` metrics of ``algos.rollout_correction``.
     """
-    params = state.params
     rc_metrics = {}
     if "rollout_logp" in batch:
         batch, rc_metrics = _rollout_correction(batch, cfg)
     h_stats = None
     if cfg.uses_entropy_adv and cfg.micro_norm == "global_token_mean":
-        h_stats = jax.lax.stop_gradient(_entropy_stats(graphdef, params, batch, cfg))
-    grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
-
-    def body(acc, mb):
-        (_, metrics), grads = grad_fn(params, graphdef, mb, h_stats, cfg)
-        acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-        return acc, metrics
-
-    acc = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    if grad_shardings is not None:
-        acc = jax.lax.with_sharding_constraint(acc, grad_shardings)
-    grads, micro_metrics = jax.lax.scan(body, acc, batch)  # micro_metrics: {name: [M]}
-    sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), micro_metrics)
-
-    grad_norm = optax.tree.norm(grads)
-    ok = jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)
-    # Zeroed gradients keep NaN out of the optimizer arithmetic; the result is discarded anyway when not ok.
-    grads = jax.tree.map(lambda g, p: jnp.where(ok, g, 0.0).astype(p.dtype), grads, params)
-    updates, opt_state = optimizer.update(grads, state.opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    skipped = 1 - ok.astype(jnp.int32)
-    new_state = TrainState(_where_tree(ok, new_params, params), _where_tree(ok, opt_state, state.opt_state),
-                           state.step + 1, state.skipped + skipped)
-
-    w_total = jnp.maximum(sums.pop("weight"), 1e-30)
-    metrics = {k: v if k in ("loss", "pg_loss", "kl_loss") else v / w_total for k, v in sums.items()}
-    metrics.update(grad_norm=grad_norm, skipped=skipped.astype(jnp.float32), **rc_metrics)
-    return new_state, metrics
+        h_stats = jax.lax.stop_gradient(_entropy_stats(graphdef, state.params, batch, cfg))
+    micro_loss = lambda params, mb: _micro_loss(params, graphdef, mb, h_stats, cfg)
+    new_state, sums = accumulate_and_apply(state, batch, micro_loss, optimizer, grad_shardings)
+    return new_state, weighted_means(sums, totals=("loss", "pg_loss", "kl_loss")) | rc_metrics
 
 
 # --------------------------------------------------------------------------------------------------
@@ -350,6 +372,13 @@ def init_train_state(params, optimizer: optax.GradientTransformation,
     if shardings is None:
         return jax.jit(init)(params)
     return jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings)(params)
+
+
+def abstract_train_state(optimizer: optax.GradientTransformation, abstract_params,
+                         shardings: TrainState) -> TrainState:
+    """The TrainState ``init_train_state`` would build, as ShapeDtypeStructs in ``shardings``: a restore target."""
+    shapes = jax.eval_shape(lambda p: init_train_state(p, optimizer), abstract_params)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
 
 
 class MeshJit:
@@ -410,45 +439,39 @@ def jit_train_step(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: UpdateCo
     return jit_step(fn, model_cfg, mesh, shardings, name="jit_train_step")
 
 
-def forward_logprobs(graphdef: nnx.GraphDef, params, batch: Batch, *, temperature: float = 1.0,
-                     chunk: int = 256) -> tuple[Array, Array]:
-    """Forward-only (log p(targets), entropy) for old / reference log-probs, in the batch's own layout.
+# --------------------------------------------------------------------------------------------------
+# Forward-only passes over a whole rollout (old / reference log-probs here, the critic's old values)
+# --------------------------------------------------------------------------------------------------
 
-    ``batch`` arrays are [..., B, T] (e.g. [K, M, B, T] for a whole rollout); the leading axes are walked one
-    [B, T] micro-batch at a time with ``lax.map``, so peak memory is that of one micro-batch. Returns float32
-    arrays shaped like ``batch["input_ids"]``. Only ``input_ids``, ``targets``, ``positions`` and
-    ``segment_ids`` are read.
-    """
-    keys = ("input_ids", "targets", "positions", "segment_ids")
-    lead = batch["input_ids"].shape[:-2]
+LOGPROB_KEYS = ("input_ids", "targets", "positions", "segment_ids")
+
+
+def map_micro_batches(fn, batch: Batch, keys: tuple[str, ...]):
+    """``fn(mb)`` of each [B, T] micro-batch of ``batch``'s [..., B, T] arrays (e.g. [K, M, B, T] for a whole
+    rollout), one at a time with ``lax.map``, so peak memory is that of one micro-batch; each output [B, T, ...] is
+    reshaped back to the batch's leading axes. Only ``keys`` are read."""
+    lead = batch[keys[0]].shape[:-2]
     flat = {k: batch[k].reshape((-1,) + batch[k].shape[-2:]) for k in keys}  # [prod(lead), B, T]
-    fn = lambda mb: token_logprobs(graphdef, params, mb, temperature=temperature, chunk=chunk)
-    logp, ent = jax.lax.map(fn, flat)
-    return logp.reshape(lead + logp.shape[-2:]), ent.reshape(lead + ent.shape[-2:])
+    return jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), jax.lax.map(fn, flat))
 
 
-def jit_forward_logprobs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, *, temperature: float = 1.0,
-                         chunk: int = 256, mesh: Mesh | None = None) -> MeshJit:
-    """``forward_logprobs`` jitted; with a mesh the batch is sharded like the train step's, and the params (policy or
-    reference) keep the shardings they were created with."""
-    fn = lambda params, batch: forward_logprobs(graphdef, params, batch, temperature=temperature,
-                                                chunk=chunk)
-    jitted = jax.jit(fn)  # params arrive committed to their shardings, the batch is placed by _ShardBatch
+def jit_forward(forward, keys: tuple[str, ...], model_cfg: ModelConfig, mesh: Mesh | None = None) -> MeshJit:
+    """``forward(params, batch)`` jitted, its batch reduced to ``keys`` and placed first: with a mesh, any number of
+    leading axes, the trailing [B, T] split as the train step's batch; the params (policy, reference or critic) keep
+    the shardings they were created with."""
+    jitted = jax.jit(forward)  # params arrive committed to their shardings, the batch is placed by _ShardBatch
     if mesh is None:
-        return MeshJit(_ShardBatch(jitted, None), None)
+        return MeshJit(_ShardBatch(jitted, keys, None), None)
     spec = batch_spec(mesh, model_cfg.sharding_rules)
-    # Any number of leading axes: shard the trailing [B, T] as the train step does.
     batch_sh = lambda x: NamedSharding(mesh, PartitionSpec(*(None,) * (x.ndim - 2), *spec[1:]))
-    return MeshJit(_ShardBatch(jitted, batch_sh), mesh)
+    return MeshJit(_ShardBatch(jitted, keys, batch_sh), mesh)
 
 
 class _ShardBatch:
     """Keeps the keys the forward reads and places them in their shardings before calling the jitted forward."""
 
-    keys = ("input_ids", "targets", "positions", "segment_ids")
-
-    def __init__(self, jitted, batch_sharding):
-        self.jitted, self.batch_sharding = jitted, batch_sharding
+    def __init__(self, jitted, keys: tuple[str, ...], batch_sharding):
+        self.jitted, self.keys, self.batch_sharding = jitted, keys, batch_sharding
 
     def _place(self, batch):
         if self.batch_sharding is None:
@@ -460,3 +483,21 @@ class _ShardBatch:
 
     def lower(self, params, batch):
         return self.jitted.lower(params, {k: batch[k] for k in self.keys})
+
+
+def forward_logprobs(graphdef: nnx.GraphDef, params, batch: Batch, *, temperature: float = 1.0,
+                     chunk: int = 256) -> tuple[Array, Array]:
+    """Forward-only (log p(targets), entropy) for old / reference log-probs, in the batch's own layout.
+
+    ``batch`` arrays are [..., B, T], walked one [B, T] micro-batch at a time (``map_micro_batches``). Returns
+    float32 arrays shaped like ``batch["input_ids"]``. Only ``LOGPROB_KEYS`` are read.
+    """
+    fn = lambda mb: token_logprobs(graphdef, params, mb, temperature=temperature, chunk=chunk)
+    return map_micro_batches(fn, batch, LOGPROB_KEYS)
+
+
+def jit_forward_logprobs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, *, temperature: float = 1.0,
+                         chunk: int = 256, mesh: Mesh | None = None) -> MeshJit:
+    """``forward_logprobs`` jitted with ``jit_forward``: ``fn(params, batch) -> (logp, entropy)``."""
+    fn = lambda params, batch: forward_logprobs(graphdef, params, batch, temperature=temperature, chunk=chunk)
+    return jit_forward(fn, LOGPROB_KEYS, model_cfg, mesh)

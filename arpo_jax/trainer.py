@@ -284,30 +284,15 @@ class Trainer:
         return sorted(steps)
 
     def _restore_critic(self, step: int) -> ts.TrainState:
-        with_sh = lambda tree, sh: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                                tree, sh)
-        target = with_sh(jax.eval_shape(lambda p: ts.init_train_state(p, self.critic_optimizer), self.critic_abstract),
-                         self.critic_sh)
-        params, opt_state, meta = self.critic_ckpt.restore(step, config=self.model_cfg, mesh=self.mesh,
-                                                           params_target=target.params,
-                                                           opt_state_target=target.opt_state)
-        counters = meta.get("counters", {})
-        return ts.TrainState(params, opt_state, jnp.asarray(counters.get("updates", 0), jnp.int32),
-                             jnp.asarray(counters.get("skipped", 0), jnp.int32))
+        target = ts.abstract_train_state(self.critic_optimizer, self.critic_abstract, self.critic_sh)
+        return self.critic_ckpt.restore_state(step, target).state
 
     def _restore(self, step: int, abstract) -> ts.TrainState:
-        target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                              jax.eval_shape(lambda p: ts.init_train_state(p, self.optimizer), abstract),
-                              self.state_sh)
-        params, opt_state, meta = self.ckpt.restore(step, config=self.model_cfg, mesh=self.mesh,
-                                                    opt_state_target=target.opt_state)
-        params = jax.tree.map(lambda x, s: jax.device_put(x, s), params, self.state_sh.params)
-        self.step = int(meta["step"])
-        self.position = rl_dataset.DataPosition.from_dict(meta["data_position"])
-        counters = meta.get("counters", {})
+        """The policy's state at `step`; sets the step and data position the run continues from."""
+        restored = self.ckpt.restore_state(step, ts.abstract_train_state(self.optimizer, abstract, self.state_sh))
+        self.step, self.position = int(restored.meta["step"]), restored.position
         log.info("resumed from %s step %d", self.ckpt.directory, self.step)
-        return ts.TrainState(params, opt_state, jnp.asarray(counters.get("updates", 0), jnp.int32),
-                             jnp.asarray(counters.get("skipped", 0), jnp.int32))
+        return restored.state
 
     def _sampler_mesh(self) -> Mesh:
         """Rollouts are per process (each process generates for its own prompts): a mesh of its local devices."""
@@ -692,14 +677,10 @@ class Trainer:
         return all_s[keep], [names[c] for c in all_c[keep]]
 
     def save(self) -> None:
-        meta = {"data_position": self.position.to_dict(), "seed": self.cfg.seed, "total_steps": self.total_steps,
-                "counters": {"updates": int(self.state.step), "skipped": int(self.state.skipped)}}
-        self.ckpt.save(self.step, self.state.params, config=self.model_cfg, opt_state=self.state.opt_state,
-                       meta=meta, force=True)
+        self.ckpt.save_state(self.step, self.state, config=self.model_cfg, position=self.position,
+                             meta={"seed": self.cfg.seed, "total_steps": self.total_steps}, force=True)
         if self.critic_ckpt is not None:
-            counters = {"updates": int(self.critic_state.step), "skipped": int(self.critic_state.skipped)}
-            self.critic_ckpt.save(self.step, self.critic_state.params, config=self.model_cfg,
-                                  opt_state=self.critic_state.opt_state, meta={"counters": counters}, force=True)
+            self.critic_ckpt.save_state(self.step, self.critic_state, config=self.model_cfg, force=True)
 
     # -- the loop ------------------------------------------------------------------------------------------------
 

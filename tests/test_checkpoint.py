@@ -173,3 +173,44 @@ def test_read_only_users_never_create_the_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such checkpoint directory"):
         checkpoint.Checkpointer(tmp_path / "nope", create=False)
     assert not (tmp_path / "nope").exists()
+
+
+def test_save_state_round_trip_and_sft_checkpoints_of_the_old_metadata_format(tmp_path):
+    """A TrainState comes back with its counters and data position, in the target's shardings; an SFT checkpoint of
+    the metadata format before `save_state` (skips as `skipped_updates`, one update per step) restores the same
+    counters; a state saved without a data position (the critic's) has none."""
+    from arpo_jax import models
+    from arpo_jax import train_step as ts
+    from arpo_jax.data.rl_dataset import DataPosition
+
+    cfg = models.Config(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                        num_heads=2, num_kv_heads=1, head_dim=16, sharding_rules="fsdp_tp")
+    _, params = ts.split_model(models.init_model(cfg, seed=0))
+    opt = optax.adamw(1e-3)
+    grads = jax.tree.map(lambda p: 0.01 * jax.numpy.ones_like(p), params)
+    state = ts.TrainState(params, opt.update(grads, opt.init(params), params)[1], jax.numpy.asarray(5),
+                          jax.numpy.asarray(2))
+    with checkpoint.Checkpointer(tmp_path / "c") as ckpt:
+        ckpt.save_state(7, state, config=cfg, position=DataPosition(1, 3), meta={"seed": 4})
+        ckpt.save(8, params, config=cfg, opt_state=state.opt_state,  # as sft.py saved before save_state existed
+                  meta={"data_position": {"epoch": 2, "step_in_epoch": 0}, "epoch": 2, "kind": "sft",
+                        "skipped_updates": 3})
+        ckpt.save_state(9, state, config=cfg)
+
+    mesh = sharding.make_mesh((1, 8, 1))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    shardings = ts.state_shardings(opt, ts.param_shardings(cfg, mesh), abstract, mesh)
+    target = ts.abstract_train_state(opt, abstract, shardings)
+    with checkpoint.Checkpointer(tmp_path / "c", create=False) as ckpt:
+        new, position, meta = ckpt.restore_state(7, target)
+        old = ckpt.restore_state(8, target)
+        critic = ckpt.restore_state(9, target)
+    assert position == DataPosition(1, 3) and meta["seed"] == 4 and meta["counters"] == {"updates": 5, "skipped": 2}
+    assert (int(new.step), int(new.skipped)) == (5, 2)
+    for a, b in zip(_leaves(state.params) + _leaves(state.opt_state), _leaves(new.params) + _leaves(new.opt_state)):
+        np.testing.assert_array_equal(a, b)
+    for x, s in zip(jax.tree.leaves((new.params, new.opt_state)), jax.tree.leaves((shardings.params,
+                                                                                  shardings.opt_state))):
+        assert x.sharding == s
+    assert (int(old.state.step), int(old.state.skipped), old.position) == (8, 3, DataPosition(2, 0))
+    assert critic.position is None and int(critic.state.step) == 5
