@@ -20,8 +20,8 @@ the file is read back; a chunk counts as done when a valid record of every (ques
 question id must also still match the data file); the records of every other chunk (a torn last line, a chunk cut
 short by a kill) are dropped by rewriting the file atomically, and those chunks are run again. The reports are
 computed from the file alone, so a run killed at any moment and started again with the same arguments ends with
-the report of an uninterrupted run (exactly with the JAX engine; vLLM's per-request seeds count its calls, so a
-redone chunk of a vLLM run may draw other samples). ``eval_run.json`` records the settings that determine the
+the report of an uninterrupted run (every engine seeds a request by the chunk's seed, its position and its tokens
+only: `sampler.request_seed`). ``eval_run.json`` records the settings that determine the
 outputs (model, engine, k, batch size, seed, sampling, lengths, tools, judge model); restarting a workdir with
 different ones is refused rather than mixing two evaluations in one report. ``--limit`` may change between runs.
 
