@@ -798,8 +798,9 @@ def _roundtrip(tokenizer: Any, text: str) -> str:
 
 
 def _is_secret_key(key: str) -> bool:
-    """api_key / apikey / secret / password anywhere in the name, or `token` as its last word (not tokenizer)."""
-    words = key.lower().replace("-", "_").split("_")
+    """api_key / apikey / secret / password anywhere in the name, or `token` as its last word (not tokenizer);
+    camelCase names count as snake_case (authToken = auth_token)."""
+    words = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", str(key)).lower().replace("-", "_").split("_")
     joined = "_".join(words)
     return ("api_key" in joined or "apikey" in words or "secret" in joined or "password" in joined
             or "passwd" in words or words[-1] == "token")
@@ -827,7 +828,9 @@ def _redact_value(key: str, value: Any) -> Any:
 
 
 def redact(cfg: ConfigDict | dict) -> dict:
-    """A plain nested dict of the config for dumps and logs, with credential-looking values replaced."""
+    """A plain nested dict of the config for dumps and logs, with credential-looking values replaced.
+
+    The package's one redaction: the metrics logger applies it again to what it writes (config.json, W&B)."""
     return {k: _redact_value(k, v) for k, v in _to_dict(cfg).items()}
 
 

@@ -684,7 +684,7 @@ class Trainer:
         # Engine / tool counters of this process (the rollout's own metrics, per worker averaged).
         for key in ts_[0].out.metrics:
             out[key] = float(np.mean([t.out.metrics[key] for t in ts_]))
-        out |= {f"tools/{k}": v for k, v in self.executor.metrics().items()}
+        out |= self.executor.metrics()  # tools/<tag>/<name>
         self.executor.reset_metrics()
         return out
 

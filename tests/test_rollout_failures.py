@@ -142,5 +142,5 @@ def test_select_rows_renumbers_prompts_and_keeps_their_trees(tok):
     assert [t.prompt_index for t in out.trees] == [0, 1, 2]
     assert out.trees[0].nodes == a.trees[1].nodes and out.trees[2].nodes == b.trees[1].nodes
     assert out.metrics["rollout/tool_calls"] == a.metrics["rollout/tool_calls"] + b.metrics["rollout/tool_calls"] == 2
-    assert out.metrics["rollout/response_length_mean"] == pytest.approx(
-        (a.metrics["rollout/response_length_mean"] + b.metrics["rollout/response_length_mean"]) / 2)
+    a.metrics["rollout/test_mean"], b.metrics["rollout/test_mean"] = 1.0, 4.0  # means average, counts add
+    assert select_rows([(a, [3]), (b, [0])]).metrics["rollout/test_mean"] == pytest.approx(2.5)

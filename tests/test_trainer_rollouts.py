@@ -15,7 +15,7 @@ from arpo_jax import config as config_lib
 from arpo_jax import metrics, packing, shaping
 from arpo_jax import trainer as trainer_lib
 from arpo_jax.data import rl_dataset
-from arpo_jax.rollout.sampler import SampleResult
+from arpo_jax.rollout.sampler import Sampler, SampleResult
 from arpo_jax.tools import Tool
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ class BrokenPython(Tool):
         raise OSError("sandbox zygote died")
 
 
-class InjectingSampler:
+class InjectingSampler(Sampler):
     """The real sampler, except: slot 1's requests are rejected, and slot 0's first request writes CRASH_CALL."""
 
     def __init__(self, inner, tokenizer):

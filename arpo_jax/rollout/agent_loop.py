@@ -622,13 +622,10 @@ class _Loop:
 
     def _metrics(self, rows: list[_Slot], lengths: np.ndarray) -> dict[str, float]:
         out = {f"rollout/{k}": float(v) for k, v in self.m.items()}
-        out["tools/call_limit_reached_count"] = out["rollout/call_limit_reached"]
         ents = [e for s in self.slots for e in s.entropies]
         out.update({
             "rollout/trajectories": float(len(rows)),
             "rollout/initial_rollouts_mean": float(np.mean([t.initial_rollouts for t in self.trees] or [0])),
-            "rollout/tool_calls_per_trajectory": float(np.mean([s.calls for s in rows] or [0])),
-            "rollout/response_length_mean": float(lengths.mean()) if lengths.size else 0.0,
             "rollout/truncated_fraction": float(np.mean([s.resp_len > self.R for s in rows] or [0])),
             "rollout/segment_entropy_mean": float(np.mean(ents)) if ents else 0.0,
         })
