@@ -1,7 +1,7 @@
 """Config -> components: the rollout engine, the tool executor, the sampling settings and the rollout config.
 
 Training (`trainer.py`), evaluation and chat (`eval/runner.py`) and the demo's transcript (`demo.py`) build these
-from an experience config in one way, here, so a setting (a vLLM option, a tool limit, a sampling parameter) means
+from an experiment config in one way, here, so a setting (a vLLM option, a tool limit, a sampling parameter) means
 the same in every command.
 
     sampler = components.make_sampler(cfg, tokenizer, model=policy, mesh=mesh)   # cfg.rollout.engine = "jax"
