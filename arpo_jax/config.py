@@ -6,7 +6,7 @@
 the code accepts (taken from the modules that use them), ranges, cross-field rules and the files a command needs,
 and raises one ``ConfigError`` listing every problem as ``field.path: problem (allowed: ...)``, so a bad launch fails
 in a second with all of its mistakes at once, before any device is touched. ``redact`` makes a loggable copy;
-``derived`` resolves the automatic (0 / "") values.
+``jax_mem_fraction`` is the GPU share the launch scripts give JAX.
 """
 
 from __future__ import annotations
@@ -798,8 +798,9 @@ def _roundtrip(tokenizer: Any, text: str) -> str:
 
 
 def _is_secret_key(key: str) -> bool:
-    """api_key / apikey / secret / password anywhere in the name, or `token` as its last word (not tokenizer)."""
-    words = key.lower().replace("-", "_").split("_")
+    """api_key / apikey / secret / password anywhere in the name, or `token` as its last word (not tokenizer);
+    camelCase names count as snake_case (authToken = auth_token)."""
+    words = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", str(key)).lower().replace("-", "_").split("_")
     joined = "_".join(words)
     return ("api_key" in joined or "apikey" in words or "secret" in joined or "password" in joined
             or "passwd" in words or words[-1] == "token")
@@ -827,43 +828,20 @@ def _redact_value(key: str, value: Any) -> Any:
 
 
 def redact(cfg: ConfigDict | dict) -> dict:
-    """A plain nested dict of the config for dumps and logs, with credential-looking values replaced."""
+    """A plain nested dict of the config for dumps and logs, with credential-looking values replaced.
+
+    The package's one redaction: the metrics logger applies it again to what it writes (config.json, W&B)."""
     return {k: _redact_value(k, v) for k, v in _to_dict(cfg).items()}
 
 
-def derived(cfg: ConfigDict, *, device_count: int | None = None, process_count: int = 1) -> dict:
-    """The automatic values resolved: token budgets, rollout workers, the mesh, per-step counts.
-
-    Steps per epoch need the dataset's size, so the trainer computes them.
-    """
-    p, r = cfg.data.max_prompt_length, cfg.data.max_response_length
-    batch, mini, n = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size, cfg.rollout.n
-    workers = cfg.rollout.workers or process_count
-    out = {
-        "max_model_len": p + r,
-        # Spec 9 / 11.3: ppo_max_token_len_per_gpu = 2 (P + R); log-prob passes use 4 (P + R).
-        "max_token_len_per_device": cfg.actor.max_token_len_per_device or 2 * (p + r),
-        "logprob_max_token_len_per_device": 4 * (p + r),
-        "sft_max_token_len_per_device": cfg.sft.max_token_len_per_device or cfg.sft.cutoff_len,
-        "rollout_workers": workers,
-        "prompts_per_worker": batch // workers,
-        "trajectories_per_step": batch * n,
-        "mini_batches_per_step": batch // mini,
-        "trajectories_per_mini_batch": mini * n,
-        "tokenizer": cfg.model.tokenizer or cfg.model.path,
-        "needs_reference_model": cfg.actor.kl_coef > 0,
-        # A co-located vLLM takes gpu_memory_utilization of each GPU; JAX must leave it free (5% for the CUDA
-        # contexts and vLLM's own overhead). Exported as XLA_PYTHON_CLIENT_MEM_FRACTION by the launch scripts.
-        "jax_mem_fraction": round(1.0 - cfg.rollout.vllm.gpu_memory_utilization - 0.05, 2)
-        if cfg.rollout.engine == "vllm" else 0.9,
-    }
-    if device_count is not None:
-        shape = list(cfg.mesh.shape)
-        if -1 in shape:
-            shape[shape.index(-1)] = device_count // math.prod(s for s in shape if s != -1)
-        out["mesh_shape"] = tuple(shape)
-    return out
+def jax_mem_fraction(cfg: ConfigDict) -> float:
+    """The share of each GPU JAX may take (XLA_PYTHON_CLIENT_MEM_FRACTION, set by the launch scripts): a co-located
+    vLLM takes `rollout.vllm.gpu_memory_utilization` of it, 5% stays free for the CUDA contexts and vLLM's own
+    overhead; the JAX engine gets JAX's usual 0.9."""
+    if cfg.rollout.engine == "vllm":
+        return round(1.0 - cfg.rollout.vllm.gpu_memory_utilization - 0.05, 2)
+    return 0.9
 
 
-__all__ = ["BUILTIN", "ConfigError", "PATH_FIELDS", "TOOL_TAGS", "check_tokenizer", "derived", "load_config",
+__all__ = ["BUILTIN", "ConfigError", "PATH_FIELDS", "TOOL_TAGS", "check_tokenizer", "jax_mem_fraction", "load_config",
            "parse_config_args", "redact", "split_config_args", "validate"]

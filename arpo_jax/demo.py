@@ -89,6 +89,7 @@ def write_data(directory: Path, size: DemoSize, seed: int, *, max_results: int, 
     max_results / result_length), so SFT teaches the model the contexts it will see.
     """
     from arpo_jax.data import toy
+    from arpo_jax.prompts import chat_messages
     from arpo_jax.tools import LocalSearchTool
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -98,8 +99,7 @@ def write_data(directory: Path, size: DemoSize, seed: int, *, max_results: int, 
     for task in toy.toy_tasks("sft", size.sft_examples, seed):
         task = toy.with_search_results(task, search)
         answer = toy.flawed_text(task) if rng.random() < size.flaw_fraction else toy.solution_text(task)
-        rows.append({"messages": [{"role": "system", "content": toy.DEMO_SYSTEM_PROMPT},
-                                  {"role": "user", "content": task.question},
+        rows.append({"messages": [*chat_messages(task.question, toy.DEMO_SYSTEM_PROMPT),
                                   {"role": "assistant", "content": answer}]})
     sft_file = directory / "sft.jsonl"
     sft_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -170,43 +170,26 @@ def transcript(hf_dir: Path, cfg, question: str, engine: str = "transformers") -
     transformers, vllm or jax."""
     from transformers import AutoTokenizer
 
-    from arpo_jax import trainer
+    from arpo_jax import components, hf, prompts
     from arpo_jax.data import rl_dataset, toy
     from arpo_jax.rollout.agent_loop import greedy_settings, rollout
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    if engine == "vllm":
-        from arpo_jax.rollout.vllm_sampler import VllmSampler
-
-        sampler = VllmSampler(str(hf_dir), python=os.environ.get("ARPO_VLLM_PYTHON") or None, seed=cfg.seed,
-                              max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-                              dtype="float32", enforce_eager=True)
-    elif engine == "jax":
-        from arpo_jax import hf
-        from arpo_jax.rollout.jax_sampler import JaxSampler
-
-        sampler = JaxSampler(hf.from_pretrained(hf_dir), tokenizer,
-                             max_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
-    else:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        from arpo_jax.rollout.hf_sampler import TransformersSampler
-
-        sampler = TransformersSampler(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), tokenizer)
-    executor = trainer.make_tool_executor(cfg)
+    model = hf.from_pretrained(hf_dir) if engine == "jax" else None
+    sampler = components.make_sampler(cfg, tokenizer, engine=engine, model=model, folder=hf_dir)
+    executor = components.make_tool_executor(cfg)
     try:
-        messages = [{"role": "system", "content": toy.DEMO_SYSTEM_PROMPT}, {"role": "user", "content": question}]
+        messages = prompts.chat_messages(question, toy.DEMO_SYSTEM_PROMPT)
         prompt = rl_dataset.encode_prompt(tokenizer, messages).tolist()  # exactly as the training prompts
-        settings = greedy_settings(trainer.sampling_settings(cfg, executor.stop_strings, seed=cfg.seed))
-        out = rollout([prompt], sampler, executor, tokenizer, trainer.rollout_config(cfg).for_validation(), settings)
+        settings = greedy_settings(components.sampling_settings(cfg, seed=cfg.seed))
+        out = rollout([prompt], sampler, executor, tokenizer, components.rollout_config(cfg).for_validation(),
+                      settings)
         n = int(out.response_mask[0].sum())
         text = tokenizer.decode(out.responses[0, :n], skip_special_tokens=True)
         return {"engine": engine, "question": question, "response": text, "tool_calls": int(out.tool_calls[0])}
     finally:
         executor.close()
-        if hasattr(sampler, "close"):
-            sampler.close()
+        sampler.close()
 
 
 def _vllm_available() -> bool:

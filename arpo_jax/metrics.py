@@ -1,4 +1,4 @@
-"""Observability for the RL and SFT loops: metrics.jsonl, TensorBoard, optional W&B, console lines, timers, bars.
+"""Observability for the RL and SFT loops: metrics.jsonl, TensorBoard, optional W&B, console lines, phase timers, bars.
 
 One ``MetricsLogger`` per run writes every step's scalar metrics to each selected sink:
   * ``jsonl``: ``<workdir>/metrics.jsonl``, one ``{"step", "time", **metrics}`` object per line, flushed at
@@ -24,7 +24,6 @@ import json
 import math
 import os
 import re
-import struct
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -34,21 +33,21 @@ from typing import Any
 import numpy as np
 import tqdm
 
+from arpo_jax import config as config_lib
+
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 # Shown on the console, in this order, when present (patterns allowed); everything stays in the files.
 CONSOLE_KEYS = ("reward/mean", "val/*", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac",
-                "actor/grad_norm", "critic/vf_loss", "sft/loss", "loss", "response_length/mean", "tool_calls/mean",
-                "branches/mean", "lr", "tokens_per_s", "time/step")
+                "actor/grad_norm", "critic/vf_loss", "sft/loss", "response/length/mean",
+                "tools/calls_per_trajectory/mean", "rollout/branches_per_prompt", "train/lr", "sft/lr",
+                "perf/tokens_per_s", "sft/tokens_per_s", "time/step")
 CONSOLE_MAX_FALLBACK = 8  # keys shown when none of CONSOLE_KEYS is present
-# Secret-looking keys, matched on the snake_cased lower-case key: ``api_key``, ``clientSecret``, ``hf_token``.
-# "token" must be a whole word: ``tokenizer`` is a path and ``max_token_len`` a number.
-_SECRET_KEY = re.compile(r"api_?key|secret|passw(or)?d|(?<![a-z])tokens?(?![a-z])")
-REDACTED = "<redacted>"
+REDACTED = config_lib.REDACTED  # what config_lib.redact (the one redaction) puts in place of a secret
 WANDB_ID_FILE = "wandb_id"
 
 
 # --------------------------------------------------------------------------------------------------
-# Value conversion and redaction
+# Value conversion
 # --------------------------------------------------------------------------------------------------
 
 
@@ -82,24 +81,6 @@ def _scalar(x: Any) -> float | int | None:
     if arr.size != 1 or arr.dtype.kind not in "biuf":
         return None
     return arr.reshape(()).item()
-
-
-def redact(cfg: Any) -> Any:
-    """Copy of a nested config dict with non-empty string values of secret-looking keys replaced by ``REDACTED``.
-
-    Keys ending in ``_env`` hold the *name* of an environment variable (e.g. ``api_key_env``), not a secret, and
-    numbers (``max_token_len_per_device``) are never secrets, so both are kept.
-    """
-    if isinstance(cfg, Mapping):
-        out = {}
-        for k, v in cfg.items():
-            key = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", str(k)).lower()  # camelCase -> snake_case
-            secret = bool(_SECRET_KEY.search(key)) and not key.endswith("_env")
-            out[k] = REDACTED if secret and isinstance(v, str) and v else redact(v)
-        return out
-    if isinstance(cfg, (list, tuple)):
-        return [redact(v) for v in cfg]
-    return cfg
 
 
 # --------------------------------------------------------------------------------------------------
@@ -191,7 +172,7 @@ class MetricsLogger:
                                      filename_suffix=f".{time.time_ns()}")
         if "wandb" in loggers:
             self._wandb = _init_wandb(wandb, self.workdir, project, experiment or self.workdir.resolve().name,
-                                      redact(to_jsonable(config or {})))
+                                      config_lib.redact(to_jsonable(config or {})))
 
     # ---------------------------------------------------------------- writing
 
@@ -243,7 +224,8 @@ class MetricsLogger:
             return
         path = self.workdir / "config.json"
         tmp = path.with_name(f"config.json.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(redact(to_jsonable(dict(cfg))), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        text = json.dumps(config_lib.redact(to_jsonable(dict(cfg))), indent=2, sort_keys=True) + "\n"
+        tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
 
     def close(self) -> None:
@@ -318,23 +300,6 @@ def summarize(prefix: str, values) -> dict[str, float]:
             f"{prefix}/min": float(arr.min()), f"{prefix}/max": float(arr.max())}
 
 
-class Timer:
-    """``with Timer() as t: ...`` then ``t.seconds`` (wall clock). Block on device results inside the ``with``
-    (``jax.block_until_ready``): JAX dispatch is asynchronous and would otherwise be timed, not the work."""
-
-    def __init__(self):
-        self.seconds = 0.0
-        self._start = None
-
-    def __enter__(self) -> Timer:
-        self._start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        self.seconds = time.perf_counter() - self._start
-        return False
-
-
 class PhaseTimer:
     """Seconds per named phase, accumulated across ``with timers("rollout"): ...`` blocks until ``reset()``."""
 
@@ -400,41 +365,3 @@ def progress(total: int | None, desc: str = "", *, enabled: bool = True, unit: s
         bar.n = initial
         return bar
     return tqdm.tqdm(total=total, desc=desc, unit=unit, initial=initial, dynamic_ncols=True)
-
-
-# --------------------------------------------------------------------------------------------------
-# Reading TensorBoard event files back (tests, notebooks): tensorboardX writes but does not read
-# --------------------------------------------------------------------------------------------------
-
-
-def _tfrecords(path: Path):
-    """Payloads of a TFRecord file: [u64 length][u32 crc][payload][u32 crc] per record (CRCs not checked)."""
-    data = path.read_bytes()
-    pos = 0
-    while pos + 12 <= len(data):
-        (length,) = struct.unpack("<Q", data[pos:pos + 8])
-        if pos + 12 + length + 4 > len(data):
-            break  # a record cut short by a kill
-        yield data[pos + 12:pos + 12 + length]
-        pos += 12 + length + 4
-
-
-def read_tensorboard_scalars(logdir: str | os.PathLike) -> dict[str, list[tuple[int, float]]]:
-    """``{tag: [(step, value), ...]}`` from every event file in ``logdir``, as TensorBoard would show them.
-
-    Event files are read in name order (their names start with the creation time); a SessionLog START event at
-    step ``s`` (written for ``purge_step``) hides every earlier-read value at a step >= ``s``, as TensorBoard does.
-    """
-    from tensorboardX.proto import event_pb2
-
-    scalars: dict[str, list[tuple[int, float]]] = {}
-    for path in sorted(Path(logdir).glob("events.out.tfevents.*")):
-        for payload in _tfrecords(path):
-            ev = event_pb2.Event.FromString(payload)
-            if ev.HasField("session_log") and ev.session_log.status == ev.session_log.START:
-                scalars = {tag: [(s, v) for s, v in pts if s < ev.step] for tag, pts in scalars.items()}
-            if ev.HasField("summary"):
-                for val in ev.summary.value:
-                    if val.HasField("simple_value"):
-                        scalars.setdefault(val.tag, []).append((int(ev.step), float(val.simple_value)))
-    return scalars

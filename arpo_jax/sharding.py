@@ -41,7 +41,6 @@ RULES: dict[str, dict[str, tuple[str, ...]]] = {
         "act_kv_heads": (),
         "act_mlp": (),
         "act_vocab": (),
-        "layers": (),
     },
     # FSDP + tensor parallelism: params split along embed over fsdp and along heads / mlp / vocab over tensor.
     "fsdp_tp": {
@@ -59,7 +58,6 @@ RULES: dict[str, dict[str, tuple[str, ...]]] = {
         "act_kv_heads": ("tensor",),
         "act_mlp": ("tensor",),
         "act_vocab": ("tensor",),
-        "layers": (),
     },
 }
 

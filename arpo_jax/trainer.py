@@ -49,21 +49,18 @@ from arpo_jax import critic as critic_lib
 from arpo_jax import metrics as metrics_lib
 from arpo_jax import train_step as ts
 from arpo_jax.checkpoint import Checkpointer
+from arpo_jax.components import make_sampler, make_tool_executor, rollout_config, sampling_settings
 from arpo_jax.data import rl_dataset, toy
 from arpo_jax.experience import Trajectories
 from arpo_jax.rollout.agent_loop import (
     FAILURE_CAUSES,
-    RolloutConfig,
     RolloutOutput,
     RolloutState,
     greedy_settings,
     rollout,
 )
-from arpo_jax.rollout.sampler import SamplingSettings
-from arpo_jax.tools import make_executor
 
 log = logging.getLogger(__name__)
-BUILTIN_TOY = toy.BUILTIN
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -91,47 +88,6 @@ def update_config(cfg) -> ts.UpdateConfig:
         temperature=cfg.rollout.temperature or 1.0, logprob_chunk=a.logprob_chunk, max_grad_norm=a.max_grad_norm,
         lr=a.lr, schedule=a.schedule, warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio,
         weight_decay=a.weight_decay)
-
-
-def rollout_config(cfg) -> RolloutConfig:
-    r = cfg.rollout
-    return RolloutConfig(
-        n=r.n, initial_rollouts=r.initial_rollouts, beam_size=r.beam_size, branch_probability=r.branch_probability,
-        entropy_weight=r.entropy_weight, rule=r.rule, consecutive_penalty=r.consecutive_penalty,
-        enable_dynamic_rollouts=r.enable_dynamic_rollouts, initial_entropy_tokens=r.initial_entropy_tokens,
-        dynamic_beta=r.dynamic_beta, call_limit=cfg.tools.call_limit, response_length=cfg.data.max_response_length,
-        prompt_length=cfg.data.max_prompt_length, entropy_window=r.entropy_window, entropy_top_k=r.entropy_top_k,
-        reference_compat=r.reference_compat, isolate_failures=r.failures.isolate,
-        trajectory_timeout_s=r.failures.trajectory_timeout_s)
-
-
-def sampling_settings(cfg, stop: list[str], seed: int) -> SamplingSettings:
-    r = cfg.rollout
-    return SamplingSettings(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop=tuple(stop),
-                            logprobs=r.entropy_top_k, logprob_positions=r.entropy_window, seed=seed,
-                            token_logprobs=True)  # the rollout correction and its metrics
-
-
-def make_tool_executor(cfg):
-    """The executor over the enabled tools; `builtin:toy` serves the toy tasks' fictional corpus offline."""
-    t = cfg.tools
-    tools = {}
-    if t.python.enabled:
-        tools["python"] = dict(timeout_s=t.python.timeout_s, memory_mb=t.python.memory_mb,
-                               **({"python_path": t.python.python_path} if t.python.python_path else {}))
-    if t.search.enabled:
-        s = t.search
-        if s.backend == "local":
-            params = ({"documents": toy.corpus()} if s.corpus_file == BUILTIN_TOY else
-                      {"corpus_file": os.path.expandvars(s.corpus_file)})
-            params |= dict(max_results=s.max_results, result_length=s.result_length)
-        elif s.backend == "cache":
-            params = dict(cache_file=os.path.expandvars(s.cache_file))
-        else:
-            params = dict(api_key_env=s.api_key_env, zone=s.zone, location=s.location, max_results=s.max_results,
-                          result_length=s.result_length, cache_file=os.path.expandvars(s.cache_file) or None)
-        tools["search"] = dict(backend=s.backend, **params)
-    return make_executor(tools, max_workers=t.max_workers, timeout_s=t.timeout_s, retry_count=t.retry_count)
 
 
 def resolve_files(files, workdir: Path, split: str, seed: int) -> list[str]:
@@ -300,23 +256,13 @@ class Trainer:
 
     def _make_sampler(self):
         cfg = self.cfg
-        max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
         if cfg.rollout.engine == "jax":
-            from arpo_jax.rollout.jax_sampler import JaxSampler
-
             model = nnx.merge(self.graphdef, self._sampler_params())
-            return JaxSampler(model, self.tokenizer, max_len=max_len, mesh=self._sampler_mesh(),
-                              decode_chunk=cfg.rollout.jax.decode_chunk, prefill_chunk=cfg.rollout.jax.prefill_chunk)
-        from arpo_jax.rollout.vllm_sampler import VllmSampler
-
-        v = cfg.rollout.vllm
-        export_dir = Path(os.path.expandvars(v.export_dir)) if v.export_dir else None
-        if export_dir is None and jax.process_count() > 1:
-            export_dir = self.workdir / "weight_sync"  # process 0 writes; every node reads (shared file system)
-        sampler = VllmSampler(self.model_folder, python=v.python or None, log_file=str(self.workdir / "vllm.log"),
-                              export_dir=export_dir, dtype=v.dtype, max_model_len=max_len, seed=cfg.seed,
-                              enforce_eager=v.enforce_eager, gpu_memory_utilization=v.gpu_memory_utilization,
-                              cpu_kv_cache_gb=v.cpu_kv_cache_gb)
+            return make_sampler(cfg, self.tokenizer, model=model, mesh=self._sampler_mesh())
+        # Without rollout.vllm.export_dir, several processes share the run's folder: process 0 writes, every node
+        # reads (a shared file system); one process exports to /dev/shm.
+        sampler = make_sampler(cfg, self.tokenizer, folder=self.model_folder, log_file=self.workdir / "vllm.log",
+                               export_dir=self.workdir / "weight_sync" if jax.process_count() > 1 else None)
         if self.step > 0 or cfg.model.init_checkpoint:
             self._sync_weights(sampler)
         return sampler
@@ -384,12 +330,11 @@ class Trainer:
         rcfg = self.rollout_cfg.for_validation(val.n) if validation else self.rollout_cfg
         salt = "val" if validation else "train" if not extra_round else f"train/extra{extra_round}"
         seed = worker_seed(cfg.seed, self.step, worker, salt)
-        settings = sampling_settings(cfg, self.executor.stop_strings, seed)
+        settings = sampling_settings(cfg, seed)
         if validation:
             settings = (dataclasses.replace(settings, temperature=val.temperature, top_p=val.top_p, top_k=val.top_k)
                         if val.do_sample else greedy_settings(settings))
-        if hasattr(self.sampler, "reset_cache"):
-            self.sampler.reset_cache()  # cached rows of another worker's prompts must not leak into this rollout
+        self.sampler.reset_cache()  # cached rows of another worker's prompts must not leak into this rollout
         # The worker's RolloutState persists across calls (validation included, as in the reference): with
         # rollout.reference_compat it carries B1's stale entropy baselines from one step to the next.
         return rollout([e.prompt_ids for e in examples], self.sampler, self.executor, self.tokenizer, rcfg, settings,
@@ -607,7 +552,7 @@ class Trainer:
         # Engine / tool counters of this process (the rollout's own metrics, per worker averaged).
         for key in ts_[0].out.metrics:
             out[key] = float(np.mean([t.out.metrics[key] for t in ts_]))
-        out |= {f"tools/{k}": v for k, v in self.executor.metrics().items()}
+        out |= self.executor.metrics()  # tools/<tag>/<name>
         self.executor.reset_metrics()
         return out
 
@@ -768,8 +713,7 @@ class Trainer:
         finally:
             self.logger.close()
             self.executor.close()
-            if hasattr(self.sampler, "close"):
-                self.sampler.close()
+            self.sampler.close()
             self.lock.release()
 
 

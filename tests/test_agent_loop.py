@@ -102,7 +102,7 @@ def test_call_limit_appends_eos_with_mask_one(tok):
     assert out.finish_reason[0] == "call_limit" and out.responses[0, L - 1] == tok.eos_token_id
     assert out.loss_mask[0, L - 1] == 1 and out.response_mask[0, L - 1] == 1
     assert _response(out, tok, 0).endswith("</python><|im_end|>")  # the 3rd call got EOS, no result
-    assert out.metrics["tools/call_limit_reached_count"] == 1
+    assert out.metrics["rollout/call_limit_reached"] == 1
     out0, _, ex0 = _run(tok, {0: [CALL]}, dataclasses.replace(ONE, call_limit=0))
     assert ex0.requests == [] and out0.finish_reason[0] == "call_limit" and out0.tool_calls[0] == 0
 

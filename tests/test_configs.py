@@ -49,7 +49,6 @@ def test_every_config_loads_and_validates(path):
     cfg = config.load_config([f"--config={path}"])
     out = config.validate(cfg, check_files=False, device_count=_devices(cfg), command=_command(path))
     assert out.is_locked and out.rollout.n >= out.rollout.initial_rollouts
-    assert isinstance(config.derived(out, device_count=_devices(cfg) or 8)["max_token_len_per_device"], int)
 
 
 def test_base_loads_but_needs_a_model_and_data():
@@ -188,9 +187,10 @@ def test_toy_config_validates_with_files_and_devices():
     cfg = config.load_config([f"--config={TOY}"])
     for command in ("train", "sft"):
         config.validate(cfg, check_files=True, device_count=8, process_count=2, command=command)
-    derived = config.derived(cfg, device_count=8)
-    p_plus_r = cfg.data.max_prompt_length + cfg.data.max_response_length
-    assert derived["max_token_len_per_device"] == 2 * p_plus_r and derived["mesh_shape"] == (1, 8, 1)
+    assert config.jax_mem_fraction(cfg) == 0.9  # the JAX engine
+    vllm = config.load_config([f"--config={TOY}", "--config.rollout.engine=vllm",
+                               "--config.rollout.vllm.gpu_memory_utilization=0.6"])
+    assert config.jax_mem_fraction(vllm) == 0.35
 
 
 def test_brightdata_key_must_be_in_the_environment(monkeypatch):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from arpo_jax import metrics
+from tests.tensorboard_events import read_tensorboard_scalars
 
 
 def test_jsonl_lines_convert_scalars_and_write_null_for_nonfinite(tmp_path):
@@ -30,7 +31,7 @@ def test_tensorboard_scalars_read_back(tmp_path):
     with metrics.MetricsLogger(tmp_path, loggers=("tensorboard",)) as log:
         for step in range(1, 4):
             log.log(step, {"reward/mean": 0.1 * step, "note": "not a scalar", "vec": np.ones(3)})
-    scalars = metrics.read_tensorboard_scalars(tmp_path / "tensorboard")
+    scalars = read_tensorboard_scalars(tmp_path / "tensorboard")
     assert set(scalars) == {"reward/mean"}
     steps, values = zip(*scalars["reward/mean"])
     assert steps == (1, 2, 3)
@@ -54,7 +55,7 @@ def test_resume_drops_steps_after_the_checkpoint(tmp_path):
     assert [(r["step"], r["x"]) for r in recs] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
     assert [r["text"] for r in metrics.read_jsonl(tmp_path / "trajectories.jsonl")] == ["t2", "again"]
     assert not list(tmp_path.glob("*.tmp*"))
-    tb = metrics.read_tensorboard_scalars(tmp_path / "tensorboard")["x"]
+    tb = read_tensorboard_scalars(tmp_path / "tensorboard")["x"]
     assert tb == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
 
 
@@ -153,7 +154,7 @@ def test_summarize():
 
 
 def test_phase_timer_accumulates_and_resets(monkeypatch):
-    clock = iter([0.0, 1.0, 5.0, 5.5, 10.0, 12.0, 20.0, 20.25])
+    clock = iter([0.0, 1.0, 5.0, 5.5, 10.0, 12.0])
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
     timers = metrics.PhaseTimer()
     with timers("rollout"):
@@ -165,9 +166,6 @@ def test_phase_timer_accumulates_and_resets(monkeypatch):
     assert timers.as_metrics() == {"time/rollout": 1.5, "time/update": 2.0}
     timers.reset()
     assert timers.as_metrics(prefix="t_") == {}
-    with metrics.Timer() as t:
-        pass
-    assert t.seconds == 0.25
 
 
 def test_progress_bar_and_noop():

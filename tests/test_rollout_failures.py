@@ -12,6 +12,7 @@ import pytest
 from arpo_jax import testing
 from arpo_jax.rollout.agent_loop import PREMONITOR_SLOT_BASE, RolloutConfig, rollout, select_rows
 from arpo_jax.rollout.fake_sampler import ScriptedSampler, Segment, by_slot
+from arpo_jax.rollout.sampler import Sampler
 from arpo_jax.tools import ExecutorConfig, Tool, ToolExecutor
 
 
@@ -39,7 +40,7 @@ class Python(Tool):
         return f"ran {content}"
 
 
-class FailingEngine:
+class FailingEngine(Sampler):
     """Wraps an engine; a `generate` call raises when one of its requests matches `bad` (a poisoned request)."""
 
     def __init__(self, inner, bad):
@@ -142,5 +143,5 @@ def test_select_rows_renumbers_prompts_and_keeps_their_trees(tok):
     assert [t.prompt_index for t in out.trees] == [0, 1, 2]
     assert out.trees[0].nodes == a.trees[1].nodes and out.trees[2].nodes == b.trees[1].nodes
     assert out.metrics["rollout/tool_calls"] == a.metrics["rollout/tool_calls"] + b.metrics["rollout/tool_calls"] == 2
-    assert out.metrics["rollout/response_length_mean"] == pytest.approx(
-        (a.metrics["rollout/response_length_mean"] + b.metrics["rollout/response_length_mean"]) / 2)
+    a.metrics["rollout/test_mean"], b.metrics["rollout/test_mean"] = 1.0, 4.0  # means average, counts add
+    assert select_rows([(a, [3]), (b, [0])]).metrics["rollout/test_mean"] == pytest.approx(2.5)

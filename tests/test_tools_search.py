@@ -1,14 +1,16 @@
 """Bright Data search tool against a loopback server that speaks the protocol, with injected faults."""
 
 import dataclasses
+import email.utils
 import json
 import logging
 import os
 import pathlib
+import time
 
 import pytest
 
-from arpo_jax.tools import make_tool
+from arpo_jax.tools import make_executor, make_tool
 from arpo_jax.tools.fake_brightdata import FakeBrightData, free_port, organic_from_text
 from arpo_jax.tools.search import (
     NO_RESULTS,
@@ -193,6 +195,31 @@ def test_reference_compat_returns_empty_on_failure(server):
     tool, _ = make(server.url, reference_compat=True)
     server.push_faults(*[("status", 500, {})] * 3)
     assert tool.execute("anything") == ""
+
+
+def test_one_owner_of_retries(server):
+    """The HTTP client retries a query; the executor does not retry it again (a failure text is not empty). With
+    reference_compat the executor's retries of the empty result are the only ones: one request each."""
+    ex = make_executor({"search": dict(backend="brightdata", api_key_env=KEY_ENV, base_url=server.url,
+                                       max_attempts=3, backoff_base_s=0.001)}, retry_count=3)
+    server.push_faults(*[("status", 500, {})] * 20)
+    assert ex.execute("search", "anything").startswith("Search failed:") and len(server.requests) == 3
+    ex.close()
+    compat = make_executor({"search": dict(backend="brightdata", api_key_env=KEY_ENV, base_url=server.url,
+                                           max_attempts=3, backoff_base_s=0.001, reference_compat=True)},
+                           retry_count=3, reference_compat=True)
+    assert compat.execute("search", "anything") == "Tool(search) returned empty output."
+    assert len(server.requests) == 3 + 3  # was 3 x 3: the client's retries nested inside the executor's
+    compat.close()
+
+
+def test_retry_after_on_503_and_as_an_http_date(server):
+    """Retry-After is honoured on any retried status (here 503), in seconds or as an HTTP date."""
+    tool, sleep = make(server.url, backoff_max_s=5.0)
+    later = email.utils.formatdate(time.time() + 3, usegmt=True)
+    server.push_faults(("status", 503, {"Retry-After": "0.3"}), ("status", 503, {"Retry-After": later}))
+    assert tool.execute(next(iter(server.results))) == next(iter(server.results.values()))
+    assert 0.3 <= sleep.waits[0] < 0.31 and 1.0 < sleep.waits[1] <= 3.01  # the date has whole seconds
 
 
 def test_api_key_never_leaks(server, caplog, tmp_path):

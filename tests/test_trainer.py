@@ -23,6 +23,7 @@ import pytest
 
 from arpo_jax import metrics
 from arpo_jax.checkpoint import Checkpointer
+from tests.tensorboard_events import read_tensorboard_scalars
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = str(REPO / "arpo_jax" / "configs" / "toy_cpu.py")
@@ -96,6 +97,12 @@ def test_train_writes_metrics_checkpoints_tensorboard(uninterrupted):
                     "time/pack", "time/metrics", "perf/tokens_per_s", "train/lr"):
             assert key in r, key
         assert r["actor/grad_norm"] > 0  # the custom reward gives non-zero advantages: a real update
+        # One key per metric: the executor's tools/<tag>/<name>, the console's keys all real, no second names.
+        tool_keys = [k for k in r if k.startswith("tools/") and not k.startswith("tools/calls_per_trajectory/")]
+        assert all(k.split("/")[1] in ("python", "search") for k in tool_keys), tool_keys  # not tools/tools/...
+        assert all(k in r for k in metrics.CONSOLE_KEYS if k.startswith(("reward/", "response/", "tools/", "train/")))
+        assert not {"rollout/tool_calls_per_trajectory", "rollout/response_length_mean",
+                    "tools/call_limit_reached_count"} & set(r)
         # The JAX engine runs the trainer's own model code: its log-probs of the sampled tokens are the old ones.
         assert r["rollout_corr/tokens"] > 0 and r["rollout_corr/abs_logp_diff_max"] < 1e-4
         assert r["rollout_corr/truncated_fraction"] == 0  # correction off by default with the JAX engine
@@ -104,7 +111,7 @@ def test_train_writes_metrics_checkpoints_tensorboard(uninterrupted):
         assert ckpt.all_steps() == [1, 2, 3]
         meta = ckpt.read_meta(3)
     assert meta["data_position"] == {"epoch": 0, "step_in_epoch": 3}
-    scalars = metrics.read_tensorboard_scalars(workdir / "tensorboard")
+    scalars = read_tensorboard_scalars(workdir / "tensorboard")
     assert [s for s, _ in scalars["reward/mean"]] == [1, 2, 3]
     traj = metrics.read_jsonl(workdir / "trajectories.jsonl")
     assert traj and "tree" in traj[0] and traj[0]["tree"]["nodes"]

@@ -15,7 +15,7 @@ from arpo_jax import config as config_lib
 from arpo_jax import experience, metrics, packing, shaping
 from arpo_jax import trainer as trainer_lib
 from arpo_jax.data import rl_dataset
-from arpo_jax.rollout.sampler import SampleResult
+from arpo_jax.rollout.sampler import Sampler, SampleResult
 from arpo_jax.tools import Tool
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ class BrokenPython(Tool):
         raise OSError("sandbox zygote died")
 
 
-class InjectingSampler:
+class InjectingSampler(Sampler):
     """The real sampler, except: slot 1's requests are rejected, and slot 0's first request writes CRASH_CALL."""
 
     def __init__(self, inner, tokenizer):
@@ -174,13 +174,17 @@ def test_dynamic_sampling_and_overlong_handling(tmp_path):
         cut = np.concatenate([t.out.finish_reason == "length" for t in seen[0].values()])
         assert 0 < cut.sum() < len(cut) and record["response/overlong_masked_fraction"] == cut.mean()
         assert all(m.any() != c for m, c in zip([m for t in seen[0].values() for m in t.loss_masks], cut))
-        t = seen[0][0]
-        # overlong = penalty on the same rollout: the score is the reward plus 0.5 * min(0, (128 - 64 - length) / 64).
-        penalty = _config(tmp_path, HALF_CONSTANT_REWARD, "--config.algorithm.overlong=penalty",
-                          "--config.algorithm.overlong_buffer_len=64", "--config.algorithm.overlong_penalty_factor=0.5")
-        shaped = experience.shape_rollout(t, penalty)
+        # overlong = penalty on the same rollout: the score is the reward plus 0.5 * min(0, (128 - buf - length) / buf),
+        # with the buffer starting at the shortest response (so some responses are penalised and some are not).
+        t = max(seen[0].values(), key=lambda t: len(set(t.out.response_length)))
         length = t.out.response_length.astype(np.float64)
-        np.testing.assert_allclose(shaped.scores, t.scores + 0.5 * np.minimum(0.0, (64 - length) / 64), atol=1e-6)
+        buf = 128 - int(length.min())
+        penalty = _config(tmp_path, HALF_CONSTANT_REWARD, "--config.algorithm.overlong=penalty",
+                          f"--config.algorithm.overlong_buffer_len={buf}",
+                          "--config.algorithm.overlong_penalty_factor=0.5")
+        shaped = experience.shape_rollout(t, penalty)
+        np.testing.assert_allclose(shaped.scores, t.scores + 0.5 * np.minimum(0.0, (128 - buf - length) / buf),
+                                   atol=1e-6)
         assert (shaped.scores < t.scores).any() and (shaped.scores == t.scores).any()
         # Without trainer.max_steps the run ends after total_epochs of data, whatever the step count.
         tr.cfg.trainer.max_steps, tr.total_steps = 0, 10**6

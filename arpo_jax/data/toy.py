@@ -22,29 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-# The reference system prompt (spec 2.3), with a real backslash in \boxed.
-SYSTEM_PROMPT = (
-    "You are a helpful assistant that can solve the given question step by step with the help of the "
-    "wikipedia search tool and python interpreter tool. Given a question, you need to first think about "
-    "the reasoning process in the mind and then provide the answer. During thinking, you can invoke the "
-    "wikipedia search tool to search and python interpreter tool to calculate the math problem for fact "
-    "information about specific topics if needed. The reasoning process and answer are enclosed within "
-    "<think> </think> and <answer> </answer> tags respectively, and the search query and result are "
-    "enclosed within <search> </search> and <result> </result> tags respectively. For example, <think> "
-    "This is the reasoning process. </think> <search> search query here </search> <result> search result "
-    "here </result> <think> This is the reasoning process. </think> <python> python code here </python> "
-    "<result> python interpreter result here </result> <think> This is the reasoning process. </think> "
-    "<answer> The final answer is \\[ \\boxed{answer here} \\] </answer>. In the last part of the answer, "
-    "the final exact answer is enclosed within \\boxed{} with latex format."
-)
-
-# The demo's shorter system prompt (~70 tokens instead of ~270: every rollout, validation and training row carries
-# it, and on a CPU that is most of the prompt). Same tags, same answer format, same reward.
-DEMO_SYSTEM_PROMPT = (
-    "Solve the question with tools. Think inside <think> </think>. To compute, write Python that prints the "
-    "result inside <python> </python>; to look a fact up, write a query inside <search> </search>. Each tool's "
-    "output comes back inside <result> </result>. End with <answer> \\boxed{answer} </answer>."
-)
+from arpo_jax.prompts import DEMO_SYSTEM_PROMPT, SYSTEM_PROMPT, chat_messages  # noqa: F401 - toy.*_PROMPT
 
 DATA_SOURCES = ("toy_arith", "toy_lookup", "toy_twohop")
 BUILTIN = "builtin:toy"  # the data.train_files / data.val_files value that selects this task set
@@ -166,7 +144,7 @@ def _row(task: Task, index: int, split: str, system_prompt: str = SYSTEM_PROMPT)
     """A row in the reference parquet schema (spec 2.1)."""
     return {
         "data_source": task.data_source,
-        "prompt": [{"role": "system", "content": system_prompt}, {"role": "user", "content": task.question}],
+        "prompt": chat_messages(task.question, system_prompt),
         "ability": "math" if task.data_source == "toy_arith" else "qa",
         "reward_model": {"ground_truth": task.answer, "style": "rule"},
         "extra_info": {"index": index, "question": task.question, "split": split},

@@ -11,10 +11,10 @@ skipped, logged with its file and line number, and recorded in ``BenchmarkSample
 
 Prompt (spec B17): the reference evaluates with ``prompt_manager.py``'s system prompt, which differs from the
 training data's by the ``\\x08oxed`` byte artifact (spec 2.3), and splices tool results differently. Here the
-evaluation prompt is exactly the training one: ``build_messages`` returns the parquet files' system message
+evaluation prompt is exactly the training one (``arpo_jax.prompts``): by default the parquet files' system message
 (same bytes, artifact included, identical across math and deep-search data) and the raw question as the user
 message, which is how every row of ``train_10k`` / ``valid`` / ``hard_search_1k`` / ``gaia_test`` /
-``hle_test`` is stored.
+``hle_test`` is stored; for a config trained on the built-in toy tasks, their prompt with a real ``\\boxed``.
 """
 
 from __future__ import annotations
@@ -28,15 +28,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from arpo_jax.data.toy import SYSTEM_PROMPT
+from arpo_jax.prompts import REFERENCE_DATA_SYSTEM_PROMPT as TRAINING_SYSTEM_PROMPT  # noqa: F401
+from arpo_jax.prompts import chat_messages
 from arpo_jax.rewards.qa import as_references
 
 log = logging.getLogger(__name__)
-
-# The system prompt of every RL parquet file (spec 2.3): toy.SYSTEM_PROMPT with its two `\boxed` stored as the
-# backspace byte + "oxed" (a "\b" escape accident in the reference data). Models trained on those files saw
-# these bytes, so evaluating them with a corrected prompt would show them a prompt they were never trained on.
-TRAINING_SYSTEM_PROMPT = SYSTEM_PROMPT.replace("\\boxed", "\x08oxed")
 
 TASKS = ("math", "qa")
 _CJK = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
@@ -311,11 +307,7 @@ def build_messages(question: str, *, system_prompt: str = TRAINING_SYSTEM_PROMPT
     """The chat messages that prompt a model at evaluation time: exactly the training prompt (spec B17).
 
     The RL parquet files use one system prompt for math and deep-search rows alike, and the bare question as the
-    user turn, so there is no per-task variant. Pass ``system_prompt=arpo_jax.data.toy.SYSTEM_PROMPT`` (real
-    ``\\boxed``) for a model trained on data with the corrected prompt, e.g. the built-in toy tasks.
-
-    Returns:
-      ``[{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]``, to be rendered
-      with the tokenizer's chat template and ``add_generation_prompt=True`` as in training (spec 2.2).
+    user turn, so there is no per-task variant. `prompts.system_prompt_for(cfg)` gives the prompt of a config's
+    training data (e.g. the built-in toy tasks' real ``\\boxed``); the default is the reference data's bytes.
     """
-    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
+    return chat_messages(question, system_prompt)

@@ -23,8 +23,8 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self
 
+from arpo_jax.json_http import JsonHttpClient, ServerError
 from arpo_jax.rewards.qa import exact_match
-from arpo_jax.rollout.openai_sampler import OpenAIClient, OpenAIServerError
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class LLMJudge:
         match); e.g. a math-equivalence check for math benchmarks.
       always_ask: also ask the judge when the rule already accepts the prediction (the verdict stays correct).
       prompt_template: a format string with {question}, {gold} and {prediction}.
-      backoff_s: first retry delay (doubling).
+      backoff_s: first retry delay, at most (doubling; `json_http`).
       extra_body: fields added to every request body (e.g. {"seed": 0}).
     """
 
@@ -95,8 +95,8 @@ class LLMJudge:
         self.always_ask, self.prompt_template = always_ask, prompt_template
         self.extra_body = dict(extra_body or {})
         self.max_concurrency = max_concurrency
-        self.client = OpenAIClient(base_url, api_key_env=api_key_env, timeout_s=timeout_s, retries=retries,
-                                   backoff_s=backoff_s, pool_size=max_concurrency)
+        self.client = JsonHttpClient(base_url, api_key_env=api_key_env, timeout_s=timeout_s, retries=retries,
+                                     backoff_s=backoff_s, pool_size=max_concurrency)
 
     def prompt(self, question: str, gold: Sequence[str], prediction: str) -> str:
         golds = " | ".join(str(g) for g in gold) if len(gold) > 1 else (str(gold[0]) if gold else "")
@@ -143,8 +143,8 @@ class LLMJudge:
         try:
             content = answer["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):
-            raise OpenAIServerError(f"{self.client.server}: a chat answer without a message: {str(answer)[:300]}",
-                                    server=self.client.server) from None
+            raise ServerError(f"{self.client.server}: a chat answer without a message: {str(answer)[:300]}",
+                              server=self.client.server) from None
         return content or ""
 
     def close(self) -> None:

@@ -3,7 +3,7 @@
 ``evaluate(cfg, EvalOptions(...))`` is ``arpo-jax eval``. For every benchmark it renders each question with the
 training prompt (``benchmarks.build_messages`` through the chat template, as the RL data), runs ``k`` independent
 trajectories per question through ``agent_loop.rollout`` with the tools the training config builds
-(``trainer.make_tool_executor``: the same wrappers, call limit and result splicing as training, which is the fix of
+(``components.make_tool_executor``: the same wrappers, call limit and result splicing as training, which is the fix of
 spec B17), scores every output with ``scoring.score_output`` and, when a judge is given, asks the LLM judge
 (``judge.LLMJudge``). The reports (``report.json``, ``report.md``, ``report.png``) come from ``report.py``.
 
@@ -20,8 +20,8 @@ the file is read back; a chunk counts as done when a valid record of every (ques
 question id must also still match the data file); the records of every other chunk (a torn last line, a chunk cut
 short by a kill) are dropped by rewriting the file atomically, and those chunks are run again. The reports are
 computed from the file alone, so a run killed at any moment and started again with the same arguments ends with
-the report of an uninterrupted run (exactly with the JAX engine; vLLM's per-request seeds count its calls, so a
-redone chunk of a vLLM run may draw other samples). ``eval_run.json`` records the settings that determine the
+the report of an uninterrupted run (every engine seeds a request by the chunk's seed, its position and its tokens
+only: `sampler.request_seed`). ``eval_run.json`` records the settings that determine the
 outputs (model, engine, k, batch size, seed, sampling, lengths, tools, judge model); restarting a workdir with
 different ones is refused rather than mixing two evaluations in one report. ``--limit`` may change between runs.
 
@@ -58,9 +58,9 @@ from typing import Any
 import numpy as np
 from ml_collections import ConfigDict
 
+from arpo_jax import components, named_models, prompts, runtime, trainer
 from arpo_jax import config as config_lib
 from arpo_jax import metrics as metrics_lib
-from arpo_jax import named_models, runtime, trainer
 from arpo_jax.data import rl_dataset
 from arpo_jax.eval import report as report_lib
 from arpo_jax.eval.benchmarks import EvalSample, build_messages, load_benchmark, parse_benchmarks
@@ -239,12 +239,14 @@ class Agent:
     executor: Any
 
     def prompt_ids(self, question: str) -> list[int]:
-        """The training prompt of ``question`` (system prompt + user turn, chat template, generation prompt)."""
-        return rl_dataset.encode_prompt(self.tokenizer, build_messages(question)).tolist()
+        """The training prompt of ``question``: the system prompt of the config's training data
+        (``prompts.system_prompt_for``) + the user turn, chat template, generation prompt."""
+        messages = build_messages(question, system_prompt=prompts.system_prompt_for(self.cfg))
+        return rl_dataset.encode_prompt(self.tokenizer, messages).tolist()
 
     def settings(self, seed: int, temperature: float | None = None):
         """The config's sampling settings with ``seed``; ``temperature`` overrides; 0 means greedy."""
-        settings = trainer.sampling_settings(self.cfg, self.executor.stop_strings, seed)
+        settings = components.sampling_settings(self.cfg, seed)
         if temperature is not None:
             settings = dataclasses.replace(settings, temperature=float(temperature))
         return greedy_settings(settings) if settings.temperature == 0 else settings
@@ -252,10 +254,9 @@ class Agent:
     def run(self, prompts: Sequence[Sequence[int]], *, n: int, seed: int, temperature: float | None = None,
             time_budget: float | None = None) -> RolloutOutput:
         """n independent tool-using trajectories per prompt (the training loop with branching switched off)."""
-        rcfg = dataclasses.replace(trainer.rollout_config(self.cfg), n=n, initial_rollouts=n, beam_size=1,
+        rcfg = dataclasses.replace(components.rollout_config(self.cfg), n=n, initial_rollouts=n, beam_size=1,
                                    enable_dynamic_rollouts=False, entropy_top_k=0)
-        if hasattr(self.sampler, "reset_cache"):
-            self.sampler.reset_cache()  # the chunk must not depend on what earlier chunks left in the cache
+        self.sampler.reset_cache()  # the chunk must not depend on what earlier chunks left in the cache
         sampler = self.sampler
         if time_budget and self.engine != "openai":
             sampler = _ChunkDeadline(sampler, time_budget)
@@ -269,8 +270,7 @@ class Agent:
 
     def close(self) -> None:
         self.executor.close()
-        if hasattr(self.sampler, "close"):
-            self.sampler.close()
+        self.sampler.close()
 
 
 def build_agent(cfg: ConfigDict, model: str, *, workdir: str | os.PathLike, engine: str | None = None,
@@ -301,36 +301,26 @@ def build_agent(cfg: ConfigDict, model: str, *, workdir: str | os.PathLike, engi
     cfg = config_lib.validate(cfg, process_count=1, command="eval",
                               device_count=jax.local_device_count() if engine == "jax" else None)
     workdir = Path(workdir)
-    max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     if engine == "jax":
         from arpo_jax import sharding
-        from arpo_jax.rollout.jax_sampler import JaxSampler
 
         mesh = sharding.make_mesh(tuple(cfg.mesh.shape), devices=jax.local_devices())
         policy, tok, _ = runtime.load_policy(cfg, workdir, mesh)
-        sampler = JaxSampler(policy, tok, max_len=max_len, mesh=mesh, decode_chunk=cfg.rollout.jax.decode_chunk,
-                             prefill_chunk=cfg.rollout.jax.prefill_chunk)
+        sampler = components.make_sampler(cfg, tok, model=policy, mesh=mesh)
     elif engine == "vllm":
-        from arpo_jax.rollout.vllm_sampler import VllmSampler
-
         folder = _hf_folder(cfg, workdir)
         tok = runtime.load_tokenizer(cfg, folder)
-        v = cfg.rollout.vllm
-        sampler = VllmSampler(folder, python=v.python or None, log_file=str(workdir / "vllm.log"), dtype=v.dtype,
-                              max_model_len=max_len, seed=cfg.seed, enforce_eager=v.enforce_eager,
-                              gpu_memory_utilization=v.gpu_memory_utilization, cpu_kv_cache_gb=v.cpu_kv_cache_gb)
+        sampler = components.make_sampler(cfg, tok, folder=folder, log_file=workdir / "vllm.log")
     else:
-        from arpo_jax.rollout.openai_sampler import OpenAISampler
-
         tok = runtime.load_tokenizer(cfg, Path(cfg.model.tokenizer))
-        sampler = OpenAISampler(base_url, served_model, tok, api_key_env=api_key_env,
-                                timeout_s=sample_timeout or 600.0, max_concurrency=concurrency or 8)
+        sampler = components.make_sampler(cfg, tok, engine="openai", server=dict(
+            base_url=base_url, model=served_model, api_key_env=api_key_env, timeout_s=sample_timeout or 600.0,
+            max_concurrency=concurrency or 8))
     try:
         config_lib.check_tokenizer(tok, cfg)
-        executor = trainer.make_tool_executor(cfg)
+        executor = components.make_tool_executor(cfg)
     except BaseException:
-        if hasattr(sampler, "close"):
-            sampler.close()
+        sampler.close()
         raise
     return Agent(cfg, engine, tok, sampler, executor)
 

@@ -364,7 +364,7 @@ class _Loop:
             log.warning("engine call of %d requests raised %s: %s; retrying its halves", len(requests),
                         type(e).__name__, e)
             results = self._bisect(requests[:len(requests) // 2]) + self._bisect(requests[len(requests) // 2:])
-            self._reset_engine_cache()
+            self.sampler.reset_cache()
         if len(results) != len(requests):
             raise RuntimeError(f"sampler returned {len(results)} results for {len(requests)} requests")
         return results
@@ -372,7 +372,7 @@ class _Loop:
     def _bisect(self, requests: list[SampleRequest]) -> list[SampleResult | None]:
         if not requests:
             return []
-        self._reset_engine_cache()  # a call that raised may have left the engine's cache inconsistent
+        self.sampler.reset_cache()  # a call that raised may have left the engine's cache inconsistent
         try:
             return list(self.sampler.generate(requests, self.settings))
         except Exception as e:
@@ -382,9 +382,6 @@ class _Loop:
                 return [None]
             return self._bisect(requests[:len(requests) // 2]) + self._bisect(requests[len(requests) // 2:])
 
-    def _reset_engine_cache(self) -> None:
-        if hasattr(self.sampler, "reset_cache"):
-            self.sampler.reset_cache()
 
     @staticmethod
     def _fail(s: _Slot, cause: str) -> None:
@@ -627,13 +624,10 @@ class _Loop:
 
     def _metrics(self, rows: list[_Slot], lengths: np.ndarray) -> dict[str, float]:
         out = {f"rollout/{k}": float(v) for k, v in self.m.items()}
-        out["tools/call_limit_reached_count"] = out["rollout/call_limit_reached"]
         ents = [e for s in self.slots for e in s.entropies]
         out.update({
             "rollout/trajectories": float(len(rows)),
             "rollout/initial_rollouts_mean": float(np.mean([t.initial_rollouts for t in self.trees] or [0])),
-            "rollout/tool_calls_per_trajectory": float(np.mean([s.calls for s in rows] or [0])),
-            "rollout/response_length_mean": float(lengths.mean()) if lengths.size else 0.0,
             "rollout/truncated_fraction": float(np.mean([s.resp_len > self.R for s in rows] or [0])),
             "rollout/segment_entropy_mean": float(np.mean(ents)) if ents else 0.0,
         })

@@ -18,7 +18,14 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from arpo_jax.rollout.sampler import SampleRequest, SampleResult, SamplingSettings
+from arpo_jax.rollout.sampler import (
+    Sampler,
+    SampleRequest,
+    SampleResult,
+    SamplingSettings,
+    find_stop,
+    finish_generation,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +69,7 @@ def fake_token_logprob(token: int) -> float:
     return -(1 + token % 97) / 100
 
 
-class ScriptedSampler:
+class ScriptedSampler(Sampler):
     """Scripted engine. `calls` records every (requests, settings, results) for assertions."""
 
     def __init__(self, tokenizer, script: Script, *, seed: int = 0, vocab_size: int | None = None):
@@ -93,20 +100,12 @@ class ScriptedSampler:
         if seg.eos or not ids:  # an engine always produces at least one token: default to EOS
             ids.append(self.eos)
         out: list[int] = []
-        finish, stop_string = "length", None
-        for tok in ids[: max(1, max_tokens)]:
+        for tok in ids[: max(1, max_tokens)]:  # an engine stops at the token that completes a stop string
             out.append(tok)
-            if tok == self.eos:
-                finish = "eos"
+            if tok == self.eos or find_stop(self.tokenizer.decode(out, skip_special_tokens=False), settings.stop):
                 break
-            text = self.tokenizer.decode(out, skip_special_tokens=False)
-            hits = [(text.find(s), s) for s in settings.stop if s in text]
-            if hits:
-                finish, stop_string = "stop", min(hits)[1]
-                break
-        text = self.tokenizer.decode(out, skip_special_tokens=True)
-        if stop_string is not None:
-            text = text[: text.find(stop_string)]
+        text, finish, stop_string = finish_generation(self.tokenizer.decode(out, skip_special_tokens=True), out,
+                                                      settings.stop, {self.eos})
         n_pos = min(len(out), settings.logprob_positions) if settings.logprobs > 0 else 0
         if seg.logprobs is not None:
             top = [dict(lp) for lp in seg.logprobs[:n_pos]]

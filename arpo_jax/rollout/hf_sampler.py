@@ -10,10 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from arpo_jax.rollout.sampler import SampleRequest, SampleResult, SamplingSettings
+from arpo_jax.rollout.sampler import (
+    Sampler,
+    SampleRequest,
+    SampleResult,
+    SamplingSettings,
+    finish_generation,
+    request_seed,
+)
 
 
-class TransformersSampler:
+class TransformersSampler(Sampler):
     """`Sampler` over `AutoModelForCausalLM` + its tokenizer; greedy when `settings.temperature == 0`."""
 
     def __init__(self, model, tokenizer):
@@ -33,7 +40,7 @@ class TransformersSampler:
                           tokenizer=self.tokenizer, pad_token_id=self.tokenizer.pad_token_id,
                           suppress_tokens=self.suppress)
             if sample:
-                torch.manual_seed(settings.seed + i)
+                torch.manual_seed(request_seed(settings.seed, i, req.token_ids))
                 kwargs |= dict(temperature=settings.temperature, top_p=settings.top_p,
                                top_k=settings.top_k if settings.top_k > 0 else None)
             else:
@@ -43,13 +50,7 @@ class TransformersSampler:
                 out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
             new = out[0, ids.shape[1]:].tolist()
             text = self.tokenizer.decode(new, skip_special_tokens=True)
-            hit = min(((text.find(s), s) for s in settings.stop if s in text), default=None)
-            if hit is not None:
-                results.append(SampleResult(new, text[:hit[0]], "stop", hit[1], []))
-            elif new and new[-1] in self.eos_ids:
-                results.append(SampleResult(new, text, "eos", None, []))
-            else:
-                results.append(SampleResult(new, text, "length", None, []))
+            results.append(SampleResult(new, *finish_generation(text, new, settings.stop, self.eos_ids), []))
         return results
 
     def update_weights(self, params_or_path) -> float:

@@ -45,7 +45,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from arpo_jax.models.transformer import KVCache
-from arpo_jax.rollout.sampler import SampleRequest, SampleResult, SamplingSettings
+from arpo_jax.rollout.sampler import Sampler, SampleRequest, SampleResult, SamplingSettings, find_stop, request_seed
 from arpo_jax.sharding import constrain, get_rules
 
 _SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's threshold)
@@ -141,7 +141,8 @@ def _decode_chunk(graphdef, state, cache, h, active, ngen, row_ids, ctx_lens, li
 
     A row samples while `active`; a sampled token is written to the cache unless it ends the row (EOS or the
     row's limit), so a row holds context + its generated tokens but the last. Per-row PRNG key of generated
-    position t: fold_in(fold_in(fold_in(key(seed), request index), context length), t), independent of batching.
+    position t: fold_in(fold_in(fold_in(key(seed), row_ids = the request's seed), context length), t), independent
+    of batching.
     """
     model = nnx.merge(graphdef, state)
     layers = model.stacked_layers() if model.config.scan_layers else None  # once per call, not per step
@@ -266,16 +267,12 @@ class _Row:
         if logprobs is not None:
             self.top_logprobs.append(logprobs)
         piece = self.stream.step(self.tok, token) or ""
-        if piece and self.stop:
-            self.text += piece
-            # vLLM's check_stop_strings: search only where a match can end inside the new characters.
-            for s in self.stop:
-                idx = self.text.find(s, 1 - len(piece) - len(s))
-                if idx != -1:
-                    self.text, self.finish, self.stop_string = self.text[:idx], "stop", s
-                    return
-        else:
-            self.text += piece
+        self.text += piece
+        # Only where a match can end inside the new characters (vLLM's check_stop_strings).
+        hit = find_stop(self.text, self.stop, new_chars=len(piece)) if piece else None
+        if hit is not None:
+            self.text, self.finish, self.stop_string = self.text[:hit[0]], "stop", hit[1]
+            return
         if token in eos:
             self.finish = "eos"
         elif len(self.gen) >= self.limit:
@@ -294,7 +291,7 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else m
 
 
-class JaxSampler:
+class JaxSampler(Sampler):
     """Batched KV-cache sampler over a CausalLM (see the module docstring).
 
     Args:
@@ -475,7 +472,8 @@ class JaxSampler:
         truncate = not greedy and (settings.top_k > 0 or settings.top_p < 1.0)
         pad = (0, b - n)
         fixed = {
-            "row_ids": jnp.arange(b, dtype=jnp.int32), "ctx_lens": jnp.asarray(np.pad(plan["ctx_lens"], pad)),
+            "row_ids": jnp.asarray(self._row_seeds(plan["contexts"], settings.seed, b)),
+            "ctx_lens": jnp.asarray(np.pad(plan["ctx_lens"], pad)),
             "limits": jnp.asarray(np.pad(plan["limits"], pad)), "eos_ids": jnp.asarray(self._eos_arr),
             "allowed": self._allowed, "seed": jnp.uint32(settings.seed & 0xFFFFFFFF),
             "temperature": jnp.float32(max(settings.temperature, _SAMPLING_EPS)), "top_k": jnp.int32(settings.top_k),
@@ -512,6 +510,13 @@ class JaxSampler:
         self._cache = cache
         plan["written"] = written
         return rows
+
+    @staticmethod
+    def _row_seeds(contexts, seed: int, b: int) -> np.ndarray:
+        """Each row's `sampler.request_seed` (the padding rows' are 0): what its PRNG keys fold in."""
+        seeds = np.zeros(b, np.uint32)
+        seeds[:len(contexts)] = [request_seed(seed, i, ctx) for i, ctx in enumerate(contexts)]
+        return seeds
 
     def _save_slots(self, requests: Sequence[SampleRequest], plan: dict) -> None:
         """Remembers what each slot's row holds; slots absent from this call are dropped (their rows freed)."""

@@ -14,10 +14,8 @@ What is sent (spec 13.1 and B17: the reference silently dropped top_k/min_p and 
 * The prompt as **token ids** (the completions API allows a list of ints; vLLM takes it), so the
   context is never re-tokenised and tool results keep the ids the agent loop encoded. `prompt_format="text"`
   decodes it for servers that only take strings (vLLM then gets `add_special_tokens=False`: no second BOS).
-* temperature, top_p, max_tokens, the stop strings and an explicit per-request **seed**: a pure function of
-  `settings.seed`, the request's position in the call and its token ids. A call is reproducible on its own (no
-  hidden call counter: a retry, a restarted client or a second sampler draws the same), copies of one prompt in a
-  batch draw differently, and the rounds of one trajectory do not reuse one random stream (the context grew).
+* temperature, top_p, max_tokens, the stop strings and an explicit per-request **seed** (`sampler.request_seed`:
+  a function of `settings.seed`, the request's position in the call and its token ids, as for every engine).
 * With `vllm_extensions` (default): vLLM's extra parameters. `top_k` (-1 = off), `min_p=0` and
   `repetition_penalty=1` are always sent, because otherwise the server fills them from the model's
   `generation_config.json` (Qwen2.5-Instruct: top_k 20, repetition_penalty 1.05) and greedy parity with the
@@ -52,9 +50,10 @@ How the `SampleResult` contract (sampler.py) is met:
   the model length); a full context gives an empty "length" result without a call, as the co-located engine
   does. `max_model_len` is read once from `GET {base_url}/models` (vLLM reports it) unless given.
 
-Errors: connection errors, timeouts, 5xx, 408 and 429 are retried `retries` times with exponential backoff; any
-other 4xx (a prompt longer than the model's context, an unknown model) raises `OpenAIServerError` at once, naming
-the server, the status and the server's message. The API key is read from the environment variable named by
+Errors (`json_http.JsonHttpClient`, shared with the judge and the search tool): connection errors, timeouts, 5xx,
+408 and 429 are retried `retries` times with jittered exponential backoff (Retry-After honoured); any other 4xx
+(a prompt longer than the model's context, an unknown model) raises `OpenAIServerError` at once, naming the
+server, the status and the server's message. The API key is read from the environment variable named by
 `api_key_env` and sent as a Bearer token; it is never logged and is redacted from error messages. Timeouts are
 per socket operation (requests' semantics), not per whole response.
 
@@ -65,154 +64,21 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 import threading
-import time
-import urllib.parse
-import zlib
 from collections.abc import Sequence
 from typing import Any, Self
 
-import numpy as np
-import requests
-
-from arpo_jax.rollout.sampler import SampleRequest, SampleResult, SamplingSettings
+from arpo_jax.json_http import JsonHttpClient, ServerError
+from arpo_jax.rollout.sampler import Sampler, SampleRequest, SampleResult, SamplingSettings, request_seed
 
 logger = logging.getLogger(__name__)
 
-_RETRY_STATUS = frozenset({408, 429})  # request timeout / rate limited: transient although 4xx
-_MAX_MESSAGE_CHARS = 1000
 _TOKEN_ID_PREFIX = "token_id:"  # vLLM's return_tokens_as_token_ids form
+# The old names of the shared HTTP client and its error (json_http.py), kept for callers of this module.
+OpenAIClient, OpenAIServerError = JsonHttpClient, ServerError
 
 
-class OpenAIServerError(RuntimeError):
-    """A request to an OpenAI-compatible server failed (after retries where the failure was transient).
-
-    Attributes:
-      server: the base URL (without credentials).
-      status: the HTTP status, or None when no response came (connection error, timeout).
-      server_message: the server's own error message (its `error.message`), if any.
-    """
-
-    def __init__(self, message: str, *, server: str, status: int | None = None, server_message: str | None = None):
-        super().__init__(message)
-        self.server, self.status, self.server_message = server, status, server_message
-
-
-class OpenAIClient:
-    """JSON over HTTP to an OpenAI-compatible server: auth, a bounded connection pool, retries, clear errors.
-
-    Shared by `OpenAISampler` and `arpo_jax.eval.judge.LLMJudge`. Thread-safe for concurrent `post` calls.
-
-    Args:
-      base_url: the API root including the version, e.g. "http://127.0.0.1:8000/v1".
-      api_key_env: name of the environment variable holding the API key (None: no Authorization header).
-      timeout_s: per-request socket timeout (connect and each read).
-      retries: extra attempts after a transient failure (so at most 1 + retries requests).
-      backoff_s: the first retry waits this long, each further one twice as long (capped at 30 s).
-      pool_size: connections kept open (the caller's concurrency).
-    """
-
-    def __init__(self, base_url: str, *, api_key_env: str | None = None, timeout_s: float = 600.0,
-                 retries: int = 3, backoff_s: float = 0.5, pool_size: int = 8):
-        if retries < 0:
-            raise ValueError(f"retries must be >= 0, got {retries}")
-        self.base_url = base_url.rstrip("/")
-        self.server = _display_url(self.base_url)
-        self.timeout_s, self.retries, self.backoff_s = float(timeout_s), int(retries), float(backoff_s)
-        self._session = requests.Session()
-        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=max(1, pool_size), max_retries=0)
-        self._session.mount("http://", adapter)
-        self._session.mount("https://", adapter)
-        self._secret: str | None = None
-        if api_key_env is not None:
-            key = os.environ.get(api_key_env)
-            if not key:
-                raise ValueError(f"the API key variable {api_key_env} is not set in the environment")
-            self._secret = key
-            self._session.headers["Authorization"] = f"Bearer {key}"
-
-    def post(self, path: str, body: dict) -> dict:
-        """POSTs `body` as JSON to `{base_url}{path}` and returns the decoded JSON answer."""
-        return self._request("POST", path, body)
-
-    def get(self, path: str) -> dict:
-        return self._request("GET", path, None)
-
-    def _request(self, method: str, path: str, body: dict | None) -> dict:
-        url = self.base_url + path
-        attempts = 1 + self.retries
-        for attempt in range(attempts):
-            status = message = None
-            try:
-                response = self._session.request(method, url, json=body, timeout=self.timeout_s)
-            except requests.Timeout:
-                problem = f"no answer within {self.timeout_s:g} s (timed out)"
-            except requests.RequestException as e:  # connection refused / reset, DNS, ...
-                problem = f"connection failed ({type(e).__name__}: {self._redact(str(e))[:300]})"
-            else:
-                status = response.status_code
-                if status < 400:
-                    try:
-                        return response.json()
-                    except ValueError:  # a proxy's HTML page, a truncated body: treat as transient
-                        problem = f"HTTP {status} with a body that is not JSON: {self._redact(response.text[:200])!r}"
-                else:
-                    message = self._redact(_server_message(response))
-                    problem = f"HTTP {status}: {message}"
-                    if status < 500 and status not in _RETRY_STATUS:
-                        raise OpenAIServerError(f"{self.server} rejected {method} {path} with HTTP {status}: {message}",
-                                                server=self.server, status=status, server_message=message)
-            if attempt + 1 < attempts:
-                delay = min(30.0, self.backoff_s * 2**attempt)
-                logger.warning("%s: %s %s failed (attempt %d/%d): %s; retrying in %.2f s", self.server, method, path,
-                               attempt + 1, attempts, problem, delay)
-                time.sleep(delay)
-        raise OpenAIServerError(f"{self.server}: {method} {path} failed after {attempts} attempt(s): {problem}",
-                                server=self.server, status=status, server_message=message)
-
-    def _redact(self, text: str) -> str:
-        return text.replace(self._secret, "***") if self._secret else text
-
-    def close(self) -> None:
-        self._session.close()
-
-
-def _display_url(url: str) -> str:
-    """The URL without any user:password part (never shown in logs or errors)."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{host}:{parts.port}" if parts.port else host
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-
-
-def _server_message(response: requests.Response) -> str:
-    """The error text of an OpenAI-style (`{"error": {"message": ...}}`), FastAPI or plain-text error answer."""
-    try:
-        data = response.json()
-    except ValueError:
-        return (response.text or response.reason or "").strip()[:_MAX_MESSAGE_CHARS]
-    if isinstance(data, dict):
-        err = data.get("error", data)
-        if isinstance(err, dict):
-            for key in ("message", "detail", "error"):
-                if err.get(key):
-                    return str(err[key])[:_MAX_MESSAGE_CHARS]
-        elif err:
-            return str(err)[:_MAX_MESSAGE_CHARS]
-    return str(data)[:_MAX_MESSAGE_CHARS]
-
-
-def request_seed(base: int, index: int, token_ids: Sequence[int]) -> int:
-    """The seed of one request: a function of (settings.seed, position in the call, the request's token ids)."""
-    digest = zlib.crc32(np.asarray(token_ids, np.int64).tobytes())
-    return int(np.random.SeedSequence([base & 0xFFFFFFFF, (base >> 32) & 0xFFFFFFFF, index, digest])
-               .generate_state(1)[0])
-
-
-class OpenAISampler:
+class OpenAISampler(Sampler):
     """`Sampler` over an OpenAI-compatible completions endpoint (see the module docstring).
 
     Use as a context manager or call `close()`.
@@ -245,7 +111,7 @@ class OpenAISampler:
         self.model, self.tokenizer, self.prompt_format = model, tokenizer, prompt_format
         self.vllm_extensions = vllm_extensions
         self.extra_body = dict(extra_body or {})
-        self.client = OpenAIClient(base_url, api_key_env=api_key_env, timeout_s=timeout_s, retries=retries,
+        self.client = JsonHttpClient(base_url, api_key_env=api_key_env, timeout_s=timeout_s, retries=retries,
                                    backoff_s=backoff_s, pool_size=max_concurrency)
         self.base_url = self.client.base_url
         self._max_model_len = max_model_len

@@ -7,13 +7,19 @@ log-probs of the first generated positions (ARPO's entropy, spec 4.1: top-10 ove
 Token ids of a matched stop string are *kept* in `token_ids` (the reference relies on it: vLLM's
 `include_stop_str_in_output=False` only strips the text). `text` is the decoded new tokens with the stop
 string removed, as vLLM returns it.
+
+The rules every engine shares live here: `find_stop` (where a stop string matches), `request_seed` (the seed of
+one request) and `finish_generation` (text, finish reason and stop string of a finished generation).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import zlib
+from collections.abc import Collection, Sequence
 from typing import Literal, Protocol
+
+import numpy as np
 
 FinishReason = Literal["stop", "eos", "length"]
 
@@ -67,10 +73,64 @@ class SampleResult:
 
 
 class Sampler(Protocol):
-    """A rollout engine. `generate` is batched: one result per request, in order."""
+    """A rollout engine. `generate` is batched: one result per request, in order.
+
+    Engines subclass it for the no-op defaults of `reset_cache` and `close`, so callers never test for them.
+    """
 
     def generate(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[SampleResult]: ...
 
     def update_weights(self, params_or_path) -> float:
         """Makes later `generate` calls use new policy weights; returns the seconds it took."""
         ...
+
+    def reset_cache(self) -> None:
+        """Forgets what earlier calls left in a cache, so that the next call does not depend on them."""
+
+    def close(self) -> None:
+        """Releases the engine's processes, threads and connections. Safe to call twice."""
+
+
+def find_stop(text: str, stop: Sequence[str], new_chars: int | None = None) -> tuple[int, str] | None:
+    """The first match of a stop string in `text`: (where it starts, which one), or None.
+
+    The earliest match wins (on a tie, the string listed first). With `new_chars`, only matches that end inside the
+    last `new_chars` characters count: incremental detection, where the older text was searched before (vLLM's
+    check_stop_strings).
+    """
+    best = None
+    for s in stop:
+        if not s:
+            continue
+        start = 0 if new_chars is None else max(0, len(text) - new_chars - len(s) + 1)
+        idx = text.find(s, start)
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, s)
+    return best
+
+
+def finish_generation(text: str, token_ids: Sequence[int], stop: Sequence[str],
+                      eos_ids: Collection[int]) -> tuple[str, FinishReason, str | None]:
+    """(text without the stop string, finish reason, matched stop string) of a finished generation.
+
+    `text` is the decoded `token_ids` (special tokens skipped). "stop" when a stop string is in it (the text is cut
+    where it starts), else "eos" when the last token is an EOS id, else "length".
+    """
+    hit = find_stop(text, stop)
+    if hit is not None:
+        return text[:hit[0]], "stop", hit[1]
+    if token_ids and token_ids[-1] in eos_ids:
+        return text, "eos", None
+    return text, "length", None
+
+
+def request_seed(base: int, index: int, token_ids: Sequence[int]) -> int:
+    """The seed of one request: a function of (settings.seed, position in the call, the request's token ids) only.
+
+    No engine state (a call counter, a cache) goes in, so a call is reproducible on its own: a resumed evaluation
+    chunk, a retry or a restarted engine draws the same samples. Copies of one prompt in a call differ by position,
+    and the rounds of one trajectory by their grown context. A uint32 (what every engine accepts).
+    """
+    digest = zlib.crc32(np.asarray(token_ids, np.int64).tobytes())
+    return int(np.random.SeedSequence([base & 0xFFFFFFFF, (base >> 32) & 0xFFFFFFFF, index, digest])
+               .generate_state(1)[0])

