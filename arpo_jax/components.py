@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from arpo_jax import train_step as ts
 from arpo_jax.data import toy
 from arpo_jax.rollout.agent_loop import RolloutConfig
 from arpo_jax.rollout.sampler import Sampler, SamplingSettings
@@ -111,3 +112,26 @@ def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=
 
     server = dict(server)
     return OpenAISampler(server.pop("base_url"), server.pop("model"), tokenizer, **server)
+
+
+def rollout_correction_mode(cfg) -> str:
+    """`actor.rollout_correction.mode` with "auto" resolved: truncate (TIS) for vLLM, off for the JAX engine (the
+    trainer's own model code) and for vLLM at a temperature other than 1 (its log-probs are temperature 1's)."""
+    mode = cfg.actor.rollout_correction.mode
+    if mode == "auto":
+        return "truncate" if cfg.rollout.engine == "vllm" and cfg.rollout.temperature == 1 else "off"
+    return mode
+
+
+def update_config(cfg) -> ts.UpdateConfig:
+    """The jitted update step's settings (`actor.*`, the rollout temperature of the log-probs)."""
+    a = cfg.actor
+    return ts.UpdateConfig(
+        rollout_correction=rollout_correction_mode(cfg), rollout_correction_level=a.rollout_correction.level,
+        rollout_correction_threshold=a.rollout_correction.threshold,
+        loss=a.loss, clip_low=a.clip_low, clip_high=a.clip_high, clip_c=a.clip_c, agg_mode=a.agg_mode,
+        micro_norm=a.micro_norm, kl_coef=a.kl_coef, kl_kind=a.kl_kind, entropy_coef=a.entropy_coef,
+        entropy_adv=a.entropy_adv, entropy_adv_alpha=a.entropy_adv_alpha, reference_compat=a.reference_compat,
+        temperature=cfg.rollout.temperature or 1.0, logprob_chunk=a.logprob_chunk, max_grad_norm=a.max_grad_norm,
+        lr=a.lr, schedule=a.schedule, warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio,
+        weight_decay=a.weight_decay)

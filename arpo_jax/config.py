@@ -280,7 +280,7 @@ def _allowed() -> dict[str, tuple]:
         "actor.agg_mode": packing.AGG_MODES,
         "actor.micro_norm": packing.MICRO_NORMS,
         "actor.kl_kind": algos.KL_KINDS,
-        "actor.rollout_correction.mode": ("auto", *algos.ROLLOUT_CORRECTION_MODES),  # auto: trainer.update_config
+        "actor.rollout_correction.mode": ("auto", *algos.ROLLOUT_CORRECTION_MODES),  # auto: see components
         "actor.rollout_correction.level": algos.ROLLOUT_CORRECTION_LEVELS,
         "actor.schedule": train_step.SCHEDULES,
         "sft.schedule": train_step.SCHEDULES,

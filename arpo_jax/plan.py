@@ -104,8 +104,8 @@ def plan(model_cfg: models.Config, mesh_shape, update_cfg: ts.UpdateConfig, *, m
 
 def plan_config(cfg, *, micro: int = 1) -> dict:
     """The plan of an experiment config: its model, mesh, update settings and micro-batch shape."""
+    from arpo_jax.components import update_config
     from arpo_jax.runtime import runtime_options
-    from arpo_jax.trainer import update_config
 
     hf_cfg, source = hf_config_for(cfg.model.path)
     model_cfg = models.config_from_hf(hf_cfg, **runtime_options(cfg))

@@ -49,7 +49,7 @@ from arpo_jax import critic as critic_lib
 from arpo_jax import metrics as metrics_lib
 from arpo_jax import train_step as ts
 from arpo_jax.checkpoint import Checkpointer
-from arpo_jax.components import make_sampler, make_tool_executor, rollout_config, sampling_settings
+from arpo_jax.components import make_sampler, make_tool_executor, rollout_config, sampling_settings, update_config
 from arpo_jax.data import rl_dataset, toy
 from arpo_jax.experience import Trajectories
 from arpo_jax.rollout.agent_loop import (
@@ -64,30 +64,8 @@ log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Config -> components
+# Files, workers, seeds
 # ------------------------------------------------------------------------------------------------------------------
-
-
-def rollout_correction_mode(cfg) -> str:
-    """`actor.rollout_correction.mode` with "auto" resolved: truncate (TIS) for vLLM, off for the JAX engine (the
-    trainer's own model code) and for vLLM at a temperature other than 1 (its log-probs are temperature 1's)."""
-    mode = cfg.actor.rollout_correction.mode
-    if mode == "auto":
-        return "truncate" if cfg.rollout.engine == "vllm" and cfg.rollout.temperature == 1 else "off"
-    return mode
-
-
-def update_config(cfg) -> ts.UpdateConfig:
-    a = cfg.actor
-    return ts.UpdateConfig(
-        rollout_correction=rollout_correction_mode(cfg), rollout_correction_level=a.rollout_correction.level,
-        rollout_correction_threshold=a.rollout_correction.threshold,
-        loss=a.loss, clip_low=a.clip_low, clip_high=a.clip_high, clip_c=a.clip_c, agg_mode=a.agg_mode,
-        micro_norm=a.micro_norm, kl_coef=a.kl_coef, kl_kind=a.kl_kind, entropy_coef=a.entropy_coef,
-        entropy_adv=a.entropy_adv, entropy_adv_alpha=a.entropy_adv_alpha, reference_compat=a.reference_compat,
-        temperature=cfg.rollout.temperature or 1.0, logprob_chunk=a.logprob_chunk, max_grad_norm=a.max_grad_norm,
-        lr=a.lr, schedule=a.schedule, warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio,
-        weight_decay=a.weight_decay)
 
 
 def resolve_files(files, workdir: Path, split: str, seed: int) -> list[str]:

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from arpo_jax import components, experience, metrics, packing
 from arpo_jax import config as config_lib
 from arpo_jax import critic as critic_lib
-from arpo_jax import experience, metrics, packing
 from arpo_jax import trainer as trainer_lib
 from arpo_jax.checkpoint import Checkpointer
 
@@ -173,7 +173,7 @@ def test_rollout_correction_defaults_by_engine(tmp_path):
     """auto: token TIS with C = 2 for vLLM, off for the JAX engine (the trainer's own model code) and for vLLM at a
     temperature other than 1 (its log-probs are temperature 1's); an explicit mode is kept."""
     def resolved(*overrides):
-        return trainer_lib.update_config(_config(tmp_path, "--config.algorithm.adv_estimator=grpo", *overrides))
+        return components.update_config(_config(tmp_path, "--config.algorithm.adv_estimator=grpo", *overrides))
 
     vllm = resolved("--config.rollout.engine=vllm")
     assert (vllm.rollout_correction, vllm.rollout_correction_level, vllm.rollout_correction_threshold) == (
