@@ -89,9 +89,10 @@ def pack_sft_batch(examples, *, row_len: int, rows: int, total_loss_tokens: int,
     (weight 0) so every process sends the same shape.
     """
     seqs, masks = [ids for ids, _ in examples], [m for _, m in examples]
+    # Token-mean over the whole optimizer step: the normaliser is the step's loss tokens over all processes.
+    totals = np.array([[total_loss_tokens, len(seqs)]], np.float64)  # [K = 1, (tokens, sequences)]
     batch, layout = packing.pack_batch(seqs, masks, np.zeros(len(seqs), np.float32), mini_batch_size=len(seqs),
-                                       row_len=row_len, rows_per_micro=rows)
-    batch["loss_weight"] = packing.place(layout, [m / max(total_loss_tokens, 1) for m in masks])
+                                       row_len=row_len, rows_per_micro=rows, agg_mode="token-mean", totals=totals)
     out = {k: batch[k][0] for k in BATCH_KEYS}  # K = 1: the whole list is one optimizer step
     extra = (num_micro or 0) - layout.shape[1]
     if extra > 0:
