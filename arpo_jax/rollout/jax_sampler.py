@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from arpo_jax.models.transformer import KVCache
+from arpo_jax.models.transformer import KVCache, input_major_linears
 from arpo_jax.rollout.sampler import SampleRequest, SampleResult, SamplingSettings
 from arpo_jax.sharding import constrain, get_rules
 
@@ -52,14 +52,14 @@ _SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's threshold)
 _DETOK_PRIME = 5  # prompt tokens that prime the incremental detokenizer (vLLM's initial offset)
 
 
-def pow2_buckets(lo: int, hi: int, *, half_steps: bool = False) -> tuple[int, ...]:
-    """Powers of two from `lo` up to the first one >= `hi` (with `half_steps`, also 1.5x each: 64, 96, 128, ...)."""
+def pow2_buckets(lo: int, hi: int, *, half_steps: bool = False, quarter_steps: bool = False) -> tuple[int, ...]:
+    """Powers of two from `lo` up to the first one >= `hi` (with `half_steps`, also 1.5x each: 64, 96, 128, ...;
+    with `quarter_steps`, also 1.25x, 1.5x and 1.75x: 64, 80, 96, 112, 128, ...)."""
     out = [lo]
     while out[-1] < hi:
         out.append(out[-1] * 2)
-    if half_steps:
-        out = sorted(set(out) | {b * 3 // 2 for b in out[:-1]})
-    return tuple(out)
+    steps = (5, 6, 7) if quarter_steps else (6,) if half_steps else ()
+    return tuple(sorted(set(out) | {b * m // 4 for b in out[:-1] for m in steps}))
 
 
 def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
@@ -136,15 +136,20 @@ def sample_categorical(keys: jax.Array, z: jax.Array, block: int = 256) -> jax.A
 
 def _decode_chunk(graphdef, state, cache, h, active, ngen, row_ids, ctx_lens, limits, eos_ids, allowed, seed,
                   temperature, top_k, top_p, *, n_steps, greedy, truncate, n_logprobs, raw_logprobs, rules,
-                  tok_logprobs=False):
+                  unrolled, tok_logprobs=False):
     """`n_steps` sampling steps. Each: logits from the carried hidden state -> sample -> feed the token.
 
     A row samples while `active`; a sampled token is written to the cache unless it ends the row (EOS or the
     row's limit), so a row holds context + its generated tokens but the last. Per-row PRNG key of generated
     position t: fold_in(fold_in(fold_in(key(seed), request index), context length), t), independent of batching.
+    `unrolled`: the layers run unrolled on per-layer cache buffers (`_cpu_decode`), else as the model's config says.
     """
     model = nnx.merge(graphdef, state)
-    layers = model.stacked_layers() if model.config.scan_layers else None  # once per call, not per step
+    layers = None
+    if unrolled:
+        cache = cache.per_layer()  # one copy per call; each step then reads and writes every layer's cache in place
+    elif model.config.scan_layers:
+        layers = model.stacked_layers()  # once per call, not per step
     base = jax.random.key(seed)
     row_keys = jax.vmap(lambda i, c: jax.random.fold_in(jax.random.fold_in(base, i), c))(row_ids, ctx_lens)
 
@@ -178,7 +183,7 @@ def _decode_chunk(graphdef, state, cache, h, active, ngen, row_ids, ctx_lens, li
 
     (cache, h, active, ngen), outs = jax.lax.scan(step, (cache, h, active, ngen), None, length=n_steps)
     outs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outs)  # [n, B, ...] -> [B, n, ...]
-    return _constrain_cache(cache, rules), h, active, ngen, outs
+    return _constrain_cache(cache.stacked(), rules), h, active, ngen, outs
 
 
 def _prefill_chunk(graphdef, state, cache, h, ids, positions, valid, last_idx, *, rules):
@@ -216,14 +221,24 @@ def _counted(name, fn):
     return traced
 
 
+def _cpu_decode() -> bool:
+    """Whether to lay the sampler out for XLA's CPU backend, which copies what its matmuls read unless it is laid out
+    as they want: Linear weights inputs first (`input_major_linears`, once per weights) and the decode's layers
+    unrolled over per-layer cache buffers (`KVCache.per_layer`, once per decode call), instead of a copy of every
+    weight (HF layout, or a slice of the stacked layers) and of every layer's cache at every step. At batch 32 on
+    SmolLM2 that took 30% of a decode step's CPU time (benchmarks/RESULTS.md, issue 20). The price is a compile of
+    the decode program that grows with depth; accelerators' matmuls read either layout, so they keep the scan."""
+    return jax.default_backend() == "cpu"
+
+
 @functools.lru_cache(maxsize=8)
-def _jitted(graphdef, cfg) -> SimpleNamespace:
+def _jitted(graphdef, cfg, unrolled: bool = False) -> SimpleNamespace:
     """The jitted prefill / decode / regather / init functions of one model architecture (cache donated)."""
     rules = cfg.sharding_rules
     return SimpleNamespace(
         prefill=jax.jit(_counted("prefill", functools.partial(_prefill_chunk, graphdef, rules=rules)),
                         donate_argnums=(1, 2)),
-        decode=jax.jit(_counted("decode", functools.partial(_decode_chunk, graphdef, rules=rules)),
+        decode=jax.jit(_counted("decode", functools.partial(_decode_chunk, graphdef, rules=rules, unrolled=unrolled)),
                        static_argnames=("n_steps", "greedy", "truncate", "n_logprobs", "raw_logprobs",
                                         "tok_logprobs"),
                        donate_argnums=(1, 2, 4)),
@@ -232,6 +247,17 @@ def _jitted(graphdef, cfg) -> SimpleNamespace:
         init_cache=jax.jit(_counted("init_cache", lambda b, s: _constrain_cache(KVCache.init(cfg, b, s), rules)),
                            static_argnums=(0, 1)),
     )
+
+
+@functools.lru_cache(maxsize=8)
+def _to_input_major(graphdef):
+    """jitted: the model's state -> the state of its `input_major_linears` copy (see `_cpu_decode`)."""
+    return jax.jit(lambda state: nnx.state(input_major_linears(nnx.merge(graphdef, state))))
+
+
+def _input_major_graphdef(graphdef, state):
+    """The graphdef of `_to_input_major(graphdef)`'s model (state: arrays or ShapeDtypeStructs)."""
+    return nnx.split(nnx.eval_shape(lambda s: input_major_linears(nnx.merge(graphdef, s)), state))[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -315,8 +341,14 @@ class JaxSampler:
                  batch_buckets: Sequence[int] | None = None, length_buckets: Sequence[int] | None = None,
                  logprobs_mode: str = "processed", restrict_to_tokenizer: bool = True):
         graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
-        self._graphdef, self._state = graphdef, state
         self.config = cfg = nnx.merge(graphdef, state).config
+        self._model_graphdef, self._cpu = graphdef, _cpu_decode()
+        # What update_weights takes: the model's state (HF layout), shapes only.
+        self._model_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+        if self._cpu:  # the sampler keeps its own copy of the weights, laid out for the CPU's matmuls
+            graphdef = _input_major_graphdef(graphdef, state)
+        self._graphdef = graphdef
+        self._set_state(state)
         self.tokenizer, self.max_len, self.mesh = tokenizer, max_len, mesh
         if logprobs_mode not in ("processed", "raw"):
             raise ValueError(f"logprobs_mode={logprobs_mode!r}; allowed: 'processed', 'raw'")
@@ -343,10 +375,16 @@ class JaxSampler:
         allowed[ids] = True
         self._allowed = jnp.asarray(allowed) if restrict_to_tokenizer and not allowed.all() else None
         self.trace_counts = TRACE_COUNTS
-        self._fns = _jitted(graphdef, cfg)
+        self._fns = _jitted(graphdef, cfg, self._cpu)
         self._cache: KVCache | None = None
         self._slots: dict[int, _Slot] = {}
         self.last_stats: dict[str, int] = {}
+
+    def _set_state(self, state) -> None:
+        """The weights to sample with, from the model's state (HF layout): on CPU a copy laid out for its matmuls."""
+        if self._cpu:
+            state = _to_input_major(self._model_graphdef)(state)
+        self._state = jax.block_until_ready(state)
 
     def _mesh_ctx(self):
         return jax.set_mesh(self.mesh) if self.mesh is not None else _NullCtx()
@@ -366,13 +404,13 @@ class JaxSampler:
             from arpo_jax import hf
             _, state = hf.load_state(params_or_path, self.config, self.mesh)
         elif isinstance(params_or_path, dict) and not isinstance(params_or_path, nnx.State):
-            state = jax.tree.map(lambda x: x, self._state)  # a new State tree with the same leaves
+            state = jax.tree.map(lambda x: x, self._model_shapes)  # a new State tree (its leaves are all replaced)
             nnx.replace_by_pure_dict(state, params_or_path)
         else:
             state = params_or_path
-        if jax.tree.structure(state) != jax.tree.structure(self._state):
+        if jax.tree.structure(state) != jax.tree.structure(self._model_shapes):
             raise ValueError("update_weights: the new params do not have the structure of the sampler's model")
-        self._state = jax.block_until_ready(state)
+        self._set_state(state)
         # The cached keys/values were computed by the old weights: no cached row may be reused.
         self._slots.clear()
         return time.perf_counter() - t0
@@ -423,7 +461,10 @@ class JaxSampler:
                 src[i], keep[i] = slot.row, min(_common_prefix(slot.tokens, ctx), len(ctx) - 1)
         ctx_lens = np.asarray([len(c) for c in contexts], np.int32)
         suffix_max = int((ctx_lens - keep).max())
-        t_buckets = pow2_buckets(16, self.prefill_chunk, half_steps=True)  # 1.5x steps: less padding
+        # Prefill is compute bound (every padding token costs a real one's FLOPs): 1.25x steps, at the price of up
+        # to twice as many (cheap: the layers are scanned) prefill compiles as 1.5x steps. A 150-token prompt takes
+        # 160 instead of 192.
+        t_buckets = pow2_buckets(16, self.prefill_chunk, quarter_steps=True)
         t = min(_bucket(min(suffix_max, self.prefill_chunk), t_buckets, "prefill length"), self.prefill_chunk)
         # A prefill chunk's padding past the end of the cache is dropped (`_write_rows`), so S covers the real tokens
         # only: attention per decode step is linear in S.
