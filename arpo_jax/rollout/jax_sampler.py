@@ -75,8 +75,12 @@ def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
 
 def _constrain_cache(cache: KVCache, rules: str) -> KVCache:
     kv_axes = (None, "batch", "act_kv_heads", None, None)
-    return KVCache(constrain(cache.k, kv_axes, rules), constrain(cache.v, kv_axes, rules),
-                   constrain(cache.positions, ("batch", None), rules), constrain(cache.lengths, ("batch",), rules))
+    if isinstance(cache.k, tuple):  # per layer
+        k, v = (tuple(constrain(x, kv_axes[1:], rules) for x in xs) for xs in (cache.k, cache.v))
+    else:
+        k, v = constrain(cache.k, kv_axes, rules), constrain(cache.v, kv_axes, rules)
+    return KVCache(k, v, constrain(cache.positions, ("batch", None), rules),
+                   constrain(cache.lengths, ("batch",), rules))
 
 
 def process_logits(logits, allowed, temperature, top_k, top_p, *, greedy: bool, truncate: bool):
@@ -142,13 +146,12 @@ def _decode_chunk(graphdef, state, cache, h, active, ngen, row_ids, ctx_lens, li
     A row samples while `active`; a sampled token is written to the cache unless it ends the row (EOS or the
     row's limit), so a row holds context + its generated tokens but the last. Per-row PRNG key of generated
     position t: fold_in(fold_in(fold_in(key(seed), request index), context length), t), independent of batching.
-    `unrolled`: the layers run unrolled on per-layer cache buffers (`_cpu_decode`), else as the model's config says.
+    `unrolled`: the cache is per layer (`KVCache.per_layer`) and the layers run unrolled over it (`_cpu_decode`),
+    each step reading and writing every layer's buffer in place; else the layers run as the model's config says.
     """
     model = nnx.merge(graphdef, state)
     layers = None
-    if unrolled:
-        cache = cache.per_layer()  # one copy per call; each step then reads and writes every layer's cache in place
-    elif model.config.scan_layers:
+    if not unrolled and model.config.scan_layers:
         layers = model.stacked_layers()  # once per call, not per step
     base = jax.random.key(seed)
     row_keys = jax.vmap(lambda i, c: jax.random.fold_in(jax.random.fold_in(base, i), c))(row_ids, ctx_lens)
@@ -183,7 +186,7 @@ def _decode_chunk(graphdef, state, cache, h, active, ngen, row_ids, ctx_lens, li
 
     (cache, h, active, ngen), outs = jax.lax.scan(step, (cache, h, active, ngen), None, length=n_steps)
     outs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outs)  # [n, B, ...] -> [B, n, ...]
-    return _constrain_cache(cache.stacked(), rules), h, active, ngen, outs
+    return _constrain_cache(cache, rules), h, active, ngen, outs
 
 
 def _prefill_chunk(graphdef, state, cache, h, ids, positions, valid, last_idx, *, rules):
@@ -224,10 +227,11 @@ def _counted(name, fn):
 def _cpu_decode() -> bool:
     """Whether to lay the sampler out for XLA's CPU backend, which copies what its matmuls read unless it is laid out
     as they want: Linear weights inputs first (`input_major_linears`, once per weights) and the decode's layers
-    unrolled over per-layer cache buffers (`KVCache.per_layer`, once per decode call), instead of a copy of every
+    unrolled over per-layer cache buffers (`KVCache.per_layer`, once per generate call), instead of a copy of every
     weight (HF layout, or a slice of the stacked layers) and of every layer's cache at every step. At batch 32 on
-    SmolLM2 that took 30% of a decode step's CPU time (benchmarks/RESULTS.md, issue 20). The price is a compile of
-    the decode program that grows with depth; accelerators' matmuls read either layout, so they keep the scan."""
+    SmolLM2 that was about a third of a decode step's CPU time (benchmarks/RESULTS.md, issue 20). The price is a
+    compile of the decode program that grows with depth; accelerators' matmuls read either layout, so they keep the
+    scan."""
     return jax.default_backend() == "cpu"
 
 
@@ -246,6 +250,9 @@ def _jitted(graphdef, cfg, unrolled: bool = False) -> SimpleNamespace:
         regather=jax.jit(_counted("regather", functools.partial(_regather, rules=rules)), static_argnames=("s_new",)),
         init_cache=jax.jit(_counted("init_cache", lambda b, s: _constrain_cache(KVCache.init(cfg, b, s), rules)),
                            static_argnums=(0, 1)),
+        # The decode's cache layout (`unrolled`) from prefill's and back: one copy each per `generate` call.
+        per_layer=jax.jit(_counted("per_layer", lambda c: _constrain_cache(c.per_layer(), rules))),
+        stacked=jax.jit(_counted("stacked", lambda c: _constrain_cache(c.stacked(), rules))),
     )
 
 
@@ -522,6 +529,8 @@ class JaxSampler:
             "temperature": jnp.float32(max(settings.temperature, _SAMPLING_EPS)), "top_k": jnp.int32(settings.top_k),
             "top_p": jnp.float32(settings.top_p)}
         cache, ngen = plan.pop("cache"), jnp.zeros((b,), jnp.int32)
+        if self._cpu:
+            cache = self._fns.per_layer(cache)
         active = np.zeros(b, bool)
         active[:n] = True
         step0, max_limit = 0, int(plan["limits"].max())
@@ -550,7 +559,7 @@ class JaxSampler:
                         break
             active &= np.asarray(dev_active)
             step0 += n_steps
-        self._cache = cache
+        self._cache = self._fns.stacked(cache) if self._cpu else cache
         plan["written"] = written
         return rows
 
