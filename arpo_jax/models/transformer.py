@@ -119,7 +119,15 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
         dt = self.cfg.compute_dtype
-        y = jnp.einsum(self.spec, x, self.weight[...].astype(dt), preferred_element_type=out_dtype)
+        spec, w = self.spec, self.weight[...].astype(dt)
+        (xs, ws), out = spec.split("->")[0].split(","), spec.split("->")[1]
+        if len(xs) > 3 and ws.startswith(xs[2:]):
+            # Input-major (`input_major_linears`) with several input dims (o_proj: n, h): one merged contraction
+            # dim (free reshapes), else XLA's CPU dot transposes both operands, the weight at every call.
+            k = next(c for c in "zyxwvu" if c not in spec)
+            x, w = x.reshape(*x.shape[:2], -1), w.reshape(-1, *w.shape[len(xs) - 2:])
+            spec = f"bt{k},{k}{ws[len(xs) - 2:]}->{out}"
+        y = jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y
