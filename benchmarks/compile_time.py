@@ -3,7 +3,8 @@
 Lowers and compiles, from abstract shapes (no weights are loaded or allocated), what the first RL step compiles:
 the update step (``--micro`` x ``--batch`` x ``--seq`` tokens, PPO-clip + AdamW), the forward log-probs, and the
 JAX sampler's prefill chunk and decode chunk (``--sampler-batch`` rows, a ``--prompt`` token prompt,
-``--new`` new tokens, top-10 log-probs). Wall and CPU seconds of each (CPU seconds are what a loaded machine
+``--new`` new tokens, top-10 log-probs), laid out as `JaxSampler` does on this backend (on CPU its decode runs the
+layers unrolled in either mode). Wall and CPU seconds of each (CPU seconds are what a loaded machine
 inflates least: XLA compiles on one thread). No persistent compilation cache is used.
 
   python benchmarks/compile_time.py [--model smollm2-135m-instruct|PATH] [--modes scan,unrolled] [--dtype float32]
@@ -56,10 +57,13 @@ def programs(cfg, args) -> dict[str, tuple[float, float]]:
     out["update_step"] = _compile(ts.jit_train_step(graphdef, cfg, ucfg, opt), state, mini)
     # The sampler: its prefill and decode programs, on the shapes of the workload.
     sgraph, sstate = nnx.split(models.abstract_model(cfg))
-    fns = js._jitted(sgraph, cfg)
+    cpu = js._cpu_decode()  # as JaxSampler lays itself out on this backend
+    if cpu:
+        sgraph, sstate = js._input_major_graphdef(sgraph, sstate), jax.eval_shape(js._to_input_major(sgraph), sstate)
+    fns = js._jitted(sgraph, cfg, cpu)
     sb = args.sampler_batch
     s_len = js._bucket(args.prompt + args.new, js.pow2_buckets(64, 1 << 20, half_steps=True), "cache")
-    t_len = js._bucket(args.prompt, js.pow2_buckets(16, 512, half_steps=True), "prefill")
+    t_len = js._bucket(args.prompt, js.pow2_buckets(16, 512, quarter_steps=True), "prefill")
     cache = jax.eval_shape(lambda: KVCache.init(cfg, sb, s_len))
     h = jax.ShapeDtypeStruct((sb, cfg.hidden_size), cfg.compute_dtype)
     vec = lambda dt: jax.ShapeDtypeStruct((sb,), dt)  # noqa: E731

@@ -9,7 +9,7 @@ from flax import nnx
 
 import arpo_jax
 from arpo_jax import sharding, testing
-from arpo_jax.rollout.jax_sampler import JaxSampler, _Row, sample_categorical
+from arpo_jax.rollout.jax_sampler import JaxSampler, _Row, pow2_buckets, sample_categorical
 from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
 
 GREEDY = SamplingSettings(temperature=0.0, stop=(), logprobs=10, logprob_positions=20)
@@ -369,3 +369,11 @@ def test_top_k_alone_cuts_everything_past_the_kth_token():
         assert ((kept.sum(-1) >= 1) & (kept.sum(-1) <= top_k)).all()
         best = [set(np.argsort(-r)[:c]) for r, c in zip(masked, kept.sum(-1))]
         assert [set(np.flatnonzero(k)) for k in kept] == best
+
+
+def test_bucket_steps():
+    """Cache lengths step by 1.5x / 2x, prefill chunks by 1.25x (a 150-token prompt pads to 160, not 192)."""
+    assert pow2_buckets(64, 300, half_steps=True) == (64, 96, 128, 192, 256, 384, 512)
+    assert pow2_buckets(16, 256, quarter_steps=True) == (16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160,
+                                                         192, 224, 256)
+    assert pow2_buckets(1, 16) == (1, 2, 4, 8, 16)

@@ -10,6 +10,7 @@ from flax import nnx
 import arpo_jax
 from arpo_jax import hf, models, testing
 from arpo_jax.models import KVCache
+from arpo_jax.models.transformer import input_major_linears
 
 VARIANTS = list(testing.TINY_VARIANTS)
 # bf16 tolerance on logits of magnitude ~4 (documented in README; measured: max 0.04-0.06, mean 0.008-0.009, less than
@@ -309,3 +310,32 @@ def test_extend_drops_padding_past_the_cache_end(tiny_hf_dir):
     np.testing.assert_array_equal(np.asarray(cache.positions)[0], [0, 1, 2, 3, 4, 5, -1, -1])
     full = np.asarray(model(jnp.asarray(seq)))[0]
     np.testing.assert_allclose(np.asarray(logits)[0, :2], full[4:6], atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "llama31"])
+def test_sampler_cpu_layout_equals_the_model(tiny_hf_dir, variant):
+    """The JAX sampler's CPU layout: Linear weights stored inputs first (`input_major_linears`, einsums rewritten)
+    and the layers unrolled over per-layer cache buffers (`KVCache.per_layer`) give the model's logits and cache."""
+    path, _ = tiny_hf_dir(variant)
+    model = arpo_jax.from_pretrained(path)
+    graphdef, state = nnx.split(model)
+    fast = input_major_linears(nnx.merge(graphdef, state))
+    q = fast.model.layers[0].self_attn.q_proj
+    cfg = model.config
+    assert q.spec == "btd,dnh->btnh" and q.weight.shape == (cfg.hidden_size, cfg.num_heads, cfg.head_dim)
+    assert q.weight.axes == ("embed", "q_heads", "head_dim") and q.weight.hf_shape == (cfg.num_heads * cfg.head_dim,
+                                                                                        cfg.hidden_size)
+    assert nnx.split(input_major_linears(fast))[0] == nnx.split(fast)[0]  # a second call changes nothing
+    ids = jnp.asarray(_ids((2, 7), seed=9))
+    np.testing.assert_allclose(np.asarray(fast(ids)), np.asarray(model(ids)), atol=1e-5, rtol=0)
+    results = []
+    for m, per_layer in ((model, False), (fast, True)):
+        cache = KVCache.init(cfg, batch=2, max_len=16)
+        cache = cache.per_layer() if per_layer else cache
+        assert isinstance(cache.k, tuple) == per_layer
+        valid = jnp.asarray([[True] * 6, [True] * 4 + [False] * 2])
+        pre, cache = m.extend(ids[:, :6], jnp.broadcast_to(jnp.arange(6), (2, 6)), cache, valid)
+        dec, cache = m.extend(ids[:, 6:7], cache.lengths[:, None], cache)
+        results.append((pre, dec, cache.stacked()))
+    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)

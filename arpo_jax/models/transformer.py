@@ -119,10 +119,47 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
         dt = self.cfg.compute_dtype
-        y = jnp.einsum(self.spec, x, self.weight[...].astype(dt), preferred_element_type=out_dtype)
+        spec, w = self.spec, self.weight[...].astype(dt)
+        (xs, ws), out = spec.split("->")[0].split(","), spec.split("->")[1]
+        if len(xs) > 3 and ws.startswith(xs[2:]):
+            # Input-major (`input_major_linears`) with several input dims (o_proj: n, h): one merged contraction
+            # dim (free reshapes), else XLA's CPU dot transposes both operands, the weight at every call.
+            k = next(c for c in "zyxwvu" if c not in spec)
+            x, w = x.reshape(*x.shape[:2], -1), w.reshape(-1, *w.shape[len(xs) - 2:])
+            spec = f"bt{k},{k}{ws[len(xs) - 2:]}->{out}"
+        y = jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y
+
+
+def _input_major(spec: str) -> tuple[str, tuple[int, ...]]:
+    """(the einsum spec of a Linear whose weight is stored inputs first, the weight's permutation to it)."""
+    operands, out = spec.split("->")
+    x, w = operands.split(",")
+    ins = [c for c in w if c in x[2:]]
+    order = ins + [c for c in w if c not in ins]
+    return f"{x},{''.join(order)}->{out}", tuple(w.index(c) for c in order)
+
+
+def input_major_linears(model: nnx.Module) -> nnx.Module:
+    """Stores every Linear's weight inputs first (`[in..., out...]`, HF's transpose) and rewrites its einsum to
+    match: the same products, in the layout XLA's CPU matmul (XNNPACK) reads in place. From the HF layout it
+    copies the weight transposed before every matmul, which in a batch-32 decode step cost ~20% of its CPU time
+    (benchmarks/RESULTS.md, issue 20). The LM head keeps its layout (`unembedding`). For the sampler's own copy
+    only: the HF key == param path design, import, export and checkpoints keep the HF layout (`hf_shape` is
+    unchanged). In place; returns the model.
+    """
+    for path, module in nnx.iter_graph(model):
+        if isinstance(module, Linear) and tuple(path) != ("lm_head",):  # `logits` applies the head itself
+            spec, perm = _input_major(module.spec)
+            if perm == tuple(range(len(perm))):
+                continue  # already inputs first
+            w = module.weight
+            module.weight = nnx.Param(jnp.transpose(w[...], perm), axes=tuple(w.axes[i] for i in perm),
+                                      hf_shape=w.hf_shape)
+            module.spec = spec
+    return model
 
 
 class RMSNorm(nnx.Module):
@@ -176,8 +213,8 @@ class KVCache(NamedTuple):
     dims B, K leading, as XLA's CPU dot wants them) instead of transposing the whole cache every layer and step.
     """
 
-    k: jax.Array  # [L, B, K, S, H]
-    v: jax.Array  # [L, B, K, S, H]
+    k: jax.Array  # [L, B, K, S, H] (or a tuple of L [B, K, S, H]: `per_layer`)
+    v: jax.Array  # [L, B, K, S, H] (likewise)
     positions: jax.Array  # [B, S] int32
     lengths: jax.Array  # [B] int32
 
@@ -187,6 +224,18 @@ class KVCache(NamedTuple):
         dtype = dtype or cfg.compute_dtype
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.full((batch, max_len), -1, jnp.int32),
                    jnp.zeros((batch,), jnp.int32))
+
+    def per_layer(self) -> KVCache:
+        """k, v as tuples of L per-layer arrays [B, K, S, H] (see `CausalLM.extend_hidden`): one copy of the cache
+        for a caller that then runs many decode steps; `stacked()` is the way back."""
+        n = self.k.shape[0]
+        return self._replace(k=tuple(self.k[i] for i in range(n)), v=tuple(self.v[i] for i in range(n)))
+
+    def stacked(self) -> KVCache:
+        """The inverse of `per_layer` (a no-op on a stacked cache)."""
+        if not isinstance(self.k, tuple):
+            return self
+        return self._replace(k=jnp.stack(self.k), v=jnp.stack(self.v))
 
     def take_rows(self, rows) -> KVCache:
         """The cache of rows `rows` [B'] (a branch copies its parent's row; finished rows are dropped)."""
@@ -205,14 +254,16 @@ def _write_positions(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Ar
 
 
 def _write_kv(buf: jax.Array, new: jax.Array, start: jax.Array, layer) -> jax.Array:
-    """Cache buf [L, B, K, S, H] <- new [B, T, K, H] of layer `layer` at slots start[b] ...
+    """Cache buf [L, B, K, S, H] <- new [B, T, K, H] of layer `layer` at slots start[b] ... (`layer` None: buf is
+    one layer's cache [B, K, S, H]).
 
     One scatter straight into `buf` (in place when the buffer is donated or a loop carry); slots at or past S are
     dropped, so a right-padded chunk may run over the end of a row whose real tokens fit.
     """
     b, t, k = new.shape[:3]
     rows, heads = jnp.arange(b)[:, None, None], jnp.arange(k)[None, :, None]
-    return buf.at[layer, rows, heads, _slots(start, t)[:, None, :]].set(new.transpose(0, 2, 1, 3), mode="drop")
+    idx = (rows, heads, _slots(start, t)[:, None, :])
+    return buf.at[idx if layer is None else (layer, *idx)].set(new.transpose(0, 2, 1, 3), mode="drop")
 
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float) -> jax.Array:
@@ -306,12 +357,14 @@ class DecoderLayer(nnx.Module):
         return constrain(x, ("batch", "seq", "act_embed"), self.cfg.sharding_rules)
 
     def extend(self, x, positions, mask, k_all, v_all, i, start):
-        """Cached step of layer i: writes this chunk's k/v at slots `start` [B] of the cache, attends over it."""
+        """Cached step of layer i: writes this chunk's k/v at slots `start` [B] of the cache, attends over it.
+        `k_all`, `v_all`: every layer's cache [L, B, K, S, H], or (i None) this layer's own [B, K, S, H]."""
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions)
         k_all = _write_kv(k_all, k.astype(k_all.dtype), start, i)
         v_all = _write_kv(v_all, v.astype(v_all.dtype), start, i)
         dt = self.cfg.compute_dtype
-        x = x + self.self_attn.attend(q, k_all[i].astype(dt), v_all[i].astype(dt), mask, cached=True)
+        k_i, v_i = (k_all, v_all) if i is None else (k_all[i], v_all[i])
+        x = x + self.self_attn.attend(q, k_i.astype(dt), v_i.astype(dt), mask, cached=True)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_all, v_all
 
@@ -432,7 +485,12 @@ class CausalLM(nnx.Module):
                       ) -> tuple[jax.Array, KVCache]:
         """`extend` without the vocab projection: (final-norm hidden states [B, T, D], cache). A sampler that
         needs logits at one position per row projects only those ([B, T, V] would dominate prefill memory).
-        `layers`: `stacked_layers()` made once by a caller that extends many times (scan_layers only)."""
+        `layers`: `stacked_layers()` made once by a caller that extends many times (scan_layers only).
+
+        The cache's k / v may also be tuples of L per-layer arrays [B, K, S, H] (`KVCache.per_layer`): the layers
+        then run unrolled, each reading and writing its own buffer in place. XLA's CPU backend copies a layer's
+        slice out of a stacked [L, ...] array (weights under a scan, caches always) before every matmul that reads
+        it: for a decode step that is most of its memory traffic (benchmarks/RESULTS.md, issue 20)."""
         b, t = input_ids.shape
         if valid is None:
             valid = jnp.ones((b, t), bool)
@@ -443,7 +501,12 @@ class CausalLM(nnx.Module):
         mask = mask[:, None]
         x = self.embed(input_ids)
         k_all, v_all = cache.k, cache.v
-        if self.config.scan_layers:
+        if isinstance(k_all, tuple):
+            k_all, v_all = list(k_all), list(v_all)
+            for i, layer in enumerate(self.model.layers):
+                x, k_all[i], v_all[i] = layer.extend(x, positions, mask, k_all[i], v_all[i], None, start)
+            k_all, v_all = tuple(k_all), tuple(v_all)
+        elif self.config.scan_layers:
             graphdef, stacked = layers if layers is not None else self.stacked_layers()
 
             def body(carry, xs):

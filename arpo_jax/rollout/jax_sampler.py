@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from arpo_jax.models.transformer import KVCache
+from arpo_jax.models.transformer import KVCache, input_major_linears
 from arpo_jax.rollout.sampler import Sampler, SampleRequest, SampleResult, SamplingSettings, find_stop, request_seed
 from arpo_jax.sharding import constrain, get_rules
 
@@ -52,14 +52,14 @@ _SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's threshold)
 _DETOK_PRIME = 5  # prompt tokens that prime the incremental detokenizer (vLLM's initial offset)
 
 
-def pow2_buckets(lo: int, hi: int, *, half_steps: bool = False) -> tuple[int, ...]:
-    """Powers of two from `lo` up to the first one >= `hi` (with `half_steps`, also 1.5x each: 64, 96, 128, ...)."""
+def pow2_buckets(lo: int, hi: int, *, half_steps: bool = False, quarter_steps: bool = False) -> tuple[int, ...]:
+    """Powers of two from `lo` up to the first one >= `hi` (with `half_steps`, also 1.5x each: 64, 96, 128, ...;
+    with `quarter_steps`, also 1.25x, 1.5x and 1.75x: 64, 80, 96, 112, 128, ...)."""
     out = [lo]
     while out[-1] < hi:
         out.append(out[-1] * 2)
-    if half_steps:
-        out = sorted(set(out) | {b * 3 // 2 for b in out[:-1]})
-    return tuple(out)
+    steps = (5, 6, 7) if quarter_steps else (6,) if half_steps else ()
+    return tuple(sorted(set(out) | {b * m // 4 for b in out[:-1] for m in steps}))
 
 
 def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
@@ -75,8 +75,12 @@ def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
 
 def _constrain_cache(cache: KVCache, rules: str) -> KVCache:
     kv_axes = (None, "batch", "act_kv_heads", None, None)
-    return KVCache(constrain(cache.k, kv_axes, rules), constrain(cache.v, kv_axes, rules),
-                   constrain(cache.positions, ("batch", None), rules), constrain(cache.lengths, ("batch",), rules))
+    if isinstance(cache.k, tuple):  # per layer
+        k, v = (tuple(constrain(x, kv_axes[1:], rules) for x in xs) for xs in (cache.k, cache.v))
+    else:
+        k, v = constrain(cache.k, kv_axes, rules), constrain(cache.v, kv_axes, rules)
+    return KVCache(k, v, constrain(cache.positions, ("batch", None), rules),
+                   constrain(cache.lengths, ("batch",), rules))
 
 
 def process_logits(logits, allowed, temperature, top_k, top_p, *, greedy: bool, truncate: bool):
@@ -136,16 +140,20 @@ def sample_categorical(keys: jax.Array, z: jax.Array, block: int = 256) -> jax.A
 
 def _decode_chunk(graphdef, state, cache, h, active, ngen, row_ids, ctx_lens, limits, eos_ids, allowed, seed,
                   temperature, top_k, top_p, *, n_steps, greedy, truncate, n_logprobs, raw_logprobs, rules,
-                  tok_logprobs=False):
+                  unrolled, tok_logprobs=False):
     """`n_steps` sampling steps. Each: logits from the carried hidden state -> sample -> feed the token.
 
     A row samples while `active`; a sampled token is written to the cache unless it ends the row (EOS or the
     row's limit), so a row holds context + its generated tokens but the last. Per-row PRNG key of generated
     position t: fold_in(fold_in(fold_in(key(seed), row_ids = the request's seed), context length), t), independent
     of batching.
+    `unrolled`: the cache is per layer (`KVCache.per_layer`) and the layers run unrolled over it (`_cpu_decode`),
+    each step reading and writing every layer's buffer in place; else the layers run as the model's config says.
     """
     model = nnx.merge(graphdef, state)
-    layers = model.stacked_layers() if model.config.scan_layers else None  # once per call, not per step
+    layers = None
+    if not unrolled and model.config.scan_layers:
+        layers = model.stacked_layers()  # once per call, not per step
     base = jax.random.key(seed)
     row_keys = jax.vmap(lambda i, c: jax.random.fold_in(jax.random.fold_in(base, i), c))(row_ids, ctx_lens)
 
@@ -217,14 +225,25 @@ def _counted(name, fn):
     return traced
 
 
+def _cpu_decode() -> bool:
+    """Whether to lay the sampler out for XLA's CPU backend, which copies what its matmuls read unless it is laid out
+    as they want: Linear weights inputs first (`input_major_linears`, once per weights) and the decode's layers
+    unrolled over per-layer cache buffers (`KVCache.per_layer`, once per generate call), instead of a copy of every
+    weight (HF layout, or a slice of the stacked layers) and of every layer's cache at every step. At batch 32 on
+    SmolLM2 that was about a third of a decode step's CPU time (benchmarks/RESULTS.md, issue 20). The price is a
+    compile of the decode program that grows with depth; accelerators' matmuls read either layout, so they keep the
+    scan."""
+    return jax.default_backend() == "cpu"
+
+
 @functools.lru_cache(maxsize=8)
-def _jitted(graphdef, cfg) -> SimpleNamespace:
+def _jitted(graphdef, cfg, unrolled: bool = False) -> SimpleNamespace:
     """The jitted prefill / decode / regather / init functions of one model architecture (cache donated)."""
     rules = cfg.sharding_rules
     return SimpleNamespace(
         prefill=jax.jit(_counted("prefill", functools.partial(_prefill_chunk, graphdef, rules=rules)),
                         donate_argnums=(1, 2)),
-        decode=jax.jit(_counted("decode", functools.partial(_decode_chunk, graphdef, rules=rules)),
+        decode=jax.jit(_counted("decode", functools.partial(_decode_chunk, graphdef, rules=rules, unrolled=unrolled)),
                        static_argnames=("n_steps", "greedy", "truncate", "n_logprobs", "raw_logprobs",
                                         "tok_logprobs"),
                        donate_argnums=(1, 2, 4)),
@@ -232,7 +251,21 @@ def _jitted(graphdef, cfg) -> SimpleNamespace:
         regather=jax.jit(_counted("regather", functools.partial(_regather, rules=rules)), static_argnames=("s_new",)),
         init_cache=jax.jit(_counted("init_cache", lambda b, s: _constrain_cache(KVCache.init(cfg, b, s), rules)),
                            static_argnums=(0, 1)),
+        # The decode's cache layout (`unrolled`) from prefill's and back: one copy each per `generate` call.
+        per_layer=jax.jit(_counted("per_layer", lambda c: _constrain_cache(c.per_layer(), rules))),
+        stacked=jax.jit(_counted("stacked", lambda c: _constrain_cache(c.stacked(), rules))),
     )
+
+
+@functools.lru_cache(maxsize=8)
+def _to_input_major(graphdef):
+    """jitted: the model's state -> the state of its `input_major_linears` copy (see `_cpu_decode`)."""
+    return jax.jit(lambda state: nnx.state(input_major_linears(nnx.merge(graphdef, state))))
+
+
+def _input_major_graphdef(graphdef, state):
+    """The graphdef of `_to_input_major(graphdef)`'s model (state: arrays or ShapeDtypeStructs)."""
+    return nnx.split(nnx.eval_shape(lambda s: input_major_linears(nnx.merge(graphdef, s)), state))[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -312,8 +345,14 @@ class JaxSampler(Sampler):
                  batch_buckets: Sequence[int] | None = None, length_buckets: Sequence[int] | None = None,
                  logprobs_mode: str = "processed", restrict_to_tokenizer: bool = True):
         graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
-        self._graphdef, self._state = graphdef, state
         self.config = cfg = nnx.merge(graphdef, state).config
+        self._model_graphdef, self._cpu = graphdef, _cpu_decode()
+        # What update_weights takes: the model's state (HF layout), shapes only.
+        self._model_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+        if self._cpu:  # the sampler keeps its own copy of the weights, laid out for the CPU's matmuls
+            graphdef = _input_major_graphdef(graphdef, state)
+        self._graphdef = graphdef
+        self._set_state(state)
         self.tokenizer, self.max_len, self.mesh = tokenizer, max_len, mesh
         if logprobs_mode not in ("processed", "raw"):
             raise ValueError(f"logprobs_mode={logprobs_mode!r}; allowed: 'processed', 'raw'")
@@ -340,10 +379,16 @@ class JaxSampler(Sampler):
         allowed[ids] = True
         self._allowed = jnp.asarray(allowed) if restrict_to_tokenizer and not allowed.all() else None
         self.trace_counts = TRACE_COUNTS
-        self._fns = _jitted(graphdef, cfg)
+        self._fns = _jitted(graphdef, cfg, self._cpu)
         self._cache: KVCache | None = None
         self._slots: dict[int, _Slot] = {}
         self.last_stats: dict[str, int] = {}
+
+    def _set_state(self, state) -> None:
+        """The weights to sample with, from the model's state (HF layout): on CPU a copy laid out for its matmuls."""
+        if self._cpu:
+            state = _to_input_major(self._model_graphdef)(state)
+        self._state = jax.block_until_ready(state)
 
     def _mesh_ctx(self):
         return jax.set_mesh(self.mesh) if self.mesh is not None else _NullCtx()
@@ -363,13 +408,13 @@ class JaxSampler(Sampler):
             from arpo_jax import hf
             _, state = hf.load_state(params_or_path, self.config, self.mesh)
         elif isinstance(params_or_path, dict) and not isinstance(params_or_path, nnx.State):
-            state = jax.tree.map(lambda x: x, self._state)  # a new State tree with the same leaves
+            state = jax.tree.map(lambda x: x, self._model_shapes)  # a new State tree (its leaves are all replaced)
             nnx.replace_by_pure_dict(state, params_or_path)
         else:
             state = params_or_path
-        if jax.tree.structure(state) != jax.tree.structure(self._state):
+        if jax.tree.structure(state) != jax.tree.structure(self._model_shapes):
             raise ValueError("update_weights: the new params do not have the structure of the sampler's model")
-        self._state = jax.block_until_ready(state)
+        self._set_state(state)
         # The cached keys/values were computed by the old weights: no cached row may be reused.
         self._slots.clear()
         return time.perf_counter() - t0
@@ -420,7 +465,10 @@ class JaxSampler(Sampler):
                 src[i], keep[i] = slot.row, min(_common_prefix(slot.tokens, ctx), len(ctx) - 1)
         ctx_lens = np.asarray([len(c) for c in contexts], np.int32)
         suffix_max = int((ctx_lens - keep).max())
-        t_buckets = pow2_buckets(16, self.prefill_chunk, half_steps=True)  # 1.5x steps: less padding
+        # Prefill is compute bound (every padding token costs a real one's FLOPs): 1.25x steps, at the price of up
+        # to twice as many (cheap: the layers are scanned) prefill compiles as 1.5x steps. A 150-token prompt takes
+        # 160 instead of 192.
+        t_buckets = pow2_buckets(16, self.prefill_chunk, quarter_steps=True)
         t = min(_bucket(min(suffix_max, self.prefill_chunk), t_buckets, "prefill length"), self.prefill_chunk)
         # A prefill chunk's padding past the end of the cache is dropped (`_write_rows`), so S covers the real tokens
         # only: attention per decode step is linear in S.
@@ -479,6 +527,8 @@ class JaxSampler(Sampler):
             "temperature": jnp.float32(max(settings.temperature, _SAMPLING_EPS)), "top_k": jnp.int32(settings.top_k),
             "top_p": jnp.float32(settings.top_p)}
         cache, ngen = plan.pop("cache"), jnp.zeros((b,), jnp.int32)
+        if self._cpu:
+            cache = self._fns.per_layer(cache)
         active = np.zeros(b, bool)
         active[:n] = True
         step0, max_limit = 0, int(plan["limits"].max())
@@ -507,7 +557,7 @@ class JaxSampler(Sampler):
                         break
             active &= np.asarray(dev_active)
             step0 += n_steps
-        self._cache = cache
+        self._cache = self._fns.stacked(cache) if self._cpu else cache
         plan["written"] = written
         return rows
 
