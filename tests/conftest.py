@@ -10,6 +10,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("ARPO_COMPILATION_CACHE", "off")  # trainer tests: no persistent cache outside the tmp dirs
 
+import gc  # noqa: E402
+
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from arpo_jax import named_models, testing  # noqa: E402
@@ -40,3 +43,12 @@ def smollm2(tmp_path_factory):
     cache = shared / "arpo_cache" if shared else tmp_path_factory.mktemp("arpo_cache")
     os.environ.setdefault(named_models.CACHE_ENV, str(cache))
     return named_models.model_folder("smollm2-135m-instruct")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops JAX's compiled programs after each test module: a worker runs many modules, each with its own models,
+    and would otherwise keep every module's executables (memory) to the end of the session."""
+    yield
+    jax.clear_caches()
+    gc.collect()

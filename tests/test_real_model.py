@@ -18,6 +18,10 @@ from arpo_jax import metrics, testing
 from arpo_jax.rollout.jax_sampler import JaxSampler
 from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
 
+# The SmolLM2 tests run a JAX model and a vLLM engine (and the demo a whole run) at once: under pytest-xdist they
+# share one worker (`--dist loadgroup`), so two of them never hold their memory at the same time.
+pytestmark = pytest.mark.xdist_group("smollm2")
+
 REPO = Path(__file__).resolve().parents[1]
 TOY = str(REPO / "arpo_jax" / "configs" / "toy_cpu.py")
 SMOLLM2 = "smollm2-135m-instruct"
