@@ -1,8 +1,9 @@
-"""Config -> components: the rollout engine, the tool executor, the sampling settings and the rollout config.
+"""Config -> components: the rollout engine, the tool executor, the sampling settings, the rollout config and the
+update step's settings.
 
-Training (`trainer.py`), evaluation and chat (`eval/runner.py`) and the demo's transcript (`demo.py`) build these
-from an experiment config in one way, here, so a setting (a vLLM option, a tool limit, a sampling parameter) means
-the same in every command.
+Training (`trainer.py`), evaluation and chat (`eval/runner.py`), the demo's transcript (`demo.py`) and the memory
+plan (`plan.py`) build these from an experiment config in one way, here, so a setting (a vLLM option, a tool
+limit, a sampling parameter) means the same in every command.
 
     sampler = components.make_sampler(cfg, tokenizer, model=policy, mesh=mesh)   # cfg.rollout.engine = "jax"
     executor = components.make_tool_executor(cfg)
