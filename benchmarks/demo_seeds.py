@@ -1,9 +1,11 @@
 """The full demo over several seeds: does RL beat the SFT baseline beyond seed noise, and ARPO vs plain GRPO.
 
-For each seed, one work dir: `arpo-jax demo` with each algorithm in turn (`--algos`, default arpo then grpo). The
-data and the cold-start SFT are built by the first run and reused by the others (the demo resumes
+For each seed, one work dir (`<workdir>/seed<S>`): `arpo-jax demo` with each algorithm (`--algos`, default arpo then
+grpo). The data and the cold-start SFT are built by the first run of a seed and reused by the others (the demo resumes
 them), so both algorithms start from the same SFT model with the same rollout budget n and the same number of steps;
-GRPO spends the budget on independent rollouts, ARPO branches at tool calls.
+GRPO spends the budget on independent rollouts, ARPO branches at tool calls. The first algorithm runs on every seed
+before the second starts, so a run cut short still has the first algorithm's seed spread; a finished run is resumed
+(its summary re-read, the exported model answering again), so the script can be run again after an interruption.
 
   python benchmarks/demo_seeds.py --workdir runs/demo_seeds [--seeds 0 1 2] [--algos arpo grpo] [--model NAME]
 
@@ -38,8 +40,8 @@ def main() -> None:
     args = parser.parse_args()
 
     runs = []
-    for seed in args.seeds:
-        for algo in args.algos:
+    for algo in args.algos:
+        for seed in args.seeds:
             s = demo.run_demo(Path(args.workdir) / f"seed{seed}", algo=algo, seed=seed, model=args.model,
                               vllm=False)
             run = {"seed": seed, "algo": algo, "baseline": s["baseline_val_accuracy"],
