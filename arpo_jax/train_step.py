@@ -255,10 +255,6 @@ def _rollout_correction(batch: Batch, cfg: UpdateConfig) -> tuple[Batch, dict[st
 # --------------------------------------------------------------------------------------------------
 
 
-def _where_tree(ok: Array, new, old):
-    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-
-
 def accumulate_and_apply(state: TrainState, batch: Batch, micro_loss, optimizer: optax.GradientTransformation,
                          grad_shardings=None) -> tuple[TrainState, dict[str, Array]]:
     """One optimizer step over the [M, ...] micro-batches of ``batch``: the policy, SFT and critic updates all use it.
@@ -286,13 +282,17 @@ def accumulate_and_apply(state: TrainState, batch: Batch, micro_loss, optimizer:
 
     grad_norm = optax.tree.norm(grads)
     ok = jnp.isfinite(jnp.sum(losses)) & jnp.isfinite(grad_norm)
-    # Zeroed gradients keep NaN out of the optimizer arithmetic; the result is discarded anyway when not ok.
-    grads = jax.tree.map(lambda g, p: jnp.where(ok, g, 0.0).astype(p.dtype), grads, params)
-    updates, opt_state = optimizer.update(grads, state.opt_state, params)
-    new_params = optax.apply_updates(params, updates)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+
+    def apply(params, opt_state, grads):
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    # A cond, not where(ok, new, old): the update then writes params and moments in place (the state is donated);
+    # a select keeps old and new alive together, and XLA copies every moment (~0.3 CPU-s a step on SmolLM2-135M).
+    new_params, opt_state = jax.lax.cond(ok, apply, lambda p, s, _: (p, s), params, state.opt_state, grads)
     skipped = 1 - ok.astype(jnp.int32)
-    new_state = TrainState(_where_tree(ok, new_params, params), _where_tree(ok, opt_state, state.opt_state),
-                           state.step + 1, state.skipped + skipped)
+    new_state = TrainState(new_params, opt_state, state.step + 1, state.skipped + skipped)
     return new_state, sums | {"grad_norm": grad_norm, "skipped": skipped.astype(jnp.float32)}
 
 
