@@ -58,11 +58,13 @@ class DemoSize:
 
 # SmolLM2-135M costs ~0.8 GFLOP a token forward and backward; a demo row is ~100 prompt + 80-230 response tokens.
 # The pretrained model already copies numbers and names, so the cold-start SFT only has to teach the tool format:
-# 12 steps of 8 at lr 1e-4 (measured: every greedy answer well-formed, the taught mistakes made). 60% flawed
-# conversations: greedy decoding then makes the mistake on most questions while sampling solves some, which is the
-# gap RL closes. Validation: 102 held-out questions greedy (34 per kind), so the accuracy's standard error is
-# <= 0.05. Measured on a quiet 2-core CPU (benchmarks/RESULTS.md, "Demo"): 18 minutes for the whole command (SFT 2,
-# RL 15: ~50 s a step, of which the policy update ~40 s), greedy validation 0.15 -> 0.51 on seed 0.
+# 2 epochs of 96 conversations (24 steps of 8 at lr 1e-4), exactly 60% of each kind flawed: greedy decoding then
+# makes the mistake while sampling makes the right choice in ~20-30% of samples (P(`*`) 0.17-0.26 on the
+# arithmetic questions of seeds 0 and 1, benchmarks/demo_probe.py), which is the gap RL closes. (12 steps with one
+# coin per conversation left that share anywhere in 0.05-0.91 across seeds, and RL gained on one seed of three.)
+# Validation: 102 held-out questions greedy (34 per kind), so the accuracy's standard error is <= 0.05. Measured on
+# a quiet 2-core CPU with the 12-step cold start (benchmarks/RESULTS.md, "Demo"): 18 minutes for the whole command
+# (SFT 2, RL 15: ~50 s a step, of which the policy update ~40 s), greedy validation 0.15 -> 0.51 on seed 0.
 FULL = DemoSize(sft_examples=96, sft_epochs=2, sft_batch=8, rl_steps=16, rl_prompts=4, rl_n=8, train_prompts=240,
                 val_prompts=102, test_freq=8)
 # QUICK: every phase on the same model, as small as it goes (2 SFT steps teach nothing, so the responses run to the

@@ -118,6 +118,26 @@ def test_flawed_and_solution_scores():
         toy.flawed_text(lookup)
 
 
+def test_flawed_share_is_exact_per_task_kind():
+    """Exactly round(fraction * n) of each kind's conversations are flawed (one coin each gave 18-23 of 32 arithmetic
+    ones across seeds); which ones depends on the seed, reproducibly."""
+    import numpy as np
+
+    from arpo_jax import demo
+
+    kinds = [t.data_source for t in toy.toy_tasks("sft", 97, seed=0)]  # 33 arith, 32 lookup, 32 two-hop
+    picks = {}
+    for seed in (0, 1):
+        flawed = demo.flawed_indices(kinds, 0.6, np.random.default_rng([seed, 11]))
+        counts = {k: sum(kinds[i] == k for i in flawed) for k in toy.DATA_SOURCES}
+        assert counts == {"toy_arith": 20, "toy_lookup": 19, "toy_twohop": 19}  # round(0.6 * 33) = 20, 0.6 * 32 -> 19
+        assert flawed == demo.flawed_indices(kinds, 0.6, np.random.default_rng([seed, 11]))
+        picks[seed] = flawed
+    assert picks[0] != picks[1]
+    assert demo.flawed_indices(kinds, 0.0, np.random.default_rng(0)) == set()
+    assert len(demo.flawed_indices(kinds, 1.0, np.random.default_rng(0))) == len(kinds)
+
+
 def test_transformers_sampler_matches_the_jax_sampler(tiny_hf_dir):
     """Greedy tokens of the exported folder in transformers == the JAX sampler's, with a stop string cut."""
     import torch
