@@ -59,8 +59,8 @@ class DemoSize:
 # SmolLM2-135M costs ~0.8 GFLOP a token forward and backward; a demo row is ~100 prompt + 80-230 response tokens.
 # The pretrained model already copies numbers and names, so the cold-start SFT only has to teach the tool format:
 # 2 epochs of 96 conversations (24 steps of 8 at lr 1e-4), exactly 60% of each kind flawed: greedy decoding then
-# makes the mistake while sampling makes the right choice in ~20-30% of samples (P(`*`) 0.17-0.26 on the
-# arithmetic questions of seeds 0 and 1, benchmarks/demo_probe.py), which is the gap RL closes. (12 steps with one
+# makes the mistake while sampling makes the right choice in ~15-25% of samples (P(`*`) 0.17-0.26 on the
+# arithmetic questions of seeds 0-2, benchmarks/demo_probe.py), which is the gap RL closes. (12 steps with one
 # coin per conversation left that share anywhere in 0.05-0.91 across seeds, and RL gained on one seed of three.)
 # Validation: 102 held-out questions greedy (34 per kind), so the accuracy's standard error is <= 0.05. Measured on
 # a 2-core CPU (benchmarks/RESULTS.md, "Demo"): 23 minutes for the whole command (SFT 4, RL 18: ~60 s a step, most
