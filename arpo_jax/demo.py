@@ -63,8 +63,8 @@ class DemoSize:
 # arithmetic questions of seeds 0-2, benchmarks/demo_probe.py), which is the gap RL closes. (12 steps with one
 # coin per conversation left that share anywhere in 0.05-0.91 across seeds, and RL gained on one seed of three.)
 # Validation: 102 held-out questions greedy (34 per kind), so the accuracy's standard error is <= 0.05. Measured on
-# a 2-core CPU (benchmarks/RESULTS.md, "Demo"): 23 minutes for the whole command (SFT 4, RL 18: ~60 s a step, most
-# of it the policy update), greedy validation 0.49 -> 0.93 on seed 1.
+# a quiet 2-core CPU (benchmarks/RESULTS.md, "Demo"): 19.5 minutes for the whole command (SFT 3.6, RL 15.4: ~50 s a
+# step, most of it the policy update); greedy validation +0.54 / +0.44 / +0.43 on seeds 0 / 1 / 2 (ARPO).
 FULL = DemoSize(sft_examples=96, sft_epochs=2, sft_batch=8, rl_steps=16, rl_prompts=4, rl_n=8, train_prompts=240,
                 val_prompts=102, test_freq=8)
 # QUICK: every phase on the same model, as small as it goes (2 SFT steps teach nothing, so the responses run to the
