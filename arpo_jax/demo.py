@@ -122,8 +122,8 @@ def flawed_indices(kinds: list[str], fraction: float, rng: np.random.Generator) 
 
 
 def rollout_engine() -> str:
-    """vllm when it is installed (on CPU it generates faster than the JAX sampler on SmolLM2: 372 vs 280 tokens/s at
-    batch 32, benchmarks/RESULTS.md), else jax."""
+    """vllm when it is installed (on CPU it generates faster than the JAX sampler on SmolLM2: 380 vs 310 tokens/s at
+    batch 32, quiet, benchmarks/RESULTS.md), else jax."""
     return "vllm" if _vllm_available() else "jax"
 
 
