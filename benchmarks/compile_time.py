@@ -28,7 +28,6 @@ from flax import nnx  # noqa: E402
 
 from arpo_jax import hf, models, named_models  # noqa: E402
 from arpo_jax import train_step as ts  # noqa: E402
-from arpo_jax.models import KVCache  # noqa: E402
 from arpo_jax.rollout import jax_sampler as js  # noqa: E402
 
 
@@ -57,19 +56,19 @@ def programs(cfg, args) -> dict[str, tuple[float, float]]:
     out["update_step"] = _compile(ts.jit_train_step(graphdef, cfg, ucfg, opt), state, mini)
     # The sampler: its prefill and decode programs, on the shapes of the workload.
     sgraph, sstate = nnx.split(models.abstract_model(cfg))
-    cpu = js._cpu_decode()  # as JaxSampler lays itself out on this backend
+    cpu = js._cpu_layout()  # as JaxSampler lays itself out on this backend
     if cpu:
         sgraph, sstate = js._input_major_graphdef(sgraph, sstate), jax.eval_shape(js._to_input_major(sgraph), sstate)
     fns = js._jitted(sgraph, cfg, cpu)
     sb = args.sampler_batch
     s_len = js._bucket(args.prompt + args.new, js.pow2_buckets(64, 1 << 20, half_steps=True), "cache")
     t_len = js._bucket(args.prompt, js.pow2_buckets(16, 512, quarter_steps=True), "prefill")
-    cache = jax.eval_shape(lambda: KVCache.init(cfg, sb, s_len))
+    cache = jax.eval_shape(lambda: js._new_cache(cfg, sb, s_len, per_layer=cpu))
     h = jax.ShapeDtypeStruct((sb, cfg.hidden_size), cfg.compute_dtype)
     vec = lambda dt: jax.ShapeDtypeStruct((sb,), dt)  # noqa: E731
     tok = jax.ShapeDtypeStruct((sb, t_len), jnp.int32)
     out["sampler_prefill"] = _compile(fns.prefill, _abstract(sstate), cache, h, tok, tok,
-                                      jax.ShapeDtypeStruct((sb, t_len), jnp.bool_), vec(jnp.int32))
+                                      jax.ShapeDtypeStruct((sb, t_len), jnp.bool_), vec(jnp.int32), fresh=True)
     scalar = lambda dt: jax.ShapeDtypeStruct((), dt)  # noqa: E731
     out["sampler_decode"] = _compile(
         fns.decode, _abstract(sstate), cache, h, vec(jnp.bool_), vec(jnp.int32), row_ids=vec(jnp.int32),

@@ -312,6 +312,31 @@ def test_extend_drops_padding_past_the_cache_end(tiny_hf_dir):
     np.testing.assert_allclose(np.asarray(logits)[0, :2], full[4:6], atol=1e-4)
 
 
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_fresh_chunk_attends_to_itself_like_the_cache(tiny_hf_dir, per_layer):
+    """`extend_hidden(fresh=True)` (a first chunk on empty rows: causal attention over the chunk alone) gives the
+    hidden states and cache of attending over the whole cache, right padding included, and decodes on alike."""
+    path, _ = tiny_hf_dir("qwen2")
+    model = arpo_jax.from_pretrained(path)
+    ids = jnp.asarray(_ids((3, 9), seed=4))
+    valid = jnp.asarray([[True] * 9, [True] * 5 + [False] * 4, [True] + [False] * 8])
+    positions = jnp.broadcast_to(jnp.arange(9), (3, 9))
+    out = []
+    for fresh in (False, True):
+        cache = KVCache.init(model.config, batch=3, max_len=24)
+        cache = cache.per_layer() if per_layer else cache
+        hidden, cache = model.extend_hidden(ids, positions, cache, valid, fresh=fresh)
+        step, cache = model.extend(ids[:, :1], cache.lengths[:, None], cache)
+        out.append((np.asarray(hidden)[np.asarray(valid)], step, cache.stacked()))
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+    # Not vacuous: the same chunk after a cached prefix attends to it and gets other hidden states.
+    cache = KVCache.init(model.config, batch=3, max_len=24)
+    _, cache = model.extend_hidden(ids, positions, cache, valid)
+    again, _ = model.extend_hidden(ids, positions + 9, cache, valid)
+    assert np.abs(np.asarray(again)[np.asarray(valid)] - out[0][0]).max() > 1e-3
+
+
 @pytest.mark.parametrize("variant", ["qwen2", "llama31"])
 def test_sampler_cpu_layout_equals_the_model(tiny_hf_dir, variant):
     """The JAX sampler's CPU layout: Linear weights stored inputs first (`input_major_linears`, einsums rewritten)

@@ -356,15 +356,20 @@ class DecoderLayer(nnx.Module):
         x = x + self.mlp(self.post_attention_layernorm(x))
         return constrain(x, ("batch", "seq", "act_embed"), self.cfg.sharding_rules)
 
-    def extend(self, x, positions, mask, k_all, v_all, i, start):
+    def extend(self, x, positions, mask, k_all, v_all, i, start, self_mask=None):
         """Cached step of layer i: writes this chunk's k/v at slots `start` [B] of the cache, attends over it.
-        `k_all`, `v_all`: every layer's cache [L, B, K, S, H], or (i None) this layer's own [B, K, S, H]."""
+        `k_all`, `v_all`: every layer's cache [L, B, K, S, H], or (i None) this layer's own [B, K, S, H].
+        `self_mask` [B, 1, T, T] (a chunk that starts every row: nothing cached before it): the chunk attends to
+        its own keys only, as the training forward does, instead of reading the whole cache."""
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions)
         k_all = _write_kv(k_all, k.astype(k_all.dtype), start, i)
         v_all = _write_kv(v_all, v.astype(v_all.dtype), start, i)
-        dt = self.cfg.compute_dtype
-        k_i, v_i = (k_all, v_all) if i is None else (k_all[i], v_all[i])
-        x = x + self.self_attn.attend(q, k_i.astype(dt), v_i.astype(dt), mask, cached=True)
+        if self_mask is not None:
+            x = x + self.self_attn.attend(q, k, v, self_mask, causal_self=True)
+        else:
+            dt = self.cfg.compute_dtype
+            k_i, v_i = (k_all, v_all) if i is None else (k_all[i], v_all[i])
+            x = x + self.self_attn.attend(q, k_i.astype(dt), v_i.astype(dt), mask, cached=True)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_all, v_all
 
@@ -481,7 +486,7 @@ class CausalLM(nnx.Module):
         hidden, cache = self.extend_hidden(input_ids, positions, cache, valid)
         return self.logits(hidden), cache
 
-    def extend_hidden(self, input_ids, positions, cache: KVCache, valid=None, layers=None
+    def extend_hidden(self, input_ids, positions, cache: KVCache, valid=None, layers=None, fresh: bool = False
                       ) -> tuple[jax.Array, KVCache]:
         """`extend` without the vocab projection: (final-norm hidden states [B, T, D], cache). A sampler that
         needs logits at one position per row projects only those ([B, T, V] would dominate prefill memory).
@@ -490,7 +495,12 @@ class CausalLM(nnx.Module):
         The cache's k / v may also be tuples of L per-layer arrays [B, K, S, H] (`KVCache.per_layer`): the layers
         then run unrolled, each reading and writing its own buffer in place. XLA's CPU backend copies a layer's
         slice out of a stacked [L, ...] array (weights under a scan, caches always) before every matmul that reads
-        it: for a decode step that is most of its memory traffic (benchmarks/RESULTS.md, issue 20)."""
+        it: for a decode step that is most of its memory traffic (benchmarks/RESULTS.md, issue 20).
+
+        `fresh` (static): the caller guarantees that every row of the cache is empty before this chunk (a first
+        prefill chunk), so the chunk's own keys are all a query can see: attention runs
+        causal over the chunk (`DecoderLayer.extend`'s `self_mask`; blockwise on CPU) instead of over all S
+        slots of the cache, most of them empty. Same result up to float rounding."""
         b, t = input_ids.shape
         if valid is None:
             valid = jnp.ones((b, t), bool)
@@ -499,12 +509,13 @@ class CausalLM(nnx.Module):
         # Attend to every filled slot at or before the query's position (positions are increasing along a row).
         mask = (kv_pos[:, None, :] >= 0) & (kv_pos[:, None, :] <= positions[:, :, None])  # [B, T, S]
         mask = mask[:, None]
+        self_mask = attention_mask_4d(valid, None, (b, t)) if fresh else None
         x = self.embed(input_ids)
         k_all, v_all = cache.k, cache.v
         if isinstance(k_all, tuple):
             k_all, v_all = list(k_all), list(v_all)
             for i, layer in enumerate(self.model.layers):
-                x, k_all[i], v_all[i] = layer.extend(x, positions, mask, k_all[i], v_all[i], None, start)
+                x, k_all[i], v_all[i] = layer.extend(x, positions, mask, k_all[i], v_all[i], None, start, self_mask)
             k_all, v_all = tuple(k_all), tuple(v_all)
         elif self.config.scan_layers:
             graphdef, stacked = layers if layers is not None else self.stacked_layers()
@@ -512,13 +523,14 @@ class CausalLM(nnx.Module):
             def body(carry, xs):
                 x, k_all, v_all = carry
                 layer_state, i = xs
-                return nnx.merge(graphdef, layer_state).extend(x, positions, mask, k_all, v_all, i, start), None
+                return nnx.merge(graphdef, layer_state).extend(x, positions, mask, k_all, v_all, i, start,
+                                                               self_mask), None
 
             n = self.config.num_layers
             (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (stacked, jnp.arange(n, dtype=jnp.int32)))
         else:
             for i, layer in enumerate(self.model.layers):
-                x, k_all, v_all = layer.extend(x, positions, mask, k_all, v_all, i, start)
+                x, k_all, v_all = layer.extend(x, positions, mask, k_all, v_all, i, start, self_mask)
         last_valid = jnp.max(jnp.where(valid, jnp.arange(t)[None] + 1, 0), axis=1)
         return self.model.norm(x), KVCache(k_all, v_all, kv_pos, cache.lengths + last_valid.astype(jnp.int32))
 

@@ -12,8 +12,9 @@ One `generate` call runs, for a batch of trajectories:
 Shapes are bucketed so compiles stay bounded: batch B to powers of two (a multiple of the mesh's batch axes), the
 cache length S (the longest context + new tokens; padding is never stored past it) and prefill chunks T (up to
 `prefill_chunk`) in 1.5x / 2x steps. Each jitted function counts its traces in `TRACE_COUNTS` (a trace = a
-compile); samplers of one model share the compiled functions. The model's layers run as one `lax.scan`
-(`Config.scan_layers`), so a compile costs about one layer's, whatever the depth.
+compile); samplers of one model share the compiled functions. On accelerators the model's layers run as one
+`lax.scan` (`Config.scan_layers`), so a compile costs about one layer's, whatever the depth; on CPU they run
+unrolled over per-layer weights and cache buffers (`_cpu_layout`), compiled in a few seconds at 30 layers.
 
 Cache invariant: every row is contiguous from slot 0 and slot index == RoPE position. Slots >= the row's
 `lengths` are free (position -1). The host records, per saved slot, the token ids its row holds.
@@ -147,7 +148,7 @@ def _decode_chunk(graphdef, state, cache, h, active, ngen, row_ids, ctx_lens, li
     row's limit), so a row holds context + its generated tokens but the last. Per-row PRNG key of generated
     position t: fold_in(fold_in(fold_in(key(seed), row_ids = the request's seed), context length), t), independent
     of batching.
-    `unrolled`: the cache is per layer (`KVCache.per_layer`) and the layers run unrolled over it (`_cpu_decode`),
+    `unrolled`: the cache is per layer (`KVCache.per_layer`) and the layers run unrolled over it (`_cpu_layout`),
     each step reading and writing every layer's buffer in place; else the layers run as the model's config says.
     """
     model = nnx.merge(graphdef, state)
@@ -190,10 +191,11 @@ def _decode_chunk(graphdef, state, cache, h, active, ngen, row_ids, ctx_lens, li
     return _constrain_cache(cache, rules), h, active, ngen, outs
 
 
-def _prefill_chunk(graphdef, state, cache, h, ids, positions, valid, last_idx, *, rules):
-    """Appends one right-padded chunk [B, T]; keeps the hidden state of each row's last prompt token."""
+def _prefill_chunk(graphdef, state, cache, h, ids, positions, valid, last_idx, *, rules, fresh):
+    """Appends one right-padded chunk [B, T]; keeps the hidden state of each row's last prompt token. `fresh`: no
+    row holds anything yet, so the chunk attends to itself only (`CausalLM.extend_hidden`)."""
     model = nnx.merge(graphdef, state)
-    hidden, cache = model.extend_hidden(ids, positions, cache, valid)
+    hidden, cache = model.extend_hidden(ids, positions, cache, valid, fresh=fresh)
     sel = jnp.take_along_axis(hidden, jnp.maximum(last_idx, 0)[:, None, None], axis=1)[:, 0]  # [B, D]
     h = jnp.where((last_idx >= 0)[:, None], sel.astype(h.dtype), h)
     return _constrain_cache(cache, rules), h
@@ -201,15 +203,19 @@ def _prefill_chunk(graphdef, state, cache, h, ids, positions, valid, last_idx, *
 
 def _regather(cache, rows, keep, *, s_new, rules):
     """New cache [B', s_new] from rows `rows` of the old one, row b truncated to its first keep[b] tokens."""
-    k, v, pos = cache.k[:, rows], cache.v[:, rows], cache.positions[rows]
-    s_old = pos.shape[1]
-    if s_new <= s_old:
-        k, v, pos = k[:, :, :, :s_new], v[:, :, :, :s_new], pos[:, :s_new]
-    else:
-        pad = s_new - s_old
-        k = jnp.pad(k, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0)))
-        v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0)))
-        pos = jnp.pad(pos, ((0, 0), (0, pad)), constant_values=-1)
+    s_old = cache.positions.shape[1]
+
+    def fit(x, fill=0):  # k / v [(L,) B, K, S, H] or positions [B, S]: rows `rows`, S cut or padded to s_new
+        b_axis, s_axis = (0, 1) if x.ndim == 2 else (x.ndim - 4, x.ndim - 2)
+        x = jnp.take(x, rows, axis=b_axis)
+        if s_new <= s_old:
+            return jax.lax.slice_in_dim(x, 0, s_new, axis=s_axis)
+        pad = [(0, 0)] * x.ndim
+        pad[s_axis] = (0, s_new - s_old)
+        return jnp.pad(x, pad, constant_values=fill)
+
+    k, v = jax.tree.map(fit, (cache.k, cache.v))  # stacked [L, B, K, S, H] or tuples of [B, K, S, H]
+    pos = fit(cache.positions, -1)
     pos = jnp.where(jnp.arange(s_new)[None] < keep[:, None], pos, -1)
     return _constrain_cache(KVCache(k, v, pos, keep.astype(jnp.int32)), rules)
 
@@ -225,14 +231,14 @@ def _counted(name, fn):
     return traced
 
 
-def _cpu_decode() -> bool:
+def _cpu_layout() -> bool:
     """Whether to lay the sampler out for XLA's CPU backend, which copies what its matmuls read unless it is laid out
-    as they want: Linear weights inputs first (`input_major_linears`, once per weights) and the decode's layers
-    unrolled over per-layer cache buffers (`KVCache.per_layer`, once per generate call), instead of a copy of every
-    weight (HF layout, or a slice of the stacked layers) and of every layer's cache at every step. At batch 32 on
-    SmolLM2 that was about a third of a decode step's CPU time (benchmarks/RESULTS.md, issue 20). The price is a
-    compile of the decode program that grows with depth; accelerators' matmuls read either layout, so they keep the
-    scan."""
+    as they want: Linear weights inputs first (`input_major_linears`, once per weights) and the layers unrolled
+    over per-layer cache buffers (`KVCache.per_layer`, the cache's layout from allocation on), instead of a copy of
+    every weight (HF layout, or a slice of the stacked layers) and of every layer's cache at every step, and a
+    stack of all the layers' weights per prefill or decode call. At batch 32 on SmolLM2 that was about a third of
+    a decode step's CPU time (benchmarks/RESULTS.md, issue 20). The price is compiles that grow with depth;
+    accelerators' matmuls read either layout, so they keep the scan."""
     return jax.default_backend() == "cpu"
 
 
@@ -242,24 +248,27 @@ def _jitted(graphdef, cfg, unrolled: bool = False) -> SimpleNamespace:
     rules = cfg.sharding_rules
     return SimpleNamespace(
         prefill=jax.jit(_counted("prefill", functools.partial(_prefill_chunk, graphdef, rules=rules)),
-                        donate_argnums=(1, 2)),
+                        static_argnames=("fresh",), donate_argnums=(1, 2)),
         decode=jax.jit(_counted("decode", functools.partial(_decode_chunk, graphdef, rules=rules, unrolled=unrolled)),
                        static_argnames=("n_steps", "greedy", "truncate", "n_logprobs", "raw_logprobs",
                                         "tok_logprobs"),
                        donate_argnums=(1, 2, 4)),
         # Not donated: the new cache has another shape, so XLA could not reuse the old buffers anyway.
         regather=jax.jit(_counted("regather", functools.partial(_regather, rules=rules)), static_argnames=("s_new",)),
-        init_cache=jax.jit(_counted("init_cache", lambda b, s: _constrain_cache(KVCache.init(cfg, b, s), rules)),
+        init_cache=jax.jit(_counted("init_cache", lambda b, s: _constrain_cache(_new_cache(cfg, b, s, unrolled),
+                                                                                rules)),
                            static_argnums=(0, 1)),
-        # The decode's cache layout (`unrolled`) from prefill's and back: one copy each per `generate` call.
-        per_layer=jax.jit(_counted("per_layer", lambda c: _constrain_cache(c.per_layer(), rules))),
-        stacked=jax.jit(_counted("stacked", lambda c: _constrain_cache(c.stacked(), rules))),
     )
+
+
+def _new_cache(cfg, b: int, s: int, per_layer: bool) -> KVCache:
+    cache = KVCache.init(cfg, b, s)
+    return cache.per_layer() if per_layer else cache
 
 
 @functools.lru_cache(maxsize=8)
 def _to_input_major(graphdef):
-    """jitted: the model's state -> the state of its `input_major_linears` copy (see `_cpu_decode`)."""
+    """jitted: the model's state -> the state of its `input_major_linears` copy (see `_cpu_layout`)."""
     return jax.jit(lambda state: nnx.state(input_major_linears(nnx.merge(graphdef, state))))
 
 
@@ -346,7 +355,7 @@ class JaxSampler(Sampler):
                  logprobs_mode: str = "processed", restrict_to_tokenizer: bool = True):
         graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
         self.config = cfg = nnx.merge(graphdef, state).config
-        self._model_graphdef, self._cpu = graphdef, _cpu_decode()
+        self._model_graphdef, self._cpu = graphdef, _cpu_layout()
         # What update_weights takes: the model's state (HF layout), shapes only.
         self._model_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
         if self._cpu:  # the sampler keeps its own copy of the weights, laid out for the CPU's matmuls
@@ -507,7 +516,7 @@ class JaxSampler(Sampler):
             last_c = np.where((last >= c * t) & (last < (c + 1) * t), last - c * t, -1).astype(np.int32)
             cache, h = self._fns.prefill(self._state, cache, h, jnp.asarray(ids[:, sl]),
                                          jnp.asarray(positions[:, sl].astype(np.int32)), jnp.asarray(valid[:, sl]),
-                                         jnp.asarray(last_c))
+                                         jnp.asarray(last_c), fresh=c == 0 and not keep.any())
         plan["cache"] = cache
         return h
 
@@ -527,8 +536,6 @@ class JaxSampler(Sampler):
             "temperature": jnp.float32(max(settings.temperature, _SAMPLING_EPS)), "top_k": jnp.int32(settings.top_k),
             "top_p": jnp.float32(settings.top_p)}
         cache, ngen = plan.pop("cache"), jnp.zeros((b,), jnp.int32)
-        if self._cpu:
-            cache = self._fns.per_layer(cache)
         active = np.zeros(b, bool)
         active[:n] = True
         step0, max_limit = 0, int(plan["limits"].max())
@@ -557,7 +564,7 @@ class JaxSampler(Sampler):
                         break
             active &= np.asarray(dev_active)
             step0 += n_steps
-        self._cache = self._fns.stacked(cache) if self._cpu else cache
+        self._cache = cache
         plan["written"] = written
         return rows
 
