@@ -271,8 +271,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+# Commands that run models: their processes start over with large allocations on huge pages (`hugepages`).
+_MODEL_COMMANDS = ("demo", "train", "sft", "eval", "chat", "quickstart")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if argv is None and args.command in _MODEL_COMMANDS:  # the process's own command line, not a caller's list
+        from arpo_jax import hugepages
+
+        hugepages.reexec_with_hugepages()
     from arpo_jax.run_guard import Stopped
 
     try:

@@ -52,7 +52,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402
 
-from arpo_jax import hf, named_models, testing  # noqa: E402
+from arpo_jax import hf, hugepages, named_models, testing  # noqa: E402
 from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -244,6 +244,7 @@ def _random_model(args, work_dir: Path, max_len: int):
 
 
 def main() -> None:
+    hugepages.reexec_with_hugepages()  # as `arpo-jax train` runs: arpo_jax/hugepages.py
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="a named model, an HF folder, or 'random'")
     ap.add_argument("--hidden", type=int, default=256, help="--model random only")
@@ -341,6 +342,7 @@ def main() -> None:
               f"{r.get('rounds_over_one_round', float('nan')):>9.2f}{b['reused_tokens']:>8}/{b['context_tokens']:<6}")
     summary = {
         "benchmark": "rollout", "cpus": os.cpu_count(), "platform": platform.processor() or platform.machine(),
+        "malloc_hugetlb": hugepages.active(),
         "model": args.model if real else {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads",
                                                                           "vocab")},
         "dtype": args.dtype, "logprob_positions": args.logprob_positions, "skipped": skipped,
