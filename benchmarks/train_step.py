@@ -18,6 +18,10 @@ on CPU its first call also carries the switch (~2-3 s, see main()): `benchmarks/
   python benchmarks/train_step.py [--model smollm2-135m-instruct|PATH|random] [--seq 256 --batch 4 --micro 2]
                                   [--steps 3] [--dtype float32|bfloat16] [--remat none] [--no-scan]
 
+The script restarts itself with glibc's huge-page tunable as `arpo-jax train` does (arpo_jax/hugepages.py), which
+speeds up arpo_jax and slows PyTorch down on CPU; `GLIBC_TUNABLES=glibc.malloc.hugetlb=0` measures both on glibc's
+defaults (benchmarks/RESULTS.md gives both and the cross ratio).
+
 Prints a table, then a final JSON line: tokens/s of both, the ratios (ours / torch; > 1 means faster) and MFU.
 """
 
