@@ -145,3 +145,25 @@ def test_select_rows_renumbers_prompts_and_keeps_their_trees(tok):
     assert out.metrics["rollout/tool_calls"] == a.metrics["rollout/tool_calls"] + b.metrics["rollout/tool_calls"] == 2
     a.metrics["rollout/test_mean"], b.metrics["rollout/test_mean"] = 1.0, 4.0  # means average, counts add
     assert select_rows([(a, [3]), (b, [0])]).metrics["rollout/test_mean"] == pytest.approx(2.5)
+
+
+def test_export_folders_of_killed_processes_are_removed(tmp_path):
+    """A process killed before VllmSampler.close (the OOM killer, SIGKILL) leaves its weight export in /dev/shm,
+    i.e. in RAM; the next sampler's default export folder sweeps those of dead processes and only those."""
+    import os
+    import subprocess
+    import sys
+
+    from arpo_jax.rollout.vllm_sampler import remove_stale_exports
+
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, alive = int(child.stdout), os.getppid()
+    for pid in (dead, alive, os.getpid()):
+        (tmp_path / f"arpo_jax_vllm_{pid}" / "policy").mkdir(parents=True)
+        (tmp_path / f"arpo_jax_vllm_{pid}" / "policy" / "model.safetensors").write_bytes(b"x" * 1024)
+    (tmp_path / f"arpo_jax_vllm_{dead}.log").write_text("a worker log: a file, kept")
+    (tmp_path / "arpo_jax_vllm_cache_0").mkdir()  # not a pid
+    assert remove_stale_exports(tmp_path) == [tmp_path / f"arpo_jax_vllm_{dead}"]
+    kept = [f"arpo_jax_vllm_{alive}", f"arpo_jax_vllm_{os.getpid()}", f"arpo_jax_vllm_{dead}.log",
+            "arpo_jax_vllm_cache_0"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)

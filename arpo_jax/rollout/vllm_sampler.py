@@ -303,10 +303,34 @@ def _accept_into(listener: Listener, accepted: list) -> None:
         pass
 
 
+_EXPORT_PREFIX = "arpo_jax_vllm_"
+
+
 def _default_export_dir() -> Path:
     shm = Path("/dev/shm")
     root = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-    return root / f"arpo_jax_vllm_{os.getpid()}"
+    remove_stale_exports(root)
+    return root / f"{_EXPORT_PREFIX}{os.getpid()}"
+
+
+def remove_stale_exports(root: Path) -> list[Path]:
+    """Removes the export folders `arpo_jax_vllm_<pid>` under `root` whose process is gone (killed before `close`,
+    e.g. by the OOM killer: in /dev/shm each one holds a model's weights in RAM until reboot). Returns them."""
+    removed = []
+    for d in root.glob(f"{_EXPORT_PREFIX}*"):
+        pid = d.name[len(_EXPORT_PREFIX):]
+        if not (pid.isdigit() and d.is_dir()) or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or another user's process: not ours to judge)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
 
 
 # ----------------------------------------------------------------------------------------------------------------
