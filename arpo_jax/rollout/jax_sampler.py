@@ -141,19 +141,19 @@ def sample_categorical(keys: jax.Array, z: jax.Array, block: int = 256) -> jax.A
 
 def _decode_chunk(graphdef, state, cache, h, active, ngen, row_ids, ctx_lens, limits, eos_ids, allowed, seed,
                   temperature, top_k, top_p, *, n_steps, greedy, truncate, n_logprobs, raw_logprobs, rules,
-                  unrolled, tok_logprobs=False):
+                  tok_logprobs=False):
     """`n_steps` sampling steps. Each: logits from the carried hidden state -> sample -> feed the token.
 
     A row samples while `active`; a sampled token is written to the cache unless it ends the row (EOS or the
     row's limit), so a row holds context + its generated tokens but the last. Per-row PRNG key of generated
     position t: fold_in(fold_in(fold_in(key(seed), row_ids = the request's seed), context length), t), independent
     of batching.
-    `unrolled`: the cache is per layer (`KVCache.per_layer`) and the layers run unrolled over it (`_cpu_layout`),
-    each step reading and writing every layer's buffer in place; else the layers run as the model's config says.
+    A per-layer cache (`KVCache.per_layer`, `_cpu_layout`) runs the layers unrolled over it, each step reading and
+    writing every layer's buffer in place; a stacked one runs them as the model's config says.
     """
     model = nnx.merge(graphdef, state)
     layers = None
-    if not unrolled and model.config.scan_layers:
+    if not isinstance(cache.k, tuple) and model.config.scan_layers:
         layers = model.stacked_layers()  # once per call, not per step
     base = jax.random.key(seed)
     row_keys = jax.vmap(lambda i, c: jax.random.fold_in(jax.random.fold_in(base, i), c))(row_ids, ctx_lens)
@@ -243,19 +243,19 @@ def _cpu_layout() -> bool:
 
 
 @functools.lru_cache(maxsize=8)
-def _jitted(graphdef, cfg, unrolled: bool = False) -> SimpleNamespace:
+def _jitted(graphdef, cfg, per_layer_cache: bool = False) -> SimpleNamespace:
     """The jitted prefill / decode / regather / init functions of one model architecture (cache donated)."""
     rules = cfg.sharding_rules
     return SimpleNamespace(
         prefill=jax.jit(_counted("prefill", functools.partial(_prefill_chunk, graphdef, rules=rules)),
                         static_argnames=("fresh",), donate_argnums=(1, 2)),
-        decode=jax.jit(_counted("decode", functools.partial(_decode_chunk, graphdef, rules=rules, unrolled=unrolled)),
+        decode=jax.jit(_counted("decode", functools.partial(_decode_chunk, graphdef, rules=rules)),
                        static_argnames=("n_steps", "greedy", "truncate", "n_logprobs", "raw_logprobs",
                                         "tok_logprobs"),
                        donate_argnums=(1, 2, 4)),
         # Not donated: the new cache has another shape, so XLA could not reuse the old buffers anyway.
         regather=jax.jit(_counted("regather", functools.partial(_regather, rules=rules)), static_argnames=("s_new",)),
-        init_cache=jax.jit(_counted("init_cache", lambda b, s: _constrain_cache(_new_cache(cfg, b, s, unrolled),
+        init_cache=jax.jit(_counted("init_cache", lambda b, s: _constrain_cache(_new_cache(cfg, b, s, per_layer_cache),
                                                                                 rules)),
                            static_argnums=(0, 1)),
     )
