@@ -25,6 +25,7 @@ step (optimizer, gradient accumulation, shardings, init, jit, the forward over a
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,7 @@ from jax.sharding import Mesh
 
 from arpo_jax import algos, sharding
 from arpo_jax import train_step as ts
+from arpo_jax.checkpoint import Checkpointer
 from arpo_jax.models.transformer import CausalLM
 from arpo_jax.models.transformer import Config as ModelConfig
 
@@ -228,3 +230,55 @@ def jit_value_forward(graphdef: nnx.GraphDef, model_cfg: ModelConfig, mesh: Mesh
     """``forward_values`` jitted with ``train_step.jit_forward``: ``fn(params, batch) -> values``, the batch split
     like the train step's."""
     return ts.jit_forward(lambda params, batch: forward_values(graphdef, params, batch), FORWARD_KEYS, model_cfg, mesh)
+
+
+# --------------------------------------------------------------------------------------------------
+# The critic of a run
+# --------------------------------------------------------------------------------------------------
+
+
+class Critic:
+    """The value model of one run: its optimizer, train state, jitted update and forward, and checkpoints.
+
+    Saved in step with the policy in its own folder (`directory`); `state` is None until `init_state` or
+    `restore` sets it.
+    """
+
+    def __init__(self, cfg: CriticConfig, model_cfg: ModelConfig, mesh: Mesh, policy_abstract, total_updates: int,
+                 directory: str | os.PathLike, *, keep: int | None = 3):
+        self.model_cfg = model_cfg
+        self.optimizer = make_optimizer(cfg, total_updates)
+        self.param_shardings = value_param_shardings(model_cfg, mesh)
+        self.abstract = jax.eval_shape(value_params_from_policy, policy_abstract)
+        self.shardings = ts.state_shardings(self.optimizer, self.param_shardings, self.abstract, mesh)
+        graphdef = value_graphdef(model_cfg)
+        self.step_fn = jit_value_step(graphdef, model_cfg, cfg, self.optimizer, mesh, self.shardings)
+        self.value_fn = jit_value_forward(graphdef, model_cfg, mesh)
+        self.ckpt = Checkpointer(directory, max_to_keep=keep)
+        self.state: ts.TrainState | None = None
+
+    def init_state(self, policy_params) -> ts.TrainState:
+        """A fresh state: the backbone copied from the policy's params, a zero head."""
+        params = value_params_from_policy(policy_params)
+        params["value_head"] = jax.tree.map(jax.device_put, params["value_head"], self.param_shardings["value_head"])
+        return ts.init_train_state(params, self.optimizer, self.shardings)
+
+    def restore(self, step: int) -> ts.TrainState:
+        target = ts.abstract_train_state(self.optimizer, self.abstract, self.shardings)
+        return self.ckpt.restore_state(step, target).state
+
+    def save(self, step: int) -> None:
+        self.ckpt.save_state(step, self.state, config=self.model_cfg, force=True)
+
+    def values(self, batch: Batch) -> Array:
+        """Values of a global [K, M, B, T] batch (``forward_values``) with the current params."""
+        return self.value_fn(self.state.params, batch)
+
+    def update(self, minis: list[Batch], epochs: int) -> list[dict[str, Array]]:
+        """`epochs` passes of one optimizer step per mini-batch; the per-step metrics (on device)."""
+        metrics = []
+        for _ in range(epochs):
+            for batch in minis:
+                self.state, m = self.step_fn(self.state, batch)
+                metrics.append(m)
+        return metrics

@@ -2,26 +2,33 @@
 
 `Trainer.train_step` calls them in order, per rollout worker:
 
+  rollout     `collect`: this step's rollouts of every local worker, with dynamic sampling's extra draws;
   reward      `score_rollout` (decode, score: spec 7.2), `shape_rollout` (failures and overlong responses masked,
               the DAPO overlong penalty), `select_groups` (dynamic sampling's pick over several draws);
   advantages  `outcome_advantages` (GRPO family, per prompt group: spec 8.1), or with a critic `gae_inputs` ->
               `gae` -> `response_to_tokens` (spec 8.2), all as token-aligned arrays per trajectory;
   pack        `layout` (where each sequence sits in [K, M, B, T]) and `worker_batch` (the worker's block of the
-              global batch, loss weights from the totals of every worker: `packing.loss_weights`).
+              global batch, loss weights from the totals of every worker: `packing.loss_weights`);
+  metrics     `rollout_metrics`, `update_metrics`, `trajectory_records`.
 
-Nothing here touches a device, a model or another process: what needs them (the critic's values, totals over all
-processes, whitening over the global batch) is passed in.
+Nothing here touches a device, a model or another process: what needs them (the rollout itself, the critic's
+values, totals over all processes, whitening over the global batch) is passed in.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 
 import numpy as np
 
 from arpo_jax import algos, packing, rewards, shaping
-from arpo_jax.rollout.agent_loop import RolloutOutput, select_rows
+from arpo_jax import metrics as metrics_lib
+from arpo_jax.data.rl_dataset import DataPosition
+from arpo_jax.rollout.agent_loop import FAILURE_CAUSES, RolloutOutput, select_rows
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -42,6 +49,59 @@ class Trajectories:
     def failed(self) -> np.ndarray:
         """[N] bool: failed trajectories (out.failed names the cause), masked out of the loss and the baselines."""
         return self.out.failed != ""
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# rollout (and reward, per draw)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def collect(batch_at: Callable[[DataPosition], dict[int, list]], roll: Callable[[list, int, int], Trajectories],
+            position: DataPosition, *, steps_per_epoch: int, need: int, dynamic: bool = False,
+            max_extra_rounds: int = 0, agree_max: Callable[[int], int] = int,
+            gather: Callable[[np.ndarray], np.ndarray] = lambda x: x) -> tuple[dict[int, Trajectories],
+                                                                               DataPosition, dict]:
+    """The rollout and reward phases: this step's shaped rollouts per local worker, the data position after them,
+    and dynamic-sampling metrics.
+
+    Args:
+      batch_at: position -> the prompts of the batch there, per local worker.
+      roll: (prompts, worker, draw) -> the worker's scored, shaped rollout (draw 0: the step's batch).
+      position: where this step's batch starts.
+      need: prompt groups per worker (`data.train_batch_size` / workers).
+      dynamic, max_extra_rounds: `algorithm.dynamic_sampling`: groups whose rewards are all equal are dropped and
+        the next batches of the data stream are rolled out (up to `max_extra_rounds` more) until every worker of
+        every process has `need` informative groups; a worker still short is topped up with dropped groups
+        (`shaping.pick_groups`).
+      agree_max, gather: the largest int over every process, and every process's rows of an array (for counts).
+    """
+    draws: dict[int, list[Trajectories]] = {}
+    informative: dict[int, list[np.ndarray]] = {}
+    have = lambda w: sum(int(i.sum()) for i in informative[w])
+    extra = 0
+    while True:
+        for w, ex in batch_at(position).items():
+            if extra and have(w) >= need:
+                continue  # this worker is full; others draw on
+            t = roll(ex, w, extra)
+            draws.setdefault(w, []).append(t)
+            informative.setdefault(w, []).append(shaping.informative_groups(t.scores, t.group, ~t.failed)[1])
+        position = position.advance(steps_per_epoch)
+        if not dynamic:
+            return {w: d[0] for w, d in draws.items()}, position, {}
+        short = agree_max(max(need - have(w) for w in draws))
+        if extra >= max_extra_rounds or max(short, 0) == 0:
+            break
+        extra += 1
+    trajs, counts = {}, np.zeros(3)  # informative groups drawn, groups drawn, uninformative groups kept
+    for w in draws:
+        picks = shaping.pick_groups(informative[w], need)
+        trajs[w] = select_groups([(t, [k for r, k in picks if r == j]) for j, t in enumerate(draws[w])])
+        counts += (have(w), sum(len(i) for i in informative[w]), sum(not informative[w][r][k] for r, k in picks))
+    counts = gather(counts[None]).sum(0)
+    return trajs, position, {"dynamic_sampling/kept_fraction": float(counts[0] / max(counts[1], 1)),
+                             "dynamic_sampling/extra_rounds": float(extra),
+                             "dynamic_sampling/filled_groups": float(counts[2])}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -82,6 +142,31 @@ def shape_rollout(traj: Trajectories, cfg) -> Trajectories:
     drop = traj.failed | ((traj.out.finish_reason == "length") if a.overlong == "mask" else False)
     masks = [np.zeros_like(m) if d else m for m, d in zip(traj.loss_masks, drop)]
     return dataclasses.replace(traj, scores=np.asarray(scores, np.float32), loss_masks=masks)
+
+
+class FailureBudget:
+    """`rollout.failures`: a step where more than `max_fraction` of the trajectories failed skips its update;
+    `max_skipped_steps` such steps in a row (0: no limit) stop the run."""
+
+    def __init__(self, max_fraction: float, max_skipped_steps: int):
+        self.max_fraction, self.max_skipped_steps = max_fraction, max_skipped_steps
+        self.skipped_in_a_row = 0
+
+    def skip(self, failed: np.ndarray, step: int) -> bool:
+        """True (with a warning) when the step's share of `failed` (bool per trajectory of every process) is over
+        the budget; raises at the `max_skipped_steps`-th such step in a row."""
+        share = float(failed.mean()) if failed.size else 0.0
+        if share <= self.max_fraction:
+            self.skipped_in_a_row = 0
+            return False
+        self.skipped_in_a_row += 1
+        log.warning("step %d: %.0f%% of the trajectories failed (> rollout.failures.max_fraction = %g): the update "
+                    "is skipped (%d step(s) in a row)", step, 100 * share, self.max_fraction, self.skipped_in_a_row)
+        if self.max_skipped_steps and self.skipped_in_a_row >= self.max_skipped_steps:
+            raise RuntimeError(f"{self.skipped_in_a_row} steps in a row had more than rollout.failures.max_fraction="
+                               f"{self.max_fraction:g} of failed trajectories (see the rollout/failed/* metrics): "
+                               "the engine or a tool is broken")
+        return True
 
 
 def select_groups(parts: list[tuple[Trajectories, list[int]]]) -> Trajectories:
@@ -201,3 +286,60 @@ def worker_batch(traj: Trajectories, token_arrays: dict[str, list[np.ndarray]], 
                             agg_mode=cfg.actor.agg_mode, micro_norm=cfg.actor.micro_norm,
                             norm_len=cfg.data.max_response_length,  # seq-mean-token-sum-norm's divisor
                             totals=totals, workers=workers, extra=extra)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# metrics
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def rollout_metrics(trajs: list[Trajectories], *, overlong_mask: bool = False,
+                    gather: Callable[[np.ndarray], np.ndarray] = lambda x: x) -> dict[str, float]:
+    """Rewards, tool calls, lengths, turns, branches and failures of the step's rollouts (per-trajectory values of
+    every process through `gather`), and the rollouts' own engine counters (this process's workers averaged)."""
+    cat = lambda f: gather(np.concatenate([f(t) for t in trajs]).astype(np.float32))
+    scores = gather(np.concatenate([t.scores for t in trajs]))
+    branches = gather(np.asarray([float((t.out.parent_id >= 0).sum()) / max(len(t.out.trees), 1) for t in trajs],
+                                 np.float32))
+    out = {}
+    out |= metrics_lib.summarize("reward", scores)
+    out |= metrics_lib.summarize("tools/calls_per_trajectory", cat(lambda t: t.out.tool_calls))
+    out |= metrics_lib.summarize("response/length", cat(lambda t: t.out.response_length))
+    out |= metrics_lib.summarize("response/turns", cat(lambda t: t.out.rounds))
+    out["reward/accuracy"] = float(np.mean(scores > 0)) if scores.size else 0.0
+    out["rollout/branches_per_prompt"] = float(np.mean(branches))
+    out["reward/format_error_fraction"] = float(np.mean(scores < 0)) if scores.size else 0.0
+    causes = ("", *FAILURE_CAUSES)  # gathered as codes (0 = not failed)
+    failed = gather(np.asarray([causes.index(c) for t in trajs for c in t.out.failed], np.int32))
+    out["rollout/failed"] = float(np.sum(failed > 0))
+    out["rollout/failed_fraction"] = float(np.mean(failed > 0)) if failed.size else 0.0
+    out |= {f"rollout/failed/{c}": float(np.sum(failed == k)) for k, c in enumerate(causes) if c}
+    if overlong_mask:
+        out["response/overlong_masked_fraction"] = float(np.mean(cat(lambda t: t.out.finish_reason == "length")))
+    for key in trajs[0].out.metrics:
+        out[key] = float(np.mean([t.out.metrics[key] for t in trajs]))
+    return out
+
+
+def update_metrics(step_metrics: list[dict], prefix: str = "actor/") -> dict[str, float]:
+    """The update's per-optimizer-step metrics as one record: means, except `*_max` (the max over the steps);
+    `rollout_corr/*` keep their own prefix."""
+    if not step_metrics:
+        return {}
+    name = lambda k: k if k.startswith("rollout_corr/") else f"{prefix}{k}"
+    agg = lambda k: np.max if k.endswith("_max") else np.mean
+    return {name(k): float(agg(k)([np.asarray(m[k]) for m in step_metrics])) for k in step_metrics[0]}
+
+
+def trajectory_records(traj: Trajectories, n: int, step: int) -> list[dict]:
+    """The first `n` trajectories of a rollout as JSON records (`trajectories.jsonl`): text, reward, tree."""
+    records = []
+    for i in range(min(n, len(traj.responses))):
+        tree = traj.out.trees[int(traj.out.prompt_index[i])]
+        records.append({"step": step, "prompt_index": int(traj.out.prompt_index[i]),
+                        "score": float(traj.scores[i]), "reward": traj.reward_infos[i], "response": traj.responses[i],
+                        "tool_calls": int(traj.out.tool_calls[i]), "finish_reason": str(traj.out.finish_reason[i]),
+                        "failed": str(traj.out.failed[i]),
+                        "tree": {"initial_rollouts": tree.initial_rollouts,
+                                 "nodes": [dataclasses.asdict(nd) for nd in tree.nodes]}})
+    return records

@@ -14,6 +14,7 @@ from it with `model.init_checkpoint`), `hf/` (an HF folder with the tokenizer, f
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -28,7 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from arpo_jax import config as config_lib
-from arpo_jax import hf, packing, run_guard, runtime
+from arpo_jax import distributed, hf, packing, run_guard, runtime, skeleton
 from arpo_jax import metrics as metrics_lib
 from arpo_jax import train_step as ts
 from arpo_jax.checkpoint import Checkpointer
@@ -115,10 +116,7 @@ def batch_rows(mesh: Mesh, rules_name: str) -> int:
 
 def to_global(local: dict[str, np.ndarray], sharding: NamedSharding) -> Batch:
     """Global [M, B, T] arrays from each process's [M, B / processes, T] block (its rows of the batch axis)."""
-    def one(x):
-        shape = (x.shape[0], x.shape[1] * jax.process_count(), x.shape[2])
-        return jax.make_array_from_process_local_data(sharding, x, shape)
-    return {k: one(v) for k, v in local.items()}
+    return {k: distributed.global_array(v, sharding) for k, v in local.items()}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -158,108 +156,118 @@ def run_sft(cfg, workdir: str | os.PathLike) -> dict:
 
 
 def _run_sft(cfg, workdir: Path, resuming: bool, stop: run_guard.StopSignals, t_start: float) -> dict:
-    is_main, procs = runtime.is_main_process(), jax.process_count()
+    is_main = runtime.is_main_process()
     mesh = runtime.make_mesh(cfg)
     model, tokenizer, _ = runtime.load_policy(cfg, workdir, mesh)
     config_lib.check_tokenizer(tokenizer, cfg)
-    model_cfg = model.config
-
     # Data: every process tokenises everything (M and the loss-token totals must agree) and packs its own shard.
     data = sft_data.load_sft_examples(cfg.sft.train_files, tokenizer, cutoff_len=cfg.sft.cutoff_len,
                                       mask_tool_results=cfg.sft.mask_tool_results, seed=cfg.seed)
-    bs = cfg.sft.batch_size
-    steps_per_epoch = len(data) // bs  # drop_last: the tail of each (shuffled) epoch waits for the next order
-    if steps_per_epoch == 0:
-        raise ValueError(f"sft.batch_size={bs} is larger than the SFT set ({len(data)} examples)")
-    total_steps = cfg.sft.max_steps or cfg.sft.epochs * steps_per_epoch
-    row_len = cfg.sft.max_token_len_per_device or cfg.sft.cutoff_len
-    rows = batch_rows(mesh, model_cfg.sharding_rules)
-    if rows % procs:
-        raise ValueError(f"the batch is split over {rows} devices, not a multiple of {procs} processes (mesh.shape)")
-    lengths, loss_tokens = data.lengths, data.loss_tokens
+    plan = SftPlan.of(cfg, len(data), mesh, model.config)
 
     # Optimizer (LLaMA-Factory: AdamW, linear warmup over warmup_ratio of the steps, then cosine to 0).
     update_cfg = ts.UpdateConfig(lr=cfg.sft.lr, schedule=cfg.sft.schedule, weight_decay=cfg.sft.weight_decay,
-                                 warmup_steps=math.ceil(cfg.sft.warmup_ratio * total_steps))
-    optimizer, schedule = ts.make_optimizer(update_cfg, total_steps), ts.make_schedule(update_cfg, total_steps)
-    graphdef, params = ts.split_model(model)
+                                 warmup_steps=math.ceil(cfg.sft.warmup_ratio * plan.total_steps))
+    jit = lambda g, mc, opt, mesh, sh: jit_sft_step(g, mc, opt, mesh, sh, chunk=cfg.actor.logprob_chunk)
+    policy, params = skeleton.build_policy(model, update_cfg, plan.total_steps, mesh, jit)
     del model
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    state_sh = ts.state_shardings(optimizer, ts.param_shardings(model_cfg, mesh), abstract, mesh)
-    step_fn = jit_sft_step(graphdef, model_cfg, optimizer, mesh, state_sh, chunk=cfg.actor.logprob_chunk)
-    batch_sh = NamedSharding(mesh, ts.batch_spec(mesh, model_cfg.sharding_rules))
+    batch_sh = NamedSharding(mesh, ts.batch_spec(mesh, policy.model_cfg.sharding_rules))
 
     # Resume, or start.
-    ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=cfg.trainer.keep_checkpoints)
-    latest = None
-    if resuming and ckpt.all_steps():
-        # The newest step whose files and params are intact; a damaged newer one is moved aside (logged).
-        target = ts.abstract_train_state(optimizer, abstract, state_sh)
-        latest, (state, position, _) = ckpt.restore_newest_intact(lambda s: ckpt.restore_state(s, target))
-        log.info("resumed SFT from %s step %d", ckpt.directory, latest)
-    else:
-        state, position = ts.init_train_state(params, optimizer, state_sh), rl_dataset.DataPosition()
-    del params
+    ckpts = skeleton.RunCheckpoints([Checkpointer(workdir / "checkpoints", max_to_keep=cfg.trainer.keep_checkpoints)])
+    latest, (state, position) = ckpts.resume_or_init(
+        resuming, lambda s: ckpts.main.restore_state(s, policy.restore_target())[:2],
+        lambda: (policy.init_state(params), rl_dataset.DataPosition()))
+    if latest is not None:
+        log.info("resumed SFT from %s step %d", ckpts.main.directory, latest)
+    params = None  # the state holds its own copy
     step = start_step = latest or 0
-    logger = metrics_lib.MetricsLogger(workdir, loggers=tuple(cfg.trainer.loggers), config=config_lib.redact(cfg),
-                                       project=cfg.trainer.project, experiment=cfg.trainer.experiment or workdir.name,
-                                       resume_step=latest, enabled=is_main)
-    bar = metrics_lib.progress(total_steps, "sft", enabled=cfg.trainer.progress and is_main, initial=step)
+    logger = skeleton.open_logger(cfg, workdir, resume_step=latest, enabled=is_main)
+    bar = metrics_lib.progress(plan.total_steps, "sft", enabled=cfg.trainer.progress and is_main, initial=step)
 
-    def save(state: ts.TrainState, step: int, position: rl_dataset.DataPosition) -> None:
-        ckpt.save_state(step, state, config=model_cfg, position=position, meta={"epoch": position.epoch, "kind": "sft"})
+    def save() -> None:
+        ckpts.main.save_state(step, state, config=policy.model_cfg, position=position,
+                              meta={"epoch": position.epoch, "kind": "sft"})
 
     loss = float("nan")
     t_last = time.perf_counter()
-    while True:
-        ckpt.raise_if_failed()  # a save that failed in the background (full disk) stops the run now
-        # Checked after the last step too: a signal during it stops the run as asked (the step is saved).
-        if stop.requested():
-            bar.close()
-            if step > start_step and step not in ckpt.all_steps():
-                save(state, step, position)
-            ckpt.wait()
-            ckpt.close()
-            logger.close()
-            raise stop.stopped(f"step {step} is saved in {ckpt.directory}; the same command resumes it"
-                               if step else "no step was trained, nothing to save")
-        if step >= total_steps:
-            break
-        # This step's examples: a seeded permutation per epoch, this process's contiguous shard of the batch.
-        idx = rl_dataset.batch_indices(len(data), bs, position.epoch, position.step_in_epoch, seed=cfg.data.seed,
-                                       shuffle=cfg.data.shuffle, drop_last=True)
-        shards = [rl_dataset.shard(idx, p, procs) for p in range(procs)]
-        num_micro = micro_batches_needed([lengths[s] for s in shards], row_len=row_len, rows=rows // procs)
-        local = pack_sft_batch([data[i] for i in shards[jax.process_index()]], row_len=row_len, rows=rows // procs,
-                               total_loss_tokens=int(loss_tokens[idx].sum()), num_micro=num_micro)
-        state, m = step_fn(state, to_global(local, batch_sh))
-
-        step += 1
-        position = position.advance(steps_per_epoch)
-        loss = float(m["loss"])
-        now = time.perf_counter()
-        logger.log(step, {"sft/loss": loss, "sft/grad_norm": float(m["grad_norm"]), "sft/skipped": float(m["skipped"]),
-                          "sft/lr": float(schedule(step - 1)), "sft/epoch": step / steps_per_epoch,
-                          "sft/loss_tokens": int(loss_tokens[idx].sum()),
-                          "sft/tokens_per_s": float(lengths[idx].sum()) / max(now - t_last, 1e-9),
-                          "sft/micro_batches": num_micro})
-        t_last = now
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}")
-        epoch_end = cfg.sft.save_freq == 0 and position.step_in_epoch == 0
-        if epoch_end or (cfg.sft.save_freq and step % cfg.sft.save_freq == 0) or step == total_steps:
-            save(state, step, position)
-
-    bar.close()
-    ckpt.wait()
-    if step not in ckpt.all_steps():  # a resumed run that had already finished
-        save(state, step, position)
-        ckpt.wait()
-    hf_dir = export_hf(graphdef, state.params, workdir / "hf", tokenizer)
-    runtime.barrier("sft_export")
-    ckpt.close()
-    logger.close()
-    return {"final_loss": loss, "steps": step, "start_step": start_step, "total_steps": total_steps,
+    try:
+        while True:
+            ckpts.raise_if_failed()  # a save that failed in the background (full disk) stops the run now
+            # Checked after the last step too: a signal during it stops the run as asked (the step is saved).
+            if stop.requested():
+                bar.close()
+                raise stop.stopped(ckpts.save_for_stop(step, save))
+            if step >= plan.total_steps:
+                break
+            idx, local, num_micro = plan.batch(data, position)
+            state, m = policy.step_fn(state, to_global(local, batch_sh))
+            step += 1
+            position = position.advance(plan.steps_per_epoch)
+            loss = float(m["loss"])
+            now = time.perf_counter()
+            logger.log(step, {"sft/loss": loss, "sft/grad_norm": float(m["grad_norm"]),
+                              "sft/skipped": float(m["skipped"]), "sft/lr": float(policy.schedule(step - 1)),
+                              "sft/epoch": step / plan.steps_per_epoch,
+                              "sft/loss_tokens": int(data.loss_tokens[idx].sum()),
+                              "sft/tokens_per_s": float(data.lengths[idx].sum()) / max(now - t_last, 1e-9),
+                              "sft/micro_batches": num_micro})
+            t_last = now
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}")
+            epoch_end = cfg.sft.save_freq == 0 and position.step_in_epoch == 0
+            if epoch_end or (cfg.sft.save_freq and step % cfg.sft.save_freq == 0) or step == plan.total_steps:
+                save()
+        bar.close()
+        ckpts.wait()
+        if step not in ckpts.main.all_steps():  # a resumed run that had already finished
+            save()
+            ckpts.wait()
+        hf_dir = export_hf(policy.graphdef, state.params, workdir / "hf", tokenizer)
+        runtime.barrier("sft_export")
+    finally:
+        ckpts.close()
+        logger.close()
+    return {"final_loss": loss, "steps": step, "start_step": start_step, "total_steps": plan.total_steps,
             "examples": len(data), "skipped": len(data.skipped), "truncated": data.truncated, "dropped": data.dropped,
             "skipped_updates": int(state.skipped), "wall_time_s": time.perf_counter() - t_start,
-            "workdir": str(workdir), "checkpoint_dir": str(ckpt.directory), "hf_dir": str(hf_dir)}
+            "workdir": str(workdir), "checkpoint_dir": str(ckpts.main.directory), "hf_dir": str(hf_dir)}
+
+
+@dataclasses.dataclass(frozen=True)
+class SftPlan:
+    """The run's shape: steps, and how each step's examples are packed over the processes."""
+
+    batch_size: int  # examples per optimizer step, all processes together
+    steps_per_epoch: int
+    total_steps: int
+    row_len: int  # T
+    rows: int  # B: rows per micro-batch of the global batch
+    seed: int  # data.seed
+    shuffle: bool  # data.shuffle
+
+    @classmethod
+    def of(cls, cfg, examples: int, mesh: Mesh, model_cfg: ModelConfig) -> SftPlan:
+        bs = cfg.sft.batch_size
+        steps_per_epoch = examples // bs  # drop_last: the tail of each (shuffled) epoch waits for the next order
+        if steps_per_epoch == 0:
+            raise ValueError(f"sft.batch_size={bs} is larger than the SFT set ({examples} examples)")
+        rows, procs = batch_rows(mesh, model_cfg.sharding_rules), jax.process_count()
+        if rows % procs:
+            raise ValueError(f"the batch is split over {rows} devices, not a multiple of {procs} processes "
+                             "(mesh.shape)")
+        return cls(bs, steps_per_epoch, cfg.sft.max_steps or cfg.sft.epochs * steps_per_epoch,
+                   cfg.sft.max_token_len_per_device or cfg.sft.cutoff_len, rows, cfg.data.seed, cfg.data.shuffle)
+
+    def batch(self, data, position: rl_dataset.DataPosition) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
+        """The step's example indices, this process's packed [M, B / processes, T] block and M (agreed)."""
+        # A seeded permutation per epoch; each process packs its contiguous shard of the batch.
+        idx = rl_dataset.batch_indices(len(data), self.batch_size, position.epoch, position.step_in_epoch,
+                                       seed=self.seed, shuffle=self.shuffle, drop_last=True)
+        procs = jax.process_count()
+        shards = [rl_dataset.shard(idx, p, procs) for p in range(procs)]
+        rows = self.rows // procs
+        num_micro = micro_batches_needed([data.lengths[s] for s in shards], row_len=self.row_len, rows=rows)
+        local = pack_sft_batch([data[i] for i in shards[jax.process_index()]], row_len=self.row_len, rows=rows,
+                               total_loss_tokens=int(data.loss_tokens[idx].sum()), num_micro=num_micro)
+        return idx, local, num_micro

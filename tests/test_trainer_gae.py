@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from arpo_jax import components, experience, metrics, packing
@@ -48,23 +49,24 @@ def _gae_loop(rewards: np.ndarray, values: np.ndarray) -> np.ndarray:
     return adv
 
 
+@pytest.mark.slow  # a trainer and its rollouts
 def test_gae_packed_equals_direct(tmp_path):
     cfg = _config(tmp_path, "--config.trainer.max_steps=1")
     tr = trainer_lib.Trainer(cfg, tmp_path / "run")
     try:
         # A random value head, so the values (and their alignment) matter.
-        head = tr.critic_state.params["value_head"]
+        head = tr.critic.state.params["value_head"]
         head["weight"] = jax.device_put(0.05 * jax.random.normal(jax.random.key(1), head["weight"].shape),
                                         head["weight"].sharding)
         head["bias"] = jax.device_put(jnp.full(head["bias"].shape, 0.3), head["bias"].sharding)
         trajs = {w: tr._reward(tr._rollout(ex, w), ex) for w, ex in tr._batch_examples().items()}
         arrays = tr._advantages(trajs)
-        layouts = tr._layouts(trajs)
+        layouts = tr.batches.layouts(trajs)
         packed = {w: experience.worker_batch(trajs[w], arrays[w], layouts[w], cfg) for w in trajs}
 
         model = critic_lib.ValueModel(tr.model_cfg, rngs=nnx.Rngs(0))
         state = nnx.state(model, nnx.Param)
-        nnx.replace_by_pure_dict(state, jax.device_get(tr.critic_state.params))
+        nnx.replace_by_pure_dict(state, jax.device_get(tr.critic.state.params))
         nnx.update(model, state)
         expected_adv, expected_ret, expected_val, masks = [], [], [], []
         for t in trajs.values():
@@ -101,6 +103,7 @@ def test_gae_packed_equals_direct(tmp_path):
         tr.close()
 
 
+@pytest.mark.slow  # three trainer runs, one resumed
 def test_gae_loop_warmup_checkpoint_resume(tmp_path):
     workdir = tmp_path / "run"
     args = ("--config.critic.warmup_steps=1", "--config.trainer.save_freq=1", "--config.trainer.keep_checkpoints=3")
@@ -136,10 +139,10 @@ def test_gae_loop_warmup_checkpoint_resume(tmp_path):
         assert tr.step == 2
         with Checkpointer(workdir / "critic_checkpoints", async_save=False) as ck:
             saved = ck.restore(2, params_target=jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tr.critic_state.params))[0]
-        for a, b in zip(leaves(saved), leaves(jax.device_get(tr.critic_state.params))):
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tr.critic.state.params))[0]
+        for a, b in zip(leaves(saved), leaves(jax.device_get(tr.critic.state.params))):
             np.testing.assert_array_equal(np.asarray(a), b)
-        assert int(tr.critic_state.step) == critic_updates(2)
+        assert int(tr.critic.state.step) == critic_updates(2)
     finally:
         tr.close()
 

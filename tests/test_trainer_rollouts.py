@@ -80,6 +80,7 @@ def _leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
 
 
+@pytest.mark.slow  # trainer runs
 def test_injected_tool_and_engine_failures_are_masked_and_counted(tmp_path):
     cfg = _config(tmp_path, TEXT_REWARD, "--config.trainer.max_steps=1", "--config.tools.retry_count=2")
     tr = trainer_lib.Trainer(cfg, tmp_path / "run")
@@ -109,7 +110,8 @@ def test_injected_tool_and_engine_failures_are_masked_and_counted(tmp_path):
             # Masked: no loss token, no loss weight in the packed batch; every other trajectory trains.
             assert not t.loss_masks[0].any() and not t.loss_masks[1].any()
             assert all(m.any() for m in t.loss_masks[2:])
-            layout = experience.layout(t, cfg, mini_prompts=2, rows=tr.rows_per_worker, row_len=tr.row_len)
+            layout = experience.layout(t, cfg, mini_prompts=2, rows=tr.batches.rows_per_worker,
+                                       row_len=tr.batches.row_len)
             adv = experience.outcome_advantages(t, cfg.algorithm.adv_estimator)
             batch = experience.worker_batch(t, {"advantages": adv}, layout, cfg)
             for i in range(len(t.sequences)):
@@ -121,19 +123,21 @@ def test_injected_tool_and_engine_failures_are_masked_and_counted(tmp_path):
             np.testing.assert_allclose([adv[2][-1], adv[3][-1]], (s - s.mean()) / (s.std(ddof=1) + 1e-6), rtol=1e-5)
 
         # More failures than rollout.failures.max_fraction: the step is skipped (params unchanged) and logged.
-        tr.cfg.rollout.failures.max_fraction = 0.1
+        tr.failures.max_fraction = 0.1
         tr.total_steps = 2
         out = tr.train_step()
         assert out["rollout/step_skipped"] == 1 and "actor/grad_norm" not in out and tr.step == 2
         assert all(np.array_equal(a, b) for a, b in zip(p1, _leaves(tr.state.params)))
-        tr.cfg.rollout.failures.max_skipped_steps = 3  # the third such step in a row stops the run
-        assert tr._too_many_failures(seen[0]) and tr.skipped_in_a_row == 2
+        tr.failures.max_skipped_steps = 3  # the third such step in a row stops the run
+        failed = np.concatenate([t.failed for t in seen[0].values()]).astype(np.float32)
+        assert tr.failures.skip(failed, 3) and tr.failures.skipped_in_a_row == 2
         with pytest.raises(RuntimeError, match="3 steps in a row"):
-            tr._too_many_failures(seen[0])
+            tr.failures.skip(failed, 4)
     finally:
         tr.close()
 
 
+@pytest.mark.slow  # trainer runs
 def test_dynamic_sampling_and_overlong_handling(tmp_path):
     cfg = _config(tmp_path, HALF_CONSTANT_REWARD, "--config.trainer.max_steps=1",
                   "--config.algorithm.dynamic_sampling=true", "--config.algorithm.max_extra_rounds=3",
