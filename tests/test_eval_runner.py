@@ -178,6 +178,7 @@ def test_pass_at_k_equals_pass_at_k_of_the_samples(evaluated):
         assert rep["benchmarks"][name]["pass@k"] == pytest.approx(pk)
 
 
+@pytest.mark.slow  # `arpo-jax eval` / chat subprocess runs
 def test_sigkill_and_a_torn_write_resume_to_the_uninterrupted_report(evaluated, tiny_model, shared):
     root, env = shared
     workdir = root / "killed"
@@ -269,6 +270,7 @@ def test_compare_puts_eval_and_training_runs_side_by_side(evaluated, shared, cap
     assert (out / report_lib.COMPARE_PNG).is_file() == HAS_MATPLOTLIB
 
 
+@pytest.mark.slow  # `arpo-jax eval` / chat subprocess runs
 def test_chat_from_piped_stdin_with_an_orbax_checkpoint(shared, tiny_model):
     root, env = shared
     ckpt = root / "orbax"

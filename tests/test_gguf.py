@@ -165,6 +165,7 @@ def _smollm2_gguf():
     return named_models.gguf_file(SMOLLM2)
 
 
+@pytest.mark.slow  # SmolLM2
 def test_named_model_is_converted_once_and_equals_transformers_dequantization(smollm2, tmp_path):
     torch = pytest.importorskip("torch")
     pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
@@ -202,6 +203,7 @@ def test_named_model_is_converted_once_and_equals_transformers_dequantization(sm
     assert hf.checkpoint_dtype(out) == "bfloat16"
 
 
+@pytest.mark.slow  # SmolLM2
 def test_two_processes_convert_a_gguf_once_and_never_see_half_a_folder(smollm2, tmp_path):
     """Two processes ask for the same `.gguf` model at once in a fresh cache: one converts (under the lock), the other
     waits and reuses; both get the same complete folder."""

@@ -7,9 +7,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 
 import arpo_jax
+
+pytestmark = pytest.mark.slow  # two JAX processes
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
 

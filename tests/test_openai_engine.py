@@ -380,6 +380,7 @@ def test_judge_falls_back_to_the_rule_when_the_server_fails():
 
 
 @needs_vllm
+@pytest.mark.slow  # a vLLM server
 def test_greedy_matches_the_jax_sampler(jax_reference, sampler, fitted):
     tok = fitted[0]
     requests_, jax_plain, _ = jax_reference
@@ -397,6 +398,7 @@ def test_greedy_matches_the_jax_sampler(jax_reference, sampler, fitted):
 
 
 @needs_vllm
+@pytest.mark.slow  # a vLLM server
 def test_stop_string_straddling_token_borders(sampler, jax_reference, fitted):
     tok = fitted[0]
     requests_, jax_plain, jax_straddle = jax_reference
@@ -411,6 +413,7 @@ def test_stop_string_straddling_token_borders(sampler, jax_reference, fitted):
 
 
 @needs_vllm
+@pytest.mark.slow  # a vLLM server
 def test_length_and_context_clipping(sampler, fitted):
     tok = fitted[0]
     prompt = tok.encode(ADD)
@@ -423,6 +426,7 @@ def test_length_and_context_clipping(sampler, fitted):
 
 
 @needs_vllm
+@pytest.mark.slow  # a vLLM server
 def test_seeded_sampling_is_reproducible(sampler, fitted):
     tok = fitted[0]
     rng = np.random.default_rng(3)
@@ -439,6 +443,7 @@ def test_seeded_sampling_is_reproducible(sampler, fitted):
 
 
 @needs_vllm
+@pytest.mark.slow  # a vLLM server
 def test_logprobs_of_sampled_tokens(sampler, fitted):
     tok = fitted[0]
     rng = np.random.default_rng(4)
@@ -454,6 +459,7 @@ def test_logprobs_of_sampled_tokens(sampler, fitted):
 
 
 @needs_vllm
+@pytest.mark.slow  # a vLLM server
 def test_text_prompt_format(sampler, fitted, vllm_server):
     tok = fitted[0]
     requests_ = _parity_requests(tok)[:4]  # corpus text: decoding and re-encoding give the same ids
@@ -464,6 +470,7 @@ def test_text_prompt_format(sampler, fitted, vllm_server):
 
 
 @needs_vllm
+@pytest.mark.slow  # a vLLM server
 def test_server_4xx_is_reported(fitted, vllm_server):
     with OpenAISampler(vllm_server.url(), "no-such-model", fitted[0], max_model_len=MAX_LEN) as s:
         with pytest.raises(OpenAIServerError, match="HTTP 404.*no-such-model") as info:
@@ -472,6 +479,7 @@ def test_server_4xx_is_reported(fitted, vllm_server):
 
 
 @needs_vllm
+@pytest.mark.slow  # a vLLM server
 def test_agent_loop_end_to_end_with_the_python_tool(sampler, jax_sampler, fitted):
     from arpo_jax.tools import make_executor
 
@@ -496,6 +504,7 @@ def test_agent_loop_end_to_end_with_the_python_tool(sampler, jax_sampler, fitted
 
 
 @needs_vllm
+@pytest.mark.slow  # a vLLM server
 def test_llm_judge_through_chat_completions(vllm_server):
     url = vllm_server.url()
     question, gold = "What is 12 times 19?", ["228", "two hundred twenty-eight"]

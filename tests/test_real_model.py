@@ -20,7 +20,7 @@ from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
 
 # The SmolLM2 tests run a JAX model and a vLLM engine (and the demo a whole run) at once: under pytest-xdist they
 # share one worker (`--dist loadgroup`), so two of them never hold their memory at the same time.
-pytestmark = pytest.mark.xdist_group("smollm2")
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]  # SmolLM2, vLLM
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = str(REPO / "arpo_jax" / "configs" / "toy_cpu.py")

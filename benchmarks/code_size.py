@@ -1,0 +1,145 @@
+"""Code size budget and import cycles of the package (ast only: nothing is imported or run).
+
+The budget (docs/STYLE: modules <= 600 lines, classes <= 300, functions <= 80; the commented config literals,
+`get_config` in arpo_jax/configs/, aside) and the cycles of the import graph between arpo_jax modules, counting
+function-local imports too (a cycle hidden in a function is still a cycle in the design).
+
+  python benchmarks/code_size.py            # a table of what exceeds, the cycles, a final JSON line
+  python benchmarks/code_size.py --all      # also the size distribution of every function
+
+tests/test_code_size.py runs the same checks as a ratchet: nothing new may exceed the budget, and no cycle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "arpo_jax"
+BUDGET = {"module": 600, "class": 300, "function": 80}
+
+
+def _lines(node: ast.AST) -> int:
+    """Lines of a def or class, its decorators included."""
+    first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+    return node.end_lineno - first + 1
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_config_literal(path: Path, name: str) -> bool:
+    """`get_config()` of an experiment file: one commented ConfigDict literal, long by design."""
+    return name == "get_config" and "configs" in path.parts
+
+
+def sizes(package: Path = PACKAGE) -> list[dict]:
+    """Every module, class and function (methods and nested functions included) with its line count."""
+    out = []
+    for path in sorted(package.rglob("*.py")):
+        rel = str(path.relative_to(package.parent))
+        tree = ast.parse(path.read_text(), filename=rel)
+        out.append({"kind": "module", "name": rel, "lines": len(path.read_text().splitlines())})
+        stack = [(tree, "")]
+        while stack:
+            node, prefix = stack.pop()
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    kind = "class" if isinstance(child, ast.ClassDef) else "function"
+                    qual = f"{prefix}{child.name}"
+                    if not (kind == "function" and is_config_literal(path, child.name)):
+                        out.append({"kind": kind, "name": f"{rel}:{child.lineno} {qual}", "lines": _lines(child)})
+                    stack.append((child, qual + "."))
+                else:
+                    stack.append((child, prefix))
+    return out
+
+
+def over_budget(items: list[dict]) -> list[dict]:
+    return sorted((i for i in items if i["lines"] > BUDGET[i["kind"]]), key=lambda i: (i["kind"], -i["lines"]))
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """module -> the arpo_jax modules it imports anywhere in its body (package `__init__`s left out: importing a
+    name from a package is not a dependency on its siblings)."""
+    files = {module_name(p): p for p in package.rglob("*.py")}
+    packages = {module_name(p) for p in package.rglob("__init__.py")}
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        if mod in packages:
+            continue
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps.add(node.module)
+                deps |= {f"{node.module}.{a.name}" for a in node.names}  # `from pkg import module`
+        graph[mod] = {d for d in deps if d in files and d not in packages and d != mod}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index, low, on_stack, stack, out = {}, {}, set(), [], []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10_000)
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--all", action="store_true", help="also print the function size distribution")
+    args = parser.parse_args()
+    items = sizes()
+    over = over_budget(items)
+    print(f"{'kind':9} {'lines':>6} {'budget':>6}  name")
+    for i in over:
+        print(f"{i['kind']:9} {i['lines']:6d} {BUDGET[i['kind']]:6d}  {i['name']}")
+    found = cycles(import_graph())
+    print(f"\nimport cycles: {len(found)}")
+    for c in found:
+        print("  " + " <-> ".join(c))
+    funcs = sorted(i["lines"] for i in items if i["kind"] == "function")
+    dist = {"functions": len(funcs), "median": statistics.median(funcs),
+            "p90": funcs[int(0.9 * (len(funcs) - 1))], "max": funcs[-1]}
+    if args.all:
+        print("\nfunction sizes:", dist)
+    print(json.dumps({"over_budget": {k: sum(i["kind"] == k for i in over) for k in BUDGET},
+                      "cycles": len(found), "modules": sum(i["kind"] == "module" for i in items),
+                      "lines": sum(i["lines"] for i in items if i["kind"] == "module"), **dist}))
+
+
+if __name__ == "__main__":
+    main()
