@@ -27,8 +27,9 @@ def _tune_xla_cpu() -> None:
 
 _tune_xla_cpu()
 
-from arpo_jax.hf import from_pretrained, save_pretrained
+from arpo_jax.hf import save_pretrained
 from arpo_jax.models import CausalLM, Config, KVCache, init_model
+from arpo_jax.pretrained import from_pretrained
 from arpo_jax.sharding import make_mesh
 
 __version__ = "0.1.0"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from arpo_jax import train_step as ts
 from arpo_jax.data import toy
+from arpo_jax.prompts import REFERENCE_DATA_SYSTEM_PROMPT, SYSTEM_PROMPT
 from arpo_jax.rollout.agent_loop import RolloutConfig
 from arpo_jax.rollout.sampler import Sampler, SamplingSettings
 from arpo_jax.tools import ToolExecutor, make_executor
@@ -136,3 +137,10 @@ def update_config(cfg) -> ts.UpdateConfig:
         temperature=cfg.rollout.temperature or 1.0, logprob_chunk=a.logprob_chunk, max_grad_norm=a.max_grad_norm,
         lr=a.lr, schedule=a.schedule, warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio,
         weight_decay=a.weight_decay)
+
+
+def system_prompt_for(cfg) -> str:
+    """The system prompt of a config's training data: the built-in toy tasks' (a real `\\boxed`) when every
+    training file is `builtin:toy`, else the reference data's bytes (the backspace artifact kept)."""
+    files = list(cfg.data.train_files)
+    return SYSTEM_PROMPT if files and all(f == toy.BUILTIN for f in files) else REFERENCE_DATA_SYSTEM_PROMPT

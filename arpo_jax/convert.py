@@ -8,7 +8,7 @@ from pathlib import Path
 
 from flax import nnx
 
-from arpo_jax import checkpoint, hf
+from arpo_jax import checkpoint, hf, pretrained
 
 TOKENIZER_SUBDIR = "tokenizer"
 
@@ -21,7 +21,7 @@ def hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = 
         raise ValueError(f"--out {out_dir} exists and is not a folder: pick a checkpoint directory to create")
     t0 = time.perf_counter()
     dtype = dtype or hf.checkpoint_dtype(hf_dir)
-    model = hf.from_pretrained(hf_dir, dtype=dtype, mesh=mesh)
+    model = pretrained.from_pretrained(hf_dir, dtype=dtype, mesh=mesh)
     t1 = time.perf_counter()
     with checkpoint.Checkpointer(out_dir) as ckpt:
         if step in ckpt.all_steps():

@@ -5,7 +5,7 @@ Everything is built offline in the work directory, then the real commands' code 
   1. data     synthetic tasks (`arpo_jax.data.toy`) that a 135M model cannot answer alone: multiplying two 3-4
               digit numbers (guessing cannot hit the product) needs <python>; facts about invented countries need
               <search> (offline BM25 over a generated corpus); two-hop questions need both. Rendered in the model's
-              own chat template with a short system prompt (`toy.DEMO_SYSTEM_PROMPT`, ~70 tokens instead of the
+              own chat template with a short system prompt (`prompts.DEMO_SYSTEM_PROMPT`, ~70 tokens instead of the
               reference's ~270; same tags and answer format) and scored by the reference reward (`deep_research`)
               unchanged. Cold-start conversations are deliberately imperfect: most of them make one typical agent
               mistake (`toy.flawed_text`: the wrong operation, the wrong result page, no final Python call).
@@ -85,13 +85,13 @@ def _log(msg: str) -> None:
 
 def write_data(directory: Path, size: DemoSize, seed: int, *, max_results: int, result_length: int) -> dict[str, str]:
     """The cold-start conversations (JSON lines, OpenAI messages) and the RL train / val parquet files, all with the
-    demo's short system prompt (`toy.DEMO_SYSTEM_PROMPT`); the model's own chat template renders them.
+    demo's short system prompt (`prompts.DEMO_SYSTEM_PROMPT`); the model's own chat template renders them.
 
     The conversations' tool results are what the tools really return in the rollout (the BM25 search with the run's
     max_results / result_length), so SFT teaches the model the contexts it will see.
     """
     from arpo_jax.data import toy
-    from arpo_jax.prompts import chat_messages
+    from arpo_jax.prompts import DEMO_SYSTEM_PROMPT, chat_messages
     from arpo_jax.tools import LocalSearchTool
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -99,12 +99,12 @@ def write_data(directory: Path, size: DemoSize, seed: int, *, max_results: int, 
     tasks = [toy.with_search_results(t, search) for t in toy.toy_tasks("sft", size.sft_examples, seed)]
     flawed = flawed_indices([t.data_source for t in tasks], size.flaw_fraction, np.random.default_rng([seed, 11]))
     answers = [toy.flawed_text(t) if i in flawed else toy.solution_text(t) for i, t in enumerate(tasks)]
-    rows = [{"messages": [*chat_messages(t.question, toy.DEMO_SYSTEM_PROMPT), {"role": "assistant", "content": a}]}
+    rows = [{"messages": [*chat_messages(t.question, DEMO_SYSTEM_PROMPT), {"role": "assistant", "content": a}]}
             for t, a in zip(tasks, answers, strict=True)]
     sft_file = directory / "sft.jsonl"
     sft_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
     train, val = toy.write_toy_parquet(str(directory), n_train=size.train_prompts, n_val=size.val_prompts, seed=seed,
-                                       system_prompt=toy.DEMO_SYSTEM_PROMPT)
+                                       system_prompt=DEMO_SYSTEM_PROMPT)
     return {"sft": str(sft_file), "train": train, "val": val}
 
 
@@ -186,16 +186,16 @@ def transcript(hf_dir: Path, cfg, question: str, engine: str = "transformers") -
     transformers, vllm or jax."""
     from transformers import AutoTokenizer
 
-    from arpo_jax import components, hf, prompts
-    from arpo_jax.data import rl_dataset, toy
+    from arpo_jax import components, pretrained, prompts
+    from arpo_jax.data import rl_dataset
     from arpo_jax.rollout.agent_loop import greedy_settings, rollout
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    model = hf.from_pretrained(hf_dir) if engine == "jax" else None
+    model = pretrained.from_pretrained(hf_dir) if engine == "jax" else None
     sampler = components.make_sampler(cfg, tokenizer, engine=engine, model=model, folder=hf_dir)
     executor = components.make_tool_executor(cfg)
     try:
-        messages = prompts.chat_messages(question, toy.DEMO_SYSTEM_PROMPT)
+        messages = prompts.chat_messages(question, prompts.DEMO_SYSTEM_PROMPT)
         prompt = rl_dataset.encode_prompt(tokenizer, messages).tolist()  # exactly as the training prompts
         settings = greedy_settings(components.sampling_settings(cfg, seed=cfg.seed))
         out = rollout([prompt], sampler, executor, tokenizer, components.rollout_config(cfg).for_validation(),

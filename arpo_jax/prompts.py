@@ -47,12 +47,3 @@ def chat_messages(question: str, system_prompt: str = REFERENCE_DATA_SYSTEM_PROM
     """``[{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]``: a prompt as the
     RL data stores it, to be rendered with the tokenizer's chat template and the generation prompt (spec 2.2)."""
     return [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
-
-
-def system_prompt_for(cfg) -> str:
-    """The system prompt of a config's training data: the built-in toy tasks' (a real `\\boxed`) when every
-    training file is `builtin:toy`, else the reference data's bytes (the backspace artifact kept)."""
-    from arpo_jax.data.toy import BUILTIN
-
-    files = list(cfg.data.train_files)
-    return SYSTEM_PROMPT if files and all(f == BUILTIN for f in files) else REFERENCE_DATA_SYSTEM_PROMPT

@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 from safetensors.numpy import load_file
 
-from arpo_jax import bpe, convert, hf
+from arpo_jax import bpe, convert, hf, pretrained
 from arpo_jax.models import CausalLM, Config, KVCache
 
 
@@ -128,7 +128,7 @@ def run(workdir: str | Path, *, seed: int = 0, max_new_tokens: int = 40, fit_ste
     identical = a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     _log(f"HF -> orbax ({workdir / 'orbax'}) -> HF ({workdir / 'export'}): tensors bit-identical: {identical}")
 
-    reloaded = hf.from_pretrained(workdir / "export")
+    reloaded = pretrained.from_pretrained(workdir / "export")
     ids = np.asarray([tokenizer.encode("<search> who wrote book 12 </search>")])
     diff = _transformers_max_diff(workdir / "export", reloaded, ids)
     parity = "skipped (torch not installed)" if diff is None else f"max |logit diff| {diff:.2e}"

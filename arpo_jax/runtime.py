@@ -17,7 +17,7 @@ import jax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from arpo_jax import hf, named_models, sharding
+from arpo_jax import hf, named_models, pretrained, sharding
 from arpo_jax.models import CausalLM
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,8 @@ def load_policy(cfg, workdir: str | os.PathLike, mesh: Mesh) -> tuple[CausalLM, 
     """(model sharded over `mesh`, tokenizer, its HF folder) for the config's starting point."""
     folder = model_dir(cfg, workdir)
     if not cfg.model.init_checkpoint:
-        return hf.from_pretrained(folder, mesh=mesh, **runtime_options(cfg)), load_tokenizer(cfg, folder), folder
+        model = pretrained.from_pretrained(folder, mesh=mesh, **runtime_options(cfg))
+        return model, load_tokenizer(cfg, folder), folder
     from arpo_jax.checkpoint import Checkpointer
 
     with Checkpointer(os.path.expandvars(cfg.model.init_checkpoint), async_save=False) as ckpt:

@@ -1,5 +1,9 @@
 """The ARPO / AEPO training loop (spec section 1), plain Python that reads top to bottom.
 
+`Trainer.__init__` is the setup and the resume (the run skeleton it shares with SFT is `skeleton.py`), `Trainer.run`
+the loop (stop protocol, step, validation, metrics, checkpoints), `Trainer.train_step` one step; below the class,
+the setup helpers and `GlobalBatch`, the layout of the step's batch over workers and processes.
+
 One training step (`Trainer.train_step`), phase by phase, each timed as `time/<phase>`:
   rollout      a batch of `data.train_batch_size` prompts (seeded shuffle per epoch, drop_last); every process
                takes its own contiguous share and splits it over its rollout workers; each worker runs the tool

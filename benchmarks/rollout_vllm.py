@@ -26,7 +26,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 
-from arpo_jax import hf, testing  # noqa: E402
+from arpo_jax import pretrained, testing  # noqa: E402
 from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings  # noqa: E402
 from arpo_jax.rollout.vllm_sampler import VllmSampler  # noqa: E402
 
@@ -74,7 +74,7 @@ def main() -> None:
         cont_s = time.perf_counter() - t
         reuse = dict(sampler.last_stats)
 
-        model = hf.from_pretrained(model_dir, dtype=args.dtype)
+        model = pretrained.from_pretrained(model_dir, dtype=args.dtype)
         syncs = []
         for _ in range(3):
             sampler.update_weights(model)

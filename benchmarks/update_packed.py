@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import jax
 import numpy as np
 
-from arpo_jax import components, hf, named_models, packing, runtime
+from arpo_jax import components, named_models, packing, pretrained, runtime
 from arpo_jax import config as config_lib
 from arpo_jax import train_step as ts
 
@@ -64,7 +64,7 @@ def main() -> None:
     variants = [[s for s in v.split(",") if s] for v in (args.variant or [""])]
     base = load_config(args.model, [])
     mesh = runtime.make_mesh(base)
-    model = hf.from_pretrained(named_models.model_folder(args.model), mesh=mesh, scan_layers=not args.no_scan,
+    model = pretrained.from_pretrained(named_models.model_folder(args.model), mesh=mesh, scan_layers=not args.no_scan,
                                **runtime.runtime_options(base))
     vocab = model.config.vocab_size
     graphdef, params = ts.split_model(model)

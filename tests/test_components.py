@@ -2,7 +2,7 @@
 
 import pytest
 
-from arpo_jax import components, hf, testing
+from arpo_jax import components, pretrained, testing
 from arpo_jax import config as config_lib
 from arpo_jax.rollout.jax_sampler import JaxSampler
 
@@ -15,7 +15,8 @@ def cfg():
 
 def test_the_jax_engine_takes_the_config_settings(cfg, tiny_hf_dir):
     folder, _ = tiny_hf_dir("qwen2")
-    sampler = components.make_sampler(cfg, testing.make_tiny_tokenizer(folder), model=hf.from_pretrained(folder))
+    model = pretrained.from_pretrained(folder)
+    sampler = components.make_sampler(cfg, testing.make_tiny_tokenizer(folder), model=model)
     assert isinstance(sampler, JaxSampler)
     assert (sampler.max_len, sampler.decode_chunk, sampler.prefill_chunk) == (128, 8, cfg.rollout.jax.prefill_chunk)
 

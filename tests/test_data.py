@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from arpo_jax import testing
+from arpo_jax import prompts, testing
 from arpo_jax.data import (
     DataPosition,
     batch_indices,
@@ -76,7 +76,7 @@ def test_backspace_artifact_kept(tok, name):
     system = ex.messages[0]["content"]
     assert system.count("\x08oxed{") == 2 and "\\boxed" not in system  # spec 2.3: stored bytes, as they are
     assert "\x08oxed{" in tok.decode(ex.prompt_ids)
-    assert system == toy.SYSTEM_PROMPT.replace("\\boxed", "\x08oxed")  # toy prompt = reference minus the artifact
+    assert system == prompts.SYSTEM_PROMPT.replace("\\boxed", "\x08oxed")  # toy prompt = reference minus the artifact
 
 
 @needs_data
@@ -212,7 +212,8 @@ def test_toy_rows_follow_the_reference_schema(tok, tmp_path):
     assert {r["data_source"] for r in rows} == set(toy.DATA_SOURCES)
     for i, r in enumerate(rows):
         assert set(r) == {"data_source", "prompt", "ability", "reward_model", "extra_info"}
-        assert [m["role"] for m in r["prompt"]] == ["system", "user"] and r["prompt"][0]["content"] == toy.SYSTEM_PROMPT
+        assert [m["role"] for m in r["prompt"]] == ["system", "user"]
+        assert r["prompt"][0]["content"] == prompts.SYSTEM_PROMPT
         gt = r["reward_model"]["ground_truth"]
         assert r["reward_model"]["style"] == "rule" and isinstance(gt, str) and gt
         assert gt.isdigit() or r["data_source"] == "toy_lookup"  # only a capital's name is not a number
@@ -220,7 +221,7 @@ def test_toy_rows_follow_the_reference_schema(tok, tmp_path):
     arith = [r for r in rows if r["data_source"] == "toy_arith"]
     a, b = map(int, re.findall(r"\d+", arith[0]["prompt"][1]["content"]))
     assert 100 <= a < 10_000 and 100 <= b < 10_000 and arith[0]["reward_model"]["ground_truth"] == str(a * b)
-    assert toy.SYSTEM_PROMPT.count("\\boxed{") == 2 and "\x08" not in toy.SYSTEM_PROMPT
+    assert prompts.SYSTEM_PROMPT.count("\\boxed{") == 2 and "\x08" not in prompts.SYSTEM_PROMPT
 
     train, val = toy.write_toy_parquet(str(tmp_path), n_train=12, n_val=6)
     mtime = os.path.getmtime(train)
@@ -254,7 +255,7 @@ def test_toy_solutions_and_tokenizer_corpus():
     text = toy.solution_text(task)
     assert text.count("<result>\n") == len(task.steps) == 3 and text.endswith(f"\\boxed{{{task.answer}}} </answer>")
     lines = toy.tokenizer_corpus()
-    assert lines[0] == toy.SYSTEM_PROMPT and set(toy.corpus()) <= set(lines)
+    assert lines[0] == prompts.SYSTEM_PROMPT and set(toy.corpus()) <= set(lines)
     assert any("<python>" in x and "<answer>" in x for x in lines) and any("<search>" in x for x in lines)
     tok = testing.make_tiny_tokenizer(corpus=lines, vocab_size=1024)
     ids = tok.encode(text, add_special_tokens=False)

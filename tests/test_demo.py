@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from arpo_jax import rewards
+from arpo_jax import prompts, rewards
 from arpo_jax.data import toy
 from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
 
@@ -36,6 +36,7 @@ def quick_demo(tmp_path_factory, smollm2):  # smollm2: the named model converted
     return workdir, proc.stdout
 
 
+@pytest.mark.slow  # the demo CLI on SmolLM2
 def test_quick_demo_runs_every_phase(quick_demo):
     workdir, stdout = quick_demo
     summary = json.loads(stdout.strip().splitlines()[-1])  # the last line is the summary
@@ -69,12 +70,13 @@ def test_quick_demo_runs_every_phase(quick_demo):
     sft_rows = [json.loads(line) for line in (workdir / "data" / "sft.jsonl").read_text().splitlines()]
     tasks = toy.toy_tasks("sft", len(sft_rows), 0)
     assert [r["messages"][1]["content"] for r in sft_rows] == [t.question for t in tasks]
-    assert {r["messages"][0]["content"] for r in sft_rows} == {toy.DEMO_SYSTEM_PROMPT}  # the short system prompt
+    assert {r["messages"][0]["content"] for r in sft_rows} == {prompts.DEMO_SYSTEM_PROMPT}  # the short system prompt
     flawed = sum(f"\\boxed{{{t.answer}}}" not in r["messages"][-1]["content"] for r, t in zip(sft_rows, tasks))
     assert 0 < flawed < len(sft_rows)  # deliberately imperfect cold-start data
     assert "--- transformers ---" in stdout and "validation accuracy" in stdout
 
 
+@pytest.mark.slow  # the demo CLI on SmolLM2
 def test_second_algorithm_reuses_the_sft_model(quick_demo):
     """`--algo grpo` in the same work dir resumes data, model and SFT (no new SFT step), so both algorithms start
     from the same model: the greedy SFT baseline validation is the same number."""
@@ -143,7 +145,7 @@ def test_transformers_sampler_matches_the_jax_sampler(tiny_hf_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from arpo_jax import hf, testing
+    from arpo_jax import pretrained, testing
     from arpo_jax.rollout.hf_sampler import TransformersSampler
     from arpo_jax.rollout.jax_sampler import JaxSampler
 
@@ -151,11 +153,11 @@ def test_transformers_sampler_matches_the_jax_sampler(tiny_hf_dir):
     tokenizer = testing.make_tiny_tokenizer(folder)
     prompts = [tokenizer.encode("<think> compute </think> <python> print(1)"), tokenizer.encode("hello world")]
     requests = [SampleRequest(p, max_tokens=12) for p in prompts]
-    jax_out = JaxSampler(hf.from_pretrained(folder), tokenizer, max_len=64).generate(
+    jax_out = JaxSampler(pretrained.from_pretrained(folder), tokenizer, max_len=64).generate(
         requests, SamplingSettings(temperature=0.0, logprobs=0))
     stop = tokenizer.decode(jax_out[0].token_ids[3:5])  # a stop string the greedy output does contain
     settings = SamplingSettings(temperature=0.0, logprobs=0, stop=(stop,))
-    jax_out = JaxSampler(hf.from_pretrained(folder), tokenizer, max_len=64).generate(requests, settings)
+    jax_out = JaxSampler(pretrained.from_pretrained(folder), tokenizer, max_len=64).generate(requests, settings)
     torch_out = TransformersSampler(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
                                     tokenizer).generate(requests, settings)
     for j, t in zip(jax_out, torch_out):
@@ -165,6 +167,7 @@ def test_transformers_sampler_matches_the_jax_sampler(tiny_hf_dir):
     assert jax_out[0].finish_reason == "stop"
 
 
+@pytest.mark.slow  # SmolLM2's tokenizer
 def test_demo_prompts_and_solutions_fit_its_lengths_in_the_chat_template(smollm2):
     """With SmolLM2's tokenizer and ChatML template, every demo prompt (the short system prompt + a question) fits
     data.max_prompt_length and every solved response (real search results) fits data.max_response_length with its
@@ -181,11 +184,11 @@ def test_demo_prompts_and_solutions_fit_its_lengths_in_the_chat_template(smollm2
                              result_length=cfg.tools.search.result_length)
     longest = {}
     for task in toy.toy_tasks("val", 60, 0):
-        messages = [{"role": "system", "content": toy.DEMO_SYSTEM_PROMPT}, {"role": "user", "content": task.question}]
+        messages = prompts.chat_messages(task.question, prompts.DEMO_SYSTEM_PROMPT)
         prompt = rl_dataset.encode_prompt(tokenizer, messages)
         response = tokenizer.encode(toy.solution_text(toy.with_search_results(task, search)))
         assert len(prompt) <= cfg.data.max_prompt_length
         assert len(response) + 1 <= cfg.data.max_response_length
         longest[task.data_source] = max(longest.get(task.data_source, 0), len(response))
-    assert tokenizer.decode(prompt).startswith(f"<|im_start|>system\n{toy.DEMO_SYSTEM_PROMPT}<|im_end|>")
+    assert tokenizer.decode(prompt).startswith(f"<|im_start|>system\n{prompts.DEMO_SYSTEM_PROMPT}<|im_end|>")
     assert longest["toy_twohop"] > longest["toy_arith"]  # the two-hop solutions set the response length

@@ -221,16 +221,16 @@ def test_training_system_prompt_keeps_the_backspace_artifact():
 
 def test_the_eval_prompt_is_the_prompt_of_the_training_data():
     """A model trained on the built-in toy tasks saw a real \\boxed, one trained on the reference files the
-    backspace artifact: `system_prompt_for` gives each its own (the eval agent's prompt_ids use it)."""
+    backspace artifact: `components.system_prompt_for` gives each its own (the eval agent's prompt_ids use it)."""
     from ml_collections import ConfigDict
 
-    from arpo_jax import prompts
+    from arpo_jax import components, prompts
     from arpo_jax.data import toy
 
     toy_cfg = ConfigDict({"data": {"train_files": [toy.BUILTIN]}})
-    assert prompts.system_prompt_for(toy_cfg) == toy.SYSTEM_PROMPT and "\\boxed{" in toy.SYSTEM_PROMPT
+    assert components.system_prompt_for(toy_cfg) == prompts.SYSTEM_PROMPT and "\\boxed{" in prompts.SYSTEM_PROMPT
     for files in (["/data/train_10k.parquet"], [toy.BUILTIN, "/data/more.parquet"], []):
         cfg = ConfigDict({"data": {"train_files": files}})
-        assert prompts.system_prompt_for(cfg) == B.TRAINING_SYSTEM_PROMPT
+        assert components.system_prompt_for(cfg) == B.TRAINING_SYSTEM_PROMPT
     row = toy.toy_rows("val", 1)[0]
-    assert row["prompt"] == prompts.chat_messages(row["extra_info"]["question"], toy.SYSTEM_PROMPT)
+    assert row["prompt"] == prompts.chat_messages(row["extra_info"]["question"], prompts.SYSTEM_PROMPT)

@@ -251,8 +251,9 @@ def _toy_config(max_steps):
     return c
 
 
+@pytest.mark.slow  # whole SFT runs
 def test_run_sft_on_toy_data_learns_checkpoints_exports_and_resumes(tmp_path):
-    from arpo_jax import checkpoint, hf, metrics
+    from arpo_jax import checkpoint, metrics, pretrained
 
     out = sft_lib.run_sft(_toy_config(8), tmp_path)
     assert out["steps"] == 8 and out["start_step"] == 0 and out["skipped"] == 0 and out["examples"] > 0
@@ -264,7 +265,7 @@ def test_run_sft_on_toy_data_learns_checkpoints_exports_and_resumes(tmp_path):
     ckpt = checkpoint.Checkpointer(tmp_path / "checkpoints")
     assert ckpt.all_steps() == [4, 8] and ckpt.read_meta(8)["data_position"]["epoch"] == 0
     ckpt.close()
-    exported = hf.from_pretrained(tmp_path / "hf")
+    exported = pretrained.from_pretrained(tmp_path / "hf")
     assert exported.config.vocab_size > 0 and (tmp_path / "hf" / "tokenizer.json").is_file()
 
     # A restart picks up at the newest checkpoint (one more step, so the test stays short).
@@ -290,6 +291,7 @@ def test_template_that_rewrites_the_answer_is_bypassed_for_the_final_turn(tok):
     assert _pieces(q3, ids, mask, text)[0] == PART1 + PART2 + "<|im_end|>"
 
 
+@pytest.mark.slow  # whole SFT runs
 def test_sigterm_stops_sft_at_a_step_with_a_checkpoint_and_the_resume_loses_nothing(tmp_path):
     """SIGTERM (sent to this process, as SLURM does) in the middle of SFT: the current step finishes and is saved
     although it is not a save_freq step, metrics are flushed, `Stopped` carries exit status 143; the resume

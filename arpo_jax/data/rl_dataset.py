@@ -14,11 +14,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from arpo_jax.data.sources import check_files, check_parquet, parquet_records  # noqa: F401 - config reads check_parquet
 
 log = logging.getLogger(__name__)
 
@@ -153,45 +154,6 @@ def encode_prompt(tokenizer, messages: list[dict]) -> np.ndarray:
 MAX_ROW_WARNINGS = 5  # malformed rows logged one by one; the rest are counted
 
 
-def _check_files(files: str | Sequence[str]) -> list[str]:
-    files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
-    if not files:
-        raise ValueError("no data files given (data.train_files / data.val_files is empty)")
-    files = [os.path.expandvars(os.path.expanduser(str(f))) for f in files]
-    for f in files:
-        if not os.path.isfile(f):
-            raise FileNotFoundError(f"data file not found: {f}")
-    return files
-
-
-def check_parquet(file: str, prompt_key: str) -> str:
-    """'' if `file` is a readable parquet file with rows and the columns a row needs, else the problem in words.
-
-    Reads the file's footer only (milliseconds), so a launch can refuse a bad file before building any model."""
-    import pyarrow.parquet as pq
-
-    try:
-        meta = pq.ParquetFile(file)
-        columns, rows = meta.schema_arrow.names, meta.metadata.num_rows
-    except Exception as e:  # pyarrow raises ArrowInvalid / OSError for garbage, empty or truncated files
-        return f"{file!r} is not a readable parquet file ({' '.join(str(e).split())[:200]})"
-    missing = [c for c in ("data_source", prompt_key) if c not in columns]
-    if missing:
-        return f"{file!r} has no column(s) {missing} (its columns: {columns})"
-    if rows == 0:
-        return f"{file!r} has no rows"
-    return ""
-
-
-def parquet_records(files: Sequence[str]) -> Iterator[tuple[str, int, dict]]:
-    """(file, row, record) for every row of every file, in order (pyarrow, one file in memory at a time)."""
-    import pyarrow.parquet as pq
-
-    for f in files:
-        for row, record in enumerate(pq.read_table(f).to_pylist()):
-            yield f, row, record
-
-
 def _overlong_error(f: str, row: int, n: int, max_prompt_length: int) -> ValueError:
     return ValueError(
         f"{f} row {row}: the prompt is {n} tokens after the chat template, longer than data.max_prompt_length="
@@ -225,7 +187,7 @@ def load_rl_dataset(files: str | Sequence[str], tokenizer, *, prompt_key: str = 
         raise ValueError(f"data.source={source!r}; allowed: {'|'.join(SOURCES)}")
     if max_prompt_length <= 0:
         raise ValueError(f"data.max_prompt_length must be positive, got {max_prompt_length}")
-    files = _check_files(files)
+    files = check_files(files)
     if source == "tfds":
         from arpo_jax.data import tfds_builders
 

@@ -16,6 +16,8 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 
+from arpo_jax.data.sources import parquet_records
+
 DATASET_NAME = "arpo_rl_parquet"
 SPLIT = "train"  # one split per config: the whole file (train/valid/test is the file's role, not a TFDS split)
 
@@ -89,8 +91,6 @@ def builder_class():
             return {SPLIT: self._generate_examples()}
 
         def _generate_examples(self):
-            from arpo_jax.data.rl_dataset import parquet_records
-
             for _, row, record in parquet_records([self._parquet_file]):
                 yield row, {"row": row, "record": json.dumps(record, ensure_ascii=False, default=str)}
 
@@ -112,7 +112,7 @@ def prepare(parquet_file: str, data_dir: str = "") -> tuple[str, str]:
 
 
 def tfds_records(files: Sequence[str], data_dir: str = "") -> Iterator[tuple[str, int, dict]]:
-    """(file, row, record) like `rl_dataset.parquet_records`, read through `tfds.data_source`."""
+    """(file, row, record) like `sources.parquet_records`, read through `tfds.data_source`."""
     _require()
     import tensorflow_datasets as tfds
 

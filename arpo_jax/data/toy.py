@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from arpo_jax.prompts import DEMO_SYSTEM_PROMPT, SYSTEM_PROMPT, chat_messages  # noqa: F401 - toy.*_PROMPT
+from arpo_jax.prompts import SYSTEM_PROMPT, chat_messages
 
 DATA_SOURCES = ("toy_arith", "toy_lookup", "toy_twohop")
 BUILTIN = "builtin:toy"  # the data.train_files / data.val_files value that selects this task set

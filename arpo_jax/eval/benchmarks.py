@@ -307,7 +307,7 @@ def build_messages(question: str, *, system_prompt: str = TRAINING_SYSTEM_PROMPT
     """The chat messages that prompt a model at evaluation time: exactly the training prompt (spec B17).
 
     The RL parquet files use one system prompt for math and deep-search rows alike, and the bare question as the
-    user turn, so there is no per-task variant. `prompts.system_prompt_for(cfg)` gives the prompt of a config's
+    user turn, so there is no per-task variant. `components.system_prompt_for(cfg)` gives the prompt of a config's
     training data (e.g. the built-in toy tasks' real ``\\boxed``); the default is the reference data's bytes.
     """
     return chat_messages(question, system_prompt)

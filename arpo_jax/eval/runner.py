@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 from ml_collections import ConfigDict
 
-from arpo_jax import components, named_models, prompts, runtime, trainer
+from arpo_jax import components, named_models, runtime, trainer
 from arpo_jax import config as config_lib
 from arpo_jax import metrics as metrics_lib
 from arpo_jax.data import rl_dataset
@@ -240,8 +240,8 @@ class Agent:
 
     def prompt_ids(self, question: str) -> list[int]:
         """The training prompt of ``question``: the system prompt of the config's training data
-        (``prompts.system_prompt_for``) + the user turn, chat template, generation prompt."""
-        messages = build_messages(question, system_prompt=prompts.system_prompt_for(self.cfg))
+        (``components.system_prompt_for``) + the user turn, chat template, generation prompt."""
+        messages = build_messages(question, system_prompt=components.system_prompt_for(self.cfg))
         return rl_dataset.encode_prompt(self.tokenizer, messages).tolist()
 
     def settings(self, seed: int, temperature: float | None = None):
