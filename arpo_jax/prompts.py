@@ -6,9 +6,9 @@ conversations, the evaluation, the chat and the demo build the same two messages
 Which system prompt: the one the model was trained on. The reference's parquet files store its two `\\boxed` as the
 backspace byte + "oxed" (a Python "\\b" escape accident, spec 2.3 / B13), and models trained on them saw those
 bytes: `REFERENCE_DATA_SYSTEM_PROMPT` reproduces them. The built-in toy tasks were written with a real `\\boxed`
-(`SYSTEM_PROMPT`), and the demo uses a shorter prompt (`DEMO_SYSTEM_PROMPT`). `system_prompt_for(cfg)` picks the
-one that matches a config's training data, so an evaluation shows a model the prompt it learnt from (spec B17's
-fix) rather than a corrected prompt it never saw: this is a property of the trained weights, not a reference bug a
+(`SYSTEM_PROMPT`), and the demo uses a shorter prompt (`DEMO_SYSTEM_PROMPT`). `components.system_prompt_for(cfg)`
+picks the one that matches a config's training data, so an evaluation shows a model the prompt it learnt from (spec
+B17's fix) rather than a corrected prompt it never saw: this is a property of the trained weights, not a reference bug a
 default could repair.
 """
 
