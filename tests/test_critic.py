@@ -94,6 +94,7 @@ def test_value_loss_reference_compat_drops_the_half(monkeypatch):
     np.testing.assert_allclose(float(micro(True)), 2 * float(micro(False)), rtol=1e-6)
 
 
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_values_are_next_token_aligned_and_layout_independent(tiny):
     """Token-aligned value j (after unpack) is V(tokens < j): the model's last-slot value on the prefix."""
     graphdef, params = tiny
@@ -179,6 +180,7 @@ def _grads(graphdef, params, batch, cfg, mesh=None):
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2, 2), (1, 8, 1)])
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_sharded_value_step_equals_single_device(tiny, mesh_shape):
     graphdef, params = tiny
     cfg = critic.CriticConfig(cliprange_value=0.2)

@@ -293,6 +293,7 @@ def test_sampling_is_restricted_to_tokenizer_ids(tiny_hf_dir, tokenizer):
         assert (ids.max() < len(tokenizer)) == restrict
 
 
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_compiles_are_bounded_by_the_buckets(tiny_hf_dir, tokenizer):
     path, _ = tiny_hf_dir("qwen2")
     sampler = _sampler(path, tokenizer, max_len=64, decode_chunk=4, prefill_chunk=64)
@@ -332,6 +333,7 @@ def test_update_weights_swaps_the_params(tiny_hf_dir, tokenizer):
     _assert_same_results(sampler.generate([SampleRequest(prompt, 8)], GREEDY), new)
 
 
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_sharded_equals_unsharded(tiny_hf_dir, tokenizer):
     path, _ = tiny_hf_dir("qwen2")
     mesh = sharding.make_mesh((2, 2, 2))

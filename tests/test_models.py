@@ -115,6 +115,7 @@ def test_kv_cache_prefill_decode_equals_full_forward(tiny_hf_dir, variant):
     np.testing.assert_array_equal(np.asarray(cache.lengths), [14, 14])
 
 
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_kv_cache_rows_with_ragged_appends_and_branch_copy(tiny_hf_dir):
     """Right-padded chunks reclaim their padding slots; a copied cache row continues like its parent."""
     path, _ = tiny_hf_dir("qwen2")
@@ -142,6 +143,7 @@ def test_kv_cache_rows_with_ragged_appends_and_branch_copy(tiny_hf_dir):
 
 
 @pytest.mark.parametrize("remat", ["full", "dots", "dots_no_batch"])
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_remat_policies_give_the_same_gradients(tiny_hf_dir, remat):
     from flax import nnx
 
@@ -181,6 +183,7 @@ def test_invalid_runtime_choice_names_the_field(field, value):
         cfg.replace(**{field: value})
 
 
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_fully_masked_rows_stay_finite_in_forward_and_gradient(tiny_hf_dir):
     """Padding queries attend to nothing; NaN there would poison gradients even when the loss masks them out."""
     from flax import nnx
@@ -203,6 +206,7 @@ def test_fully_masked_rows_stay_finite_in_forward_and_gradient(tiny_hf_dir):
 
 @pytest.mark.parametrize("block_size,dtype", [(4, jnp.float32), (5, jnp.float32), (64, jnp.float32),
                                               (4, jnp.bfloat16)])
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_blockwise_attention_equals_xla_attention_values_and_gradients(block_size, dtype):
     """The CPU training attention (query blocks, hand-written backward) against jax.nn.dot_product_attention:
     grouped-query heads, packed segments, padding, left padding and a ragged last block."""
@@ -256,6 +260,7 @@ def test_cpu_training_forward_uses_blockwise_attention(tiny_hf_dir):
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_scanned_layers_equal_unrolled(tiny_hf_dir, remat):
     """`scan_layers` (one lax.scan over stacked layer params) == the Python loop over layers: logits, gradients
     of a loss w.r.t. every param (same per-layer tree), and the cached extend path (prefill then decode)."""
@@ -313,6 +318,7 @@ def test_extend_drops_padding_past_the_cache_end(tiny_hf_dir):
 
 
 @pytest.mark.parametrize("per_layer", [False, True])
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_fresh_chunk_attends_to_itself_like_the_cache(tiny_hf_dir, per_layer):
     """`extend_hidden(fresh=True)` (a first chunk on empty rows: causal attention over the chunk alone) gives the
     hidden states and cache of attending over the whole cache, right padding included, and decodes on alike."""
@@ -338,6 +344,7 @@ def test_fresh_chunk_attends_to_itself_like_the_cache(tiny_hf_dir, per_layer):
 
 
 @pytest.mark.parametrize("variant", ["qwen2", "llama31"])
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_sampler_cpu_layout_equals_the_model(tiny_hf_dir, variant):
     """The JAX sampler's CPU layout: Linear weights stored inputs first (`input_major_linears`, einsums rewritten)
     and the layers unrolled over per-layer cache buffers (`KVCache.per_layer`) give the model's logits and cache."""

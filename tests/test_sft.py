@@ -198,6 +198,7 @@ def test_loss_is_token_mean_nll(tiny):
     assert metrics["skipped"] == 0 and metrics["grad_norm"] > 0
 
 
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_micro_batch_split_invariance(tiny):
     _, _, examples = tiny
     one, many = _batch(examples, rows=16), _batch(examples, rows=1)
@@ -212,6 +213,7 @@ def test_micro_batch_split_invariance(tiny):
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_sharded_step_equals_single_device(tiny, optimizer):
     """SGD(1) compares the gradients themselves; AdamW the sharded optimizer state. Adam's first step is about
     lr * g / |g| per element, which turns float-rounding noise on near-zero gradients into differences up to lr,

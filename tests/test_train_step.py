@@ -99,6 +99,7 @@ def test_forward_logprobs_of_packed_rows_match_transformers(tiny):
         np.testing.assert_allclose(h[1:], expected_h, atol=2e-4)
 
 
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_micro_batch_split_invariance(tiny):
     """Default normalisation: 1 or 4 rows per micro-batch give the same loss and gradients; 'reference' does not."""
     _, _, model_cfg, graphdef, params = tiny
@@ -133,6 +134,7 @@ def test_packed_equals_padded(tiny):
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2, 2), (1, 8, 1)])
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_sharded_step_equals_single_device(tiny, mesh_shape):
     path, _, model_cfg, graphdef, params = tiny
     # lr 1e-5: Adam's first step is lr * g / (|g| + eps), ill-conditioned where |g| ~ eps = 1e-8 (a few such
@@ -220,6 +222,7 @@ def test_reference_compat_reproduces_b2_noop(tiny):
     assert _max_diff(fixed, plain) > 1e-4  # computing entropy (the default) makes the advantage reshaping act
 
 
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_reference_micro_norm_uses_micro_batch_entropy_statistics(tiny):
     """With one micro-batch the reference and default modes agree; entropy stats then pool the same tokens."""
     _, _, model_cfg, graphdef, params = tiny
@@ -239,6 +242,7 @@ def _with_rollout_logp(batch, layout, shifts):
     return batch | {"rollout_logp": packing.place(layout, [o - sh for o, sh in zip(old, shifts)])}
 
 
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_rollout_correction_truncate_weights_the_token_losses(tiny):
     """TIS in the step: rho = pi_old / pi_rollout per token, loss x min(rho, 2); with no KL/entropy terms that is the
     step on advantages x min(rho, 2). rollout_logp == old_logp (or NaN: none reported) changes nothing."""
