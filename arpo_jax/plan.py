@@ -373,7 +373,7 @@ def evaluate(programs: dict[str, dict[str, float]], device: str, engine: str, gp
            "items_gib": items, "program_peaks_gib": {k: round(v, 2) for k, v in peaks.items()},
            "jax_fraction": jax_fraction}
     if engine == "vllm" and DEVICES[device].kind == "gpu":
-        out["items_gib"]["vllm_engine_gpu0 (not JAX's)"] = round(gpu_memory_utilization * hbm, 2)
+        out["items_gib"]["vllm_engine_gpu0"] = round(gpu_memory_utilization * hbm, 2)
         out["engine_fraction_max"] = round(1.0 - CUDA_RESERVE - jax_fraction, 2)
     return out
 
