@@ -10,8 +10,8 @@ Two parts:
   attention workspace, the log-prob head's chunk, KV cache and sampler weights. Sharded sizes are exact (the same
   rules table as the run, `sharding.logical_to_spec`); activation sizes are a model of what a GPU/TPU compiler
   keeps (below). It needs no device and no compile: `config.jax_mem_fraction` uses it at launch.
-* **The compiled check** (`compile_programs`): the update and the log-prob forward (and the sampler's prefill and
-  decode for the JAX engine) are lowered and compiled at the config's real widths and lengths on fake CPU devices
+* **The compiled check** (`compile_check`): the update and the log-prob forward (and the sampler's prefill and
+  decode for the JAX engine, `compile_sampler`) are lowered and compiled at the config's real widths and lengths on fake CPU devices
   with abstract inputs (nothing allocated), with a reduced layer count for compile time. XLA's argument bytes are
   exact and checked against the model's state items (scaled to the full depth: layers are identical). XLA's CPU
   temporaries are reported but not used for the fit: the CPU compiler upcasts bf16 dots to float32 and its buffer
@@ -505,8 +505,8 @@ def _memory(compiled) -> dict:
 def plan(model_cfg: models.Config, mesh_shape, update_cfg: ts.UpdateConfig, *, micro: int, rows: int,
          seq: int, forward: bool = False) -> dict:
     """Per-device bytes of one optimizer step of [micro, rows, seq] on `mesh_shape` (and, with `forward`, of the
-    log-prob forward over the same batch), compiled on this host's devices with abstract inputs."""
-    mesh = sharding.make_mesh(mesh_shape)
+    log-prob forward over the same batch), compiled on this host's first devices with abstract inputs."""
+    mesh = sharding.make_mesh(mesh_shape, devices=jax.devices()[:math.prod(mesh_shape)])
     graphdef, abstract_state, opt, shardings, state = _abstract_state(model_cfg, mesh, update_cfg)
     batch = _abstract_batch(mesh, model_cfg, update_cfg, micro, rows, seq)
     step = ts.jit_train_step(graphdef, model_cfg, update_cfg, opt, mesh, shardings)
@@ -533,6 +533,44 @@ def plan(model_cfg: models.Config, mesh_shape, update_cfg: ts.UpdateConfig, *, m
         t = time.perf_counter()
         compiled = fwd.lower(state.params, batch).compile()
         out["forward"] = {"compile_s": round(time.perf_counter() - t, 1), **_memory(compiled)}
+    return out
+
+
+def compile_sampler(model_cfg: models.Config, sh: Shapes, local_devices: int) -> dict:
+    """The JAX sampler's prefill chunk and decode chunk (`jax_sampler._prefill_chunk` / `_decode_chunk`, stacked
+    cache and scanned layers as on an accelerator) compiled for one call of B x S rows on a process's local
+    devices, abstract inputs: {program: XLA bytes per device}."""
+    from arpo_jax.models.transformer import KVCache
+    from arpo_jax.rollout import jax_sampler as js
+
+    mesh = sharding.make_mesh((1, local_devices, 1), devices=jax.devices()[:local_devices])
+    graphdef, abstract = nnx.split(models.abstract_model(model_cfg))
+    p_sh = sharding.state_shardings(abstract, mesh, sharding.get_rules(model_cfg.sharding_rules))
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, p_sh)
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("fsdp",)))
+    rows2 = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("fsdp",), None))
+    kv_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ("fsdp",), None, None, None))
+    b, s, t = sh.sampler_batch, sh.sampler_len, sh.prefill_chunk
+    kv = jax.ShapeDtypeStruct((model_cfg.num_layers, b, model_cfg.num_kv_heads, s, model_cfg.head_dim),
+                              model_cfg.compute_dtype, sharding=kv_sh)
+    cache = KVCache(kv, kv, jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=rows2),
+                    jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows))
+    h = jax.ShapeDtypeStruct((b, model_cfg.hidden_size), model_cfg.compute_dtype, sharding=rows2)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows2 if len(shape) == 2 else rows)
+    fns = js._jitted(graphdef, model_cfg)
+    out = {}
+    with jax.set_mesh(mesh):
+        t0 = time.perf_counter()
+        c = fns.prefill.lower(state, cache, h, i32(b, t), i32(b, t),
+                              jax.ShapeDtypeStruct((b, t), bool, sharding=rows2), i32(b), fresh=False).compile()
+        out["sampler_prefill"] = {"compile_s": round(time.perf_counter() - t0, 1), **_memory(c)}
+        scalar = lambda dt: jax.ShapeDtypeStruct((), dt)
+        t0 = time.perf_counter()
+        c = fns.decode.lower(state, cache, h, jax.ShapeDtypeStruct((b,), bool, sharding=rows), i32(b), i32(b), i32(b),
+                             i32(b), jax.ShapeDtypeStruct((1,), jnp.int32), None, scalar(jnp.uint32),
+                             scalar(jnp.float32), scalar(jnp.int32), scalar(jnp.float32), n_steps=16, greedy=False,
+                             truncate=False, n_logprobs=0, raw_logprobs=False, tok_logprobs=True).compile()
+        out["sampler_decode"] = {"compile_s": round(time.perf_counter() - t0, 1), **_memory(c)}
     return out
 
 
@@ -569,6 +607,17 @@ def compile_check(cfg, *, devices: int = 8, layers: int = 2, command: str | None
                                   "xla_cpu_temp_gib": compiled["forward"]["temp_bytes"] / GB,
                                   "model_temp_gib": sum(v for k, v in fwd.items()
                                                         if k not in ("params", "optimizer_state", "batch")) / GB}
+    if sh.command == "train" and sh.engine == "jax":
+        local = max(1, math.prod(mesh_shape) // sh.processes)
+        smp = sampler_items(model_cfg, param_sizes(model_cfg, mesh_shape), sh, local)
+        resident = ("params", "optimizer_state")  # the train state: not an argument of the sampler's programs
+        for name, mem in compile_sampler(model_cfg, sh, local).items():
+            items = smp[name]
+            out[name] = {"compile_s": mem["compile_s"], "xla_arguments_gib": mem["argument_bytes"] / GB,
+                         "model_state_gib": (items["sampler_params"] + items["kv_cache"]) / GB,
+                         "xla_cpu_temp_gib": mem["temp_bytes"] / GB,
+                         "model_temp_gib": sum(v for k, v in items.items()
+                                               if k not in (*resident, "sampler_params", "kv_cache")) / GB}
     return jax.tree.map(lambda x: round(x, 3) if isinstance(x, float) else x, out)
 
 

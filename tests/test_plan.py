@@ -109,3 +109,17 @@ def test_default_attention_is_the_blockwise_kernel_with_bounded_blocks():
     out = blockwise_causal_attention(q, kk, v, mask, scale=h ** -0.5, **blockwise_blocks(t, "gpu"))
     ref = jax.nn.dot_product_attention(q, kk, v, mask=mask, scale=h ** -0.5, implementation="xla")
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)
+
+
+@pytest.mark.slow
+def test_sampler_programs_compile_with_the_itemised_weights_and_cache():
+    """The v5p config's sampler prefill and decode (2 layers, B = 128 rows over 4 fake devices, S = 1024 for time):
+    the decode's XLA arguments are the itemised sampler weights + KV cache; the prefill's lack only the unused
+    unembedding (XLA prunes it from the program; the array still exists)."""
+    cfg = config.load_config(["--config=builtin:arpo_qwen25_7b_tpu_v5p8", "--config.data.max_prompt_length=512",
+                              "--config.data.max_response_length=512", "--config.actor.max_token_len_per_device=0"])
+    c = plan.compile_check(cfg, devices=4, layers=2)
+    decode, prefill = c["sampler_decode"], c["sampler_prefill"]
+    assert decode["xla_arguments_gib"] == pytest.approx(decode["model_state_gib"], rel=2e-3)
+    unembed = 152064 * 3584 * 4 / 4 / plan.GB  # Qwen2.5-7B's lm_head, float32, over 4 devices
+    assert prefill["xla_arguments_gib"] == pytest.approx(prefill["model_state_gib"] - unembed, rel=2e-3)
