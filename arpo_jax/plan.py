@@ -11,11 +11,12 @@ Two parts:
   rules table as the run, `sharding.logical_to_spec`); activation sizes are a model of what a GPU/TPU compiler
   keeps (below). It needs no device and no compile: `config.jax_mem_fraction` uses it at launch.
 * **The compiled check** (`compile_check`): the update and the log-prob forward (and the sampler's prefill and
-  decode for the JAX engine, `compile_sampler`) are lowered and compiled at the config's real widths and lengths on fake CPU devices
-  with abstract inputs (nothing allocated), with a reduced layer count for compile time. XLA's argument bytes are
-  exact and checked against the model's state items (scaled to the full depth: layers are identical). XLA's CPU
-  temporaries are reported but not used for the fit: the CPU compiler upcasts bf16 dots to float32 and its buffer
-  assignment does not free what remat would (benchmarks/RESULTS.md measures how far apart they are).
+  decode for the JAX engine, `compile_sampler`) are lowered and compiled at the config's real widths and lengths
+  on fake CPU devices with abstract inputs (nothing allocated), with a reduced layer count for compile time, and
+  set beside the itemised model of the same reduced model. XLA's argument bytes are exact and match the model's
+  state items. XLA's CPU temporaries are reported but not used for the fit: the CPU compiler upcasts bf16 dots to
+  float32 and schedules the attention kernel's blocks differently (benchmarks/RESULTS.md measures how far apart
+  they are).
 
 The activation model (per device, one row of T tokens per batch device, compute dtype c bytes, heads/MLP split
 over the tensor axis where the rules say so): remat "full" keeps each layer's input [T, D]; "dots" also the
@@ -646,8 +647,9 @@ def format_plan(r: dict) -> str:
     lines.append(f"{'peak':28s}" + "".join(f"{r['program_peaks_gib'][p]:{width + 1}.2f}" for p in progs))
     verdict = "fits" if r["fits"] else "DOES NOT FIT"
     lines.append(f"{verdict}: peak {r['peak_gib']} GiB ({r['peak_program']}) of {r['budget_gib']} GiB, headroom "
-                 f"{r['headroom']:.0%} (needs {HEADROOM:.0%}); JAX fraction {r['jax_fraction']}"
-                 + (f", vLLM may take up to {r['engine_fraction_max']}" if "engine_fraction_max" in r else ""))
+                 f"{r['headroom']:.0%} (needs {HEADROOM:.0%})"
+                 + (f"; JAX fraction {r['jax_fraction']}, vLLM may take up to {r['engine_fraction_max']}"
+                    if "engine_fraction_max" in r else ""))
     for fix in r.get("fixes", []):
         lines.append(f"  fix: {fix}")
     if "compiled" in r:

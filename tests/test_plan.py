@@ -123,3 +123,16 @@ def test_sampler_programs_compile_with_the_itemised_weights_and_cache():
     assert decode["xla_arguments_gib"] == pytest.approx(decode["model_state_gib"], rel=2e-3)
     unembed = 152064 * 3584 * 4 / 4 / plan.GB  # Qwen2.5-7B's lm_head, float32, over 4 devices
     assert prefill["xla_arguments_gib"] == pytest.approx(prefill["model_state_gib"] - unembed, rel=2e-3)
+
+
+def test_mesh_device_is_validated_with_its_allowed_values():
+    cfg = config.load_config(["--config=builtin:toy_cpu", "--config.mesh.device=v100"])
+    with pytest.raises(config.ConfigError, match=r"mesh\.device.*tpu-v5p"):
+        config.validate(cfg, check_files=False)
+
+
+def test_critic_config_plans_the_critic_update():
+    r = _analyse("arpo_qwen25_7b_reasoning", "--config.algorithm.adv_estimator=gae")
+    upd, critic = r["programs_gib"]["update"], r["programs_gib"]["critic_update"]
+    assert upd["critic_params_and_optimizer"] == pytest.approx(3 * upd["params"], rel=1e-3)
+    assert critic["grad_accumulator"] == upd["grad_accumulator"] and r["peak_gib"] > 32.23
