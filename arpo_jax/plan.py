@@ -39,6 +39,7 @@ its name is a published model this package knows (`models.published`), the publi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -131,6 +132,7 @@ class Sizes:
     tensor: int  # tensor-parallel degree of heads / MLP / vocab activations
 
 
+@functools.lru_cache(maxsize=64)  # an abstract model per call is ~1 s; `_fitting_settings` asks many times
 def param_sizes(model_cfg: models.Config, mesh_shape: tuple[int, int, int]) -> Sizes:
     """Per-device param elements under `model_cfg.sharding_rules` on a mesh of `mesh_shape` (exact shard shapes)."""
     rules = sharding.get_rules(model_cfg.sharding_rules)
@@ -276,7 +278,7 @@ def sampler_items(c: models.Config, s: Sizes, sh: Shapes, local_devices: int) ->
 
 def itemise(c: models.Config, mesh_shape: tuple[int, int, int], sh: Shapes, backend: str) -> dict:
     """{program: {item: bytes per device}} for every program the run executes (module docstring)."""
-    s = param_sizes(c, mesh_shape)
+    s = param_sizes(c, tuple(mesh_shape))
     impl = resolve_attention(c.attention_impl)
     n_dev = math.prod(mesh_shape)
     local = max(1, n_dev // sh.processes)
@@ -610,7 +612,7 @@ def compile_check(cfg, *, devices: int = 8, layers: int = 2, command: str | None
                                                         if k not in ("params", "optimizer_state", "batch")) / GB}
     if sh.command == "train" and sh.engine == "jax":
         local = max(1, math.prod(mesh_shape) // sh.processes)
-        smp = sampler_items(model_cfg, param_sizes(model_cfg, mesh_shape), sh, local)
+        smp = sampler_items(model_cfg, param_sizes(model_cfg, tuple(mesh_shape)), sh, local)
         resident = ("params", "optimizer_state")  # the train state: not an argument of the sampler's programs
         for name, mem in compile_sampler(model_cfg, sh, local).items():
             items = smp[name]
