@@ -468,8 +468,11 @@ def _fitting_settings(c, mesh_shape, sh: Shapes, backend: str, device: str) -> d
 
 
 def memory_split(cfg) -> dict:
-    """`analyse` of a config for the launch: JAX's planned share of each device (`jax_fraction`) and the fit."""
-    return analyse(cfg, devices=math.prod(s for s in cfg.mesh.shape if s != -1) if -1 not in cfg.mesh.shape else 8)
+    """`analyse` of a config for the launch: JAX's planned share of each device (`jax_fraction`) and the fit. A
+    mesh with a -1 is planned on one host of the named device (8 GPUs, 4 TPU chips; 8 for `cpu`)."""
+    shape = tuple(cfg.mesh.shape)
+    devices = math.prod(shape) if -1 not in shape else min(8, DEVICES[cfg.mesh.device].per_host)
+    return analyse(cfg, devices=devices)
 
 
 
