@@ -57,9 +57,17 @@ def _plan(args) -> dict:
         jax.config.update("jax_platforms", "cpu")
     from arpo_jax import plan
 
-    cfg = config_lib.validate(cfg, device_count=None if args.native else devices, check_files=False)
-    result = plan.plan_config(cfg, micro=args.micro)
+    command = args.mode or ("sft" if plan.is_sft(cfg) else "train")
+    cfg = config_lib.validate(cfg, device_count=None if args.native else devices, check_files=False, command=command)
+    result = plan.plan_config(cfg, devices=devices, compile_layers=args.compile_layers, command=command)
     print(plan.format_plan(result))
+    if not result["fits"]:
+        # The table above names the largest items and the settings that fit; the JSON line stays the last one.
+        print(f"arpo-jax plan: {result['peak_program']} needs {result['peak_gib']} GiB per device, more than "
+              f"{1 - plan.HEADROOM:.0%} of the {result['budget_gib']} GiB {result['device']} gives JAX",
+              file=sys.stderr)
+        print(json.dumps(result, default=str))
+        raise SystemExit(3)
     return result
 
 
@@ -192,10 +200,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_experiment(sub, "train", "ARPO / AEPO reinforcement learning with tools", _train)
     _add_experiment(sub, "sft", "cold-start supervised fine-tuning on multi-turn tool conversations", _sft)
-    plan = _add_experiment(sub, "plan", "per-device memory of a config's policy update, compiled for its mesh",
-                           _plan, workdir=False)
+    plan = _add_experiment(sub, "plan", "per-device memory of every program of a config's run against the device "
+                           "it names (mesh.device); exit 3 when one does not fit with 10%% headroom", _plan,
+                           workdir=False)
     plan.add_argument("--devices", type=int, default=0, help="fake devices when mesh.shape has a -1 (default 8)")
-    plan.add_argument("--micro", type=int, default=1, help="micro-batches per optimizer step")
+    plan.add_argument("--mode", choices=("train", "sft"), default="",
+                      help="which run to plan (default: sft for a config with sft files and no RL data, else train)")
+    plan.add_argument("--compile-layers", type=int, default=2,
+                      help="compile the update and log-prob forward with this many layers as a check of the "
+                      "itemised model (0: no compile)")
     plan.add_argument("--native", action="store_true", help="compile for this host's real devices instead")
 
     conv = sub.add_parser("convert", help="convert between HuggingFace folders, orbax checkpoints and GGUF files")

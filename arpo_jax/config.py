@@ -258,7 +258,7 @@ def _schema() -> dict[str, Any] | None:
 @functools.cache
 def _allowed() -> dict[str, tuple]:
     """Enum fields and their allowed values, from the modules that consume them (imported lazily: they pull JAX)."""
-    from arpo_jax import algos, packing, rewards, shaping, sharding, tools, train_step
+    from arpo_jax import algos, packing, plan, rewards, shaping, sharding, tools, train_step
     from arpo_jax.models import transformer
 
     return {
@@ -267,6 +267,7 @@ def _allowed() -> dict[str, tuple]:
         "model.remat": tuple(transformer.REMAT_POLICIES),
         "model.attention_impl": ("", *(a for a in transformer.ATTENTION_IMPLS if a)),  # "" = JAX picks
         "mesh.rules": tuple(sharding.RULES),
+        "mesh.device": tuple(plan.DEVICES),
         "data.source": ("parquet", "tfds"),
         "data.overlong_prompts": ("error", "filter"),
         "rollout.engine": ("jax", "vllm"),
@@ -835,12 +836,24 @@ def redact(cfg: ConfigDict | dict) -> dict:
 
 
 def jax_mem_fraction(cfg: ConfigDict) -> float:
-    """The share of each GPU JAX may take (XLA_PYTHON_CLIENT_MEM_FRACTION, set by the launch scripts): a co-located
-    vLLM takes `rollout.vllm.gpu_memory_utilization` of it, 5% stays free for the CUDA contexts and vLLM's own
-    overhead; the JAX engine gets JAX's usual 0.9."""
-    if cfg.rollout.engine == "vllm":
-        return round(1.0 - cfg.rollout.vllm.gpu_memory_utilization - 0.05, 2)
-    return 0.9
+    """The share of each GPU JAX may take (XLA_PYTHON_CLIENT_MEM_FRACTION, set by the launch scripts).
+
+    Beside a co-located vLLM it comes from the planned peak (`plan.memory_split`: the largest program's bytes per
+    device, plus 10% headroom, as a share of the device named by `mesh.device`), so the engine can have the rest
+    (`arpo-jax plan` checks `rollout.vllm.gpu_memory_utilization` against it). Without a plannable device
+    (`mesh.device=cpu`) or model config, the fixed split `1 - gpu_memory_utilization - 0.05`. The JAX engine gets
+    JAX's usual 0.9."""
+    if cfg.rollout.engine != "vllm":
+        return 0.9
+    fixed = round(1.0 - cfg.rollout.vllm.gpu_memory_utilization - 0.05, 2)
+    if cfg.mesh.device == "cpu":
+        return fixed
+    from arpo_jax import plan
+
+    try:
+        return plan.memory_split(cfg)["jax_fraction"]
+    except FileNotFoundError:  # no config.json for model.path yet: nothing to plan from
+        return fixed
 
 
 __all__ = ["BUILTIN", "ConfigError", "PATH_FIELDS", "TOOL_TAGS", "check_tokenizer", "jax_mem_fraction", "load_config",

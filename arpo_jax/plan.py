@@ -1,11 +1,36 @@
-"""Memory plan of a config's policy-update step, compiled for its mesh on fake devices (`arpo-jax plan`).
+"""`arpo-jax plan`: per-device memory of every program a config's run executes, held against the device it names.
 
-The train step is lowered and compiled for abstract inputs (`jax.ShapeDtypeStruct` with shardings: nothing is
-allocated), and XLA's `memory_analysis` of the partitioned program gives per-device bytes. Params and optimizer
-state are exact (they follow from the shardings). The temporaries are what the backend that compiles plans: on
-the CPU (fake devices) they overstate a GPU/TPU run, because the CPU compiler upcasts bf16 dots to f32 and its
-memory analysis ignores remat (every layer's attention probabilities count as live at once). Run `plan` on one
-accelerator host of the target kind for a realistic temporaries figure.
+Two parts:
+
+* **The itemised model** (`itemise`): per device and per program (the policy update, the old/ref log-prob forward,
+  the critic's update with `adv_estimator=gae`, and with the JAX engine the sampler's prefill and decode), the
+  bytes of each thing alive at that program's peak: params, optimizer state, gradient buffers (float32 accumulator
+  + one micro-batch's), the per-call stacked copy of the layer params (`CausalLM.stacked_layers`), the gathered
+  layer and unembedding and their gradients, the activations remat keeps, the recomputed layer's working set, the
+  attention workspace, the log-prob head's chunk, KV cache and sampler weights. Sharded sizes are exact (the same
+  rules table as the run, `sharding.logical_to_spec`); activation sizes are a model of what a GPU/TPU compiler
+  keeps (below). It needs no device and no compile: `config.jax_mem_fraction` uses it at launch.
+* **The compiled check** (`compile_check`): the update and the log-prob forward (and the sampler's prefill and
+  decode for the JAX engine, `compile_sampler`) are lowered and compiled at the config's real widths and lengths
+  on fake CPU devices with abstract inputs (nothing allocated), with a reduced layer count for compile time, and
+  set beside the itemised model of the same reduced model. XLA's argument bytes are exact and match the model's
+  state items. XLA's CPU temporaries are reported but not used for the fit: the CPU compiler upcasts bf16 dots to
+  float32 and schedules the attention kernel's blocks differently (benchmarks/RESULTS.md measures how far apart
+  they are).
+
+The activation model (per device, one row of T tokens per batch device, compute dtype c bytes, heads/MLP split
+over the tensor axis where the rules say so): remat "full" keeps each layer's input [T, D]; "dots" also the
+matmul outputs; "none" everything (~ T (8D + 3(N+2K)H + 4F) c per layer). The recomputed layer in the backward
+holds about T (6D + 2(N+2K)H + 5F) c. Attention: the blockwise kernel's largest block keeps three float32
+[N, block, T] arrays in its backward (scores/probabilities, dP, dS) and the [T, T] boolean mask the model
+builds; XLA's attention keeps three float32 [N, T, T]; cuDNN only the mask. These are upper estimates of what
+XLA's GPU/TPU buffer assignment keeps alive at once; RESULTS.md records how they compare with compiled figures.
+
+Fit: JAX's budget per device is what the device gives it: the whole HBM on TPU; on a GPU beside a co-located
+vLLM engine (which takes `rollout.vllm.gpu_memory_utilization` of GPU 0) `1 - gpu_memory_utilization - 0.05`
+of the HBM (5% for CUDA contexts); 0.9 of the HBM with the JAX engine. A program fits when its peak leaves at
+least `HEADROOM` (10%) of the budget free; `jax_fraction` (the XLA_PYTHON_CLIENT_MEM_FRACTION a launch sets) is
+the largest peak / (1 - HEADROOM) as a share of the HBM, so the engine can have the rest.
 
 The model's `config.json` comes from `model.path`; when that folder is not there (planning before downloading) and
 its name is a published model this package knows (`models.published`), the published config is used.
@@ -13,6 +38,8 @@ its name is a published model this package knows (`models.published`), the publi
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
 import os
@@ -26,8 +53,35 @@ from flax import nnx
 from arpo_jax import models, named_models, sharding
 from arpo_jax import train_step as ts
 from arpo_jax.models.published import REAL_CONFIGS
+from arpo_jax.models.transformer import ACCELERATOR_ATTENTION_BLOCK, resolve_attention
 
 GB = 1024**3
+HEADROOM = 0.10  # a program fits when its peak leaves this share of JAX's budget free
+CUDA_RESERVE = 0.05  # share of a GPU kept for the CUDA contexts beside a co-located vLLM
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    kind: str  # "gpu" | "tpu" | "cpu"
+    hbm_gib: float  # what one device has (the bytes limit its runtime reports); 0 = this host's RAM
+    per_host: int = 1 << 30  # devices per host, i.e. per JAX process (one process per host)
+
+
+# `mesh.device`: the hardware a config runs on. GPU sizes are what nvidia-smi reports (A100-80GB 81920 MiB, H100
+# SXM 81559 MiB, H200 143771 MiB); TPU sizes the per-chip HBM JAX reports as its bytes limit (v4 and v5e slightly
+# under 32 / 16 GiB, v5p 95 GB).
+DEVICES: dict[str, Device] = {
+    "a100-40gb": Device("gpu", 40.0, 8), "a100-80gb": Device("gpu", 80.0, 8), "h100-80gb": Device("gpu", 79.6, 8),
+    "h200": Device("gpu", 140.4, 8), "tpu-v4": Device("tpu", 31.75, 4), "tpu-v5e": Device("tpu", 15.75, 4),
+    "tpu-v5p": Device("tpu", 88.5, 4), "cpu": Device("cpu", 0.0),
+}
+
+
+def device_hbm_gib(name: str) -> float:
+    dev = DEVICES[name]
+    if dev.kind == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+    return dev.hbm_gib
 
 
 def device_bytes(tree) -> int:
@@ -45,6 +99,12 @@ def _with_shardings(abstract, shardings):
 
 def hf_config_for(model_path: str) -> tuple[dict, str]:
     """(config.json dict, where it came from) for `model.path`, falling back to a published model's config."""
+    from arpo_jax.runtime import BUILTIN_TINY
+
+    if model_path == BUILTIN_TINY:  # runtime.build_tiny_model's architecture (its vocabulary is at most 1024)
+        tiny = models.Config(model_type="qwen2", vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=2,
+                             num_heads=4, num_kv_heads=2, head_dim=32, qkv_bias=True)
+        return models.config_to_hf(tiny), "builtin:tiny"
     if named_models.cache_folder(model_path) is not None:
         path = named_models.model_folder(model_path)  # converted once (seconds) into the cache
     else:
@@ -57,77 +117,551 @@ def hf_config_for(model_path: str) -> tuple[dict, str]:
                             f"model this package knows ({', '.join(sorted(REAL_CONFIGS))})")
 
 
-def plan(model_cfg: models.Config, mesh_shape, update_cfg: ts.UpdateConfig, *, micro: int, rows: int,
-         seq: int) -> dict:
-    """Per-device bytes of one optimizer step of [micro, rows, seq] on `mesh_shape`, compiled on this host."""
-    mesh = sharding.make_mesh(mesh_shape)
-    if model_cfg.attention_impl is None:  # plan the accelerator's attention, not the CPU kernel of these fake devices
-        model_cfg = model_cfg.replace(attention_impl="xla")
+# --------------------------------------------------------------------------------------------------
+# Sizes: what one device holds of the params, from the run's rules table (no devices needed)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    params: int  # elements of all params on one device
+    layer_params: int  # of which decoder layers
+    total_params: int  # elements of the whole model
+    layer_full: int  # elements of one whole layer (what FSDP gathers), per tensor shard
+    unembed_full: int  # V x D per tensor shard
+    tensor: int  # tensor-parallel degree of heads / MLP / vocab activations
+
+
+@functools.lru_cache(maxsize=64)  # an abstract model per call is ~1 s; `_fitting_settings` asks many times
+def param_sizes(model_cfg: models.Config, mesh_shape: tuple[int, int, int]) -> Sizes:
+    """Per-device param elements under `model_cfg.sharding_rules` on a mesh of `mesh_shape` (exact shard shapes)."""
+    rules = sharding.get_rules(model_cfg.sharding_rules)
+    mesh = dict(zip(sharding.MESH_AXES, mesh_shape))
+    state = nnx.state(models.abstract_model(model_cfg), nnx.Param)
+    dev = layers = total = 0
+    for path, var in jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        axes = var.get_metadata().get("axes", (None,) * len(var.shape))
+        spec = sharding.logical_to_spec(axes, var.shape, mesh, rules)
+        shard = 1
+        for dim, entry in zip(var.shape, tuple(spec) + (None,) * (len(var.shape) - len(spec))):
+            names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+            shard *= dim // math.prod(mesh[a] for a in names)
+        dev += shard
+        total += math.prod(var.shape)
+        if any(getattr(k, "key", None) == "layers" for k in path):
+            layers += shard
+    tensor = mesh["tensor"] if rules["act_heads"] else 1
+    c = model_cfg
+    n_layer = (total - c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)) // c.num_layers
+    return Sizes(dev, layers, total, n_layer // tensor, c.vocab_size * c.hidden_size // tensor, tensor)
+
+
+# --------------------------------------------------------------------------------------------------
+# The itemised model of each program
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """What a run's programs are sized by (from the experiment config, `shapes_of`)."""
+
+    command: str  # "train" | "sft"
+    rows: float  # rows of one micro-batch per batch device
+    seq: int  # T, tokens per row
+    micro_batches: int  # upper bound of M in one mini-batch (sizes the batch arrays only)
+    logprob_chunk: int
+    engine: str  # "vllm" | "jax" | "" (sft)
+    gpu_memory_utilization: float
+    critic: bool
+    ref_on_device: bool
+    processes: int
+    sampler_batch: int  # B of one sampler call (a bucket), whole process
+    sampler_len: int  # S of one sampler call (a bucket)
+    prefill_chunk: int
+    min_seq: int = 1  # the smallest token budget a row may have (one whole trajectory / SFT example)
+
+
+def attention_workspace(model_cfg: models.Config, impl: str, t: int, rows: float, tensor: int, backend: str, *,
+                        backward: bool) -> float:
+    """Bytes of one layer's attention at its peak: float32 score-sized arrays (3 in the backward, 2 forward-only)
+    of the largest query block, plus the [T, T] boolean mask the model builds."""
+    heads = model_cfg.num_heads // tensor
+    if impl == "cudnn":
+        block = 0
+    elif impl == "xla":
+        block = t
+    elif backend == "cpu":
+        block = max(128, -(-t // 8))  # blockwise_causal_attention's defaults
+    else:
+        block = min(t, ACCELERATOR_ATTENTION_BLOCK)
+    return rows * ((3 if backward else 2) * 4 * heads * block * t + t * t)
+
+
+def _per_layer_widths(c: models.Config, tensor: int) -> tuple[int, int, int]:
+    return c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim // tensor, c.intermediate_size // tensor
+
+
+def _remat_saved(c: models.Config, tensor: int) -> int:
+    """Elements per token one layer keeps for the backward under `c.remat`."""
+    d, qkv, f = _per_layer_widths(c, tensor)
+    return {"full": d, "dots": 3 * d + qkv + 2 * f, "dots_no_batch": 3 * d + qkv + 2 * f}.get(c.remat,
+                                                                                       8 * d + 3 * qkv + 4 * f)
+
+
+def update_items(c: models.Config, s: Sizes, sh: Shapes, backend: str, impl: str) -> dict[str, float]:
+    """Bytes per device alive at the peak of one optimizer step (the backward of one micro-batch)."""
+    pb, cb = jnp.dtype(c.param_dtype).itemsize, jnp.dtype(c.dtype).itemsize
+    d, qkv, f = _per_layer_widths(c, s.tensor)
+    t, r = sh.seq, sh.rows
+    return {
+        "params": s.params * pb,
+        "optimizer_state": 2 * s.params * pb,  # AdamW mu and nu, shaped and sharded like the params
+        "grad_accumulator": s.params * 4,  # float32, sharded like the params
+        "micro_batch_grads": s.params * pb,  # one micro-batch's gradients before they are added
+        "stacked_layers": s.layer_params * pb,  # CausalLM.stacked_layers: a copy of every layer per call
+        "gathered_layer_and_grad": s.layer_full * (cb + 4),  # FSDP: one whole layer in compute dtype + its grad
+        "gathered_unembed_and_grad": s.unembed_full * (cb + 4),
+        "remat_activations": c.num_layers * r * t * _remat_saved(c, s.tensor) * cb,
+        "layer_working_set": r * t * (6 * d + 2 * qkv + 5 * f) * cb,  # the layer recomputed in the backward
+        "attention_workspace": attention_workspace(c, impl, t, r, s.tensor, backend, backward=True),
+        "logprob_head": 3 * r * sh.logprob_chunk * c.vocab_size // s.tensor * 4,  # [rows, chunk, V] float32
+        "batch": 9 * sh.micro_batches * r * t * 4,
+    }
+
+
+def forward_items(c: models.Config, s: Sizes, sh: Shapes, backend: str, impl: str) -> dict[str, float]:
+    """Bytes per device at the peak of the old/ref log-prob forward (train state resident, no gradients)."""
+    pb, cb = jnp.dtype(c.param_dtype).itemsize, jnp.dtype(c.dtype).itemsize
+    d, qkv, f = _per_layer_widths(c, s.tensor)
+    t, r = sh.seq, sh.rows
+    return {
+        "params": s.params * pb, "optimizer_state": 2 * s.params * pb,
+        "stacked_layers": s.layer_params * pb,
+        "gathered_layer_and_grad": s.layer_full * cb,
+        "gathered_unembed_and_grad": s.unembed_full * cb,
+        "layer_working_set": r * t * (4 * d + qkv + 3 * f) * cb,
+        "attention_workspace": attention_workspace(c, impl, t, r, s.tensor, backend, backward=False),
+        "logprob_head": 2 * r * sh.logprob_chunk * c.vocab_size // s.tensor * 4,
+        "batch": 2 * (4 + 2) * sh.micro_batches * r * t * 4,
+    }
+
+
+def kv_cache_bytes(c: models.Config, sh: Shapes, local_devices: int) -> float:
+    """The JAX sampler's dense cache: k and v [L, B, K, S, H] in compute dtype, B split over the local devices."""
+    return 2 * c.num_layers * sh.sampler_batch * c.num_kv_heads * sh.sampler_len * c.head_dim * \
+        jnp.dtype(c.dtype).itemsize / local_devices
+
+
+def sampler_items(c: models.Config, s: Sizes, sh: Shapes, local_devices: int) -> dict[str, dict[str, float]]:
+    """Bytes per device of the JAX sampler's programs (prefill, regather, decode), train state resident.
+
+    The sampler holds a copy of the params (the trainer's `_sampler_params`: in param dtype, the whole model over
+    each process's local devices) and its cache between calls; each call stacks the layers once; a prefill chunk
+    attends over the whole cache (`cached_attention`): float32 scores [B, N, chunk, S]; the regather builds the new
+    cache beside the old one."""
+    pb = jnp.dtype(c.param_dtype).itemsize
+    resident = {"params": s.params * pb, "optimizer_state": 2 * s.params * pb,
+                "sampler_params": s.total_params * pb / local_devices}
+    kv = kv_cache_bytes(c, sh, local_devices)
+    stacked = s.layer_params * pb * (s.total_params / local_devices) / max(s.params, 1)
+    b_dev = sh.sampler_batch / local_devices
+    return {
+        "sampler_prefill": resident | {
+            "kv_cache": kv, "sampler_stacked_layers": stacked,
+            "prefill_scores": 2 * 4 * b_dev * c.num_heads * sh.prefill_chunk * sh.sampler_len},
+        "sampler_regather": resident | {"kv_cache": kv, "kv_cache_new": kv},
+        "sampler_decode": resident | {
+            "kv_cache": kv, "sampler_stacked_layers": stacked,
+            "decode_logits": 3 * 4 * b_dev * c.vocab_size},
+    }
+
+
+def itemise(c: models.Config, mesh_shape: tuple[int, int, int], sh: Shapes, backend: str) -> dict:
+    """{program: {item: bytes per device}} for every program the run executes (module docstring)."""
+    s = param_sizes(c, tuple(mesh_shape))
+    impl = resolve_attention(c.attention_impl)
+    n_dev = math.prod(mesh_shape)
+    local = max(1, n_dev // sh.processes)
+    pb = jnp.dtype(c.param_dtype).itemsize
+    programs = {"update": update_items(c, s, sh, backend, impl)}
+    extra = {}
+    if sh.command == "train":
+        programs["logprob_forward"] = forward_items(c, s, sh, backend, impl)
+        if sh.ref_on_device:
+            extra["ref_params"] = s.params * pb
+        if sh.critic:  # a value model of the policy's size, with its own AdamW state, resident throughout
+            extra["critic_params_and_optimizer"] = 3 * s.params * pb
+            critic = update_items(c, s, sh, backend, impl)
+            programs["critic_update"] = {k: v for k, v in critic.items() if k not in ("params", "optimizer_state")}
+            programs["critic_update"] |= {"params": s.params * pb, "optimizer_state": 2 * s.params * pb}
+        if sh.engine == "jax":
+            smp = sampler_items(c, s, sh, local)
+            # Between calls the sampler keeps its weights and its last cache: they stay through the update.
+            extra |= {"sampler_params": smp["sampler_prefill"]["sampler_params"],
+                      "kv_cache": smp["sampler_prefill"]["kv_cache"]}
+            programs |= smp
+    for items in programs.values():
+        for k, v in extra.items():
+            items.setdefault(k, v)
+    return {"programs": programs, "sizes": dataclasses.asdict(s), "attention": impl}
+
+
+# --------------------------------------------------------------------------------------------------
+# A config's plan: shapes, budget, fit, fixes
+# --------------------------------------------------------------------------------------------------
+
+
+def is_sft(cfg) -> bool:
+    """A config for `arpo-jax sft` (SFT data, no RL data): plan the SFT update."""
+    return bool(cfg.sft.train_files) and not cfg.data.train_files
+
+
+def _pow2_at_least(n: int, multiple: int) -> int:
+    b = multiple
+    while b < n:
+        b *= 2
+    return b
+
+
+def shapes_of(cfg, mesh_shape: tuple[int, int, int], rules_name: str, command: str | None = None) -> Shapes:
+    """The sizes a config's run gives its programs (as the trainer / SFT and the sampler compute them)."""
+    from arpo_jax.rollout.jax_sampler import _bucket, pow2_buckets
+
+    command = command or ("sft" if is_sft(cfg) else "train")
+    mesh = dict(zip(sharding.MESH_AXES, mesh_shape))
+    batch_devices = math.prod(mesh[a] for a in sharding.get_rules(rules_name)["batch"])
+    processes = max(1, math.prod(mesh_shape) // DEVICES[cfg.mesh.device].per_host)
+    p, r = cfg.data.max_prompt_length, cfg.data.max_response_length
+    if command == "sft":
+        seq = cfg.sft.max_token_len_per_device or cfg.sft.cutoff_len
+        micro = max(1, -(-cfg.sft.batch_size // batch_devices))
+        return Shapes("sft", 1.0, seq, micro, cfg.actor.logprob_chunk, "", 0.0, False, False, processes, 0, 0, 0,
+                      cfg.sft.cutoff_len)
+    workers = cfg.rollout.workers or processes
+    rows_per_worker = max(1, batch_devices // workers)
+    rows = workers * rows_per_worker / batch_devices
+    seq = cfg.actor.max_token_len_per_device or 2 * (p + r)
+    micro = max(1, -(-cfg.actor.ppo_mini_batch_size * cfg.rollout.n // (workers * rows_per_worker)))
+    local = max(1, math.prod(mesh_shape) // processes)
+    # One sampler call carries one worker's prompts, at most n live trajectories each (branching fills up to n).
+    trajectories = cfg.data.train_batch_size // workers * cfg.rollout.n
+    s_len = _bucket(p + r, pow2_buckets(64, p + r, half_steps=True), "cache length")
+    return Shapes("train", rows, seq, micro, cfg.actor.logprob_chunk, cfg.rollout.engine,
+                  cfg.rollout.vllm.gpu_memory_utilization, cfg.algorithm.adv_estimator == "gae",
+                  bool(cfg.actor.kl_coef) and not cfg.model.ref_on_host, processes,
+                  _pow2_at_least(trajectories, local), s_len, cfg.rollout.jax.prefill_chunk, p + r)
+
+
+def budget_gib(device: str, engine: str, gpu_memory_utilization: float) -> float:
+    """What one device gives JAX (module docstring)."""
+    hbm = device_hbm_gib(device)
+    if DEVICES[device].kind != "gpu":
+        return hbm
+    if engine == "vllm":
+        return (1.0 - gpu_memory_utilization - CUDA_RESERVE) * hbm
+    return 0.9 * hbm
+
+
+def evaluate(programs: dict[str, dict[str, float]], device: str, engine: str, gpu_memory_utilization: float) -> dict:
+    """Fit of the largest program against the device's budget for JAX."""
+    peaks = {name: sum(items.values()) / GB for name, items in programs.items()}
+    worst = max(peaks, key=peaks.get)
+    budget = budget_gib(device, engine, gpu_memory_utilization)
+    hbm = device_hbm_gib(device)
+    headroom = 1.0 - peaks[worst] / budget if budget > 0 else -1.0
+    jax_fraction = math.ceil(peaks[worst] / (1.0 - HEADROOM) / hbm * 100) / 100 if hbm else 0.0
+    items = {k: round(v / GB, 3) for k, v in sorted(programs[worst].items(), key=lambda kv: -kv[1])}
+    out = {"fits": headroom >= HEADROOM, "device": device, "hbm_gib": round(hbm, 2), "budget_gib": round(budget, 2),
+           "peak_gib": round(peaks[worst], 2), "peak_program": worst, "headroom": round(headroom, 3),
+           "items_gib": items, "program_peaks_gib": {k: round(v, 2) for k, v in peaks.items()},
+           "jax_fraction": jax_fraction}
+    if engine == "vllm" and DEVICES[device].kind == "gpu":
+        out["items_gib"]["vllm_engine_gpu0"] = round(gpu_memory_utilization * hbm, 2)
+        out["engine_fraction_max"] = round(1.0 - CUDA_RESERVE - jax_fraction, 2)
+    return out
+
+
+_FIXES = {
+    "attention_workspace": "model.attention_impl=blockwise (or cudnn on GPU), or a smaller token budget per device",
+    "remat_activations": "model.remat=full, or a smaller actor.max_token_len_per_device",
+    "layer_working_set": "a smaller actor.max_token_len_per_device (or sft.max_token_len_per_device)",
+    "optimizer_state": "more devices in mesh.shape (FSDP), or mesh.rules=fsdp_tp with a tensor axis",
+    "params": "more devices in mesh.shape", "grad_accumulator": "more devices in mesh.shape",
+    "micro_batch_grads": "more devices in mesh.shape",
+    "stacked_layers": "stacked layer storage (issue 31 item 3), or more devices",
+    "kv_cache": "more rollout.workers (fewer prompts per sampler call)",
+    "kv_cache_new": "more rollout.workers (fewer prompts per sampler call)",
+    "prefill_scores": "a smaller rollout.jax.prefill_chunk, or more rollout.workers",
+    "sampler_params": "a bf16, sharded sampler copy (issue 31 item 7; not a config setting yet)",
+    "critic_params_and_optimizer": "more devices in mesh.shape",
+}
+
+
+def fixes(r: dict) -> list[str]:
+    """The largest items of the worst program and what would shrink them, plus the seq / vLLM settings that fit."""
+    out = []
+    for name, gib in list(r["items_gib"].items())[:3]:
+        out.append(f"{name} = {gib:.2f} GiB: {_FIXES.get(name, 'more devices')}")
+    for setting, value in r.get("fitting_settings", {}).items():
+        out.append(f"{setting}={value} fits")
+    return out
+
+
+def _model_config(cfg, layers: int | None = None):
+    from arpo_jax.runtime import runtime_options
+
+    hf_cfg, source = hf_config_for(cfg.model.path)
+    if layers:
+        hf_cfg = dict(hf_cfg, num_hidden_layers=layers)
+    return models.config_from_hf(hf_cfg, **runtime_options(cfg)), source
+
+
+def _mesh_shape(cfg, devices: int) -> tuple[int, int, int]:
+    shape = list(cfg.mesh.shape)
+    if -1 in shape:
+        shape[shape.index(-1)] = devices // math.prod(s for s in shape if s != -1)
+    return tuple(shape)
+
+
+def analyse(cfg, *, devices: int = 8, command: str | None = None) -> dict:
+    """The itemised plan of an experiment config on the device it names (`mesh.device`); no compile."""
+    model_cfg, source = _model_config(cfg)
+    mesh_shape = _mesh_shape(cfg, devices)
+    device = cfg.mesh.device
+    backend = DEVICES[device].kind
+    sh = shapes_of(cfg, mesh_shape, model_cfg.sharding_rules, command)
+    plan = itemise(model_cfg, mesh_shape, sh, backend)
+    r = evaluate(plan["programs"], device, sh.engine, sh.gpu_memory_utilization)
+    r |= {"model": source, "params": plan["sizes"]["total_params"], "mesh": list(mesh_shape),
+          "rules": model_cfg.sharding_rules, "command": sh.command, "engine": sh.engine, "seq": sh.seq,
+          "rows_per_device": sh.rows, "remat": model_cfg.remat, "attention": plan["attention"],
+          "attention_by_program": {p: ("cached_attention" if p.startswith("sampler") else plan["attention"])
+                                   for p in plan["programs"]},
+          "sampler_batch": sh.sampler_batch, "sampler_len": sh.sampler_len,
+          "programs_gib": {p: {k: round(v / GB, 3) for k, v in items.items()}
+                           for p, items in plan["programs"].items()}}
+    if not r["fits"]:
+        r["fitting_settings"] = _fitting_settings(model_cfg, mesh_shape, sh, backend, device)
+        r["fixes"] = fixes(r)
+    return r
+
+
+def _fitting_settings(c, mesh_shape, sh: Shapes, backend: str, device: str) -> dict:
+    """The largest token budget per device (multiples of 1024, at least one trajectory) and, beside vLLM, the
+    largest gpu_memory_utilization with which every program fits."""
+    def fits(shapes, util):
+        programs = itemise(c, mesh_shape, shapes, backend)["programs"]
+        return evaluate(programs, device, shapes.engine, util)["fits"]
+
+    out = {}
+    field = "sft.max_token_len_per_device" if sh.command == "sft" else "actor.max_token_len_per_device"
+    for t in range(sh.seq - sh.seq % 1024, sh.min_seq - 1, -1024):
+        if fits(dataclasses.replace(sh, seq=t), sh.gpu_memory_utilization):
+            out[field] = t
+            break
+    if sh.engine == "vllm" and DEVICES[device].kind == "gpu":
+        for util in (x / 100 for x in range(int(sh.gpu_memory_utilization * 100), 9, -5)):
+            if fits(sh, util):
+                out["rollout.vllm.gpu_memory_utilization"] = round(util, 2)
+                break
+    return out
+
+
+def memory_split(cfg) -> dict:
+    """`analyse` of a config for the launch: JAX's planned share of each device (`jax_fraction`) and the fit. A
+    mesh with a -1 is planned on one host of the named device (8 GPUs, 4 TPU chips; 8 for `cpu`)."""
+    shape = tuple(cfg.mesh.shape)
+    devices = math.prod(shape) if -1 not in shape else min(8, DEVICES[cfg.mesh.device].per_host)
+    return analyse(cfg, devices=devices)
+
+
+
+# --------------------------------------------------------------------------------------------------
+# The compiled check: the update and the log-prob forward on fake devices, abstract inputs
+# --------------------------------------------------------------------------------------------------
+
+
+def _abstract_state(model_cfg, mesh, update_cfg):
     graphdef, abstract_state = nnx.split(models.abstract_model(model_cfg), nnx.Param)
     abstract_params = nnx.to_pure_dict(abstract_state)
     opt = ts.make_optimizer(update_cfg, 1000)
     shardings = ts.state_shardings(opt, ts.param_shardings(model_cfg, mesh), abstract_params, mesh)
     abstract_train_state = jax.eval_shape(lambda p: ts.TrainState(p, opt.init(p), jnp.zeros((), jnp.int32),
                                                                   jnp.zeros((), jnp.int32)), abstract_params)
-    state = _with_shardings(abstract_train_state, shardings)
+    return graphdef, abstract_state, opt, shardings, _with_shardings(abstract_train_state, shardings)
 
+
+def _abstract_batch(mesh, model_cfg, update_cfg, micro, rows, seq):
     batch_sh = jax.sharding.NamedSharding(mesh, ts.batch_spec(mesh, model_cfg.sharding_rules))
     ints = ("input_ids", "targets", "positions", "segment_ids")
     floats = ("loss_weight", "advantages", "old_logp") + (("ref_logp",) if update_cfg.kl_coef else ())
-    batch = {k: jax.ShapeDtypeStruct((micro, rows, seq), jnp.int32 if k in ints else jnp.float32, sharding=batch_sh)
-             for k in ints + floats}
+    return {k: jax.ShapeDtypeStruct((micro, rows, seq), jnp.int32 if k in ints else jnp.float32, sharding=batch_sh)
+            for k in ints + floats}
 
+
+def _memory(compiled) -> dict:
+    mem = compiled.memory_analysis()
+    return {"argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
+            "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
+            # Donated state aliases its output, so the peak is arguments + temporaries (+ the small outputs).
+            "peak_per_device": mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
+            - mem.alias_size_in_bytes}
+
+
+def plan(model_cfg: models.Config, mesh_shape, update_cfg: ts.UpdateConfig, *, micro: int, rows: int,
+         seq: int, forward: bool = False) -> dict:
+    """Per-device bytes of one optimizer step of [micro, rows, seq] on `mesh_shape` (and, with `forward`, of the
+    log-prob forward over the same batch), compiled on this host's first devices with abstract inputs."""
+    mesh = sharding.make_mesh(mesh_shape, devices=jax.devices()[:math.prod(mesh_shape)])
+    graphdef, abstract_state, opt, shardings, state = _abstract_state(model_cfg, mesh, update_cfg)
+    batch = _abstract_batch(mesh, model_cfg, update_cfg, micro, rows, seq)
     step = ts.jit_train_step(graphdef, model_cfg, update_cfg, opt, mesh, shardings)
     t = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t
-    mem = compiled.memory_analysis()
-
     n_dev = mesh.devices.size
     params_dev, opt_dev = device_bytes(state.params), device_bytes(state.opt_state)
     total_state = total_bytes(state.params) + total_bytes(state.opt_state)
-    return {
+    out = {
         "mesh": list(mesh.devices.shape), "rules": model_cfg.sharding_rules, "devices": n_dev,
-        "backend": jax.default_backend(), "params": models.param_count(abstract_state),
+        "backend": jax.default_backend(), "params": models.param_count(abstract_state), "layers": model_cfg.num_layers,
         "param_dtype": model_cfg.param_dtype, "compute_dtype": model_cfg.dtype, "remat": model_cfg.remat,
+        "attention": resolve_attention(model_cfg.attention_impl),
         "micro_batches": micro, "rows": rows, "seq": seq, "compile_s": round(compile_s, 1),
         "params_per_device": params_dev, "opt_state_per_device": opt_dev, "batch_per_device": device_bytes(batch),
-        "argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
-        "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
+        **_memory(compiled),
         "ideal_state_per_device": total_state // n_dev,
         "state_vs_ideal": round((params_dev + opt_dev) / (total_state / n_dev), 4),
-        # Donated state aliases its output, so the peak is arguments + temporaries (+ the small metrics output).
-        "peak_per_device": mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
-        - mem.alias_size_in_bytes,
     }
+    if forward:
+        fwd = ts.jit_forward_logprobs(graphdef, model_cfg, temperature=update_cfg.temperature,
+                                      chunk=update_cfg.logprob_chunk, mesh=mesh)
+        t = time.perf_counter()
+        compiled = fwd.lower(state.params, batch).compile()
+        out["forward"] = {"compile_s": round(time.perf_counter() - t, 1), **_memory(compiled)}
+    return out
 
 
-def plan_config(cfg, *, micro: int = 1) -> dict:
-    """The plan of an experiment config: its model, mesh, update settings and micro-batch shape."""
+def compile_sampler(model_cfg: models.Config, sh: Shapes, local_devices: int) -> dict:
+    """The JAX sampler's prefill chunk and decode chunk (`jax_sampler._prefill_chunk` / `_decode_chunk`, stacked
+    cache and scanned layers as on an accelerator) compiled for one call of B x S rows on a process's local
+    devices, abstract inputs: {program: XLA bytes per device}."""
+    from arpo_jax.models.transformer import KVCache
+    from arpo_jax.rollout import jax_sampler as js
+
+    mesh = sharding.make_mesh((1, local_devices, 1), devices=jax.devices()[:local_devices])
+    graphdef, abstract = nnx.split(models.abstract_model(model_cfg))
+    p_sh = sharding.state_shardings(abstract, mesh, sharding.get_rules(model_cfg.sharding_rules))
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, p_sh)
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("fsdp",)))
+    rows2 = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("fsdp",), None))
+    kv_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ("fsdp",), None, None, None))
+    b, s, t = sh.sampler_batch, sh.sampler_len, sh.prefill_chunk
+    kv = jax.ShapeDtypeStruct((model_cfg.num_layers, b, model_cfg.num_kv_heads, s, model_cfg.head_dim),
+                              model_cfg.compute_dtype, sharding=kv_sh)
+    cache = KVCache(kv, kv, jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=rows2),
+                    jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows))
+    h = jax.ShapeDtypeStruct((b, model_cfg.hidden_size), model_cfg.compute_dtype, sharding=rows2)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows2 if len(shape) == 2 else rows)
+    fns = js._jitted(graphdef, model_cfg)
+    out = {}
+    with jax.set_mesh(mesh):
+        t0 = time.perf_counter()
+        c = fns.prefill.lower(state, cache, h, i32(b, t), i32(b, t),
+                              jax.ShapeDtypeStruct((b, t), bool, sharding=rows2), i32(b), fresh=False).compile()
+        out["sampler_prefill"] = {"compile_s": round(time.perf_counter() - t0, 1), **_memory(c)}
+        scalar = lambda dt: jax.ShapeDtypeStruct((), dt)
+        t0 = time.perf_counter()
+        c = fns.decode.lower(state, cache, h, jax.ShapeDtypeStruct((b,), bool, sharding=rows), i32(b), i32(b), i32(b),
+                             i32(b), jax.ShapeDtypeStruct((1,), jnp.int32), None, scalar(jnp.uint32),
+                             scalar(jnp.float32), scalar(jnp.int32), scalar(jnp.float32), n_steps=16, greedy=False,
+                             truncate=False, n_logprobs=0, raw_logprobs=False, tok_logprobs=True).compile()
+        out["sampler_decode"] = {"compile_s": round(time.perf_counter() - t0, 1), **_memory(c)}
+    return out
+
+
+def compile_check(cfg, *, devices: int = 8, layers: int = 2, command: str | None = None) -> dict:
+    """The update (and, for RL, the log-prob forward) compiled at the config's widths and lengths with `layers`
+    decoder layers, beside the itemised model of the same reduced model: XLA's argument bytes against the model's
+    params + optimizer state + batch (exact up to small counters), XLA's CPU temporaries against the model's
+    non-state items (the CPU figure overstates: see the module docstring)."""
     from arpo_jax.components import update_config
-    from arpo_jax.runtime import runtime_options
 
-    hf_cfg, source = hf_config_for(cfg.model.path)
-    model_cfg = models.config_from_hf(hf_cfg, **runtime_options(cfg))
-    mesh_shape = tuple(sharding.make_mesh(tuple(cfg.mesh.shape)).devices.shape)
-    rules = sharding.get_rules(model_cfg.sharding_rules)
-    rows = math.prod(dict(zip(sharding.MESH_AXES, mesh_shape))[a] for a in rules["batch"])
-    seq = cfg.actor.max_token_len_per_device or 2 * (cfg.data.max_prompt_length + cfg.data.max_response_length)
-    out = plan(model_cfg, mesh_shape, update_config(cfg), micro=micro, rows=rows, seq=seq)
-    return {"model": source, **out}
+    model_cfg, _ = _model_config(cfg, layers)
+    mesh_shape = _mesh_shape(cfg, devices)
+    sh = shapes_of(cfg, mesh_shape, model_cfg.sharding_rules, command)
+    rows = math.prod(dict(zip(sharding.MESH_AXES, mesh_shape))[a]
+                     for a in sharding.get_rules(model_cfg.sharding_rules)["batch"])
+    rows = max(1, round(rows * sh.rows))
+    compiled = plan(model_cfg, mesh_shape, update_config(cfg), micro=1, rows=rows, seq=sh.seq,
+                    forward=sh.command == "train")
+    # The model of the same reduced program, for the same single micro-batch and on the CPU backend's attention.
+    model = itemise(model_cfg, mesh_shape, dataclasses.replace(sh, micro_batches=1, engine="", critic=False,
+                                                               ref_on_device=False), "cpu")["programs"]
+    state_keys = ("params", "optimizer_state", "batch")
+    upd = model["update"]
+    out = {"layers": layers, "compile_s": compiled["compile_s"],
+           "update": {"xla_arguments_gib": compiled["argument_bytes"] / GB,
+                      "model_state_gib": sum(upd[k] for k in state_keys) / GB,
+                      "xla_cpu_temp_gib": compiled["temp_bytes"] / GB,
+                      "model_temp_gib": sum(v for k, v in upd.items() if k not in state_keys) / GB}}
+    if "forward" in compiled:
+        fwd = model["logprob_forward"]
+        out["logprob_forward"] = {"compile_s": compiled["forward"]["compile_s"],
+                                  "xla_arguments_gib": compiled["forward"]["argument_bytes"] / GB,
+                                  "model_params_gib": fwd["params"] / GB,
+                                  "xla_cpu_temp_gib": compiled["forward"]["temp_bytes"] / GB,
+                                  "model_temp_gib": sum(v for k, v in fwd.items()
+                                                        if k not in ("params", "optimizer_state", "batch")) / GB}
+    if sh.command == "train" and sh.engine == "jax":
+        local = max(1, math.prod(mesh_shape) // sh.processes)
+        smp = sampler_items(model_cfg, param_sizes(model_cfg, tuple(mesh_shape)), sh, local)
+        resident = ("params", "optimizer_state")  # the train state: not an argument of the sampler's programs
+        for name, mem in compile_sampler(model_cfg, sh, local).items():
+            items = smp[name]
+            out[name] = {"compile_s": mem["compile_s"], "xla_arguments_gib": mem["argument_bytes"] / GB,
+                         "model_state_gib": (items["sampler_params"] + items["kv_cache"]) / GB,
+                         "xla_cpu_temp_gib": mem["temp_bytes"] / GB,
+                         "model_temp_gib": sum(v for k, v in items.items()
+                                               if k not in (*resident, "sampler_params", "kv_cache")) / GB}
+    return jax.tree.map(lambda x: round(x, 3) if isinstance(x, float) else x, out)
+
+
+def plan_config(cfg, *, devices: int = 8, compile_layers: int = 0, command: str | None = None) -> dict:
+    """`arpo-jax plan`: the itemised plan of a config, and with `compile_layers` > 0 the compiled check."""
+    r = analyse(cfg, devices=devices, command=command)
+    if compile_layers:
+        r["compiled"] = compile_check(cfg, devices=devices, layers=compile_layers, command=command)
+    return r
 
 
 def format_plan(r: dict) -> str:
+    """The per-program table of `plan_config`'s result."""
+    progs = list(r["programs_gib"])
+    items = sorted({k for p in progs for k in r["programs_gib"][p]},
+                   key=lambda k: -max(r["programs_gib"][p].get(k, 0) for p in progs))
+    width = max(12, *(len(p) for p in progs))
     lines = [f"{r['model']}: {r['params'] / 1e9:.2f}B params, mesh {tuple(r['mesh'])} rules={r['rules']}, "
-             f"{r['param_dtype']} params + AdamW moments, {r['compute_dtype']} compute, remat={r['remat']}; "
-             f"micro-batch {r['rows']} x {r['seq']} tokens; compiled for {r['backend']} in {r['compile_s']} s",
-             f"{'per device':48s} {'GiB':>8s}"]
-    rows = [("params", r["params_per_device"]), ("optimizer state", r["opt_state_per_device"]),
-            ("params + optimizer (ideal = total / devices)", r["ideal_state_per_device"]),
-            ("batch", r["batch_per_device"]), ("XLA arguments", r["argument_bytes"]),
-            ("XLA temporaries", r["temp_bytes"]),
-            ("XLA peak (args + temps + outputs - aliased)", r["peak_per_device"])]
-    lines += [f"{name:48s} {b / GB:8.2f}" for name, b in rows]
-    if r["backend"] == "cpu":
-        lines.append("(temporaries planned by the CPU backend: an upper bound; see arpo_jax/plan.py)")
+             f"remat={r['remat']}, {r['command']} rows/device={r['rows_per_device']:g} x {r['seq']} tokens, "
+             f"engine={r['engine'] or '-'}; attention: "
+             + ", ".join(f"{p}={a}" for p, a in r["attention_by_program"].items()),
+             f"device {r['device']}: {r['hbm_gib']} GiB, JAX budget {r['budget_gib']} GiB per device",
+             f"{'GiB per device':28s}" + "".join(f"{p:>{width + 1}s}" for p in progs)]
+    for k in items:
+        lines.append(f"{k:28s}" + "".join(f"{r['programs_gib'][p].get(k, 0):{width + 1}.2f}" for p in progs))
+    lines.append(f"{'peak':28s}" + "".join(f"{r['program_peaks_gib'][p]:{width + 1}.2f}" for p in progs))
+    verdict = "fits" if r["fits"] else "DOES NOT FIT"
+    lines.append(f"{verdict}: peak {r['peak_gib']} GiB ({r['peak_program']}) of {r['budget_gib']} GiB, headroom "
+                 f"{r['headroom']:.0%} (needs {HEADROOM:.0%})"
+                 + (f"; JAX fraction {r['jax_fraction']}, vLLM may take up to {r['engine_fraction_max']}"
+                    if "engine_fraction_max" in r else ""))
+    for fix in r.get("fixes", []):
+        lines.append(f"  fix: {fix}")
+    if "compiled" in r:
+        c = r["compiled"]
+        lines.append(f"compiled check ({c['layers']} layers, fake CPU devices, {c['compile_s']} s): "
+                     + "; ".join(f"{p}: XLA args {v['xla_arguments_gib']:.2f} GiB vs model "
+                                 f"{v.get('model_state_gib', v.get('model_params_gib')):.2f}, CPU temps "
+                                 f"{v['xla_cpu_temp_gib']:.2f} vs model {v['model_temp_gib']:.2f}"
+                                 for p, v in c.items() if isinstance(v, dict)))
     return "\n".join(lines)

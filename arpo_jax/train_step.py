@@ -265,20 +265,34 @@ def accumulate_and_apply(state: TrainState, batch: Batch, micro_loss, optimizer:
 
     Returns:
       (new state, metrics): each of ``micro_loss``'s metrics summed over the micro-batches, plus float32 scalars
-      ``grad_norm`` (before clipping) and ``skipped`` (0 or 1).
+      ``grad_norm`` (before clipping), ``skipped`` (0 or 1) and ``micro_batches`` (micro-batches computed: those
+      whose ``loss_weight`` is all zero are skipped, their loss and gradients being exactly zero).
     """
     params = state.params
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def body(acc, mb):
+    def run(acc, mb):
         (loss, metrics), grads = grad_fn(params, mb)
         return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), (loss, metrics)
+
+    def body(acc, mb):
+        if "loss_weight" not in mb:
+            acc, out = run(acc, mb)
+            return acc, (out, jnp.ones((), jnp.float32))
+        # Every mini-batch is padded to the largest micro-batch count (packing.plan_layout): a micro-batch without
+        # any loss weight contributes exactly nothing, so its forward and backward are skipped (review W3).
+        _, zeros = jax.eval_shape(run, acc, mb)
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), zeros)
+        has_weight = jnp.any(mb["loss_weight"] != 0)
+        acc, out = jax.lax.cond(has_weight, run, lambda a, _: (a, zeros), acc, mb)
+        return acc, (out, has_weight.astype(jnp.float32))
 
     acc = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     if grad_shardings is not None:
         acc = jax.lax.with_sharding_constraint(acc, grad_shardings)
-    grads, (losses, micro_metrics) = jax.lax.scan(body, acc, batch)  # losses: [M]; micro_metrics: {name: [M]}
-    sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), micro_metrics)
+    # losses: [M]; micro_metrics: {name: [M]}; ran: [M] 1.0 where the micro-batch was computed
+    grads, ((losses, micro_metrics), ran) = jax.lax.scan(body, acc, batch)
+    sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), micro_metrics) | {"micro_batches": jnp.sum(ran)}
 
     grad_norm = optax.tree.norm(grads)
     ok = jnp.isfinite(jnp.sum(losses)) & jnp.isfinite(grad_norm)
@@ -298,9 +312,10 @@ def accumulate_and_apply(state: TrainState, batch: Batch, micro_loss, optimizer:
 
 def weighted_means(sums: dict[str, Array], *, totals: tuple[str, ...]) -> dict[str, Array]:
     """``accumulate_and_apply``'s metric sums as loss-weighted means over the mini-batch (each divided by the summed
-    ``weight``, which is dropped), except the loss ``totals``, ``grad_norm`` and ``skipped``, kept as they are."""
+    ``weight``, which is dropped), except the loss ``totals``, ``grad_norm``, ``skipped`` and ``micro_batches``, kept
+    as they are."""
     w_total = jnp.maximum(sums["weight"], 1e-30)
-    keep = (*totals, "grad_norm", "skipped")
+    keep = (*totals, "grad_norm", "skipped", "micro_batches")
     return {k: v if k in keep else v / w_total for k, v in sums.items() if k != "weight"}
 
 
@@ -319,7 +334,8 @@ def train_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef, cfg: 
     Returns:
       (new state, metrics): scalar float32 metrics ``loss``, ``pg_loss``, ``kl_loss`` (when kl_coef != 0),
       ``entropy``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` (loss-weighted means over the mini-batch;
-      with token-mean weights, plain token means), ``grad_norm`` (before clipping), ``skipped`` (0 or 1); with
+      with token-mean weights, plain token means), ``grad_norm`` (before clipping), ``skipped`` (0 or 1),
+      ``micro_batches`` (computed, i.e. not all-zero-weight padding); with
       ``rollout_logp`` in the batch also the ``rollout_corr/*`` metrics of ``algos.rollout_correction``.
     """
     rc_metrics = {}

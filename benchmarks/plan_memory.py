@@ -1,7 +1,8 @@
-"""Memory plan of the policy-update step for a published model on a fake-device mesh (see arpo_jax/plan.py).
+"""Compiled memory of the policy-update step for a published model on a fake-device mesh (see arpo_jax/plan.py).
 
-`arpo-jax plan --config builtin:<experiment>` does the same for an experiment config; this script plans any
-published model / mesh / micro-batch shape by hand:
+`arpo-jax plan --config builtin:<experiment>` itemises every program of an experiment config against its device;
+this script compiles the update of any published model / mesh / micro-batch shape by hand (`--layers` for a
+reduced depth, `--forward` to compile the log-prob forward too):
 
   python benchmarks/plan_memory.py [--model Qwen2.5-7B-Instruct --mesh 1,8,1 --micro 2 --rows 8 --seq 4096]
 
@@ -47,13 +48,18 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096, help="tokens per row")
     ap.add_argument("--remat", default="full")
     ap.add_argument("--kl", action="store_true", help="include the KL loss (ref_logp input)")
+    ap.add_argument("--layers", type=int, default=0, help="decoder layers (0: the model's)")
+    ap.add_argument("--attention", default="", help="attention_impl (default: the model's default, blockwise)")
+    ap.add_argument("--forward", action="store_true", help="also compile the log-prob forward")
     args = ap.parse_args()
-    cfg = models.config_from_hf(REAL_CONFIGS[args.model], dtype="bfloat16", param_dtype="float32", remat=args.remat,
-                                sharding_rules=args.rules)
+    hf = dict(REAL_CONFIGS[args.model], **({"num_hidden_layers": args.layers} if args.layers else {}))
+    cfg = models.config_from_hf(hf, dtype="bfloat16", param_dtype="float32", remat=args.remat,
+                                sharding_rules=args.rules, attention_impl=args.attention or None)
     r = {"model": args.model, **plan.plan(cfg, tuple(int(x) for x in args.mesh.split(",")),
                                           ts.UpdateConfig(kl_coef=0.001 if args.kl else 0.0),
-                                          micro=args.micro, rows=args.rows, seq=args.seq)}
-    print(plan.format_plan(r))
+                                          micro=args.micro, rows=args.rows, seq=args.seq, forward=args.forward)}
+    gib = {k: round(v / plan.GB, 3) for k, v in r.items() if k.endswith(("_bytes", "_per_device"))}
+    print("\n".join(f"{k:28s} {v:8.2f} GiB" for k, v in gib.items()))
     print(json.dumps(r))
 
 

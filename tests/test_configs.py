@@ -59,12 +59,14 @@ def test_base_loads_but_needs_a_model_and_data():
 
 def test_reference_values_of_the_scripts():
     """Spec 11.3: batch, mini, P, R, n, m, epochs, gpu_mem, call_limit and the AEPO switches."""
+    # gpu_mem is not the scripts' (0.7 for 7B, 0.6 for 8B / 14B): vLLM gets what JAX's planned peak leaves
+    # (`arpo-jax plan`, tests/test_plan.py).
     expect = {  # batch mini P R n m epochs gpu_mem call_limit
-        "arpo_qwen25_7b_reasoning": (128, 16, 1536, 4096, 16, 8, 2, 0.7, 3),
-        "arpo_qwen3_8b_deepsearch": (128, 16, 2000, 10000, 16, 8, 5, 0.6, 6),
-        "arpo_qwen3_14b_deepsearch": (64, 8, 2000, 6192, 12, 6, 5, 0.6, 6),
-        "aepo_qwen25_7b": (128, 16, 1536, 4096, 16, 8, 2, 0.7, 6),
-        "aepo_qwen3_14b": (64, 8, 2000, 6192, 12, 6, 5, 0.6, 6),
+        "arpo_qwen25_7b_reasoning": (128, 16, 1536, 4096, 16, 8, 2, 0.5, 3),
+        "arpo_qwen3_8b_deepsearch": (128, 16, 2000, 10000, 16, 8, 5, 0.45, 6),
+        "arpo_qwen3_14b_deepsearch": (64, 8, 2000, 6192, 12, 6, 5, 0.45, 6),
+        "aepo_qwen25_7b": (128, 16, 1536, 4096, 16, 8, 2, 0.5, 6),
+        "aepo_qwen3_14b": (64, 8, 2000, 6192, 12, 6, 5, 0.45, 6),
     }
     for name, values in expect.items():
         c = config.load_config([f"--config={REPO / 'arpo_jax' / 'configs' / name}.py"])
@@ -277,4 +279,6 @@ def test_launch_scripts_parse_and_size_jax_memory():
     vllm = subprocess.run([*run, "--config=builtin:arpo_qwen3_8b_deepsearch"], capture_output=True,
                           text=True, check=True)
     jax_engine = subprocess.run([*run, f"--config={TOY}"], capture_output=True, text=True, check=True)
-    assert (vllm.stdout.split()[-1], jax_engine.stdout.split()[-1]) == ("0.35", "0.9")
+    # Beside vLLM, JAX's planned peak (35.3 GiB per A100-80GB, `arpo-jax plan`) / 0.9, rounded up: the engine's 0.45
+    # leaves 0.05 for the CUDA contexts.
+    assert (vllm.stdout.split()[-1], jax_engine.stdout.split()[-1]) == ("0.5", "0.9")

@@ -207,7 +207,7 @@ def test_micro_batch_split_does_not_change_the_step(tiny):
     g2, m2, _ = _grads(graphdef, params, many, cfg)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # float32 summation order
-    for k in m1:
+    for k in m1.keys() - {"micro_batches"}:  # the count depends on the split
         np.testing.assert_allclose(m1[k], m2[k], rtol=1e-5, atol=1e-7, err_msg=k)
 
 

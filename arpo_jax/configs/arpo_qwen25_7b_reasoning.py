@@ -15,6 +15,7 @@ def get_config():
     c.model.ref_on_host = True  # scripts: ref param offload on (only loaded when actor.kl_coef > 0)
     c.mesh.shape = (1, 8, 1)  # 8 GPUs, FSDP (scripts: FSDP, rollout TP 1)
     c.mesh.rules = "fsdp"
+    c.mesh.device = "a100-80gb"  # the smaller of the two 80 GB cards the reference ran on
 
     c.data.train_files = ("${ARPO_DATA}/rl/train_10k.parquet",)
     c.data.val_files = ("${ARPO_DATA}/rl/valid.parquet",)
@@ -30,7 +31,9 @@ def get_config():
     c.rollout.branch_probability = 0.5  # p
     c.rollout.entropy_weight = 0.2  # w
     c.rollout.rule = "arpo"
-    c.rollout.vllm.gpu_memory_utilization = 0.7
+    # vLLM on GPU 0 beside JAX: the update peaks at 32.2 GiB per GPU (`arpo-jax plan`, benchmarks/RESULTS.md), so
+    # JAX needs 0.45 of an 80 GB card and vLLM gets 0.5 (the scripts' 0.7 would leave JAX 18 GiB).
+    c.rollout.vllm.gpu_memory_utilization = 0.5
 
     c.tools.call_limit = 3  # ARPO ppo_trainer.yaml (spec 6.3)
     c.tools.max_workers = 64

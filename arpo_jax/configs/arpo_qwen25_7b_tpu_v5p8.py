@@ -12,7 +12,13 @@ def get_config():
     c = arpo_config()
     c.mesh.shape = (1, 4, 1)
     c.mesh.rules = "fsdp"
+    c.mesh.device = "tpu-v5p"
     c.rollout.engine = "jax"
-    c.model.attention_impl = ""  # XLA's attention on TPU
+    # Memory (`arpo-jax plan`): the JAX sampler puts a worker's trajectories in one dense cache and keeps it between
+    # calls, so 16 rollout workers of 8 prompts (128 rows, 10.5 GiB of cache per chip instead of 168) and prefill
+    # chunks of 128 (float32 scores [B, N, chunk, S]); one trajectory per packed row (4 rows per chip).
+    c.rollout.workers = 16
+    c.rollout.jax.prefill_chunk = 128
+    c.actor.max_token_len_per_device = 5632
     c.trainer.experiment = "arpo_qwen25_7b_tpu_v5p8"
     return c

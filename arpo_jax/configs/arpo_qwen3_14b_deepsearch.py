@@ -11,6 +11,10 @@ def get_config():
     c = deepsearch_config()
     c.model.path = "${ARPO_MODELS}/Qwen3-14B"
     c.data.max_response_length = 6192
+    # 14B does not fit beside vLLM on 8 x 80 GB: its update peaks at ~58 GiB per GPU (`arpo-jax plan`, with the 8B
+    # config's 12288 tokens per device); H200s (141 GB) give JAX about half and vLLM 0.45.
+    c.mesh.device = "h200"
+    c.rollout.vllm.gpu_memory_utilization = 0.45
     c.data.train_batch_size = 64
     c.actor.ppo_mini_batch_size = 8
     c.rollout.n = 12

@@ -13,6 +13,7 @@ def get_config():
     c.model.ref_on_host = True
     c.mesh.shape = (1, 8, 1)
     c.mesh.rules = "fsdp"
+    c.mesh.device = "a100-80gb"
 
     c.data.train_files = ("${ARPO_DATA}/rl/hard_search_1k.parquet",)
     c.data.val_files = ("${ARPO_DATA}/rl/gaia_test.parquet", "${ARPO_DATA}/rl/hle_test.parquet")
@@ -28,7 +29,9 @@ def get_config():
     c.rollout.branch_probability = 0.5
     c.rollout.entropy_weight = 0.2
     c.rollout.rule = "arpo"
-    c.rollout.vllm.gpu_memory_utilization = 0.6
+    # Planned (`arpo-jax plan`): 12288 tokens per device and micro-batch (one 12k trajectory; the scripts' 2 (P + R)
+    # = 24000 needs 43 GiB per GPU) peak at 35.3 GiB, so vLLM gets 0.45 of GPU 0 (the scripts: 0.6).
+    c.rollout.vllm.gpu_memory_utilization = 0.45
 
     c.tools.call_limit = 6  # ppo_trainer_dr.yaml
     c.tools.max_workers = 64
@@ -41,6 +44,7 @@ def get_config():
     c.actor.loss = "ppo"
     c.actor.lr = 1e-6
     c.actor.kl_coef = 0.0
+    c.actor.max_token_len_per_device = 12288
     c.trainer.total_epochs = 5
     c.trainer.save_freq = 5
     c.trainer.test_freq = 5

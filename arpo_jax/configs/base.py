@@ -22,7 +22,7 @@ def get_config() -> ConfigDict:
     c.model.dtype = "bfloat16"  # compute dtype: float32 | bfloat16 | float16
     c.model.param_dtype = "float32"  # master weights / optimizer dtype
     c.model.remat = "full"  # activation checkpointing: none | full | dots | dots_no_batch (reference: grad-ckpt on)
-    # "" = blockwise on CPU, else JAX picks (cuDNN on GPU when it can) | xla | cudnn | blockwise
+    # "" = blockwise (every backend: never [T, T] scores) | blockwise | cudnn (GPU flash) | xla (full scores)
     c.model.attention_impl = ""
     c.model.ref_on_host = False  # keep the reference model's params in host memory (reference: param_offload)
 
@@ -30,6 +30,9 @@ def get_config() -> ConfigDict:
     c.mesh = ConfigDict()
     c.mesh.shape = (1, -1, 1)  # (data, fsdp, tensor) device counts; -1 = all remaining devices
     c.mesh.rules = "fsdp"  # logical-axis rules preset: fsdp | fsdp_tp
+    # The hardware one mesh device is (`arpo-jax plan` holds every program's memory against it): a100-40gb |
+    # a100-80gb | h100-80gb | h200 | tpu-v4 | tpu-v5e | tpu-v5p | cpu
+    c.mesh.device = "cpu"
 
     # ---------------------------------------------------------------- data
     c.data = ConfigDict()

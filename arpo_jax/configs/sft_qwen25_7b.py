@@ -18,6 +18,7 @@ def get_config():
     c.model.remat = "full"  # 15k-token examples
     c.mesh.shape = (1, 8, 1)
     c.mesh.rules = "fsdp"
+    c.mesh.device = "a100-80gb"
 
     c.sft.train_files = ("${ARPO_DATA}/sft/arpo_sft.json",)
     c.sft.val_files = ()

@@ -72,9 +72,10 @@ class Config:
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"  # storage dtype of params (and of their gradients / optimizer moments)
     remat: str = "none"  # one of REMAT_POLICIES
-    # None: blockwise on CPU, else JAX chooses (cuDNN on GPU when it can); or "xla", "cudnn", "blockwise"
-    # (`attention.blockwise_causal_attention`, for training-time self-attention; the KV-cache path always uses
-    # `cached_attention`).
+    # None: the blockwise kernel (`attention.blockwise_causal_attention`) on every backend (`resolve_attention`);
+    # "blockwise" the same; "xla" (jax.nn.dot_product_attention's XLA path: full [B, N, T, T] float32 scores);
+    # "cudnn" (cuDNN flash attention, GPU only). This is the training-time self-attention; the KV-cache path always
+    # uses `cached_attention`.
     attention_impl: str | None = None
     sharding_rules: str = "fsdp_tp"  # name of a table in arpo_jax.sharding.RULES
     # Run the layers as one `lax.scan` over their stacked params (compiled once, whatever the depth) instead of a
@@ -314,11 +315,12 @@ class Attention(nnx.Module):
         """mask: [B, 1, T, S] bool. GQA is native: K kv heads serve N query heads. `causal_self`: S == T and the
         mask is causal (the training forward), where the blockwise kernel may be used. `cached`: k, v are one
         layer of a KVCache ([B, K, S, H]), attended in place by `cached_attention`."""
-        impl, scale = self.cfg.attention_impl, self.cfg.head_dim ** -0.5
+        scale = self.cfg.head_dim ** -0.5
+        impl = resolve_attention(self.cfg.attention_impl)
         if cached:
             out = cached_attention(q, k, v, mask, scale=scale)
-        elif causal_self and (impl == "blockwise" or (impl is None and jax.default_backend() == "cpu")):
-            out = blockwise_causal_attention(q, k, v, mask, scale=scale)
+        elif causal_self and impl == "blockwise":
+            out = blockwise_causal_attention(q, k, v, mask, scale=scale, **blockwise_blocks(q.shape[1]))
         else:
             impl = None if impl == "blockwise" else impl
             out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=impl)
@@ -327,6 +329,27 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, mask):
         q, k, v = self.qkv(x, positions)
         return self.attend(q, k, v, mask, causal_self=True)
+
+
+def resolve_attention(impl: str | None) -> str:
+    """The training self-attention `Attention.attend` runs for `Config.attention_impl`: None means "blockwise" on
+    every backend. jax 0.10's `dot_product_attention(implementation=None)` takes the XLA path for these inputs (a
+    boolean mask, packed segments) on GPU and TPU too, i.e. [B, N, T, T] float32 scores per layer: 13 GiB per row
+    at T = 11k (review B2). The blockwise kernel keeps one query block's scores at a time; "cudnn" stays an explicit
+    choice for GPUs (flash attention)."""
+    return "blockwise" if impl is None else impl
+
+
+def blockwise_blocks(t: int, backend: str | None = None) -> dict:
+    """Block arguments of `blockwise_causal_attention` for T = `t`. CPU: the kernel's defaults (128-query blocks, at
+    most 8, tuned for 2 cores; unchanged numerics). GPU/TPU: 512-query blocks whatever T, so one block's float32
+    scores are N x 512 x T per row (1.5 GiB at N = 32, T = 24k) instead of T / 8 query rows."""
+    if (backend or jax.default_backend()) == "cpu":
+        return {}
+    return {"block_size": ACCELERATOR_ATTENTION_BLOCK, "max_blocks": max(8, -(-t // ACCELERATOR_ATTENTION_BLOCK))}
+
+
+ACCELERATOR_ATTENTION_BLOCK = 512
 
 
 class MLP(nnx.Module):
