@@ -9,6 +9,7 @@ duplicates.
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -286,3 +287,18 @@ def test_worker_blocks_pad_to_common_sizes():
     metrics = tp.tree_metrics(layouts)
     assert metrics["perf/tree_tokens_flat"] == sum(len(s) for s in seqs)
     assert metrics["perf/tree_tokens_computed"] < metrics["perf/tree_tokens_flat"]
+
+
+@pytest.mark.parametrize("overrides, words", [(dict(tree_training=True, pack=False), "actor.pack=true"),
+                                              (dict(tree_training=True), "critic")])
+def test_tree_training_config_is_validated(overrides, words):
+    from arpo_jax import config
+
+    cfg = config.load_config(["--config=builtin:toy_cpu"]).to_dict()
+    cfg["actor"].update(overrides)
+    if words == "critic":
+        cfg["algorithm"]["adv_estimator"] = "gae"
+    assert config.load_config(["--config=builtin:toy_cpu"]).actor.tree_training is False  # off until the loop uses it
+    with pytest.raises(config.ConfigError) as err:
+        config.validate(ml_collections.ConfigDict(cfg, type_safe=False), check_files=False)
+    assert any(p.startswith("actor.tree_training:") and words in p for p in err.value.problems), err.value.problems
