@@ -119,6 +119,7 @@ def test_tree_mask_is_the_ancestor_relation(seed):
         np.testing.assert_array_equal(layout.rows["positions"][at], np.arange(len(s)))
 
 
+@pytest.mark.slow
 def test_blockwise_tree_kernel_equals_dense_forward_and_backward():
     seqs, masks, group, _ = _rollout(7)
     layout = tp.plan_tree_layout(seqs, group, masks, mini_batch_size=18, row_len=48, rows_per_micro=2)
@@ -153,7 +154,8 @@ def _flat_and_tree(seqs, masks, group, adv, *, row_len=64, rows=2, tree_row_len=
     return flat, flat_layout, tp.assemble_tree(layout, masks, adv, **weights), layout
 
 
-@pytest.mark.parametrize("impl,split", [("blockwise", False), ("xla", False), ("blockwise", True)])
+@pytest.mark.parametrize("impl,split", [("blockwise", False), pytest.param("xla", False, marks=pytest.mark.slow),
+                                        pytest.param("blockwise", True, marks=pytest.mark.slow)])
 def test_tree_logprobs_equal_flat(impl, split):
     model_cfg = _model_cfg(attention_impl=impl)
     graphdef, params = ts.split_model(models.init_model(model_cfg, seed=1))
@@ -197,7 +199,8 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-CASES = [dict(loss="ppo"), dict(loss="aepo", kl_coef=0.1, entropy_coef=0.01, entropy_adv=True),
+CASES = [pytest.param(dict(loss="ppo"), marks=pytest.mark.slow),
+         pytest.param(dict(loss="aepo", kl_coef=0.1, entropy_coef=0.01, entropy_adv=True), marks=pytest.mark.slow),
          pytest.param(dict(loss="aepo"), marks=pytest.mark.slow),
          pytest.param(dict(loss="ppo", kl_coef=0.1), marks=pytest.mark.slow),
          pytest.param(dict(loss="ppo", rollout_correction="truncate", rollout_correction_level="sequence"),
@@ -218,7 +221,7 @@ def test_loss_and_gradients_equal_flat(case):
     # Every aggregation mode over two micro-batches (filled differently by the two layouts), plus (PPO) the reference
     # micro-normalisation with one micro-batch per mini-batch: its normaliser is the micro-batch's own content.
     modes = [(agg, "global_token_mean", 2) for agg in packing.AGG_MODES]
-    modes += [("seq-mean-token-mean", "reference", 16)] if case == CASES[0] else []
+    modes += [("seq-mean-token-mean", "reference", 16)] if case == {"loss": "ppo"} else []
     # Entropy-aware advantages divide by the entropy's std over the batch, tiny for a random model (near-uniform
     # predictions): float rounding is amplified ~50x. The flat layout itself, packed vs padded, differs by 5.3e-5.
     tol = 2e-4 if cfg.entropy_adv else 2e-6
@@ -242,6 +245,7 @@ def test_loss_and_gradients_equal_flat(case):
         assert abs(m_flat["loss"]) > 1e-4
 
 
+@pytest.mark.slow
 def test_sharded_tree_step_equals_unsharded():
     model_cfg = _model_cfg()
     model = models.init_model(model_cfg, seed=3)
