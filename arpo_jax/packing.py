@@ -150,10 +150,18 @@ def loss_totals(layout: Layout, loss_masks: Sequence[np.ndarray]) -> np.ndarray:
     return totals
 
 
-def loss_weights(layout: Layout, loss_masks: Sequence[np.ndarray], *, agg_mode: str = "token-mean",
-                 micro_norm: str = "global_token_mean", norm_len: int | None = None,
-                 totals: np.ndarray | None = None, workers: int = 1) -> np.ndarray:
-    """Per-token loss weights [K, M, B, T] implementing ``agg_mode`` under ``micro_norm`` (module docstring).
+def loss_weights(layout: Layout, loss_masks: Sequence[np.ndarray], **kwargs) -> np.ndarray:
+    """Per-token loss weights [K, M, B, T] implementing ``agg_mode`` under ``micro_norm`` (module docstring):
+    each sequence's 0/1 loss mask times its ``sequence_loss_scales`` (keyword arguments: see there)."""
+    scale = sequence_loss_scales(layout, loss_masks, **kwargs)
+    return place(layout, [(np.asarray(m) > 0) * s for m, s in zip(loss_masks, scale)], np.float32)
+
+
+def sequence_loss_scales(layout: Layout, loss_masks: Sequence[np.ndarray], *, agg_mode: str = "token-mean",
+                         micro_norm: str = "global_token_mean", norm_len: int | None = None,
+                         totals: np.ndarray | None = None, workers: int = 1) -> np.ndarray:
+    """[N] float64: the loss weight of each loss token of each sequence (``loss_weights``; prefix trees,
+    ``arpo_jax.tree_packing``, give the same weight to every trajectory's own tokens).
 
     The one owner of loss normalisation: the train step computes ``sum(w * per-token loss)`` and nothing else.
     Per sequence ``i`` with ``n_i`` loss tokens, ``N`` loss tokens and ``S`` sequences (with loss tokens) in the
@@ -209,7 +217,7 @@ def loss_weights(layout: Layout, loss_masks: Sequence[np.ndarray], *, agg_mode: 
                 (layout.mini == layout.mini[i]).sum(), 1)
         if micro_norm == "reference" or agg_mode == "seq-mean-token-sum-norm":
             scale[i] /= workers
-    return place(layout, [m * s for m, s in zip(masks, scale)], np.float32)
+    return scale
 
 
 def assemble(layout: Layout, sequences: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray], advantages, *,

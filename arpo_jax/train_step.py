@@ -161,6 +161,8 @@ def token_logprobs(graphdef: nnx.GraphDef, params, mb: Batch, *, temperature: fl
     """
     model = nnx.merge(graphdef, params)
     rules = model.config.sharding_rules
+    if "tree_end" in mb:  # a tree batch (arpo_jax.tree_packing): log-probs per loss entry [B, E]
+        return _tree_logprobs(model, mb, temperature=temperature, chunk=chunk)
     hidden_btd = model.hidden_states(mb["input_ids"], mb["positions"], segment_ids=mb["segment_ids"])
     hidden_btd = sharding.constrain(hidden_btd, ("batch", "seq", "act_embed"), rules)
     unembed_dv = model.unembedding().astype(hidden_btd.dtype).T  # [V, D] -> [D, V]; XLA folds the transpose
@@ -170,6 +172,26 @@ def token_logprobs(graphdef: nnx.GraphDef, params, mb: Batch, *, temperature: fl
     unembed_dv = sharding.constrain(unembed_dv, (None, "act_vocab"), rules)
     return algos.token_logprobs_and_entropy_from_hidden(hidden_btd, unembed_dv, mb["targets"],
                                                         temperature=temperature, chunk_size=chunk)
+
+
+def _unembed_dv(model: CausalLM, dtype) -> Array:
+    """The output projection [D, V] in the compute dtype, gathered over its FSDP shards (see ``token_logprobs``)."""
+    return sharding.constrain(model.unembedding().astype(dtype).T, (None, "act_vocab"), model.config.sharding_rules)
+
+
+def _tree_logprobs(model: CausalLM, mb: Batch, *, temperature: float, chunk: int) -> tuple[Array, Array]:
+    """(log p, entropy) [B, E] of a tree micro-batch's entries (``tree_packing``): one forward over the tree tokens
+    [B, T], the heads' hidden states (each loss token's parent slot) [B, U] scored against their tokens, then each
+    trajectory's entries gathered from the heads. Per entry the values equal the flat layout's at that token."""
+    rules = model.config.sharding_rules
+    hidden_btd = model.hidden_states(mb["input_ids"], mb["positions"], tree_end=mb["tree_end"])
+    hidden_btd = sharding.constrain(hidden_btd, ("batch", "seq", "act_embed"), rules)
+    hidden_bud = jnp.take_along_axis(hidden_btd, mb["head_slot"][..., None], axis=1)
+    logp_bu, ent_bu = algos.token_logprobs_and_entropy_from_hidden(
+        hidden_bud, _unembed_dv(model, hidden_bud.dtype), mb["head_target"], temperature=temperature,
+        chunk_size=chunk)
+    take = lambda x: jnp.take_along_axis(x, mb["entry_index"], axis=1)  # [B, E]
+    return take(logp_bu), take(ent_bu)
 
 
 def _entropy_stats(graphdef, params, batch: Batch, cfg: UpdateConfig) -> tuple[Array, Array]:
@@ -460,6 +482,7 @@ def jit_train_step(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: UpdateCo
 # --------------------------------------------------------------------------------------------------
 
 LOGPROB_KEYS = ("input_ids", "targets", "positions", "segment_ids")
+TREE_LOGPROB_KEYS = ("input_ids", "positions", "tree_end", "head_slot", "head_target", "entry_index")
 
 
 def map_micro_batches(fn, batch: Batch, keys: tuple[str, ...]):
@@ -506,14 +529,16 @@ def forward_logprobs(graphdef: nnx.GraphDef, params, batch: Batch, *, temperatur
     """Forward-only (log p(targets), entropy) for old / reference log-probs, in the batch's own layout.
 
     ``batch`` arrays are [..., B, T], walked one [B, T] micro-batch at a time (``map_micro_batches``). Returns
-    float32 arrays shaped like ``batch["input_ids"]``. Only ``LOGPROB_KEYS`` are read.
+    float32 arrays shaped like ``batch["input_ids"]`` (a tree batch: like its entries, [..., B, E]). Only
+    ``LOGPROB_KEYS`` (a tree batch: ``TREE_LOGPROB_KEYS``) are read.
     """
     fn = lambda mb: token_logprobs(graphdef, params, mb, temperature=temperature, chunk=chunk)
-    return map_micro_batches(fn, batch, LOGPROB_KEYS)
+    return map_micro_batches(fn, batch, TREE_LOGPROB_KEYS if "tree_end" in batch else LOGPROB_KEYS)
 
 
 def jit_forward_logprobs(graphdef: nnx.GraphDef, model_cfg: ModelConfig, *, temperature: float = 1.0,
-                         chunk: int = 256, mesh: Mesh | None = None) -> MeshJit:
-    """``forward_logprobs`` jitted with ``jit_forward``: ``fn(params, batch) -> (logp, entropy)``."""
+                         chunk: int = 256, mesh: Mesh | None = None, tree: bool = False) -> MeshJit:
+    """``forward_logprobs`` jitted with ``jit_forward``: ``fn(params, batch) -> (logp, entropy)``; ``tree``: for
+    ``tree_packing`` batches."""
     fn = lambda params, batch: forward_logprobs(graphdef, params, batch, temperature=temperature, chunk=chunk)
-    return jit_forward(fn, LOGPROB_KEYS, model_cfg, mesh)
+    return jit_forward(fn, TREE_LOGPROB_KEYS if tree else LOGPROB_KEYS, model_cfg, mesh)

@@ -14,6 +14,12 @@ fused SDPA kernel, and attention dominated the train step (benchmarks/RESULTS.md
 Numerically it is exact attention (float32 scores and softmax), equal to `jax.nn.dot_product_attention` within
 float32 rounding, except on rows with no visible key at all (padding queries), where it returns 0 instead of a
 uniform average; their gradient is 0 either way.
+
+The mask is either a [B, 1, T, T] bool array or, for prefix trees (`arpo_jax.tree_packing`), a rule on one int per
+key: `key_end[b, s]`, the last slot whose query may see key s. Rows laid out in pre-order make "a token sees its
+ancestors and itself" the interval test `s <= t <= key_end[s]` (the slot is the pre-order index; key_end is the
+end of the key's subtree), evaluated per block inside the kernel: no [T, T] array exists. Flat packed sequences are
+the special case of chains (key_end = the last slot of the key's sequence; -1 for padding).
 """
 
 from __future__ import annotations
@@ -35,16 +41,28 @@ def _scores(q, k, a, e, scale):
     return jnp.einsum("bkgth,bksh->bkgts", q[:, :, :, a:e], k[:, :, :e], preferred_element_type=jnp.float32) * scale
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attention(q, k, v, mask, scale: float, block: int):
-    return _forward(q, k, v, mask, scale, block)[0]
+def _block_mask(mask, a: int, e: int, tree: bool):
+    """Visibility of keys [0, e) to queries [a, e): [B, 1, 1, e - a, e] bool.
+
+    mask: [B, 1, 1, T, T] bool (causal), or with `tree` the per-key ints key_end [B, T] (module docstring)."""
+    if not tree:
+        return mask[..., a:e, :e]
+    t_q = jnp.arange(a, e, dtype=jnp.int32)[:, None]  # [e - a, 1]
+    s_k = jnp.arange(e, dtype=jnp.int32)[None, :]  # [1, e]
+    return (s_k <= t_q) & (t_q <= mask[:, None, None, None, :e])
 
 
-def _forward(q, k, v, mask, scale, block):
-    # q: [B, K, G, T, H]; k, v: [B, K, T, H]; mask: [B, 1, 1, T, T] bool (causal: no key after its query).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attention(q, k, v, mask, scale: float, block: int, tree: bool):
+    return _forward(q, k, v, mask, scale, block, tree)[0]
+
+
+def _forward(q, k, v, mask, scale, block, tree):
+    # q: [B, K, G, T, H]; k, v: [B, K, T, H]; mask: [B, 1, 1, T, T] bool (causal: no key after its query) or, with
+    # `tree`, key_end [B, T] int32.
     outs, lses = [], []
     for a, e in _blocks(q.shape[3], block):
-        m = mask[..., a:e, :e]
+        m = _block_mask(mask, a, e, tree)
         s = jnp.where(m, _scores(q, k, a, e, scale), _NEG)
         row_max = jnp.max(s, axis=-1, keepdims=True)
         p = jnp.where(m, jnp.exp(s - row_max), 0.0)
@@ -57,14 +75,14 @@ def _forward(q, k, v, mask, scale, block):
     return out, (q, k, v, mask, out, lses)
 
 
-def _backward(scale, block, residuals, d_out):
+def _backward(scale, block, tree, residuals, d_out):
     q, k, v, mask, out, lses = residuals
     # rowsum(dO * O): the softmax Jacobian's correction term, one scalar per query row.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
     dq_blocks = []
     dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
     for (a, e), lse in zip(_blocks(q.shape[3], block), lses, strict=True):
-        p = jnp.where(mask[..., a:e, :e], jnp.exp(_scores(q, k, a, e, scale) - lse), 0.0)
+        p = jnp.where(_block_mask(mask, a, e, tree), jnp.exp(_scores(q, k, a, e, scale) - lse), 0.0)
         do = d_out[:, :, :, a:e]
         dv = dv.at[:, :, :e].add(jnp.einsum("bkgts,bkgth->bksh", p.astype(do.dtype), do,
                                             preferred_element_type=jnp.float32))
@@ -80,8 +98,9 @@ def _backward(scale, block, residuals, d_out):
 _attention.defvjp(_forward, _backward)
 
 
-def blockwise_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float,
-                               block_size: int = 128, max_blocks: int = 8) -> jax.Array:
+def blockwise_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None, *,
+                               scale: float, key_end: jax.Array | None = None, block_size: int = 128,
+                               max_blocks: int = 8) -> jax.Array:
     """Self-attention under a causal mask (module docstring).
 
     Args:
@@ -89,6 +108,8 @@ def blockwise_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: j
       mask: [B, 1, T, T] bool, True where query t may see key s. It must be causal (False for every s > t): the
         blocks never look at later keys. Packing (segment ids) and padding are any further False entries.
       scale: the score scale (head_dim ** -0.5).
+      key_end: instead of `mask`, [B, T] int: query t sees key s iff s <= t <= key_end[b, s] (prefix trees laid out
+        in pre-order; -1: a key nobody sees).
       block_size: queries per block; 128 was fastest on 2 CPU cores at T = 1024 (benchmarks/RESULTS.md).
       max_blocks: the blocks are unrolled in the program, so longer sequences get larger blocks (T / max_blocks)
         to keep the compile time bounded.
@@ -100,5 +121,8 @@ def blockwise_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: j
     qg = q.reshape(b, t, kv, n // kv, h).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
     kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]
     block = max(int(block_size), -(-t // max_blocks))
-    out = _attention(qg, kt, vt, mask[:, :, None], float(scale), block)
+    if (mask is None) == (key_end is None):
+        raise ValueError("blockwise_causal_attention: pass exactly one of mask and key_end")
+    info = mask[:, :, None] if key_end is None else key_end.astype(jnp.int32)
+    out = _attention(qg, kt, vt, info, float(scale), block, key_end is not None)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)

@@ -312,16 +312,21 @@ class Attention(nnx.Module):
         return q, k, v
 
     def attend(self, q, k, v, mask, *, causal_self: bool = False, cached: bool = False):
-        """mask: [B, 1, T, S] bool. GQA is native: K kv heads serve N query heads. `causal_self`: S == T and the
-        mask is causal (the training forward), where the blockwise kernel may be used. `cached`: k, v are one
-        layer of a KVCache ([B, K, S, H]), attended in place by `cached_attention`."""
+        """mask: [B, 1, T, S] bool, or a `TreeMask` (training forward only). GQA is native: K kv heads serve N query
+        heads. `causal_self`: S == T and the mask is causal (the training forward), where the blockwise kernel may be
+        used. `cached`: k, v are one layer of a KVCache ([B, K, S, H]), attended in place by `cached_attention`."""
         scale = self.cfg.head_dim ** -0.5
         impl = resolve_attention(self.cfg.attention_impl)
         if cached:
             out = cached_attention(q, k, v, mask, scale=scale)
         elif causal_self and impl == "blockwise":
-            out = blockwise_causal_attention(q, k, v, mask, scale=scale, **blockwise_blocks(q.shape[1]))
+            blocks = blockwise_blocks(q.shape[1])
+            if isinstance(mask, TreeMask):  # the rule is evaluated per block inside the kernel
+                out = blockwise_causal_attention(q, k, v, key_end=mask.key_end, scale=scale, **blocks)
+            else:
+                out = blockwise_causal_attention(q, k, v, mask, scale=scale, **blocks)
         else:
+            mask = mask.dense() if isinstance(mask, TreeMask) else mask
             impl = None if impl == "blockwise" else impl
             out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=impl)
         return self.o_proj(out)  # [B, T, D]
@@ -421,6 +426,22 @@ def default_positions(attention_mask: jax.Array | None, segment_ids: jax.Array |
     return idx
 
 
+class TreeMask(NamedTuple):
+    """Attention over prefix trees packed in pre-order (`arpo_jax.tree_packing`): query t sees key s iff
+    `s <= t <= key_end[b, s]`, i.e. s is an ancestor of t or t itself (the slot is the pre-order index, key_end the
+    last slot of the key's subtree; -1: padding, seen by nobody). One int per token instead of a [T, T] array: the
+    blockwise kernel evaluates it per block; `dense` builds the boolean mask inside the jitted function for the
+    other attention paths."""
+
+    key_end: jax.Array  # [B, T] int32
+
+    def dense(self) -> jax.Array:
+        """[B, 1, T, T] bool."""
+        t = self.key_end.shape[1]
+        slot = jnp.arange(t, dtype=jnp.int32)
+        return ((slot[None, :] <= slot[:, None])[None] & (slot[None, :, None] <= self.key_end[:, None, :]))[:, None]
+
+
 def attention_mask_4d(attention_mask: jax.Array | None, segment_ids: jax.Array | None, shape) -> jax.Array:
     """[B, 1, T, T] bool: causal, within a segment (segment id 0 = padding), keys not padded."""
     b, t = shape
@@ -452,13 +473,18 @@ class CausalLM(nnx.Module):
         x = jnp.take(self.model.embed_tokens.weight[...], input_ids, axis=0).astype(cfg.compute_dtype)
         return constrain(x, ("batch", "seq", "act_embed"), cfg.sharding_rules)
 
-    def hidden_states(self, input_ids, positions=None, attention_mask=None, segment_ids=None) -> jax.Array:
-        """Final-norm hidden states `[B, T, D]` (compute dtype), for chunked log-prob computation."""
+    def hidden_states(self, input_ids, positions=None, attention_mask=None, segment_ids=None,
+                      tree_end=None) -> jax.Array:
+        """Final-norm hidden states `[B, T, D]` (compute dtype), for chunked log-prob computation. `tree_end`
+        [B, T] int: rows of prefix trees in pre-order (`TreeMask`; positions are then required)."""
         cfg = self.config
         shape = input_ids.shape
         if positions is None:
             positions = default_positions(attention_mask, segment_ids, shape)
-        mask = attention_mask_4d(attention_mask, segment_ids, shape)
+        if tree_end is not None:
+            mask = TreeMask(jnp.asarray(tree_end, jnp.int32))
+        else:
+            mask = attention_mask_4d(attention_mask, segment_ids, shape)
         x = self.embed(input_ids)
         if cfg.scan_layers:
             graphdef, stacked = self.stacked_layers()
