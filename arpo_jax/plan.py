@@ -39,7 +39,6 @@ its name is a published model this package knows (`models.published`), the publi
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -52,45 +51,27 @@ from flax import nnx
 
 from arpo_jax import models, named_models, sharding
 from arpo_jax import train_step as ts
+from arpo_jax.memory_model import (  # noqa: F401  (plan.DEVICES, plan.GB, ... are its public names)
+    CUDA_RESERVE,
+    DEVICES,
+    GB,
+    HEADROOM,
+    Device,
+    Shapes,
+    Sizes,
+    attention_workspace,
+    device_bytes,
+    device_hbm_gib,
+    forward_items,
+    itemise,
+    kv_cache_bytes,
+    param_sizes,
+    sampler_items,
+    total_bytes,
+    update_items,
+)
 from arpo_jax.models.published import REAL_CONFIGS
-from arpo_jax.models.transformer import ACCELERATOR_ATTENTION_BLOCK, resolve_attention
-
-GB = 1024**3
-HEADROOM = 0.10  # a program fits when its peak leaves this share of JAX's budget free
-CUDA_RESERVE = 0.05  # share of a GPU kept for the CUDA contexts beside a co-located vLLM
-
-
-@dataclasses.dataclass(frozen=True)
-class Device:
-    kind: str  # "gpu" | "tpu" | "cpu"
-    hbm_gib: float  # what one device has (the bytes limit its runtime reports); 0 = this host's RAM
-    per_host: int = 1 << 30  # devices per host, i.e. per JAX process (one process per host)
-
-
-# `mesh.device`: the hardware a config runs on. GPU sizes are what nvidia-smi reports (A100-80GB 81920 MiB, H100
-# SXM 81559 MiB, H200 143771 MiB); TPU sizes the per-chip HBM JAX reports as its bytes limit (v4 and v5e slightly
-# under 32 / 16 GiB, v5p 95 GB).
-DEVICES: dict[str, Device] = {
-    "a100-40gb": Device("gpu", 40.0, 8), "a100-80gb": Device("gpu", 80.0, 8), "h100-80gb": Device("gpu", 79.6, 8),
-    "h200": Device("gpu", 140.4, 8), "tpu-v4": Device("tpu", 31.75, 4), "tpu-v5e": Device("tpu", 15.75, 4),
-    "tpu-v5p": Device("tpu", 88.5, 4), "cpu": Device("cpu", 0.0),
-}
-
-
-def device_hbm_gib(name: str) -> float:
-    dev = DEVICES[name]
-    if dev.kind == "cpu":
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
-    return dev.hbm_gib
-
-
-def device_bytes(tree) -> int:
-    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard, i.e. device 0's)."""
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
-
-def total_bytes(tree) -> int:
-    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+from arpo_jax.models.transformer import resolve_attention
 
 
 def _with_shardings(abstract, shardings):
@@ -115,195 +96,6 @@ def hf_config_for(model_path: str) -> tuple[dict, str]:
         return REAL_CONFIGS[path.name], f"published config of {path.name}"
     raise FileNotFoundError(f"model.path={model_path!r}: no config.json there, and {path.name!r} is not a published "
                             f"model this package knows ({', '.join(sorted(REAL_CONFIGS))})")
-
-
-# --------------------------------------------------------------------------------------------------
-# Sizes: what one device holds of the params, from the run's rules table (no devices needed)
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Sizes:
-    params: int  # elements of all params on one device
-    layer_params: int  # of which decoder layers
-    total_params: int  # elements of the whole model
-    layer_full: int  # elements of one whole layer (what FSDP gathers), per tensor shard
-    unembed_full: int  # V x D per tensor shard
-    tensor: int  # tensor-parallel degree of heads / MLP / vocab activations
-
-
-@functools.lru_cache(maxsize=64)  # an abstract model per call is ~1 s; `_fitting_settings` asks many times
-def param_sizes(model_cfg: models.Config, mesh_shape: tuple[int, int, int]) -> Sizes:
-    """Per-device param elements under `model_cfg.sharding_rules` on a mesh of `mesh_shape` (exact shard shapes)."""
-    rules = sharding.get_rules(model_cfg.sharding_rules)
-    mesh = dict(zip(sharding.MESH_AXES, mesh_shape))
-    state = nnx.state(models.abstract_model(model_cfg), nnx.Param)
-    dev = layers = total = 0
-    for path, var in jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
-        axes = var.get_metadata().get("axes", (None,) * len(var.shape))
-        spec = sharding.logical_to_spec(axes, var.shape, mesh, rules)
-        shard = 1
-        for dim, entry in zip(var.shape, tuple(spec) + (None,) * (len(var.shape) - len(spec))):
-            names = () if entry is None else (entry,) if isinstance(entry, str) else entry
-            shard *= dim // math.prod(mesh[a] for a in names)
-        dev += shard
-        total += math.prod(var.shape)
-        if any(getattr(k, "key", None) == "layers" for k in path):
-            layers += shard
-    tensor = mesh["tensor"] if rules["act_heads"] else 1
-    c = model_cfg
-    n_layer = (total - c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)) // c.num_layers
-    return Sizes(dev, layers, total, n_layer // tensor, c.vocab_size * c.hidden_size // tensor, tensor)
-
-
-# --------------------------------------------------------------------------------------------------
-# The itemised model of each program
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Shapes:
-    """What a run's programs are sized by (from the experiment config, `shapes_of`)."""
-
-    command: str  # "train" | "sft"
-    rows: float  # rows of one micro-batch per batch device
-    seq: int  # T, tokens per row
-    micro_batches: int  # upper bound of M in one mini-batch (sizes the batch arrays only)
-    logprob_chunk: int
-    engine: str  # "vllm" | "jax" | "" (sft)
-    gpu_memory_utilization: float
-    critic: bool
-    ref_on_device: bool
-    processes: int
-    sampler_batch: int  # B of one sampler call (a bucket), whole process
-    sampler_len: int  # S of one sampler call (a bucket)
-    prefill_chunk: int
-    min_seq: int = 1  # the smallest token budget a row may have (one whole trajectory / SFT example)
-
-
-def attention_workspace(model_cfg: models.Config, impl: str, t: int, rows: float, tensor: int, backend: str, *,
-                        backward: bool) -> float:
-    """Bytes of one layer's attention at its peak: float32 score-sized arrays (3 in the backward, 2 forward-only)
-    of the largest query block, plus the [T, T] boolean mask the model builds."""
-    heads = model_cfg.num_heads // tensor
-    if impl == "cudnn":
-        block = 0
-    elif impl == "xla":
-        block = t
-    elif backend == "cpu":
-        block = max(128, -(-t // 8))  # blockwise_causal_attention's defaults
-    else:
-        block = min(t, ACCELERATOR_ATTENTION_BLOCK)
-    return rows * ((3 if backward else 2) * 4 * heads * block * t + t * t)
-
-
-def _per_layer_widths(c: models.Config, tensor: int) -> tuple[int, int, int]:
-    return c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim // tensor, c.intermediate_size // tensor
-
-
-def _remat_saved(c: models.Config, tensor: int) -> int:
-    """Elements per token one layer keeps for the backward under `c.remat`."""
-    d, qkv, f = _per_layer_widths(c, tensor)
-    return {"full": d, "dots": 3 * d + qkv + 2 * f, "dots_no_batch": 3 * d + qkv + 2 * f}.get(c.remat,
-                                                                                       8 * d + 3 * qkv + 4 * f)
-
-
-def update_items(c: models.Config, s: Sizes, sh: Shapes, backend: str, impl: str) -> dict[str, float]:
-    """Bytes per device alive at the peak of one optimizer step (the backward of one micro-batch)."""
-    pb, cb = jnp.dtype(c.param_dtype).itemsize, jnp.dtype(c.dtype).itemsize
-    d, qkv, f = _per_layer_widths(c, s.tensor)
-    t, r = sh.seq, sh.rows
-    return {
-        "params": s.params * pb,
-        "optimizer_state": 2 * s.params * pb,  # AdamW mu and nu, shaped and sharded like the params
-        "grad_accumulator": s.params * 4,  # float32, sharded like the params
-        "micro_batch_grads": s.params * pb,  # one micro-batch's gradients before they are added
-        "stacked_layers": s.layer_params * pb,  # CausalLM.stacked_layers: a copy of every layer per call
-        "gathered_layer_and_grad": s.layer_full * (cb + 4),  # FSDP: one whole layer in compute dtype + its grad
-        "gathered_unembed_and_grad": s.unembed_full * (cb + 4),
-        "remat_activations": c.num_layers * r * t * _remat_saved(c, s.tensor) * cb,
-        "layer_working_set": r * t * (6 * d + 2 * qkv + 5 * f) * cb,  # the layer recomputed in the backward
-        "attention_workspace": attention_workspace(c, impl, t, r, s.tensor, backend, backward=True),
-        "logprob_head": 3 * r * sh.logprob_chunk * c.vocab_size // s.tensor * 4,  # [rows, chunk, V] float32
-        "batch": 9 * sh.micro_batches * r * t * 4,
-    }
-
-
-def forward_items(c: models.Config, s: Sizes, sh: Shapes, backend: str, impl: str) -> dict[str, float]:
-    """Bytes per device at the peak of the old/ref log-prob forward (train state resident, no gradients)."""
-    pb, cb = jnp.dtype(c.param_dtype).itemsize, jnp.dtype(c.dtype).itemsize
-    d, qkv, f = _per_layer_widths(c, s.tensor)
-    t, r = sh.seq, sh.rows
-    return {
-        "params": s.params * pb, "optimizer_state": 2 * s.params * pb,
-        "stacked_layers": s.layer_params * pb,
-        "gathered_layer_and_grad": s.layer_full * cb,
-        "gathered_unembed_and_grad": s.unembed_full * cb,
-        "layer_working_set": r * t * (4 * d + qkv + 3 * f) * cb,
-        "attention_workspace": attention_workspace(c, impl, t, r, s.tensor, backend, backward=False),
-        "logprob_head": 2 * r * sh.logprob_chunk * c.vocab_size // s.tensor * 4,
-        "batch": 2 * (4 + 2) * sh.micro_batches * r * t * 4,
-    }
-
-
-def kv_cache_bytes(c: models.Config, sh: Shapes, local_devices: int) -> float:
-    """The JAX sampler's dense cache: k and v [L, B, K, S, H] in compute dtype, B split over the local devices."""
-    return 2 * c.num_layers * sh.sampler_batch * c.num_kv_heads * sh.sampler_len * c.head_dim * \
-        jnp.dtype(c.dtype).itemsize / local_devices
-
-
-def sampler_items(c: models.Config, s: Sizes, sh: Shapes, local_devices: int) -> dict[str, dict[str, float]]:
-    """Bytes per device of the JAX sampler's programs (prefill, regather, decode), train state resident.
-
-    The sampler holds a copy of the params (the trainer's `_sampler_params`: in param dtype, the whole model over
-    each process's local devices) and its cache between calls; each call stacks the layers once; a prefill chunk
-    attends over the whole cache (`cached_attention`): float32 scores [B, N, chunk, S]; the regather builds the new
-    cache beside the old one."""
-    pb = jnp.dtype(c.param_dtype).itemsize
-    resident = {"params": s.params * pb, "optimizer_state": 2 * s.params * pb,
-                "sampler_params": s.total_params * pb / local_devices}
-    kv = kv_cache_bytes(c, sh, local_devices)
-    stacked = s.layer_params * pb * (s.total_params / local_devices) / max(s.params, 1)
-    b_dev = sh.sampler_batch / local_devices
-    return {
-        "sampler_prefill": resident | {
-            "kv_cache": kv, "sampler_stacked_layers": stacked,
-            "prefill_scores": 2 * 4 * b_dev * c.num_heads * sh.prefill_chunk * sh.sampler_len},
-        "sampler_regather": resident | {"kv_cache": kv, "kv_cache_new": kv},
-        "sampler_decode": resident | {
-            "kv_cache": kv, "sampler_stacked_layers": stacked,
-            "decode_logits": 3 * 4 * b_dev * c.vocab_size},
-    }
-
-
-def itemise(c: models.Config, mesh_shape: tuple[int, int, int], sh: Shapes, backend: str) -> dict:
-    """{program: {item: bytes per device}} for every program the run executes (module docstring)."""
-    s = param_sizes(c, tuple(mesh_shape))
-    impl = resolve_attention(c.attention_impl)
-    n_dev = math.prod(mesh_shape)
-    local = max(1, n_dev // sh.processes)
-    pb = jnp.dtype(c.param_dtype).itemsize
-    programs = {"update": update_items(c, s, sh, backend, impl)}
-    extra = {}
-    if sh.command == "train":
-        programs["logprob_forward"] = forward_items(c, s, sh, backend, impl)
-        if sh.ref_on_device:
-            extra["ref_params"] = s.params * pb
-        if sh.critic:  # a value model of the policy's size, with its own AdamW state, resident throughout
-            extra["critic_params_and_optimizer"] = 3 * s.params * pb
-            critic = update_items(c, s, sh, backend, impl)
-            programs["critic_update"] = {k: v for k, v in critic.items() if k not in ("params", "optimizer_state")}
-            programs["critic_update"] |= {"params": s.params * pb, "optimizer_state": 2 * s.params * pb}
-        if sh.engine == "jax":
-            smp = sampler_items(c, s, sh, local)
-            # Between calls the sampler keeps its weights and its last cache: they stay through the update.
-            extra |= {"sampler_params": smp["sampler_prefill"]["sampler_params"],
-                      "kv_cache": smp["sampler_prefill"]["kv_cache"]}
-            programs |= smp
-    for items in programs.values():
-        for k, v in extra.items():
-            items.setdefault(k, v)
-    return {"programs": programs, "sizes": dataclasses.asdict(s), "attention": impl}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Code size budget and import cycles of the package (ast only: nothing is imported or run).
 
-The budget (docs/STYLE: modules <= 600 lines, classes <= 300, functions <= 80; the commented config literals,
+The budget (docs/STYLE: modules <= 600 lines (model files under arpo_jax/models/ <= 1200), classes <= 300, functions <= 80; the commented config literals,
 `get_config` in arpo_jax/configs/, aside) and the cycles of the import graph between arpo_jax modules, counting
 function-local imports too (a cycle hidden in a function is still a cycle in the design).
 
@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "arpo_jax"
 BUDGET = {"module": 600, "class": 300, "function": 80}
+MODEL_MODULE_BUDGET = 1200  # STYLE.md: "a model file up to about 1200" (arpo_jax/models/)
 
 
 def _lines(node: ast.AST) -> int:
@@ -62,8 +63,14 @@ def sizes(package: Path = PACKAGE) -> list[dict]:
     return out
 
 
+def budget(item: dict) -> int:
+    if item["kind"] == "module" and item["name"].startswith("arpo_jax/models/"):
+        return MODEL_MODULE_BUDGET
+    return BUDGET[item["kind"]]
+
+
 def over_budget(items: list[dict]) -> list[dict]:
-    return sorted((i for i in items if i["lines"] > BUDGET[i["kind"]]), key=lambda i: (i["kind"], -i["lines"]))
+    return sorted((i for i in items if i["lines"] > budget(i)), key=lambda i: (i["kind"], -i["lines"]))
 
 
 def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
@@ -126,7 +133,7 @@ def main() -> None:
     over = over_budget(items)
     print(f"{'kind':9} {'lines':>6} {'budget':>6}  name")
     for i in over:
-        print(f"{i['kind']:9} {i['lines']:6d} {BUDGET[i['kind']]:6d}  {i['name']}")
+        print(f"{i['kind']:9} {i['lines']:6d} {budget(i):6d}  {i['name']}")
     found = cycles(import_graph())
     print(f"\nimport cycles: {len(found)}")
     for c in found:
