@@ -1,6 +1,7 @@
 """Code size budget and import cycles of the package (ast only: nothing is imported or run).
 
-The budget (docs/STYLE: modules <= 600 lines (model files under arpo_jax/models/ <= 1200), classes <= 300, functions <= 80; the commented config literals,
+The budget (docs/STYLE: modules <= 600 lines (model files under arpo_jax/models/ <= 1200), classes <= 300,
+functions <= 80; the commented config literals,
 `get_config` in arpo_jax/configs/, aside) and the cycles of the import graph between arpo_jax modules, counting
 function-local imports too (a cycle hidden in a function is still a cycle in the design).
 
