@@ -170,14 +170,16 @@ def test_tokenizer_and_chat_template_equal_transformers_from_the_same_file(qwen,
 
     folder, gguf_path = qwen
     ref = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    assert len(tok) == len(ref) == 151665
+    assert len(tok) == len(ref) == 151936  # the file pads its vocabulary to the embedding's rows
     for text in CORPUS:
         ids = tok(text)["input_ids"]
         assert ids == ref(text)["input_ids"], text
         assert tok.decode(ids) == text  # byte-level BPE: lossless
     for special in ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|fim_prefix|>"):
         assert tok.encode(special, add_special_tokens=False) == [tok.convert_tokens_to_ids(special)]  # one token
-    assert (tok.eos_token, tok.pad_token, tok.bos_token) == ("<|im_end|>", "<|endoftext|>", None)
+    assert (tok.eos_token, tok.pad_token, tok.bos_token) == (ref.eos_token, ref.pad_token, ref.bos_token) == \
+        ("<|im_end|>", "<|endoftext|>", "<|endoftext|>")
+    assert tok.all_special_tokens == ref.all_special_tokens
 
     # The chat template is the file's, and the prompts the project builds (rl_dataset.encode_prompt) use it.
     template = gguf_import._field(gguf_import.open_gguf(gguf_path), "tokenizer.chat_template")
