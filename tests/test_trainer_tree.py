@@ -14,6 +14,7 @@ import pytest
 
 from arpo_jax import config as config_lib
 from arpo_jax import trainer as trainer_lib
+from tests.test_trainer_rollouts import HALF_CONSTANT_REWARD, InjectingSampler
 
 REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -21,18 +22,19 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-def _config(tmp_path: Path, *overrides: str):
+def _config(tmp_path: Path, *overrides: str, reward: str = REWARD):
     path = tmp_path / "reward.py"
-    path.write_text(REWARD)
+    path.write_text(reward)
     return config_lib.load_config([
         "--config=builtin:toy_cpu", f"--config.reward.custom_path={path}", "--config.trainer.max_steps=2",
         "--config.trainer.progress=false", "--config.trainer.loggers=('jsonl',)", "--config.rollout.workers=2",
         "--config.trainer.save_freq=0", *overrides])
 
 
-def _train(tmp_path: Path, name: str, *overrides: str, wrap=None) -> tuple[list[dict], list[np.ndarray]]:
+def _train(tmp_path: Path, name: str, *overrides: str, reward: str = REWARD, wrap=None
+           ) -> tuple[list[dict], list[np.ndarray]]:
     """Two steps of a fresh run: (each step's metrics, the final params' leaves)."""
-    tr = trainer_lib.Trainer(_config(tmp_path, *overrides), tmp_path / name)
+    tr = trainer_lib.Trainer(_config(tmp_path, *overrides, reward=reward), tmp_path / name)
     try:
         if wrap:
             wrap(tr)
@@ -63,3 +65,22 @@ def test_tree_training_equals_flat(tmp_path):
     flat = _train(tmp_path, "flat", "--config.actor.tree_training=false")
     tree = _train(tmp_path, "tree", "--config.actor.tree_training=true")
     _assert_same_training(flat, tree)
+
+
+@pytest.mark.slow  # four trainer steps with tool calls
+def test_tree_training_equals_flat_with_tool_branches_failures_and_dynamic_sampling(tmp_path):
+    """The real sampler, except that one trajectory per rollout calls the (real) Python tool, so branches fork
+    after a tool result (masked out of the loss inside a shared prefix), and one request per rollout is rejected
+    (a failed, fully masked trajectory in a tree); dynamic sampling draws extra batches for informative groups."""
+    def wrap(tr):
+        tr.sampler = InjectingSampler(tr.sampler, tr.tokenizer)
+
+    overrides = ("--config.algorithm.dynamic_sampling=true", "--config.algorithm.max_extra_rounds=3")
+    flat = _train(tmp_path, "flat", "--config.actor.tree_training=false", *overrides, reward=HALF_CONSTANT_REWARD,
+                  wrap=wrap)
+    tree = _train(tmp_path, "tree", "--config.actor.tree_training=true", *overrides, reward=HALF_CONSTANT_REWARD,
+                  wrap=wrap)
+    _assert_same_training(flat, tree)
+    for out in tree[0]:
+        assert out["rollout/failed"] > 0 and out["tools/calls_per_trajectory/mean"] > 0
+        assert out["rollout/branches_per_prompt"] > 0
