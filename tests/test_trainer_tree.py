@@ -6,6 +6,7 @@ its gradients. Two rollout workers, so the workers' tree sizes (micro-batches, h
 loss normalisation is split over workers; ARPO branching as the toy config has it (initial_rollouts < n).
 """
 
+import subprocess
 from pathlib import Path
 
 import jax
@@ -13,7 +14,9 @@ import numpy as np
 import pytest
 
 from arpo_jax import config as config_lib
+from arpo_jax import metrics
 from arpo_jax import trainer as trainer_lib
+from tests.test_trainer import _command, _env, _free_port, _max_diff, _params, _run
 from tests.test_trainer_rollouts import HALF_CONSTANT_REWARD, InjectingSampler
 
 REWARD = '''
@@ -84,3 +87,32 @@ def test_tree_training_equals_flat_with_tool_branches_failures_and_dynamic_sampl
     for out in tree[0]:
         assert out["rollout/failed"] > 0 and out["tools/calls_per_trajectory/mean"] > 0
         assert out["rollout/branches_per_prompt"] > 0
+
+
+@pytest.mark.slow  # `arpo-jax train` in 3 subprocesses, 2 of them one jax.distributed run
+def test_two_processes_with_tree_training_match_one_flat_process(tmp_path):
+    """jax.distributed over 2 local processes (1 device each) with tree training == 1 process with 2 devices, 2
+    rollout workers and flat batches: the tree sizes, loss totals and token counts are agreed over processes."""
+    reward, cache = tmp_path / "reward.py", tmp_path / "jax_cache"
+    reward.write_text(REWARD)
+    overrides = ("--config.rollout.workers=2", "--config.trainer.max_steps=2")
+    single = tmp_path / "single"
+    _run(_command(single, reward, *overrides, "--config.actor.tree_training=false"), _env(2, cache))
+    multi, port = tmp_path / "multi", _free_port()
+    procs = [subprocess.Popen(_command(multi, reward, *overrides, "--config.actor.tree_training=true"),
+                              cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env=_env(1, cache, ARPO_COORDINATOR=f"127.0.0.1:{port}", ARPO_NUM_PROCESSES="2",
+                                       ARPO_PROCESS_ID=str(i)))
+             for i in range(2)]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-4000:]
+    assert _max_diff(_params(single, 2)[0], _params(multi, 2)[0]) <= 1e-5
+    ra, rb = (metrics.read_jsonl(d / "metrics.jsonl") for d in (single, multi))
+    for x, y in zip(ra, rb, strict=True):
+        assert x["reward/mean"] == pytest.approx(y["reward/mean"], abs=1e-6)
+        assert x["rollout/trajectories"] == y["rollout/trajectories"]
+        assert x["actor/pg_loss"] == pytest.approx(y["actor/pg_loss"], rel=1e-4, abs=1e-6)
+        assert 0 < y["perf/tree_tokens_computed"] < y["perf/tree_tokens_flat"]
+        assert "perf/tree_tokens_flat" not in x
