@@ -1,0 +1,118 @@
+"""Tree training inside the trainer (`actor.tree_training`, issue 34), on the toy config (8 fake devices).
+
+The same seeded run with prefix-tree batches and with flat ones must train to the same parameters: the tree layout
+changes which tokens the forward computes (each group's shared prompt and branch prefixes once), never the loss or
+its gradients. Two rollout workers, so the workers' tree sizes (micro-batches, heads, entries) are agreed on and the
+loss normalisation is split over workers; ARPO branching as the toy config has it (initial_rollouts < n).
+"""
+
+import subprocess
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from arpo_jax import config as config_lib
+from arpo_jax import metrics
+from arpo_jax import trainer as trainer_lib
+from tests.test_trainer import _command, _env, _free_port, _max_diff, _params, _run
+from tests.test_trainer_rollouts import HALF_CONSTANT_REWARD, InjectingSampler
+
+REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": (sum(map(ord, solution_str)) % 97) / 97.0}
+'''
+
+
+def _config(tmp_path: Path, *overrides: str, reward: str = REWARD):
+    path = tmp_path / "reward.py"
+    path.write_text(reward)
+    return config_lib.load_config([
+        "--config=builtin:toy_cpu", f"--config.reward.custom_path={path}", "--config.trainer.max_steps=2",
+        "--config.trainer.progress=false", "--config.trainer.loggers=('jsonl',)", "--config.rollout.workers=2",
+        "--config.trainer.save_freq=0", *overrides])
+
+
+def _train(tmp_path: Path, name: str, *overrides: str, reward: str = REWARD, wrap=None
+           ) -> tuple[list[dict], list[np.ndarray]]:
+    """Two steps of a fresh run: (each step's metrics, the final params' leaves)."""
+    tr = trainer_lib.Trainer(_config(tmp_path, *overrides, reward=reward), tmp_path / name)
+    try:
+        if wrap:
+            wrap(tr)
+        outs = [tr.train_step() for _ in range(2)]
+        return outs, [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tr.state.params))]
+    finally:
+        tr.close()
+
+
+def _assert_same_training(flat, tree):
+    (flat_out, flat_params), (tree_out, tree_params) = flat, tree
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(flat_params, tree_params, strict=True))
+    assert diff <= 1e-5, diff
+    for f, t in zip(flat_out, tree_out, strict=True):
+        assert f["rollout/trajectories"] == t["rollout/trajectories"]
+        assert f["reward/mean"] == pytest.approx(t["reward/mean"], abs=1e-6)  # the same rollouts
+        for key in ("actor/loss", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac"):
+            assert f[key] == pytest.approx(t[key], rel=1e-4, abs=1e-6), key
+        assert t["actor/grad_norm"] > 0
+        # Every group shares at least its prompt: the tree computes fewer tokens than the flat layout.
+        assert 0 < t["perf/tree_tokens_computed"] < t["perf/tree_tokens_flat"]
+        assert "perf/tree_tokens_computed" not in f
+    return diff
+
+
+@pytest.mark.slow  # four trainer steps
+def test_tree_training_equals_flat(tmp_path):
+    flat = _train(tmp_path, "flat", "--config.actor.tree_training=false")
+    tree = _train(tmp_path, "tree", "--config.actor.tree_training=true")
+    _assert_same_training(flat, tree)
+
+
+@pytest.mark.slow  # four trainer steps with tool calls
+def test_tree_training_equals_flat_with_tool_branches_failures_and_dynamic_sampling(tmp_path):
+    """The real sampler, except that one trajectory per rollout calls the (real) Python tool, so branches fork
+    after a tool result (masked out of the loss inside a shared prefix), and one request per rollout is rejected
+    (a failed, fully masked trajectory in a tree); dynamic sampling draws extra batches for informative groups."""
+    def wrap(tr):
+        tr.sampler = InjectingSampler(tr.sampler, tr.tokenizer)
+
+    overrides = ("--config.algorithm.dynamic_sampling=true", "--config.algorithm.max_extra_rounds=3")
+    flat = _train(tmp_path, "flat", "--config.actor.tree_training=false", *overrides, reward=HALF_CONSTANT_REWARD,
+                  wrap=wrap)
+    tree = _train(tmp_path, "tree", "--config.actor.tree_training=true", *overrides, reward=HALF_CONSTANT_REWARD,
+                  wrap=wrap)
+    _assert_same_training(flat, tree)
+    for out in tree[0]:
+        assert out["rollout/failed"] > 0 and out["tools/calls_per_trajectory/mean"] > 0
+        assert out["rollout/branches_per_prompt"] > 0
+
+
+@pytest.mark.slow  # `arpo-jax train` in 3 subprocesses, 2 of them one jax.distributed run
+def test_two_processes_with_tree_training_match_one_flat_process(tmp_path):
+    """jax.distributed over 2 local processes (1 device each) with tree training == 1 process with 2 devices, 2
+    rollout workers and flat batches: the tree sizes, loss totals and token counts are agreed over processes."""
+    reward, cache = tmp_path / "reward.py", tmp_path / "jax_cache"
+    reward.write_text(REWARD)
+    overrides = ("--config.rollout.workers=2", "--config.trainer.max_steps=2")
+    single = tmp_path / "single"
+    _run(_command(single, reward, *overrides, "--config.actor.tree_training=false"), _env(2, cache))
+    multi, port = tmp_path / "multi", _free_port()
+    procs = [subprocess.Popen(_command(multi, reward, *overrides, "--config.actor.tree_training=true"),
+                              cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env=_env(1, cache, ARPO_COORDINATOR=f"127.0.0.1:{port}", ARPO_NUM_PROCESSES="2",
+                                       ARPO_PROCESS_ID=str(i)))
+             for i in range(2)]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-4000:]
+    assert _max_diff(_params(single, 2)[0], _params(multi, 2)[0]) <= 1e-5
+    ra, rb = (metrics.read_jsonl(d / "metrics.jsonl") for d in (single, multi))
+    for x, y in zip(ra, rb, strict=True):
+        assert x["reward/mean"] == pytest.approx(y["reward/mean"], abs=1e-6)
+        assert x["rollout/trajectories"] == y["rollout/trajectories"]
+        assert x["actor/pg_loss"] == pytest.approx(y["actor/pg_loss"], rel=1e-4, abs=1e-6)
+        assert 0 < y["perf/tree_tokens_computed"] < y["perf/tree_tokens_flat"]
+        assert "perf/tree_tokens_flat" not in x
