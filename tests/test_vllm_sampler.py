@@ -288,6 +288,28 @@ def test_token_logprobs_of_every_sampled_token(sampler, qwen2):
     assert sampler.generate([SampleRequest(prompt, 3)], SamplingSettings(stop=()))[0].token_logprobs is None
 
 
+def test_topk_only_in_the_entropy_window(sampler, qwen2):
+    """Top-k log-prob entries are built for the first `logprob_positions` positions only, the sampled token's alone
+    after them; the samples and every sampled token's log-prob are those of top-k at every position (same seed)."""
+    _, _, tok = qwen2
+    _use(sampler, qwen2, "a")
+    assert sampler.info["topk_window"] is True
+    requests = [SampleRequest(p, 30) for p in _prompts(tok)] * 2
+    every = SamplingSettings(temperature=1.0, stop=(), logprobs=10, logprob_positions=30, seed=11, token_logprobs=True)
+    full = sampler.generate(requests, every)
+    full_entries = sampler.last_stats["logprob_entries"]
+    window = sampler.generate(requests, dataclasses.replace(every, logprob_positions=5))
+    window_entries = sampler.last_stats["logprob_entries"]
+    for a, b in zip(full, window):
+        assert a.token_ids == b.token_ids and len(a.token_ids) > 5
+        assert a.token_logprobs == b.token_logprobs  # bit for bit
+        assert b.top_logprobs == a.top_logprobs[:5]
+    # Entries built: k or k + 1 per window position, then exactly one (the sampled token) per later position.
+    assert window_entries == sum(len(t) for r in window for t in r.top_logprobs) + sum(len(r.token_ids) - 5
+                                                                                       for r in window)
+    assert full_entries == sum(len(t) for r in full for t in r.top_logprobs) > 2 * window_entries
+
+
 def test_startup_failure_is_reported(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "no_such_model"}')
     with pytest.raises(VllmWorkerError, match="no_such_model|exited"):

@@ -10,16 +10,18 @@ per request, temperature / top_p / top_k and an explicit per-request seed (`samp
 draws the same in any call, so a resumed evaluation chunk repeats its samples). With `settings.token_logprobs` the
 sampled token's log-prob at every position comes back too (vLLM reports it with any `logprobs` >= 0), in the
 engine's `logprobs_mode`: with "processed_logprobs" (the default, as the JAX sampler) the distribution sampled
-from, after temperature / top-k / top-p. vLLM
-keeps the tokens of a matched stop string in `token_ids` (`include_stop_str_in_output=False` only strips the text),
-which is what the agent loop relies on; finish reasons map to "stop" (a stop string), "eos" (EOS or another stop
-token, included in `token_ids`) and "length".
+from, after temperature / top-k / top-p. Top-k entries are built only for the first `logprob_positions` positions
+(the entropy window; `_install_topk_window`), the sampled token's alone after them. vLLM keeps the tokens of a
+matched stop string in `token_ids` (`include_stop_str_in_output=False` only strips the text), which is what the
+agent loop relies on; finish reasons map to "stop" (a stop string), "eos" (EOS or another stop token, included in
+`token_ids`) and "length".
 
 Weight sync (`update_weights`): the trainer exports an HF safetensors folder (`arpo_jax.hf.save_pretrained`,
 e.g. to /dev/shm) and the worker reloads it in place with vLLM's `reload_weights` worker RPC
 (`llm.collective_rpc("reload_weights", kwargs={"weights_path": ...})`), then resets the prefix cache (cached
 KV blocks were computed by the old weights). No engine restart. `last_sync` splits the time into export and
-reload for the step metrics; `last_stats` counts prompt, prefix-cache-hit and generated tokens of the last call.
+reload for the step metrics; `last_stats` counts prompt, prefix-cache-hit and generated tokens of the last call,
+and the log-prob entries vLLM built.
 
 On GPU, vLLM checks at start-up that `gpu_memory_utilization` of the device is still free: start the sampler
 before JAX allocates, or cap JAX with XLA_PYTHON_CLIENT_MEM_FRACTION (about 1 - fraction - 0.05).
@@ -354,6 +356,7 @@ class _Engine:
         if _has_gpu():
             kwargs["gpu_memory_utilization"] = cfg["gpu_memory_utilization"]
         kwargs.update(cfg["engine_kwargs"])
+        self.topk_window = _install_topk_window()
         self.llm = LLM(**kwargs)
         vllm_config = self.llm.llm_engine.vllm_config
         self.max_model_len = vllm_config.model_config.max_model_len
@@ -368,7 +371,8 @@ class _Engine:
                      "block_size": vllm_config.cache_config.block_size, "model_vocab_size": model_vocab,
                      "tokenizer_vocab_size": len(vocab), "restricted_to_tokenizer_vocab": self.allowed_ids is not None,
                      "chunked_prefill": bool(vllm_config.scheduler_config.enable_chunked_prefill),
-                     "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens, "gpu": _has_gpu()}
+                     "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens, "gpu": _has_gpu(),
+                     "topk_window": self.topk_window}
 
     def generate(self, payload: dict) -> dict:
         from vllm import SamplingParams
@@ -380,6 +384,8 @@ class _Engine:
         want_token_lp = bool(s.get("token_logprobs"))
         # logprobs=k reports the sampled token too at every position (k or k + 1 entries); 0 = only the sampled one.
         n_logprobs = k if k > 0 else (0 if want_token_lp else None)
+        # Top-k entries only in the entropy window; after it, the sampled token's alone (_install_topk_window).
+        extra = {_TOPK_POSITIONS_ARG: positions} if k > 0 and self.topk_window else None
         results: list[dict | None] = [None] * len(payload["requests"])
         prompts, params, index = [], [], []
         for i, ((ids, max_tokens), seed) in enumerate(zip(payload["requests"], payload["seeds"])):
@@ -390,10 +396,11 @@ class _Engine:
             params.append(SamplingParams(
                 n=1, temperature=float(s["temperature"]), top_p=float(s["top_p"]),
                 top_k=int(s["top_k"]) if s["top_k"] > 0 else 0, seed=seed, stop=stop, logprobs=n_logprobs,
-                max_tokens=min(int(max_tokens), room), allowed_token_ids=self.allowed_ids))
+                max_tokens=min(int(max_tokens), room), allowed_token_ids=self.allowed_ids, extra_args=extra))
             prompts.append({"prompt_token_ids": ids})
             index.append(i)
-        stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0}
+        # logprob_entries: the (token, log-prob) entries vLLM built, the per-position cost the top-k window saves.
+        stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "logprob_entries": 0}
         outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
         for i, out in zip(index, outputs):
             o = out.outputs[0]
@@ -413,6 +420,7 @@ class _Engine:
             stats["prompt_tokens"] += len(out.prompt_token_ids)
             stats["cached_tokens"] += int(out.num_cached_tokens or 0)
             stats["generated_tokens"] += len(o.token_ids)
+            stats["logprob_entries"] += sum(len(pos) for pos in o.logprobs or ())
         return {"results": results, "stats": stats}
 
     def reload(self, path: str) -> float:
@@ -422,6 +430,64 @@ class _Engine:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset the prefix cache (requests still running?)")
         return time.perf_counter() - t0
+
+
+_TOPK_POSITIONS_ARG = "arpo_topk_positions"  # SamplingParams.extra_args key: top-k only for this many positions
+
+
+def _install_topk_window() -> bool:
+    """Makes vLLM build top-k log-prob entries only for the first `extra_args["arpo_topk_positions"]` generated
+    positions of a request, and the sampled token's entry alone after them. Returns False (nothing changed: every
+    position keeps its top-k) where this vLLM's internals differ from what the hook expects.
+
+    ARPO's entropy reads top-k over the first 20 positions of a round (spec 4.1) and the rollout correction the
+    sampled token's log-prob at every position. SamplingParams has one `logprobs` for a whole request, and the
+    costly part of top-k log-probs at every position is not the engine's top-k (one torch.topk over the batch)
+    but the front end's per-position Python work: k + 1 tokens detokenised, k + 1 `Logprob` objects built. A
+    probe request for the window followed by a continuation would redraw a seeded request's later tokens (the
+    per-request generator restarts) and miss stop strings that straddle the split; this hook keeps one request,
+    so the engine computes and samples exactly as before and only the discarded entries are never built. The
+    engine still returns [sampled, top-k] per position; the hook passes the first column alone to vLLM's own
+    update once the window is full (the sampled token is column 0: vLLM's Sampler.gather_logprobs).
+    """
+    try:
+        from vllm.v1.engine.logprobs import LogprobsProcessor
+        from vllm.v1.outputs import LogprobsLists
+    except ImportError:
+        return False
+    update = LogprobsProcessor.__dict__.get("_update_sample_logprobs")
+    create = LogprobsProcessor.__dict__.get("from_new_request")
+    if getattr(update, "arpo_window", False):
+        return True
+    if not callable(update) or not isinstance(create, classmethod) or len(LogprobsLists._fields) != 4:
+        return False
+
+    def from_new_request(cls, tokenizer, request):
+        proc = create.__func__(cls, tokenizer, request)
+        extra = request.sampling_params.extra_args if request.sampling_params is not None else None
+        proc.arpo_topk_positions = (extra or {}).get(_TOPK_POSITIONS_ARG)
+        return proc
+
+    def windowed_update(self, lists) -> None:
+        limit = getattr(self, "arpo_topk_positions", None)
+        done, new = len(self.logprobs), len(lists.logprobs)
+        if limit is None or done + new <= limit:
+            return update(self, lists)
+        keep = max(0, int(limit) - done)
+        if keep:
+            update(self, LogprobsLists(lists.logprob_token_ids[:keep], lists.logprobs[:keep],
+                                       lists.sampled_token_ranks[:keep], None))
+        k, self.num_logprobs = self.num_logprobs, 0  # ranks of 0 top-k entries: the sampled one's only
+        try:
+            update(self, LogprobsLists(lists.logprob_token_ids[keep:, :1], lists.logprobs[keep:, :1],
+                                       lists.sampled_token_ranks[keep:], None))
+        finally:
+            self.num_logprobs = k
+
+    windowed_update.arpo_window = True
+    LogprobsProcessor.from_new_request = classmethod(from_new_request)
+    LogprobsProcessor._update_sample_logprobs = windowed_update
+    return True
 
 
 def _result(token_ids, text, finish_reason, stop_string, top_logprobs, token_logprobs=None) -> dict:
