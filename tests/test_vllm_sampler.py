@@ -26,7 +26,12 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and VLL
 
 torch = pytest.importorskip("torch")
 
-from arpo_jax.rollout.vllm_sampler import VllmSampler, VllmWorkerError  # noqa: E402
+from arpo_jax.rollout.vllm_sampler import (  # noqa: E402
+    VllmSampler,
+    VllmWorkerError,
+    engine_devices,
+    route_requests,
+)
 
 EOS = 2  # <|im_end|> in the tiny tokenizer and eos_token_id in the tiny configs
 MAX_LEN = 512
@@ -357,3 +362,36 @@ def test_worker_death_is_reported(qwen3):
     sampler.close()
     with pytest.raises(VllmWorkerError, match="closed"):
         sampler.generate([SampleRequest(tok.encode("the"), 4)], GREEDY)
+
+
+# --- several engines: which devices each gets, which requests each serves (pure; no engine starts) ----------------
+
+
+def test_engine_devices_pin_consecutive_tensor_parallel_groups():
+    gpus = [str(i) for i in range(8)]
+    assert engine_devices(None, 1, gpus) == [(str(i),) for i in range(8)]  # default: one engine per GPU
+    assert engine_devices(None, 2, gpus) == [("0", "1"), ("2", "3"), ("4", "5"), ("6", "7")]
+    assert engine_devices(2, 2, gpus) == [("0", "1"), ("2", "3")]
+    assert engine_devices(None, 1, ["3", "5"]) == [("3",), ("5",)]  # the parent's CUDA_VISIBLE_DEVICES entries
+    assert engine_devices(None, 1, []) == [None]  # CPU: one unpinned engine by default
+    assert engine_devices(2, 1, []) == [None, None]
+    for engines, tp, match in ((3, 4, "engines x tensor_parallel_size <= 8"), (None, 16, "<= 8"),
+                               (0, 1, "engines=0; allowed: >= 1"), (None, 0, "tensor_parallel_size=0")):
+        with pytest.raises(ValueError, match=match.replace("(", r"\(")):
+            engine_devices(engines, tp, gpus)
+
+
+def test_requests_stay_on_the_engine_that_caches_their_prefix():
+    """New requests fill the engines evenly in order; a slot returns to its last engine, a branch goes to its
+    parent's; the rest fill the gaps."""
+    first = [SampleRequest([1], 4, slot_id=i) for i in range(6)]
+    assert route_requests(first, 2, {}) == [0, 0, 0, 1, 1, 1]
+    assert route_requests(first[:5], 3, {}) == [0, 0, 1, 1, 2]
+    previous = dict(zip(range(6), [0, 0, 0, 1, 1, 1]))
+    # Round 2: slots 0 and 4 finished; 1, 2, 3, 5 continue; a branch of slot 5 and two refills are new.
+    second = [SampleRequest([1], 4, slot_id=i) for i in (1, 2, 3, 5)]
+    second += [SampleRequest([1], 4, slot_id=6, parent_id=5), SampleRequest([1], 4, slot_id=7),
+               SampleRequest([1], 4, slot_id=8)]
+    assert route_requests(second, 2, previous) == [0, 0, 1, 1, 1, 0, 0]
+    # Without slot ids (evaluation, benchmarks): contiguous even shares.
+    assert route_requests([SampleRequest([1], 4)] * 7, 3, {}) == [0, 0, 0, 1, 1, 1, 2]
