@@ -315,6 +315,50 @@ def test_topk_only_in_the_entropy_window(sampler, qwen2):
     assert full_entries == sum(len(t) for r in full for t in r.top_logprobs) > 2 * window_entries
 
 
+_HOOK_CHECK = """
+import sys, types
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import vllm_sampler as vs  # the worker's file as the worker runs it: a script, without the arpo_jax package
+from vllm import SamplingParams
+from vllm.v1.engine.logprobs import LogprobsProcessor
+from vllm.v1.outputs import LogprobsLists
+assert vs._install_topk_window() and vs._install_topk_window()  # installing twice is a no-op
+
+def processor(window):
+    extra = None if window is None else {vs._TOPK_POSITIONS_ARG: window}
+    return LogprobsProcessor.from_new_request(None, types.SimpleNamespace(
+        sampling_params=SamplingParams(logprobs=3, extra_args=extra)))
+
+rng = np.random.default_rng(0)
+every, window = processor(None), processor(3)
+for n in (1, 1, 3, 1, 2):  # engine steps of 1-3 new positions each ([sampled, top-3] per position)
+    step = LogprobsLists(rng.integers(0, 1000, (n, 4)), rng.normal(size=(n, 4)).astype(np.float32),
+                         rng.integers(1, 50, n), None)
+    every._update_sample_logprobs(step)
+    window._update_sample_logprobs(step)
+print([len(p) for p in every.logprobs], [len(p) for p in window.logprobs])
+assert window.logprobs[:3] == every.logprobs[:3] and window.num_logprobs == 3
+for full, short in zip(every.logprobs[3:], window.logprobs[3:]):
+    (token, entry), = short.items()
+    assert full[token] == entry  # the sampled token's entry, rank included
+assert window.cumulative_logprob == every.cumulative_logprob
+"""
+
+
+@pytest.mark.slow
+def test_topk_window_hook_on_vllms_own_logprobs_processor():
+    """The hook against the installed vLLM's real LogprobsProcessor, no engine: positions up to the window keep
+    vLLM's own entries, later ones only the sampled token's (also when a window ends inside one engine step)."""
+    import subprocess
+
+    worker_dir = os.path.dirname(sys.modules[VllmSampler.__module__].__file__)
+    out = subprocess.run([VLLM_PYTHON or sys.executable, "-c", _HOOK_CHECK, worker_dir], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[4, 4, 4, 4, 4, 4, 4, 4] [4, 4, 4, 1, 1, 1, 1, 1]" in out.stdout
+
+
 def test_startup_failure_is_reported(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "no_such_model"}')
     with pytest.raises(VllmWorkerError, match="no_such_model|exited"):
