@@ -295,7 +295,6 @@ def test_two_engines_sample_what_one_engine_samples(engines, models, executor):
             a, b = one.generate(requests, settings), two.generate(requests, settings)
             same(a, b)
             assert two.last_stats["generated_tokens"] == sum(len(r.token_ids) for r in b)
-        assert len({tuple(r.token_ids) for r in b[:5]} | {tuple(r.token_ids) for r in b[5:10]}) > 5  # seeds differ
 
         for sampler in (one, two):  # a reload reaches every engine
             sampler.update_weights(dir_b)
