@@ -96,13 +96,19 @@ def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=
         return JaxSampler(model, tokenizer, max_len=max_len, mesh=mesh, decode_chunk=cfg.rollout.jax.decode_chunk,
                           prefill_chunk=cfg.rollout.jax.prefill_chunk)
     if engine == "vllm":
-        from arpo_jax.rollout.vllm_sampler import VllmSampler
+        from arpo_jax.rollout.vllm_sampler import VllmSampler, engine_devices, host_gpus
 
         v = cfg.rollout.vllm
+        try:  # checked here, not in config.py: the GPU count is the host's
+            engine_devices(v.engines or None, v.tensor_parallel_size, host_gpus())
+        except ValueError as e:
+            raise ValueError(f"rollout.vllm.engines={v.engines}, rollout.vllm.tensor_parallel_size="
+                             f"{v.tensor_parallel_size}: {e}") from None
         return VllmSampler(folder, python=v.python or None, log_file=None if log_file is None else str(log_file),
                            export_dir=Path(os.path.expandvars(v.export_dir)) if v.export_dir else export_dir,
                            dtype=v.dtype, max_model_len=max_len, seed=cfg.seed, enforce_eager=v.enforce_eager,
-                           gpu_memory_utilization=v.gpu_memory_utilization, cpu_kv_cache_gb=v.cpu_kv_cache_gb)
+                           gpu_memory_utilization=v.gpu_memory_utilization, cpu_kv_cache_gb=v.cpu_kv_cache_gb,
+                           engines=v.engines or None, tensor_parallel_size=v.tensor_parallel_size)
     if engine == "transformers":
         import torch
         from transformers import AutoModelForCausalLM

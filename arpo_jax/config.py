@@ -481,6 +481,8 @@ def _check_rollout(ck: _Checker, command: str, process_count: int | None) -> Non
     ck.require("rollout.workers", _nonneg, "0 (one per process) or a positive count")
     ck.require("rollout.vllm.gpu_memory_utilization", lambda v: 0 < v < 1, "0 < x < 1")
     ck.require("rollout.vllm.cpu_kv_cache_gb", _nonneg, _NONNEG)
+    ck.require("rollout.vllm.engines", _nonneg, "0 (one per tensor-parallel group of the host's GPUs) or a count")
+    ck.require("rollout.vllm.tensor_parallel_size", lambda v: v >= 1, ">= 1 (GPUs per engine)")
     workers = ck.get("rollout.workers")
     if workers and process_count and workers % process_count:
         ck.add("rollout.workers", f"{workers} workers cannot be spread evenly over {process_count} processes",

@@ -3,9 +3,9 @@
 `--model` is a named model (default: the real SmolLM2-135M-Instruct) or an HF folder, or `random`: a random Qwen2
 of `--hidden/--layers/--vocab` (the issue-5 benchmark). Workload: `--batch` 32 requests of `--prompt` random
 tokens (default 150 on a real model, 256 on the random one), `--new` new tokens each (100 / 256), temperature 1,
-top-10 log-probs of the first `--logprob-positions` generated positions (default: all of them on a real model, 20
-on the random one; transformers: `output_logits` + log_softmax + top-k, which is what it offers). Three
-measurements per engine:
+top-10 log-probs of the first `--logprob-positions` generated positions (default 20: ARPO's entropy window, spec
+4.1, what a rollout asks for; the sampled token's log-prob is the only one vLLM builds after it; transformers:
+`output_logits` + log_softmax + top-k, which is what it offers). Three measurements per engine:
 
   * generation tokens/s: one call generating `--new` tokens per request;
   * tool loop: the same number of new tokens in `--rounds` 4 rounds of `--new / rounds`, with a `--tool` 16-token
@@ -196,6 +196,8 @@ def _measure(name: str, sampler, work: _Workload, args, reset=None) -> dict:
     t1, n1, cpu1 = _best(lambda: work.one_round(sampler), args.repeats, reset, pid)
     row["gen_s"], row["gen_tokens"], row["tokens_per_s"] = round(t1, 3), n1, round(n1 / t1, 1)
     row["gen_cpu_s"], row["tokens_per_cpu_s"] = round(cpu1, 2), round(n1 / max(cpu1, 1e-9), 1)
+    if "logprob_entries" in getattr(sampler, "last_stats", {}):  # vLLM: (token, log-prob) entries it built
+        row["logprob_entries"] = sampler.last_stats["logprob_entries"]
     if n1 != total_new:
         row["note"] = f"{total_new - n1} tokens short (EOS or the length limit)"
     if "rounds" in args.measure:
@@ -258,7 +260,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--tool", type=int, default=16, help="tokens appended between rounds")
     ap.add_argument("--logprobs", type=int, default=10)
-    ap.add_argument("--logprob-positions", type=int, default=None, help="default: all (real model) or 20")
+    ap.add_argument("--logprob-positions", type=int, default=20,
+                    help="positions with top-k log-probs (default 20: ARPO's entropy window); --new: all of them")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--engines", default="jax,vllm,transformers")
@@ -268,8 +271,6 @@ def main() -> None:
     real = args.model != "random"
     args.prompt = args.prompt or (150 if real else 256)
     args.new = args.new or (100 if real else 256)
-    if args.logprob_positions is None:
-        args.logprob_positions = args.new if real else 20
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if unknown := set(engines) - {"jax", "vllm", "transformers"}:
         ap.error(f"unknown engines {sorted(unknown)}")

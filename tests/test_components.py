@@ -30,6 +30,17 @@ def test_engine_errors_name_what_is_missing(cfg):
         components.make_sampler(cfg, None, engine="jax")
 
 
+def test_vllm_engines_that_do_not_fit_the_host_are_refused_before_starting(cfg, monkeypatch, tmp_path):
+    """rollout.vllm.engines x tensor_parallel_size must fit the host's GPUs (here CUDA_VISIBLE_DEVICES): the error
+    names both fields and what is allowed, before any engine process starts."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    bad = config_lib.load_config(["--config=builtin:toy_cpu", "--config.rollout.vllm.engines=2",
+                                  "--config.rollout.vllm.tensor_parallel_size=2"])
+    with pytest.raises(ValueError, match=r"rollout.vllm.engines=2, rollout.vllm.tensor_parallel_size=2: .*"
+                                         r"allowed: engines x tensor_parallel_size <= 2"):
+        components.make_sampler(bad, None, engine="vllm", folder=tmp_path)
+
+
 def test_sampling_settings_and_executor_follow_the_config(cfg):
     executor = components.make_tool_executor(cfg)
     try:

