@@ -182,7 +182,7 @@ def tokenizer(reader):
 
 def load(path: str | os.PathLike, *, dtype: str = "float32", mesh=None, param_dtype: str | None = None,
          **runtime):
-    """A CausalLM from a GGUF file, dequantized straight into params (see pretrained.from_pretrained for the options)."""
+    """A CausalLM from a GGUF file, dequantized into params (see pretrained.from_pretrained for the options)."""
     from flax import nnx
 
     reader = open_gguf(path)
