@@ -44,6 +44,7 @@ from jax.sharding import Mesh
 from arpo_jax import models, sharding
 from arpo_jax.data.rl_dataset import DataPosition
 from arpo_jax.models.transformer import Config, RopeScaling
+from arpo_jax.run_guard import local_path
 from arpo_jax.train_step import TrainState
 
 log = logging.getLogger(__name__)
@@ -169,7 +170,7 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3, async_save: bool = True,
                  create: bool = True):
-        self.directory = Path(directory).absolute()
+        self.directory = local_path(directory, "checkpoint directory")
         if not create and not self.directory.is_dir():
             raise FileNotFoundError(f"{self.directory}: no such checkpoint directory")
         if self.directory.exists() and not self.directory.is_dir():
