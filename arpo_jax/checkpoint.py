@@ -41,7 +41,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from arpo_jax import models, sharding
+from arpo_jax import models, runtime, sharding
 from arpo_jax.data.rl_dataset import DataPosition
 from arpo_jax.models.transformer import Config, RopeScaling
 from arpo_jax.run_guard import local_path
@@ -120,13 +120,7 @@ def _first_non_finite(tree) -> str | None:
     return None
 
 
-def _agree(value):
-    """Process 0's `value` (an int or an int array) on every process: decisions taken from files that process 0
-    alone reads or writes."""
-    if jax.process_count() == 1:
-        return value
-    out = np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(value)))
-    return int(out) if np.ndim(value) == 0 else out
+_agree = runtime.agree
 
 
 def config_to_json(cfg: Config) -> dict:

@@ -175,6 +175,17 @@ def weight_sync(engine: str, delay: float, process_id: int, port: int, hf_dir: s
             print(f"process {process_id} step {step}: |engine - jax| = {err:.2e}, vs the previous weights {stale:.2e}")
             assert err < LOGPROB_ATOL and stale > 100 * LOGPROB_ATOL, (step, err, stale)
         previous = params
+    if engine == "files":  # process 0's disk "fills up": both processes stop with an error, neither waits forever
+        from arpo_jax.rollout import vllm_sampler
+
+        if process_id == 0:
+            vllm_sampler.EXPORT_SLACK_BYTES = 1 << 60
+        try:
+            sampler.update_weights(nnx.merge(graphdef, state))
+            raise AssertionError("a sync without room went ahead")
+        except OSError as e:
+            assert ("one export of the policy needs" if process_id == 0 else "process 0 found too little room") \
+                in str(e), e
     multihost_utils.sync_global_devices("syncs done")
     left = sorted(p.name for p in Path(export_dir).iterdir())
     assert left == [], f"exports left behind: {left}"  # each version is removed once every process reloaded it

@@ -76,7 +76,8 @@ def _tiny_folder_with_tokenizer(root: Path) -> Path:
 def test_weight_sync_waits_for_the_writer(tmp_path):
     """The multi-host race made certain: process 0 holds back its final rename of each export by 3 s. Process 1
     must still reload exactly each step's weights (before the barrier it looked for the folder while process 0
-    was renaming it: FileNotFoundError at step 1, and at step 2 it would have read step 1's weights)."""
+    was renaming it: FileNotFoundError at step 1, and at step 2 it would have read step 1's weights). Then a sync
+    for which process 0's disk has no room stops both processes with an error."""
     _run_two(["sync", "files", "3", str(_tiny_folder_with_tokenizer(tmp_path)), str(tmp_path)], tmp_path)
 
 

@@ -58,3 +58,18 @@ def test_previous_syncs_removed_only_if_they_are_exports(tmp_path):
     removed = vllm_sampler.remove_previous_syncs(tmp_path)
     assert [p.name for p in removed] == ["sync-1"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "sync-7", "sync-x"]
+
+
+def test_a_sync_without_room_stops_before_writing(tiny_hf_dir, tmp_path, monkeypatch):
+    """update_weights(CausalLM) checks the room for one export (params x the engine's dtype) before writing any."""
+    path, _ = tiny_hf_dir("qwen2")
+    model = hf.from_pretrained(path)
+    sampler = vllm_sampler.VllmSampler.__new__(vllm_sampler.VllmSampler)  # no engine: it fails before reloading
+    sampler.export_dir, sampler.export_dtype, sampler._own_export = tmp_path, None, None
+    sampler._sync_version, sampler.info, sampler.last_sync = 0, {"dtype": "bfloat16"}, {}
+    monkeypatch.setattr(vllm_sampler, "EXPORT_SLACK_BYTES", shutil.disk_usage(tmp_path).free)  # room for no export
+    with pytest.raises(OSError, match="in bfloat16|of bfloat16 weights") as e:
+        sampler.update_weights(model)
+    need = hf.export_nbytes(nnx.state(model, nnx.Param), "bfloat16")
+    assert f"({need / 1024**3:.2f} GiB of bfloat16 weights)" in str(e.value)
+    assert list(tmp_path.iterdir()) == []

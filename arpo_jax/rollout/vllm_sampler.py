@@ -305,6 +305,7 @@ class VllmSampler:
         the complete folder into place. A new folder per version (not one folder replaced in place) means no
         process can ever read a half-renamed folder or, a step later, the previous weights under the same name.
         """
+        import jax
         from flax import nnx
 
         from arpo_jax import hf, runtime  # the trainer's side: jax is already there
@@ -312,11 +313,21 @@ class VllmSampler:
         dtype = self.export_dtype or self.info["dtype"]
         nbytes = hf.export_nbytes(nnx.state(model, nnx.Param), dtype)
         if self.export_dir is None:  # ours: removed again by close()
+            if jax.process_count() > 1:  # /dev/shm/arpo_jax_vllm_<pid> is one host's: the others never see it
+                raise ValueError("a multi-process weight sync needs export_dir on a file system every host shares "
+                                 "(the trainer uses <workdir>/weight_sync; config: rollout.vllm.export_dir)")
             self.export_dir = self._own_export = _default_export_dir(nbytes)
-        if runtime.is_main_process():  # the writer; a shared export_dir has the same free space everywhere
+        no_room = ""
+        if runtime.is_main_process():  # the writer
             if self._sync_version == 0:
                 remove_previous_syncs(self.export_dir)  # left by a run that was killed mid-sync
-            check_export_room(self.export_dir, nbytes, dtype)
+            try:
+                check_export_room(self.export_dir, nbytes, dtype)
+            except OSError as e:
+                no_room = str(e)
+        if runtime.agree(int(bool(no_room))):  # every process stops, not only the writer (the others would wait)
+            raise OSError(no_room or f"weight sync: process 0 found too little room for one export in "
+                                     f"{self.export_dir} (its log says how much)")
         self._sync_version += 1
         path = self.export_dir / f"{SYNC_PREFIX}{self._sync_version}"
         hf.save_pretrained(model, path, dtype=dtype)
