@@ -41,9 +41,10 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from arpo_jax import models, sharding
+from arpo_jax import models, runtime, sharding
 from arpo_jax.data.rl_dataset import DataPosition
 from arpo_jax.models.transformer import Config, RopeScaling
+from arpo_jax.run_guard import local_path
 from arpo_jax.train_step import TrainState
 
 log = logging.getLogger(__name__)
@@ -119,13 +120,7 @@ def _first_non_finite(tree) -> str | None:
     return None
 
 
-def _agree(value):
-    """Process 0's `value` (an int or an int array) on every process: decisions taken from files that process 0
-    alone reads or writes."""
-    if jax.process_count() == 1:
-        return value
-    out = np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(value)))
-    return int(out) if np.ndim(value) == 0 else out
+_agree = runtime.agree
 
 
 def config_to_json(cfg: Config) -> dict:
@@ -169,7 +164,7 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3, async_save: bool = True,
                  create: bool = True):
-        self.directory = Path(directory).absolute()
+        self.directory = local_path(directory, "checkpoint directory")
         if not create and not self.directory.is_dir():
             raise FileNotFoundError(f"{self.directory}: no such checkpoint directory")
         if self.directory.exists() and not self.directory.is_dir():

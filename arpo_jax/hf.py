@@ -235,6 +235,12 @@ def _shard_plan(entries, max_shard_bytes: int) -> list[list]:
     return shards
 
 
+def export_nbytes(state: nnx.State, dtype: str) -> int:
+    """Bytes of the safetensors data `save_state(state, ..., dtype=dtype)` writes (headers and config files aside)."""
+    itemsize = np.dtype(_NP_DTYPES[dtype]).itemsize
+    return sum(math.prod(var.get_metadata()["hf_shape"]) * itemsize for _, var in nnx.to_flat_state(state))
+
+
 def save_state(state: nnx.State, cfg: Config, path: str | os.PathLike, *, tokenizer=None, dtype: str | None = None,
                max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
     """Writes params as an HF folder (config.json, generation_config.json, safetensors, tokenizer files).

@@ -34,6 +34,7 @@ import numpy as np
 import tqdm
 
 from arpo_jax import config as config_lib
+from arpo_jax.run_guard import local_path
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 # Shown on the console, in this order, when present (patterns allowed); everything stays in the files.
@@ -150,7 +151,7 @@ class MetricsLogger:
         unknown = [name for name in loggers if name not in LOGGERS]
         if unknown:
             raise ValueError(f"trainer.loggers: unknown logger(s) {unknown}; allowed: {LOGGERS}")
-        self.workdir = Path(workdir)
+        self.workdir = local_path(workdir)
         self.loggers = loggers
         self.enabled = enabled
         self.resume_step = resume_step

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
@@ -75,6 +76,15 @@ def is_main_process() -> bool:
 def barrier(name: str) -> None:
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
+
+
+def agree(value):
+    """Process 0's `value` (an int or an int array) on every process: decisions taken from files that process 0
+    alone reads or writes."""
+    if jax.process_count() == 1:
+        return value
+    out = np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(value)))
+    return int(out) if np.ndim(value) == 0 else out
 
 
 def make_mesh(cfg) -> Mesh:

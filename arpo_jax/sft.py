@@ -145,7 +145,7 @@ def run_sft(cfg, workdir: str | os.PathLike) -> dict:
     t_start = time.perf_counter()
     runtime.initialize_distributed()
     cfg = config_lib.validate(cfg, device_count=jax.device_count(), process_count=jax.process_count(), command="sft")
-    workdir = Path(workdir).absolute()
+    workdir = run_guard.local_path(workdir)  # refuses gs:// (it would become $PWD/gs:/...)
     with run_guard.StopSignals("sft") as stop:
         lock, resuming = run_guard.open_workdir(workdir, cfg, "sft")
         try:

@@ -85,7 +85,7 @@ class Trainer:
         runtime.initialize_distributed()
         self.cfg = cfg = config_lib.validate(cfg, device_count=jax.device_count(), process_count=jax.process_count(),
                                                    command="train")
-        self.workdir = Path(workdir).absolute()
+        self.workdir = run_guard.local_path(workdir)  # refuses gs:// (it would become $PWD/gs:/...)
         self.is_main = runtime.is_main_process()
         self.lock, resuming = run_guard.open_workdir(self.workdir, cfg, "train")
         if cfg.trainer.export_hf:

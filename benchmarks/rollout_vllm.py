@@ -80,7 +80,7 @@ def main() -> None:
             sampler.update_weights(model)
             syncs.append(dict(sampler.last_sync))
         best = min(syncs, key=lambda s: s["total_s"])
-        weight_mb = sum(f.stat().st_size for f in (work / "policy").glob("*.safetensors")) / 1e6
+        weight_mb = best["export_bytes"] / 1e6  # the export itself is removed once the engine has reloaded it
     shutil.rmtree(work, ignore_errors=True)
 
     row = {

@@ -2,14 +2,14 @@
 # A Cloud TPU slice (single- or multi-host): the same command on every TPU VM worker.
 #
 #   launch/tpu_pod.sh TPU_NAME ZONE CONFIG WORKDIR [--config.x=y ...]
-#   ARPO_SETUP=1 launch/tpu_pod.sh my-v4-32 us-central2-b builtin:arpo_qwen3_14b_tpu_v4_32 gs://bucket/runs/14b
+#   ARPO_SETUP=1 launch/tpu_pod.sh my-v4-32 us-central2-b builtin:arpo_qwen3_14b_tpu_v4_32 /mnt/shared/runs/14b
 #
 # ARPO_SETUP=1 first copies this repository to ARPO_REMOTE_DIR (default ~/arpo-jax) on every worker, installs it
 # with the TPU extra into ARPO_REMOTE_DIR/.venv, and copies ARPO_ENV_FILE (default ~/.arpo_env: `export` lines
 # for ARPO_DATA, ARPO_MODELS, BRIGHTDATA_API_KEY) to each worker with mode 600, so the key never appears on a
 # command line. Every worker must see ARPO_DATA and ARPO_MODELS at the same paths (a persistent disk, Filestore,
-# or gcsfuse mount), and WORKDIR must be shared too (gs:// or a shared filesystem): checkpoints are written by all
-# hosts together. jax.distributed.initialize() finds the slice's workers from the TPU VM metadata by itself.
+# or gcsfuse mount), and WORKDIR must be shared too (a folder every worker mounts at the same path; a gs:// URL
+# is refused at start): checkpoints are written by all hosts together. jax.distributed.initialize() finds the slice's workers from the TPU VM metadata by itself.
 set -euo pipefail
 
 TPU=${1:?usage: launch/tpu_pod.sh TPU_NAME ZONE CONFIG WORKDIR [--config.x=y ...]}

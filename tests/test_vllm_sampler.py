@@ -440,3 +440,38 @@ def test_requests_stay_on_the_engine_that_caches_their_prefix():
     assert route_requests(second, 2, previous) == [0, 0, 1, 1, 1, 0, 0]
     # Without slot ids (evaluation, benchmarks): contiguous even shares.
     assert route_requests([SampleRequest([1], 4)] * 7, 3, {}) == [0, 0, 0, 1, 1, 1, 2]
+
+
+def test_export_in_the_engines_dtype(sampler, qwen2, tmp_path):
+    """update_weights(CausalLM) exports in the engine's dtype (float32 here), into a new sync-<k> folder that is
+    removed once the engine has reloaded it."""
+    import arpo_jax
+
+    dirs, models, _ = qwen2
+    assert sampler.info["dtype"] == "float32"
+    sampler.export_dir = tmp_path
+    sampler.update_weights(arpo_jax.from_pretrained(dirs["a"]))
+    sampler.loaded = "a"
+    n_params = sum(p.numel() for p in models["a"].parameters())
+    assert sampler.last_sync["export_dtype"] == "float32" and sampler.last_sync["export_bytes"] == 4 * n_params
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_bf16_engine_gets_a_bf16_export(qwen2, tmp_path):
+    """A bf16 engine (as on the GPU configs, whose checkpoints are bf16) is sent bf16 weights: half the bytes of
+    the trainer's f32 params, and it serves them (log-probs within bf16 rounding of transformers' f32 ones)."""
+    import arpo_jax
+
+    dirs, models, tok = qwen2
+    with VllmSampler(dirs["a"], dtype="bfloat16", max_model_len=MAX_LEN, seed=0, python=VLLM_PYTHON,
+                     export_dir=tmp_path) as s:
+        assert s.info["dtype"] == "bfloat16"
+        s.update_weights(arpo_jax.from_pretrained(dirs["b"]))
+        n_params = sum(p.numel() for p in models["b"].parameters())
+        assert s.last_sync["export_dtype"] == "bfloat16" and s.last_sync["export_bytes"] == 2 * n_params
+        prompt = _prompts(tok)[0]
+        r = s.generate([SampleRequest(prompt, 8)], GREEDY)[0]
+    ref = _hf_logprobs(models["b"], prompt, r.token_ids)
+    for t, top in enumerate(r.top_logprobs):
+        np.testing.assert_allclose(list(top.values()), ref[t][list(top)], atol=0.05)

