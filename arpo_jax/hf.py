@@ -437,9 +437,15 @@ def _replace_dir(new: Path, dest: Path) -> None:
 
 def save_pretrained(model: CausalLM, path: str | os.PathLike, tokenizer=None, *, dtype: str | None = None,
                     max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
-    """Exports a CausalLM as an HF folder that transformers and vLLM load. See `save_state`."""
-    return save_state(nnx.state(model, nnx.Param), model.config, path, tokenizer=tokenizer, dtype=dtype,
-                      max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+    """Exports a CausalLM as an HF folder that transformers and vLLM load. See `save_state`. A model with LoRA
+    adapters is written merged (`lora.merged_state`): the folder is a plain model of the base's architecture."""
+    state, cfg = nnx.state(model, nnx.Param), model.config
+    if cfg.lora_rank:
+        from arpo_jax import lora
+
+        state, cfg = lora.merged_state(model)
+    return save_state(state, cfg, path, tokenizer=tokenizer, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                      overwrite=overwrite)
 
 
 def checkpoint_dtype(path: str | os.PathLike) -> str:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from arpo_jax import models, named_models, sharding
+from arpo_jax import lora, models, named_models, sharding
 from arpo_jax import train_step as ts
 from arpo_jax.models.published import REAL_CONFIGS
 
@@ -65,7 +65,7 @@ def plan(model_cfg: models.Config, mesh_shape, update_cfg: ts.UpdateConfig, *, m
         model_cfg = model_cfg.replace(attention_impl="xla")
     graphdef, abstract_state = nnx.split(models.abstract_model(model_cfg), nnx.Param)
     abstract_params = nnx.to_pure_dict(abstract_state)
-    opt = ts.make_optimizer(update_cfg, 1000)
+    opt = lora.freeze_base(ts.make_optimizer(update_cfg, 1000), model_cfg)  # LoRA: no moments for the base
     shardings = ts.state_shardings(opt, ts.param_shardings(model_cfg, mesh), abstract_params, mesh)
     abstract_train_state = jax.eval_shape(lambda p: ts.TrainState(p, opt.init(p), jnp.zeros((), jnp.int32),
                                                                   jnp.zeros((), jnp.int32)), abstract_params)
@@ -109,6 +109,8 @@ def plan_config(cfg, *, micro: int = 1) -> dict:
 
     hf_cfg, source = hf_config_for(cfg.model.path)
     model_cfg = models.config_from_hf(hf_cfg, **runtime_options(cfg))
+    if cfg.model.lora.rank:
+        model_cfg = lora.config_with(model_cfg, cfg.model.lora.rank, cfg.model.lora.alpha, cfg.model.lora.targets)
     mesh_shape = tuple(sharding.make_mesh(tuple(cfg.mesh.shape)).devices.shape)
     rules = sharding.get_rules(model_cfg.sharding_rules)
     rows = math.prod(dict(zip(sharding.MESH_AXES, mesh_shape))[a] for a in rules["batch"])
