@@ -71,11 +71,9 @@ def attach(model: CausalLM, rngs: nnx.Rngs) -> None:
     r = cfg.lora_rank
     for _, lin in list(_targets(model, cfg)):
         ins, outs = _letters(lin)
-        w = lin.weight
-        in_shape = tuple(w.shape[lin.spec.split(",")[1].index(c)] for c in ins)
-        in_axes = tuple(w.axes[lin.spec.split(",")[1].index(c)] for c in ins)
-        out_shape = tuple(w.shape[lin.spec.split(",")[1].index(c)] for c in outs)
-        out_axes = tuple(w.axes[lin.spec.split(",")[1].index(c)] for c in outs)
+        ws, w = lin.spec.split("->")[0].split(",")[1], lin.weight
+        in_shape, in_axes = tuple(w.shape[ws.index(c)] for c in ins), tuple(w.axes[ws.index(c)] for c in ins)
+        out_shape, out_axes = tuple(w.shape[ws.index(c)] for c in outs), tuple(w.axes[ws.index(c)] for c in outs)
         bound = 1.0 / math.sqrt(math.prod(in_shape))
         a = jax.random.uniform(rngs.params(), (r, *in_shape), jnp.float32, -bound, bound)
         lin.lora_a = LoRAParam(a, axes=(None, *in_axes), hf_shape=(r, math.prod(in_shape)))
@@ -117,10 +115,14 @@ def from_config(model: CausalLM, lora_cfg, *, seed: int = 0, mesh: Mesh | None =
     (restored from a LoRA checkpoint), else `model` with the PEFT folder `lora_cfg.adapter` or fresh adapters."""
     if not lora_cfg.rank:
         return model
+    want = config_with(model.config, lora_cfg.rank, lora_cfg.alpha, lora_cfg.targets)
     if lora_cfg.adapter:
-        return load_peft(model, os.path.expandvars(lora_cfg.adapter), mesh=mesh)
+        model = load_peft(model, os.path.expandvars(lora_cfg.adapter), mesh=mesh)
+        if want != model.config:
+            raise ValueError(f"model.lora.adapter={lora_cfg.adapter!r} holds rank {model.config.lora_rank}, alpha "
+                             f"{model.config.lora_alpha}, targets {model.config.lora_targets}: set model.lora to match")
+        return model
     if model.config.lora_rank:
-        want = config_with(model.config, lora_cfg.rank, lora_cfg.alpha, lora_cfg.targets)
         if want != model.config:
             raise ValueError(f"the starting checkpoint's adapters (rank {model.config.lora_rank}, alpha "
                              f"{model.config.lora_alpha}, {model.config.lora_targets}) differ from model.lora")

@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from arpo_jax import config as config_lib
-from arpo_jax import hf, packing, run_guard, runtime
+from arpo_jax import hf, lora, packing, run_guard, runtime
 from arpo_jax import metrics as metrics_lib
 from arpo_jax import train_step as ts
 from arpo_jax.checkpoint import Checkpointer
@@ -182,6 +182,7 @@ def _run_sft(cfg, workdir: Path, resuming: bool, stop: run_guard.StopSignals, t_
     update_cfg = ts.UpdateConfig(lr=cfg.sft.lr, schedule=cfg.sft.schedule, weight_decay=cfg.sft.weight_decay,
                                  warmup_steps=math.ceil(cfg.sft.warmup_ratio * total_steps))
     optimizer, schedule = ts.make_optimizer(update_cfg, total_steps), ts.make_schedule(update_cfg, total_steps)
+    optimizer = lora.freeze_base(optimizer, model.config)  # LoRA: the adapters only (else as is)
     graphdef, params = ts.split_model(model)
     del model
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)

@@ -213,6 +213,14 @@ def test_peft_export_loads_in_peft_and_back(tiny, tmp_path):
     for x, y in zip(adapters(back), adapters(model), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     np.testing.assert_array_equal(np.asarray(back(ids)), expect)
+    # Through the config (`model.lora.adapter`): the folder's settings must match model.lora's.
+    from ml_collections import ConfigDict
+
+    lc = ConfigDict({"rank": RANK, "alpha": ALPHA, "targets": model.config.lora_targets, "adapter": str(out)})
+    assert lora.from_config(base, lc).config == model.config
+    lc.rank = 8
+    with pytest.raises(ValueError, match="set model.lora to match"):
+        lora.from_config(base, lc)
 
 
 def test_export_command_writes_peft_and_merged_from_a_lora_checkpoint(tiny, tmp_path):
