@@ -43,7 +43,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from arpo_jax import algos, experience, hf, packing, rewards, run_guard, runtime, shaping, sharding
+from arpo_jax import algos, experience, hf, lora, packing, rewards, run_guard, runtime, shaping, sharding
 from arpo_jax import config as config_lib
 from arpo_jax import critic as critic_lib
 from arpo_jax import metrics as metrics_lib
@@ -133,6 +133,7 @@ class Trainer:
         self.mini_batches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
         optimizer_steps = self.total_steps * self.mini_batches * cfg.actor.ppo_epochs
         self.optimizer = ts.make_optimizer(self.update_cfg, optimizer_steps)
+        self.optimizer = lora.freeze_base(self.optimizer, self.model_cfg)  # LoRA: the adapters only (else as is)
         self.schedule = ts.make_schedule(self.update_cfg, optimizer_steps)
         self.graphdef, params = ts.split_model(model)
         p_sh = ts.param_shardings(self.model_cfg, self.mesh)
@@ -151,7 +152,11 @@ class Trainer:
         self.row_len = cfg.actor.max_token_len_per_device or 2 * (cfg.data.max_prompt_length +
                                                                   cfg.data.max_response_length)
         self.ref_params = None
-        if cfg.actor.kl_coef:
+        self.ref_fn = None  # LoRA: the reference = the policy's own base with the adapters off (no weight copy)
+        if cfg.actor.kl_coef and self.model_cfg.lora_rank:
+            self.ref_fn = lora.jit_reference_logprobs(self.model_cfg, temperature=self.update_cfg.temperature,
+                                                      chunk=cfg.actor.logprob_chunk, mesh=self.mesh)
+        elif cfg.actor.kl_coef:
             # The reference policy is the starting policy; on host memory when asked (reference: param_offload).
             self.ref_params = jax.tree.map(jnp.copy, params)
             if cfg.model.ref_on_host:
@@ -474,6 +479,8 @@ class Trainer:
         batch = batch | {"old_logp": self.logprob_fn(self.state.params, batch)[0]}
         if self.ref_params is not None:
             batch["ref_logp"] = self.logprob_fn(self.ref_params, batch)[0]
+        if self.ref_fn is not None:  # LoRA
+            batch["ref_logp"] = self.ref_fn(self.state.params, batch)[0]
         return batch
 
     # update
