@@ -17,6 +17,7 @@ from arpo_jax import train_step as ts
 from arpo_jax.models.transformer import LORA_TARGETS
 
 RANK, ALPHA = 4, 8.0
+_logits = nnx.jit(lambda model, ids: model(ids))  # one compile per graph (eager calls are slow on a busy CPU)
 
 
 def _ids(vocab=512, b=2, t=24, seed=0):
@@ -42,7 +43,7 @@ def test_zero_b_is_the_base_model_exactly(tiny):
     _, _, base = tiny
     model = lora.with_adapters(base, RANK, ALPHA)
     ids = _ids()
-    base_logits, logits = np.asarray(base(ids)), np.asarray(model(ids))
+    base_logits, logits = np.asarray(_logits(base, ids)), np.asarray(_logits(model, ids))
     np.testing.assert_array_equal(logits, base_logits)
     batch = {"input_ids": ids[None], "targets": jnp.roll(ids, -1, 1)[None],
              "positions": jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)[None],
@@ -60,7 +61,7 @@ def test_zero_b_is_the_base_model_exactly(tiny):
     assert len(lora.trainable_paths(model.config)) == 2 * len(LORA_TARGETS) * base.config.num_layers
     assert model.lm_head.lora_a is None  # the head stays frozen
     # The check can fail: a non-zero B changes the logits.
-    assert not np.allclose(np.asarray(_randomize_b(model)(ids)), base_logits, atol=1e-3)
+    assert not np.allclose(np.asarray(_logits(_randomize_b(model), ids)), base_logits, atol=1e-3)
 
 
 def test_targets_and_config_validation(tiny):
@@ -82,7 +83,7 @@ def test_unmerged_forward_equals_merged_weights(tiny):
     state, cfg = lora.merged_state(model)
     merged = nnx.merge(nnx.split(arpo_jax.models.abstract_model(cfg), nnx.Param)[0], state)
     ids = _ids()
-    np.testing.assert_allclose(np.asarray(merged(ids)), np.asarray(model(ids)), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(_logits(merged, ids)), np.asarray(_logits(model, ids)), atol=1e-5, rtol=0)
     # The merged weight of q_proj by hand: W [N, H, D] + s * B [N, H, r] A [r, D].
     q = model.model.layers[0].self_attn.q_proj
     expect = q.weight[...] + (ALPHA / RANK) * np.einsum("nhr,rd->nhd", q.lora_b[...], q.lora_a[...])
@@ -125,6 +126,7 @@ def test_update_trains_the_adapters_only(tiny):
             np.testing.assert_array_equal(np.asarray(flat1[k]), np.asarray(flat0[k]), err_msg=str(k))
 
 
+@pytest.mark.slow  # > 10 s: compiles the step on an 8-device mesh
 def test_sharded_lora_step_equals_single_device(tiny):
     path, _, base = tiny
     model = _randomize_b(lora.with_adapters(base, RANK, ALPHA))
@@ -186,8 +188,8 @@ def test_merged_hf_export_matches(tiny, tmp_path):
     model = _randomize_b(lora.with_adapters(base, RANK, ALPHA))
     out = hf.save_pretrained(model, tmp_path / "merged")
     ids = _ids()
-    expect = np.asarray(model(ids))
-    np.testing.assert_allclose(np.asarray(arpo_jax.from_pretrained(out)(ids)), expect, atol=1e-5, rtol=0)
+    expect = np.asarray(_logits(model, ids))
+    np.testing.assert_allclose(np.asarray(_logits(arpo_jax.from_pretrained(out), ids)), expect, atol=1e-5, rtol=0)
     tm = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     np.testing.assert_allclose(_torch_logits(tm, ids), expect, atol=1e-4, rtol=0)
 
@@ -202,17 +204,17 @@ def test_peft_export_loads_in_peft_and_back(tiny, tmp_path):
     torch_base = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     tm = peft.PeftModel.from_pretrained(torch_base, str(out)).eval()
     ids = _ids()
-    expect = np.asarray(model(ids))
+    expect = np.asarray(_logits(model, ids))
     got = _torch_logits(tm, ids)
     np.testing.assert_allclose(got, expect, atol=1e-4, rtol=0)
-    assert np.abs(got - np.asarray(base(ids))).max() > 1e-3  # the adapters are in effect
+    assert np.abs(got - np.asarray(_logits(base, ids))).max() > 1e-3  # the adapters are in effect
     # Import onto the base (to continue training): the same adapters, bit for bit, and the same config.
     back = lora.load_peft(base, out)
     assert back.config == model.config
     adapters = lambda m: jax.tree.leaves(nnx.state(m, lora.LoRAParam))
     for x, y in zip(adapters(back), adapters(model), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    np.testing.assert_array_equal(np.asarray(back(ids)), expect)
+    np.testing.assert_array_equal(np.asarray(_logits(back, ids)), expect)
     # Through the config (`model.lora.adapter`): the folder's settings must match model.lora's.
     from ml_collections import ConfigDict
 
@@ -237,8 +239,8 @@ def test_export_command_writes_peft_and_merged_from_a_lora_checkpoint(tiny, tmp_
     assert cli.main(["export", "--adapter", str(tmp_path / "peft"), "--base", str(path), "--out",
                      str(tmp_path / "merged")]) == 0
     ids = _ids()
-    np.testing.assert_allclose(np.asarray(arpo_jax.from_pretrained(tmp_path / "merged")(ids)),
-                               np.asarray(model(ids)), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(_logits(arpo_jax.from_pretrained(tmp_path / "merged"), ids)),
+                               np.asarray(_logits(model, ids)), atol=1e-5, rtol=0)
     # A checkpoint without adapters is refused with a pointer to the right command.
     with Checkpointer(tmp_path / "plain", async_save=False) as ckpt:
         ckpt.save(1, nnx.state(base, nnx.Param), config=base.config, force=True)
@@ -284,7 +286,8 @@ def test_lora_sft_trains_adapters_only_and_exports_merged(tmp_path):
     assert any(np.any(np.asarray(v[...])) for p, v in nnx.to_flat_state(nnx.state(trained, lora.LoRAParam))
                if p[-1] == "lora_b")
     ids = _ids(vocab=start.config.vocab_size)
-    np.testing.assert_allclose(np.asarray(arpo_jax.from_pretrained(tmp_path / "hf")(ids)), np.asarray(trained(ids)),
+    np.testing.assert_allclose(np.asarray(_logits(arpo_jax.from_pretrained(tmp_path / "hf"), ids)),
+                               np.asarray(_logits(trained, ids)),
                                atol=1e-5, rtol=0)
 
 
@@ -316,6 +319,7 @@ def test_lora_rl_run_on_the_toy_config(tmp_path):
     assert any(np.any(np.asarray(v)) for k, v in flat.items() if k[-1] == "lora_b")
 
 
+@pytest.mark.slow  # > 10 s: compiles the step on an 8-device mesh
 def test_plan_has_no_optimizer_state_for_the_frozen_base(tiny):
     """`arpo-jax plan` of a LoRA config: the moments of the adapters only (2 x their float32 bytes)."""
     from arpo_jax import plan
