@@ -185,6 +185,10 @@ def jit_reference_logprobs(cfg: Config, *, temperature: float = 1.0, chunk: int 
 # Merged export
 
 
+def _param_key(path) -> str:
+    return ".".join(str(p) for p in path)
+
+
 def _delta(lin: Linear) -> jax.Array:
     """scale * B A in the weight's own layout and shape (float32)."""
     ins, outs = _letters(lin)
@@ -200,15 +204,26 @@ def _base_state(model: CausalLM) -> nnx.State:
     return nnx.split(model, LoRAParam, nnx.Param)[2]
 
 
+def _merged_weight(lin: Linear) -> jax.Array:
+    """W + scale * B A of one adapted Linear, in W's dtype (the sum in float32)."""
+    w = lin.weight[...]
+    return (w.astype(jnp.float32) + _delta(lin)).astype(w.dtype)
+
+
+def merged_export(model: CausalLM):
+    """(the base params of `model`, the config without adapters, a `transform(key, array)` that merges each adapted
+    weight as `hf.save_state` writes it): the merged HF export, one merged tensor in memory at a time."""
+    merged = {_param_key((*path, "weight")): lin for path, lin in _targets(model, model.config)}
+    transform = lambda key, w: _merged_weight(merged[key]) if key in merged else w
+    return _base_state(model), base_config(model.config), transform
+
+
 def merged_state(model: CausalLM) -> tuple[nnx.State, Config]:
-    """(the params of `model` with each adapter merged into its weight, W + scale * B A, in the weight's dtype; the
-    config without adapters): what `hf.save_pretrained` writes for a LoRA model."""
-    cfg = model.config
-    merged = {(*path, "weight"): (lin.weight[...].astype(jnp.float32) + _delta(lin)).astype(lin.weight.dtype)
-              for path, lin in _targets(model, cfg)}
-    flat = [(p, v.replace(merged[tuple(p)]) if tuple(p) in merged else v)
-            for p, v in nnx.to_flat_state(_base_state(model))]
-    return nnx.from_flat_state(flat), base_config(cfg)
+    """(the params of `model` with each adapter merged into its weight, all at once; the config without adapters).
+    Exports use `merged_export`, which merges a tensor at a time."""
+    state, cfg, transform = merged_export(model)
+    flat = [(p, v.replace(transform(_param_key(p), v[...]))) for p, v in nnx.to_flat_state(state)]
+    return nnx.from_flat_state(flat), cfg
 
 
 # --------------------------------------------------------------------------------------------------
