@@ -31,7 +31,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, traverse_util
+from flax import nnx
 from jax.sharding import Mesh
 
 from arpo_jax import models, sharding
@@ -158,16 +158,11 @@ def base_graphdef(cfg: Config) -> nnx.GraphDef:
     return nnx.split(models.abstract_model(base_config(cfg)), nnx.Param)[0]
 
 
-def _split_flat(params: dict, paths) -> tuple[dict, dict]:
-    flat = traverse_util.flatten_dict(params)
-    inside = {k: v for k, v in flat.items() if k in paths}
-    return (traverse_util.unflatten_dict(inside),
-            traverse_util.unflatten_dict({k: v for k, v in flat.items() if k not in paths}))
-
-
 def base_params(params: dict, cfg: Config) -> dict:
     """The base weights of a LoRA model's params (pure dict): the same arrays, without the adapters."""
-    return _split_flat(params, trainable_paths(cfg))[1] if cfg.lora_rank else params
+    from arpo_jax import train_step as ts
+
+    return ts.partition(params, trainable_paths(cfg))[1] if cfg.lora_rank else params
 
 
 def jit_reference_logprobs(cfg: Config, *, temperature: float = 1.0, chunk: int = 256, mesh: Mesh | None = None):

@@ -142,20 +142,25 @@ class PartialOptimizer(NamedTuple):
     trainable: frozenset  # key paths (tuples) of the trainable leaves in the params' pure dict
 
     def init(self, params):
-        return self.inner.init(partition(params, self)[0])
+        return self.inner.init(partition(params, self.trainable)[0])
 
     def update(self, updates, state, params=None):
         return self.inner.update(updates, state, params)
 
 
-def partition(tree, optimizer) -> tuple[Any, Any]:
-    """(the leaves ``optimizer`` trains, the frozen rest) of a params-shaped pure dict: both halves of everything
-    for a plain optimizer; ``combine`` puts them back together."""
-    if not isinstance(optimizer, PartialOptimizer):
+def trainable_of(optimizer) -> frozenset | None:
+    """The key paths an optimizer trains (a ``PartialOptimizer``'s), None for all."""
+    return optimizer.trainable if isinstance(optimizer, PartialOptimizer) else None
+
+
+def partition(tree, trainable: frozenset | None) -> tuple[Any, Any]:
+    """(the leaves at the key paths ``trainable``, the rest) of a params-shaped pure dict; ``trainable`` None:
+    (everything, {}). ``combine`` puts them back together."""
+    if trainable is None:
         return tree, {}
     flat = traverse_util.flatten_dict(tree)
-    train = {k: v for k, v in flat.items() if k in optimizer.trainable}
-    frozen = {k: v for k, v in flat.items() if k not in optimizer.trainable}
+    train = {k: v for k, v in flat.items() if k in trainable}
+    frozen = {k: v for k, v in flat.items() if k not in trainable}
     return traverse_util.unflatten_dict(train), traverse_util.unflatten_dict(frozen)
 
 
@@ -302,7 +307,7 @@ def accumulate_and_apply(state: TrainState, batch: Batch, micro_loss, optimizer:
       ``grad_norm`` (before clipping) and ``skipped`` (0 or 1).
     """
     # A PartialOptimizer (LoRA) trains some params only: differentiate those, pass the frozen rest through.
-    params, frozen = partition(state.params, optimizer)
+    params, frozen = partition(state.params, trainable_of(optimizer))
     grad_fn = jax.value_and_grad(lambda p, mb: micro_loss(combine(p, frozen), mb), has_aux=True)
 
     def body(acc, mb):
@@ -311,7 +316,7 @@ def accumulate_and_apply(state: TrainState, batch: Batch, micro_loss, optimizer:
 
     acc = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     if grad_shardings is not None:
-        acc = jax.lax.with_sharding_constraint(acc, partition(grad_shardings, optimizer)[0])
+        acc = jax.lax.with_sharding_constraint(acc, partition(grad_shardings, trainable_of(optimizer))[0])
     grads, (losses, micro_metrics) = jax.lax.scan(body, acc, batch)  # losses: [M]; micro_metrics: {name: [M]}
     sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), micro_metrics)
 
@@ -391,7 +396,8 @@ def state_shardings(optimizer: optax.GradientTransformation, p_shardings: dict, 
     replicated = NamedSharding(mesh, PartitionSpec())
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
     inner = optimizer.inner if isinstance(optimizer, PartialOptimizer) else optimizer
-    opt = optax.tree_map_params(inner, lambda _, s: s, abstract_opt, partition(p_shardings, optimizer)[0],
+    trained_sh = partition(p_shardings, trainable_of(optimizer))[0]
+    opt = optax.tree_map_params(inner, lambda _, s: s, abstract_opt, trained_sh,
                                 transform_non_params=lambda _: replicated)
     return TrainState(p_shardings, opt, replicated, replicated)
 

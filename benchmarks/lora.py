@@ -59,7 +59,8 @@ def measure(model, args, batch) -> dict:
     mem = step.lower(state, batch).compile().memory_analysis()
     out = {"params_mb": _tree_bytes(state.params) / 2**20, "opt_state_mb": _tree_bytes(state.opt_state) / 2**20,
            "temp_mb": mem.temp_size_in_bytes / 2**20,
-           "trainable_params": sum(x.size for x in jax.tree.leaves(ts.partition(state.params, opt)[0]))}
+           "trainable_params": sum(x.size for x in
+                                   jax.tree.leaves(ts.partition(state.params, ts.trainable_of(opt))[0]))}
     t0 = time.perf_counter()
     state, metrics = step(state, batch)
     jax.block_until_ready(metrics)
