@@ -38,7 +38,8 @@ TOOL_TAGS = ("<python>", "</python>", "<search>", "</search>", "<result>", "</re
 REDACTED = "***redacted***"
 
 # String fields that name files or folders: `${VAR}` references and `~` are expanded in them.
-PATH_FIELDS = ("model.path", "model.tokenizer", "model.init_checkpoint", "data.train_files", "data.val_files",
+PATH_FIELDS = ("model.path", "model.tokenizer", "model.init_checkpoint", "model.lora.adapter", "data.train_files",
+               "data.val_files",
                "sft.train_files", "sft.val_files", "tools.search.cache_file", "tools.search.corpus_file",
                "reward.custom_path", "rollout.vllm.python", "rollout.vllm.export_dir", "tools.python.python_path")
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -402,6 +403,25 @@ def _check_model(ck: _Checker) -> None:
                "an HF folder | builtin:tiny, or model.init_checkpoint")
     if not ck.get("model.path") and not ck.get("model.tokenizer"):
         ck.add("model.tokenizer", "no tokenizer: model.tokenizer and model.path are both empty", "a tokenizer folder")
+    _check_lora(ck)
+
+
+def _check_lora(ck: _Checker) -> None:
+    from arpo_jax.models.transformer import LORA_TARGETS
+
+    ck.require("model.lora.rank", _nonneg, "an int >= 0 (0 = off)")
+    if not ck.get("model.lora.rank"):
+        if ck.get("model.lora.adapter"):
+            ck.add("model.lora.adapter", "a PEFT adapter needs LoRA on", "set model.lora.rank > 0")
+        return
+    ck.require("model.lora.alpha", _pos, _POS)
+    ck.require("model.lora.dropout", lambda v: v == 0, "0.0 (adapter dropout is not implemented)")
+    targets = ck.get("model.lora.targets")
+    if targets is not None and (not targets or not set(targets) <= set(LORA_TARGETS)):
+        ck.add("model.lora.targets", f"{tuple(targets)!r} is not a non-empty set of projections", _fmt(LORA_TARGETS))
+    if ck.get("model.ref_on_host"):
+        ck.add("model.ref_on_host", "with LoRA the reference is the base itself (no copy to put on the host)",
+               "False")
 
 
 def _check_mesh(ck: _Checker, device_count: int | None) -> None:

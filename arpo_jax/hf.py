@@ -242,12 +242,14 @@ def export_nbytes(state: nnx.State, dtype: str) -> int:
 
 
 def save_state(state: nnx.State, cfg: Config, path: str | os.PathLike, *, tokenizer=None, dtype: str | None = None,
-               max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
+               max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False,
+               transform: Callable[[str, jax.Array], jax.Array] | None = None) -> Path:
     """Writes params as an HF folder (config.json, generation_config.json, safetensors, tokenizer files).
 
     Written with `write_folder`: `path` is always either the previous complete export or the new complete one, and
     an existing `path` that is not a previous export is refused unless `overwrite` (see `check_export_destination`).
     In a multi-host run every process must call this (the params are gathered collectively); only process 0 writes.
+    `transform(key, array)`, when given, computes each tensor as it is written (one at a time: e.g. LoRA's merge).
     """
     path = Path(path)
     dtype = dtype or cfg.param_dtype
@@ -255,8 +257,10 @@ def save_state(state: nnx.State, cfg: Config, path: str | os.PathLike, *, tokeni
     entries = []
     for p, var in nnx.to_flat_state(state):
         hf_shape = tuple(var.get_metadata()["hf_shape"])
-        fetch = (lambda v=var, s=hf_shape: _to_host(v[...]).reshape(s).astype(np_dtype, copy=False))
-        entries.append((_param_key(p), hf_shape, np_dtype, fetch))
+        key = _param_key(p)
+        value = (lambda v=var: v[...]) if transform is None else (lambda v=var, k=key: transform(k, v[...]))
+        fetch = (lambda value=value, s=hf_shape: _to_host(value()).reshape(s).astype(np_dtype, copy=False))
+        entries.append((key, hf_shape, np_dtype, fetch))
     if jax.process_index() != 0:
         for e in entries:  # take part in the collective gathers, write nothing
             e[3]()
@@ -420,9 +424,15 @@ def _replace_dir(new: Path, dest: Path) -> None:
 
 def save_pretrained(model: CausalLM, path: str | os.PathLike, tokenizer=None, *, dtype: str | None = None,
                     max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
-    """Exports a CausalLM as an HF folder that transformers and vLLM load. See `save_state`."""
-    return save_state(nnx.state(model, nnx.Param), model.config, path, tokenizer=tokenizer, dtype=dtype,
-                      max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+    """Exports a CausalLM as an HF folder that transformers and vLLM load. See `save_state`. A model with LoRA
+    adapters is written merged (`lora.merged_state`): the folder is a plain model of the base's architecture."""
+    state, cfg, transform = nnx.state(model, nnx.Param), model.config, None
+    if cfg.lora_rank:
+        from arpo_jax import lora
+
+        state, cfg, transform = lora.merged_export(model)
+    return save_state(state, cfg, path, tokenizer=tokenizer, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                      overwrite=overwrite, transform=transform)
 
 
 def checkpoint_dtype(path: str | os.PathLike) -> str:

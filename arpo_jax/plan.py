@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from arpo_jax import models, named_models, sharding
+from arpo_jax import lora, models, named_models, sharding
 from arpo_jax import train_step as ts
 from arpo_jax.memory_model import (  # noqa: F401  (plan.DEVICES, plan.GB, ... are its public names)
     CUDA_RESERVE,
@@ -205,7 +205,10 @@ def _model_config(cfg, layers: int | None = None):
     hf_cfg, source = hf_config_for(cfg.model.path)
     if layers:
         hf_cfg = dict(hf_cfg, num_hidden_layers=layers)
-    return models.config_from_hf(hf_cfg, **runtime_options(cfg)), source
+    model_cfg = models.config_from_hf(hf_cfg, **runtime_options(cfg))
+    if cfg.model.lora.rank:
+        model_cfg = lora.config_with(model_cfg, cfg.model.lora.rank, cfg.model.lora.alpha, cfg.model.lora.targets)
+    return model_cfg, source
 
 
 def _mesh_shape(cfg, devices: int) -> tuple[int, int, int]:
@@ -276,7 +279,7 @@ def memory_split(cfg) -> dict:
 def _abstract_state(model_cfg, mesh, update_cfg):
     graphdef, abstract_state = nnx.split(models.abstract_model(model_cfg), nnx.Param)
     abstract_params = nnx.to_pure_dict(abstract_state)
-    opt = ts.make_optimizer(update_cfg, 1000)
+    opt = lora.freeze_base(ts.make_optimizer(update_cfg, 1000), model_cfg)  # LoRA: no moments for the base
     shardings = ts.state_shardings(opt, ts.param_shardings(model_cfg, mesh), abstract_params, mesh)
     abstract_train_state = jax.eval_shape(lambda p: ts.TrainState(p, opt.init(p), jnp.zeros((), jnp.int32),
                                                                   jnp.zeros((), jnp.int32)), abstract_params)

@@ -117,7 +117,15 @@ def runtime_options(cfg) -> dict:
 
 
 def load_policy(cfg, workdir: str | os.PathLike, mesh: Mesh) -> tuple[CausalLM, object, Path]:
-    """(model sharded over `mesh`, tokenizer, its HF folder) for the config's starting point."""
+    """(model sharded over `mesh`, tokenizer, its HF folder) for the config's starting point; with `model.lora`
+    its adapters attached (`lora.from_config`)."""
+    from arpo_jax import lora
+
+    model, tokenizer, folder = _load_base_policy(cfg, workdir, mesh)
+    return lora.from_config(model, cfg.model.lora, seed=cfg.seed, mesh=mesh), tokenizer, folder
+
+
+def _load_base_policy(cfg, workdir: str | os.PathLike, mesh: Mesh) -> tuple[CausalLM, object, Path]:
     folder = model_dir(cfg, workdir)
     if not cfg.model.init_checkpoint:
         model = pretrained.from_pretrained(folder, mesh=mesh, **runtime_options(cfg))

@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from arpo_jax import config as config_lib
+from arpo_jax import lora
 from arpo_jax import metrics as metrics_lib
 from arpo_jax import train_step as ts
 from arpo_jax.checkpoint import Checkpointer
@@ -62,7 +63,7 @@ def build_policy(model, update_cfg: ts.UpdateConfig, total_updates: int, mesh: M
                  jit_step: JitStep) -> tuple[Policy, dict]:
     """The policy's optimizer (over `total_updates` optimizer steps), state shardings and jitted step; returns it
     with the model's params (a pure dict, to initialise the state from)."""
-    optimizer = ts.make_optimizer(update_cfg, total_updates)
+    optimizer = lora.freeze_base(ts.make_optimizer(update_cfg, total_updates), model.config)  # LoRA: adapters only
     schedule = ts.make_schedule(update_cfg, total_updates)
     graphdef, params = ts.split_model(model)
     abstract = abstract_of(params)

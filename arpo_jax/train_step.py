@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
+from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from arpo_jax import algos, models, packing, sharding
@@ -130,6 +130,45 @@ def make_schedule(cfg: UpdateConfig, total_steps: int) -> optax.Schedule:
         return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps),
                                      optax.constant_schedule(cfg.lr)], [cfg.warmup_steps])
     return optax.constant_schedule(cfg.lr)
+
+
+class PartialOptimizer(NamedTuple):
+    """An optimizer over some of the params only (LoRA: the adapters, ``lora.freeze_base``): ``init`` and ``update``
+    see the ``trainable`` leaves alone, and ``accumulate_and_apply`` differentiates those alone, so the frozen rest
+    gets no gradient, no accumulator and no optimizer state. The TrainState still holds every param (the frozen ones
+    pass through the step unchanged)."""
+
+    inner: optax.GradientTransformation
+    trainable: frozenset  # key paths (tuples) of the trainable leaves in the params' pure dict
+
+    def init(self, params):
+        return self.inner.init(partition(params, self.trainable)[0])
+
+    def update(self, updates, state, params=None):
+        return self.inner.update(updates, state, params)
+
+
+def trainable_of(optimizer) -> frozenset | None:
+    """The key paths an optimizer trains (a ``PartialOptimizer``'s), None for all."""
+    return optimizer.trainable if isinstance(optimizer, PartialOptimizer) else None
+
+
+def partition(tree, trainable: frozenset | None) -> tuple[Any, Any]:
+    """(the leaves at the key paths ``trainable``, the rest) of a params-shaped pure dict; ``trainable`` None:
+    (everything, {}). ``combine`` puts them back together."""
+    if trainable is None:
+        return tree, {}
+    flat = traverse_util.flatten_dict(tree)
+    train = {k: v for k, v in flat.items() if k in trainable}
+    frozen = {k: v for k, v in flat.items() if k not in trainable}
+    return traverse_util.unflatten_dict(train), traverse_util.unflatten_dict(frozen)
+
+
+def combine(train, frozen):
+    """The inverse of ``partition``."""
+    if not frozen:
+        return train
+    return traverse_util.unflatten_dict(traverse_util.flatten_dict(train) | traverse_util.flatten_dict(frozen))
 
 
 def make_optimizer(cfg: UpdateConfig, total_steps: int) -> optax.GradientTransformation:
@@ -290,8 +329,9 @@ def accumulate_and_apply(state: TrainState, batch: Batch, micro_loss, optimizer:
       ``grad_norm`` (before clipping), ``skipped`` (0 or 1) and ``micro_batches`` (micro-batches computed: those
       whose ``loss_weight`` is all zero are skipped, their loss and gradients being exactly zero).
     """
-    params = state.params
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    # A PartialOptimizer (LoRA) trains some params only: differentiate those, pass the frozen rest through.
+    params, frozen = partition(state.params, trainable_of(optimizer))
+    grad_fn = jax.value_and_grad(lambda p, mb: micro_loss(combine(p, frozen), mb), has_aux=True)
 
     def run(acc, mb):
         (loss, metrics), grads = grad_fn(params, mb)
@@ -311,7 +351,7 @@ def accumulate_and_apply(state: TrainState, batch: Batch, micro_loss, optimizer:
 
     acc = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     if grad_shardings is not None:
-        acc = jax.lax.with_sharding_constraint(acc, grad_shardings)
+        acc = jax.lax.with_sharding_constraint(acc, partition(grad_shardings, trainable_of(optimizer))[0])
     # losses: [M]; micro_metrics: {name: [M]}; ran: [M] 1.0 where the micro-batch was computed
     grads, ((losses, micro_metrics), ran) = jax.lax.scan(body, acc, batch)
     sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), micro_metrics) | {"micro_batches": jnp.sum(ran)}
@@ -328,7 +368,7 @@ def accumulate_and_apply(state: TrainState, batch: Batch, micro_loss, optimizer:
     # a select keeps old and new alive together, and XLA copies every moment (~0.3 CPU-s a step on SmolLM2-135M).
     new_params, opt_state = jax.lax.cond(ok, apply, lambda p, s, _: (p, s), params, state.opt_state, grads)
     skipped = 1 - ok.astype(jnp.int32)
-    new_state = TrainState(new_params, opt_state, state.step + 1, state.skipped + skipped)
+    new_state = TrainState(combine(new_params, frozen), opt_state, state.step + 1, state.skipped + skipped)
     return new_state, sums | {"grad_norm": grad_norm, "skipped": skipped.astype(jnp.float32)}
 
 
@@ -393,7 +433,9 @@ def state_shardings(optimizer: optax.GradientTransformation, p_shardings: dict, 
     """TrainState of shardings: optimizer moments follow their params, counters are replicated."""
     replicated = NamedSharding(mesh, PartitionSpec())
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
-    opt = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, p_shardings,
+    inner = optimizer.inner if isinstance(optimizer, PartialOptimizer) else optimizer
+    trained_sh = partition(p_shardings, trainable_of(optimizer))[0]
+    opt = optax.tree_map_params(inner, lambda _, s: s, abstract_opt, trained_sh,
                                 transform_non_params=lambda _: replicated)
     return TrainState(p_shardings, opt, replicated, replicated)
 

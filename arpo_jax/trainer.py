@@ -51,6 +51,7 @@ from arpo_jax import (
     distributed,
     experience,
     hf,
+    lora,
     packing,
     rewards,
     run_guard,
@@ -108,7 +109,12 @@ class Trainer:
                                                   temperature=upd.temperature, mesh=self.mesh,
                                                   tree=cfg.actor.tree_training)
         self.batches = GlobalBatch(cfg, self.mesh, self.model_cfg, self.workers, self.local_workers)
-        self.ref_params = reference_params(params, cfg)
+        # With a KL loss, the reference policy: a copy of the starting params, or with LoRA the policy's own base
+        # with the adapters off (no weight copy).
+        lora_ref = bool(cfg.actor.kl_coef and self.model_cfg.lora_rank)
+        self.ref_params = None if lora_ref else reference_params(params, cfg)
+        self.ref_fn = (lora.jit_reference_logprobs(self.model_cfg, temperature=upd.temperature,
+                                                   chunk=cfg.actor.logprob_chunk, mesh=self.mesh) if lora_ref else None)
         self.critic = None
         if cfg.algorithm.adv_estimator == "gae":
             self.critic = critic_lib.Critic(critic_config(cfg), self.model_cfg, self.mesh, self.policy.abstract,
@@ -306,6 +312,8 @@ class Trainer:
         batch = batch | {"old_logp": self.logprob_fn(self.state.params, batch)[0]}
         if self.ref_params is not None:
             batch["ref_logp"] = self.logprob_fn(self.ref_params, batch)[0]
+        if self.ref_fn is not None:  # LoRA
+            batch["ref_logp"] = self.ref_fn(self.state.params, batch)[0]
         return batch
 
     def _update(self, minis: list[dict]) -> tuple[list[dict], list[dict]]:

@@ -25,6 +25,15 @@ def get_config() -> ConfigDict:
     # "" = blockwise (every backend: never [T, T] scores) | blockwise | cudnn (GPU flash) | xla (full scores)
     c.model.attention_impl = ""
     c.model.ref_on_host = False  # keep the reference model's params in host memory (reference: param_offload)
+    # LoRA (arpo_jax.lora): train low-rank adapters on the projections, the base frozen (no gradients, no optimizer
+    # state); the reference policy is the base itself (adapters off: no second copy of the weights).
+    c.model.lora = ConfigDict()
+    c.model.lora.rank = 0  # adapter rank r; 0 = off (full fine-tuning)
+    c.model.lora.alpha = 16.0  # the adapter output is scaled by alpha / rank (PEFT's lora_alpha)
+    c.model.lora.dropout = 0.0  # only 0.0: the update step carries no dropout RNG (verl / tunix RL recipes use 0)
+    # Linears that get adapters (HF module names); embeddings and the LM head stay frozen.
+    c.model.lora.targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    c.model.lora.adapter = ""  # a PEFT adapter folder to start from (continue training it); "" = fresh adapters
 
     # ---------------------------------------------------------------- mesh
     c.mesh = ConfigDict()

@@ -33,6 +33,8 @@ REMAT_POLICIES = {
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 ATTENTION_IMPLS = (None, "xla", "cudnn", "blockwise")
+# Linears that may carry a LoRA adapter (`arpo_jax.lora`), by their HF module names.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -81,10 +83,24 @@ class Config:
     # Run the layers as one `lax.scan` over their stacked params (compiled once, whatever the depth) instead of a
     # Python loop (one copy of the layer per layer in the program). Params stay per layer either way.
     scan_layers: bool = True
+    # LoRA adapters (`arpo_jax.lora`): rank 0 = none; else float32 A [r, in...] and B [out..., r] on the Linears
+    # named in lora_targets, scaled by lora_alpha / lora_rank. Part of the model's structure (its params, shardings
+    # and checkpoints), so it lives here and travels with the config.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = LORA_TARGETS
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.lora_rank < 0 or (self.lora_rank and not self.lora_alpha > 0):
+            raise ValueError(f"model config lora_rank={self.lora_rank}, lora_alpha={self.lora_alpha}: rank must be "
+                             ">= 0 (0 = no adapters) and alpha > 0")
+        if self.lora_rank and (not self.lora_targets or not set(self.lora_targets) <= set(LORA_TARGETS)):
+            raise ValueError(f"model config lora_targets={tuple(self.lora_targets)!r}; allowed: a non-empty subset "
+                             f"of {LORA_TARGETS}")
+        # One spelling per set (a JSON list, any order -> the canonical tuple): the config is hashed as static.
+        object.__setattr__(self, "lora_targets", tuple(t for t in LORA_TARGETS if t in self.lora_targets))
         for field, allowed in (("dtype", DTYPES), ("param_dtype", DTYPES), ("remat", tuple(REMAT_POLICIES)),
                                ("attention_impl", ATTENTION_IMPLS)):
             if getattr(self, field) not in allowed:
@@ -117,8 +133,28 @@ class Linear(nnx.Module):
         n_out = len(spec.split("->")[1]) - 2  # output dims after b, t
         out_shape, out_axes = tuple(shape[:n_out]), tuple(axes[:n_out])
         self.bias = _param(rngs, cfg, out_shape, out_axes, (math.prod(out_shape),), "zeros") if bias else None
+        # Optional LoRA adapter, attached by `arpo_jax.lora.attach`: A [r, in...], B [out..., r], y += scale x A B.
+        self.lora_a, self.lora_b = nnx.data(None), nnx.data(None)  # data: a later Param may replace them
+        self.lora_scale = 0.0
 
     def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
+        y = self._base(x, out_dtype)
+        if self.lora_a is not None:
+            y = y + self._lora(x).astype(y.dtype)
+        return y
+
+    def _lora(self, x: jax.Array) -> jax.Array:
+        """scale * (x A) B in float32 (the adapters, in the compute dtype, over the unmerged base; B = 0 adds 0)."""
+        dt = self.cfg.compute_dtype
+        (xs, _), out = self.spec.split("->")[0].split(","), self.spec.split("->")[1]
+        r = next(c for c in "zyxwvu" if c not in self.spec)
+        xa = jnp.einsum(f"{xs},{r}{xs[2:]}->bt{r}", x, self.lora_a[...].astype(dt),
+                        preferred_element_type=jnp.float32)  # [B, T, r]
+        delta = jnp.einsum(f"bt{r},{out[2:]}{r}->{out}", xa.astype(dt), self.lora_b[...].astype(dt),
+                           preferred_element_type=jnp.float32)
+        return self.lora_scale * delta
+
+    def _base(self, x: jax.Array, out_dtype=None) -> jax.Array:
         dt = self.cfg.compute_dtype
         spec, w = self.spec, self.weight[...].astype(dt)
         (xs, ws), out = spec.split("->")[0].split(","), spec.split("->")[1]
@@ -462,6 +498,10 @@ class CausalLM(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg, "btd,vd->btv", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
                                   (cfg.vocab_size, cfg.hidden_size), rngs=rngs)
+        if cfg.lora_rank:
+            from arpo_jax import lora  # lora imports this module
+
+            lora.attach(self, rngs)
 
     def unembedding(self) -> jax.Array:
         """The output projection `[V, D]` (the embedding itself when tied)."""

@@ -1,0 +1,334 @@
+"""LoRA adapters: zero B == the base model, adapters-only updates, sharding, the reference = adapters off, merged and
+PEFT export (against transformers + peft), PEFT import."""
+
+import subprocess
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx, traverse_util
+
+import arpo_jax
+from arpo_jax import hf, lora, packing, sharding
+from arpo_jax import train_step as ts
+from arpo_jax.models.transformer import LORA_TARGETS
+
+RANK, ALPHA = 4, 8.0
+_logits = nnx.jit(lambda model, ids: model(ids))  # one compile per graph (eager calls are slow on a busy CPU)
+
+
+def _ids(vocab=512, b=2, t=24, seed=0):
+    return jnp.asarray(np.random.RandomState(seed).randint(3, vocab, (b, t)), jnp.int32)
+
+
+def _randomize_b(model, seed=1, scale=0.05):
+    """`model` with random B matrices (fresh adapters have B = 0 and change nothing)."""
+    graphdef, adapters, rest = nnx.split(model, lora.LoRAParam, ...)
+    keys = iter(jax.random.split(jax.random.key(seed), 1000))
+    flat = [(p, v.replace(scale * jax.random.normal(next(keys), v.shape)) if p[-1] == "lora_b" else v)
+            for p, v in nnx.to_flat_state(adapters)]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_hf_dir):
+    path, torch_model = tiny_hf_dir("qwen2")
+    return path, torch_model, arpo_jax.from_pretrained(path)
+
+
+def test_zero_b_is_the_base_model_exactly(tiny):
+    _, _, base = tiny
+    model = lora.with_adapters(base, RANK, ALPHA)
+    ids = _ids()
+    base_logits, logits = np.asarray(_logits(base, ids)), np.asarray(_logits(model, ids))
+    np.testing.assert_array_equal(logits, base_logits)
+    batch = {"input_ids": ids[None], "targets": jnp.roll(ids, -1, 1)[None],
+             "positions": jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)[None],
+             "segment_ids": jnp.ones_like(ids)[None]}
+    lp_base = ts.jit_forward_logprobs(*ts.split_model(base)[:1], base.config)(ts.split_model(base)[1], batch)[0]
+    graphdef, params = ts.split_model(model)
+    lp = ts.jit_forward_logprobs(graphdef, model.config)(params, batch)[0]
+    np.testing.assert_array_equal(np.asarray(lp), np.asarray(lp_base))
+    # Adapters on every target, float32 over the base, A [r, in...] / B [out..., r], B zero.
+    q = model.model.layers[0].self_attn.q_proj
+    assert q.lora_a.shape == (RANK, base.config.hidden_size) and q.lora_a.dtype == jnp.float32
+    assert q.lora_b.shape == (*q.weight.shape[:2], RANK) and not np.any(np.asarray(q.lora_b[...]))
+    o = model.model.layers[0].self_attn.o_proj
+    assert o.lora_a.shape == (RANK, *o.weight.shape[1:]) and o.lora_b.shape == (o.weight.shape[0], RANK)
+    assert len(lora.trainable_paths(model.config)) == 2 * len(LORA_TARGETS) * base.config.num_layers
+    assert model.lm_head.lora_a is None  # the head stays frozen
+    # The check can fail: a non-zero B changes the logits.
+    assert not np.allclose(np.asarray(_logits(_randomize_b(model), ids)), base_logits, atol=1e-3)
+
+
+def test_targets_and_config_validation(tiny):
+    _, _, base = tiny
+    model = lora.with_adapters(base, RANK, ALPHA, targets=("v_proj", "down_proj"))
+    layer = model.model.layers[1]
+    assert layer.self_attn.v_proj.lora_a is not None and layer.mlp.down_proj.lora_b is not None
+    assert layer.self_attn.q_proj.lora_a is None and layer.mlp.up_proj.lora_a is None
+    with pytest.raises(ValueError, match="lora_targets"):
+        base.config.replace(lora_rank=4, lora_targets=("q", "lm_head"))
+    with pytest.raises(ValueError, match="lora_alpha"):
+        base.config.replace(lora_rank=4, lora_alpha=0.0)
+
+
+def test_unmerged_forward_equals_merged_weights(tiny):
+    """x W + s (x A) B == x (W + s B A): the merged state (the HF export of a LoRA model) in the base graph."""
+    _, _, base = tiny
+    model = _randomize_b(lora.with_adapters(base, RANK, ALPHA))
+    state, cfg = lora.merged_state(model)
+    merged = nnx.merge(nnx.split(arpo_jax.models.abstract_model(cfg), nnx.Param)[0], state)
+    ids = _ids()
+    np.testing.assert_allclose(np.asarray(_logits(merged, ids)), np.asarray(_logits(model, ids)), atol=1e-5, rtol=0)
+    # The merged weight of q_proj by hand: W [N, H, D] + s * B [N, H, r] A [r, D].
+    q = model.model.layers[0].self_attn.q_proj
+    expect = q.weight[...] + (ALPHA / RANK) * np.einsum("nhr,rd->nhd", q.lora_b[...], q.lora_a[...])
+    np.testing.assert_allclose(np.asarray(merged.model.layers[0].self_attn.q_proj.weight[...]), expect, atol=1e-6)
+
+
+def _rollout_batch(graphdef, params, model_cfg, n=8, seed=0):
+    rng = np.random.RandomState(seed)
+    seqs = [rng.randint(3, 512, rng.randint(10, 30)) for _ in range(n)]
+    masks = [(np.arange(len(s)) >= 3).astype(np.float32) for s in seqs]
+    batch, layout = packing.pack_batch(seqs, masks, rng.randn(n).astype(np.float32), mini_batch_size=n, row_len=64,
+                                       rows_per_micro=4)
+    logp = packing.unpack(layout, ts.jit_forward_logprobs(graphdef, model_cfg)(params, batch)[0])
+    batch["old_logp"] = packing.place(layout, [lp + 0.2 * rng.randn(len(lp)) for lp in logp])
+    return {k: v[0] for k, v in batch.items()}
+
+
+def test_update_trains_the_adapters_only(tiny):
+    _, _, base = tiny
+    model = lora.with_adapters(base, RANK, ALPHA)
+    graphdef, params = ts.split_model(model)
+    cfg = ts.UpdateConfig(lr=1e-2)
+    opt = lora.freeze_base(ts.make_optimizer(cfg, 10), model.config)
+    state = ts.init_train_state(params, opt)
+    # Optimizer moments for the adapters only.
+    mu_paths = {k for k, _ in jax.tree_util.tree_flatten_with_path(state.opt_state[1][0].mu)[0]}
+    assert len(mu_paths) == len(lora.trainable_paths(model.config))
+    step = ts.jit_train_step(graphdef, model.config, cfg, opt)
+    mini = _rollout_batch(graphdef, params, model.config)
+    for _ in range(3):
+        state, metrics = step(state, mini)
+        assert float(metrics["skipped"]) == 0 and float(metrics["grad_norm"]) > 0
+    trained = lora.trainable_paths(model.config)
+    flat0, flat1 = traverse_util.flatten_dict(params), traverse_util.flatten_dict(state.params)
+    assert flat0.keys() == flat1.keys()
+    for k in flat0:
+        if k in trained:
+            assert not np.array_equal(np.asarray(flat0[k]), np.asarray(flat1[k])), k
+        else:
+            np.testing.assert_array_equal(np.asarray(flat1[k]), np.asarray(flat0[k]), err_msg=str(k))
+
+
+@pytest.mark.slow  # > 10 s: compiles the step on an 8-device mesh
+def test_sharded_lora_step_equals_single_device(tiny):
+    path, _, base = tiny
+    model = _randomize_b(lora.with_adapters(base, RANK, ALPHA))
+    graphdef, params = ts.split_model(model)
+    cfg = ts.UpdateConfig(lr=1e-4, kl_coef=0.0)
+    opt = lora.freeze_base(ts.make_optimizer(cfg, 10), model.config)
+    mini = _rollout_batch(graphdef, params, model.config)
+    ref_state, ref_metrics = ts.jit_train_step(graphdef, model.config, cfg, opt)(ts.init_train_state(params, opt),
+                                                                               mini)
+    mesh = sharding.make_mesh((2, 2, 2))
+    p_sh = ts.param_shardings(model.config, mesh)
+    lq = p_sh["model"]["layers"][0]["self_attn"]["q_proj"]
+    # A follows the base weight's input axis (embed -> fsdp), B its output axes (heads -> tensor); rank unsplit.
+    assert lq["lora_a"].spec == jax.sharding.PartitionSpec(None, "fsdp")
+    assert lq["lora_b"].spec == jax.sharding.PartitionSpec("tensor", None, None)
+    ld = p_sh["model"]["layers"][0]["mlp"]["down_proj"]
+    assert ld["lora_a"].spec == jax.sharding.PartitionSpec(None, "tensor")
+    assert ld["lora_b"].spec == jax.sharding.PartitionSpec("fsdp", None)
+    sharded_params = jax.tree.map(jax.device_put, params, p_sh)
+    shardings = ts.state_shardings(opt, p_sh, sharded_params, mesh)
+    state = ts.init_train_state(sharded_params, opt, shardings)
+    mu = state.opt_state[1][0].mu["model"]["layers"][0]["self_attn"]["q_proj"]["lora_b"]
+    assert mu.sharding == lq["lora_b"] and not mu.sharding.is_fully_replicated
+    new_state, metrics = ts.jit_train_step(graphdef, model.config, cfg, opt, mesh, shardings)(state, mini)
+    for x, y in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(ref_state.params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=3e-6, rtol=0)
+    for k in ref_metrics:
+        np.testing.assert_allclose(float(metrics[k]), float(ref_metrics[k]), rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_reference_logprobs_are_the_base_model(tiny):
+    """The reference of a LoRA policy = its params with the adapters dropped, run in the base graph: exactly the
+    base model's log-probs, while the policy (B != 0) differs."""
+    _, _, base = tiny
+    model = _randomize_b(lora.with_adapters(base, RANK, ALPHA))
+    graphdef, params = ts.split_model(model)
+    mini = _rollout_batch(graphdef, params, model.config)
+    batch = {k: v[None] for k, v in mini.items()}
+    ref = lora.jit_reference_logprobs(model.config)(params, batch)[0]
+    base_graphdef, base_params = ts.split_model(base)
+    expect = ts.jit_forward_logprobs(base_graphdef, base.config)(base_params, batch)[0]
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(expect))
+    policy = ts.jit_forward_logprobs(graphdef, model.config)(params, batch)[0]
+    assert np.abs(np.asarray(policy) - np.asarray(expect)).max() > 1e-3
+    # No copy: the reference reads the policy's own base arrays.
+    assert lora.base_params(params, model.config)["lm_head"]["weight"] is params["lm_head"]["weight"]
+
+
+def _torch_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(ids))).logits.double().numpy()
+
+
+def test_merged_hf_export_matches(tiny, tmp_path):
+    """save_pretrained of a LoRA model writes it merged: reloaded in JAX within 1e-5, in transformers within 1e-4."""
+    import transformers
+
+    path, _, base = tiny
+    model = _randomize_b(lora.with_adapters(base, RANK, ALPHA))
+    out = hf.save_pretrained(model, tmp_path / "merged")
+    ids = _ids()
+    expect = np.asarray(_logits(model, ids))
+    np.testing.assert_allclose(np.asarray(_logits(arpo_jax.from_pretrained(out), ids)), expect, atol=1e-5, rtol=0)
+    tm = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    np.testing.assert_allclose(_torch_logits(tm, ids), expect, atol=1e-4, rtol=0)
+
+
+def test_peft_export_loads_in_peft_and_back(tiny, tmp_path):
+    import peft
+    import transformers
+
+    path, _, base = tiny
+    model = _randomize_b(lora.with_adapters(base, RANK, ALPHA, targets=("q_proj", "v_proj", "o_proj", "down_proj")))
+    out = lora.save_peft(model, tmp_path / "adapter", base_model=str(path))
+    torch_base = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    tm = peft.PeftModel.from_pretrained(torch_base, str(out)).eval()
+    ids = _ids()
+    expect = np.asarray(_logits(model, ids))
+    got = _torch_logits(tm, ids)
+    np.testing.assert_allclose(got, expect, atol=1e-4, rtol=0)
+    assert np.abs(got - np.asarray(_logits(base, ids))).max() > 1e-3  # the adapters are in effect
+    # Import onto the base (to continue training): the same adapters, bit for bit, and the same config.
+    back = lora.load_peft(base, out)
+    assert back.config == model.config
+    adapters = lambda m: jax.tree.leaves(nnx.state(m, lora.LoRAParam))
+    for x, y in zip(adapters(back), adapters(model), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    np.testing.assert_array_equal(np.asarray(_logits(back, ids)), expect)
+    # Through the config (`model.lora.adapter`): the folder's settings must match model.lora's.
+    from ml_collections import ConfigDict
+
+    lc = ConfigDict({"rank": RANK, "alpha": ALPHA, "targets": model.config.lora_targets, "adapter": str(out)})
+    assert lora.from_config(base, lc).config == model.config
+    lc.rank = 8
+    with pytest.raises(ValueError, match="set model.lora to match"):
+        lora.from_config(base, lc)
+
+
+def test_export_command_writes_peft_and_merged_from_a_lora_checkpoint(tiny, tmp_path):
+    """`arpo-jax export` of a LoRA run's checkpoint (the model config in its metadata carries the adapters)."""
+    from arpo_jax import cli
+    from arpo_jax.checkpoint import Checkpointer
+
+    path, _, base = tiny
+    model = _randomize_b(lora.with_adapters(base, RANK, ALPHA))
+    with Checkpointer(tmp_path / "checkpoints", async_save=False) as ckpt:
+        ckpt.save(3, nnx.state(model, nnx.Param), config=model.config, force=True)
+    assert cli.main(["export", "--ckpt", str(tmp_path / "checkpoints"), "--format", "peft", "--base", str(path),
+                     "--out", str(tmp_path / "peft")]) == 0
+    assert cli.main(["export", "--adapter", str(tmp_path / "peft"), "--base", str(path), "--out",
+                     str(tmp_path / "merged")]) == 0
+    ids = _ids()
+    np.testing.assert_allclose(np.asarray(_logits(arpo_jax.from_pretrained(tmp_path / "merged"), ids)),
+                               np.asarray(_logits(model, ids)), atol=1e-5, rtol=0)
+    # A checkpoint without adapters is refused with a pointer to the right command.
+    with Checkpointer(tmp_path / "plain", async_save=False) as ckpt:
+        ckpt.save(1, nnx.state(base, nnx.Param), config=base.config, force=True)
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        lora.export(tmp_path / "x", ckpt=tmp_path / "plain")
+
+
+def test_config_validation_names_the_lora_fields():
+    from arpo_jax import config as config_lib
+    from arpo_jax.configs.toy_cpu import get_config
+
+    cfg = get_config()
+    cfg.model.lora.rank, cfg.model.lora.dropout, cfg.model.lora.targets = 8, 0.1, ("q_proj", "lm_head")
+    with pytest.raises(config_lib.ConfigError) as e:
+        config_lib.validate(cfg, check_files=False)
+    text = str(e.value)
+    assert "model.lora.dropout" in text and "model.lora.targets" in text
+    cfg.model.lora.dropout, cfg.model.lora.targets = 0.0, ("q_proj", "v_proj")
+    config_lib.validate(cfg, check_files=False)
+
+
+@pytest.mark.slow
+def test_lora_sft_trains_adapters_only_and_exports_merged(tmp_path):
+    """The SFT loop with model.lora: the checkpoint's base equals the starting weights bit for bit, the adapters
+    moved, and the exported HF folder is the merged model."""
+    from arpo_jax import metrics, sft
+    from arpo_jax.checkpoint import Checkpointer
+    from tests.test_sft import _toy_config
+
+    cfg = _toy_config(2)
+    cfg.model.lora.rank, cfg.model.lora.alpha = 8, 16.0
+    cfg.sft.save_freq = 2
+    out = sft.run_sft(cfg, tmp_path)
+    assert out["steps"] == 2 and out["skipped"] == 0
+    assert all(np.isfinite(r["sft/loss"]) for r in metrics.read_jsonl(tmp_path / "metrics.jsonl"))
+    start = arpo_jax.from_pretrained(tmp_path / "builtin_tiny")
+    with Checkpointer(tmp_path / "checkpoints", async_save=False) as ckpt:
+        trained = ckpt.restore_model(2)
+    assert trained.config.lora_rank == 8
+    base_now, base_then = lora._base_state(trained), nnx.state(start, nnx.Param)
+    for (p, x), (_, y) in zip(nnx.to_flat_state(base_now), nnx.to_flat_state(base_then), strict=True):
+        np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]), err_msg=str(p))
+    assert any(np.any(np.asarray(v[...])) for p, v in nnx.to_flat_state(nnx.state(trained, lora.LoRAParam))
+               if p[-1] == "lora_b")
+    ids = _ids(vocab=start.config.vocab_size)
+    np.testing.assert_allclose(np.asarray(_logits(arpo_jax.from_pretrained(tmp_path / "hf"), ids)),
+                               np.asarray(_logits(trained, ids)),
+                               atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_lora_rl_run_on_the_toy_config(tmp_path):
+    """`arpo-jax train --config.model.lora.rank=16` for 2 steps with a KL loss (reference = adapters off): the base
+    weights in the step-2 checkpoint are the starting ones bit for bit, the adapters moved, the KL was computed."""
+    from arpo_jax import metrics
+    from tests.test_trainer import REWARD, _command, _env, _params
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    workdir = tmp_path / "run"
+    cmd = _command(workdir, reward, "--config.model.lora.rank=16", "--config.model.lora.alpha=32",
+                   "--config.actor.kl_coef=0.05", "--config.trainer.max_steps=2")
+    proc = subprocess.run(cmd, env=_env(2, tmp_path / "jax_cache"), capture_output=True, text=True, timeout=900,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    log = metrics.read_jsonl(workdir / "metrics.jsonl")
+    assert [r["step"] for r in log] == [1, 2]
+    assert any(k.endswith("kl_loss") and np.isfinite(v) for k, v in log[-1].items())
+    params, meta = _params(workdir, 2)
+    assert meta["model_config"]["lora_rank"] == 16
+    start = nnx.to_pure_dict(nnx.state(arpo_jax.from_pretrained(workdir / "builtin_tiny"), nnx.Param))
+    flat, flat0 = traverse_util.flatten_dict(params), traverse_util.flatten_dict(start)
+    assert set(flat) - set(flat0) and all(k[-1] in ("lora_a", "lora_b") for k in set(flat) - set(flat0))
+    for k, v in flat0.items():
+        np.testing.assert_array_equal(np.asarray(flat[k]), np.asarray(v), err_msg=str(k))
+    assert any(np.any(np.asarray(v)) for k, v in flat.items() if k[-1] == "lora_b")
+
+
+@pytest.mark.slow  # > 10 s: compiles the step on an 8-device mesh
+def test_plan_has_no_optimizer_state_for_the_frozen_base(tiny):
+    """`arpo-jax plan` of a LoRA config: the moments of the adapters only (2 x their float32 bytes)."""
+    from arpo_jax import plan
+
+    _, _, base = tiny
+    cfg = base.config
+    full = plan.plan(cfg, (1, 8, 1), ts.UpdateConfig(), micro=1, rows=8, seq=32)
+    low = plan.plan(lora.config_with(cfg, RANK, ALPHA), (1, 8, 1), ts.UpdateConfig(), micro=1, rows=8, seq=32)
+    adapters = nnx.state(arpo_jax.models.abstract_model(lora.config_with(cfg, RANK, ALPHA)), lora.LoRAParam)
+    adapter_bytes = sum(x.size * 4 for x in jax.tree.leaves(adapters))
+    assert low["opt_state_per_device"] <= 2 * adapter_bytes + 64 < full["opt_state_per_device"] / 3
+    assert low["params_per_device"] > full["params_per_device"]
