@@ -41,10 +41,10 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from arpo_jax import models, runtime, sharding
+from arpo_jax import distributed, models, sharding
 from arpo_jax.data.rl_dataset import DataPosition
 from arpo_jax.models.transformer import Config, RopeScaling
-from arpo_jax.run_guard import local_path
+from arpo_jax.paths import local_path
 from arpo_jax.train_step import TrainState
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ def _first_non_finite(tree) -> str | None:
     return None
 
 
-_agree = runtime.agree
+_agree = distributed.agree
 
 
 def config_to_json(cfg: Config) -> dict:

@@ -83,10 +83,10 @@ def _convert(args) -> dict:
 
 
 def _export(args) -> dict:
-    from arpo_jax import lora
+    from arpo_jax import convert
 
-    return lora.export(args.out, fmt=args.format, ckpt=args.ckpt, step=args.step, adapter=args.adapter,
-                       base=args.base, dtype=args.dtype, overwrite=args.overwrite)
+    return convert.export_lora(args.out, fmt=args.format, ckpt=args.ckpt, step=args.step, adapter=args.adapter,
+                               base=args.base, dtype=args.dtype, overwrite=args.overwrite)
 
 
 def _demo(args) -> dict:
@@ -200,6 +200,25 @@ def _add_experiment(sub, name: str, help: str, func, *, workdir: bool = True) ->
     return p
 
 
+def _add_export_parser(sub) -> None:
+    ex = sub.add_parser("export", help="a LoRA model (a LoRA run's checkpoint, or a PEFT adapter on its base) as a "
+                        "merged HF folder or a PEFT adapter folder")
+    ex.add_argument("--format", choices=["merged", "peft"], default="merged",
+                    help="merged: W + scale * B A, a plain HF model folder; peft: adapter_config.json + "
+                    "adapter_model.safetensors for peft.PeftModel.from_pretrained")
+    ex.add_argument("--ckpt", default=None, help="a LoRA run's checkpoint directory, e.g. RUN/checkpoints")
+    ex.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest intact one)")
+    ex.add_argument("--adapter", default=None, help="instead of --ckpt: a PEFT adapter folder (with --base)")
+    ex.add_argument("--base", default=None, help="the base model's HF folder (needed with --adapter; written into "
+                    "the PEFT folder's base_model_name_or_path)")
+    ex.add_argument("--out", required=True, help="folder to write (the rules of convert orbax-to-hf --out)")
+    ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                    help="merged: weight dtype (default: the model's); PEFT adapters are always float32")
+    ex.add_argument("--overwrite", action="store_true", help="replace an existing folder that is not a previous "
+                    "export (never a training run)")
+    ex.set_defaults(func=_export)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="arpo-jax", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -244,22 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="weight dtype of the safetensors (default float32: dequantized values are exact in it)")
     conv.set_defaults(func=_convert)
 
-    ex = sub.add_parser("export", help="a LoRA model (a LoRA run's checkpoint, or a PEFT adapter on its base) as a "
-                        "merged HF folder or a PEFT adapter folder")
-    ex.add_argument("--format", choices=["merged", "peft"], default="merged",
-                    help="merged: W + scale * B A, a plain HF model folder; peft: adapter_config.json + "
-                    "adapter_model.safetensors for peft.PeftModel.from_pretrained")
-    ex.add_argument("--ckpt", default=None, help="a LoRA run's checkpoint directory, e.g. RUN/checkpoints")
-    ex.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest intact one)")
-    ex.add_argument("--adapter", default=None, help="instead of --ckpt: a PEFT adapter folder (with --base)")
-    ex.add_argument("--base", default=None, help="the base model's HF folder (needed with --adapter; written into "
-                    "the PEFT folder's base_model_name_or_path)")
-    ex.add_argument("--out", required=True, help="folder to write (the rules of convert orbax-to-hf --out)")
-    ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                    help="merged: weight dtype (default: the model's); PEFT adapters are always float32")
-    ex.add_argument("--overwrite", action="store_true", help="replace an existing folder that is not a previous "
-                    "export (never a training run)")
-    ex.set_defaults(func=_export)
+    _add_export_parser(sub)
 
     dm = sub.add_parser("demo", help="teach a small pretrained model to use tools on this machine and show it "
                         "learning: SFT -> validation -> ARPO -> validation -> export -> transcript, plots")

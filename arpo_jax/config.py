@@ -259,7 +259,7 @@ def _schema() -> dict[str, Any] | None:
 @functools.cache
 def _allowed() -> dict[str, tuple]:
     """Enum fields and their allowed values, from the modules that consume them (imported lazily: they pull JAX)."""
-    from arpo_jax import algos, packing, plan, rewards, shaping, sharding, tools, train_step
+    from arpo_jax import algos, memory_model, packing, rewards, shaping, sharding, tools, train_step
     from arpo_jax.models import transformer
 
     return {
@@ -268,7 +268,7 @@ def _allowed() -> dict[str, tuple]:
         "model.remat": tuple(transformer.REMAT_POLICIES),
         "model.attention_impl": ("", *(a for a in transformer.ATTENTION_IMPLS if a)),  # "" = JAX picks
         "mesh.rules": tuple(sharding.RULES),
-        "mesh.device": tuple(plan.DEVICES),
+        "mesh.device": tuple(memory_model.DEVICES),
         "data.source": ("parquet", "tfds"),
         "data.overlong_prompts": ("error", "filter"),
         "rollout.engine": ("jax", "vllm"),
@@ -861,26 +861,5 @@ def redact(cfg: ConfigDict | dict) -> dict:
     return {k: _redact_value(k, v) for k, v in _to_dict(cfg).items()}
 
 
-def jax_mem_fraction(cfg: ConfigDict) -> float:
-    """The share of each GPU JAX may take (XLA_PYTHON_CLIENT_MEM_FRACTION, set by the launch scripts).
-
-    Beside a co-located vLLM it comes from the planned peak (`plan.memory_split`: the largest program's bytes per
-    device, plus 10% headroom, as a share of the device named by `mesh.device`), so the engine can have the rest
-    (`arpo-jax plan` checks `rollout.vllm.gpu_memory_utilization` against it). Without a plannable device
-    (`mesh.device=cpu`) or model config, the fixed split `1 - gpu_memory_utilization - 0.05`. The JAX engine gets
-    JAX's usual 0.9."""
-    if cfg.rollout.engine != "vllm":
-        return 0.9
-    fixed = round(1.0 - cfg.rollout.vllm.gpu_memory_utilization - 0.05, 2)
-    if cfg.mesh.device == "cpu":
-        return fixed
-    from arpo_jax import plan
-
-    try:
-        return plan.memory_split(cfg)["jax_fraction"]
-    except FileNotFoundError:  # no config.json for model.path yet: nothing to plan from
-        return fixed
-
-
-__all__ = ["BUILTIN", "ConfigError", "PATH_FIELDS", "TOOL_TAGS", "check_tokenizer", "jax_mem_fraction", "load_config",
+__all__ = ["BUILTIN", "ConfigError", "PATH_FIELDS", "TOOL_TAGS", "check_tokenizer", "load_config",
            "parse_config_args", "redact", "split_config_args", "validate"]

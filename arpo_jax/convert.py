@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
 
 from flax import nnx
 
-from arpo_jax import checkpoint, hf, pretrained
+from arpo_jax import checkpoint, hf, lora_io, pretrained
 
 TOKENIZER_SUBDIR = "tokenizer"
 
@@ -64,3 +65,45 @@ def orbax_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, step: int | None =
         tokenizer = ckpt_dir / TOKENIZER_SUBDIR
     hf.save_pretrained(model, out_dir, tokenizer=tokenizer, dtype=dtype, overwrite=overwrite)
     return {"restore_s": t1 - t0, "export_s": time.perf_counter() - t1, "tokenizer": str(tokenizer or "")}
+
+
+# --------------------------------------------------------------------------------------------------
+# `arpo-jax export`
+
+EXPORT_FORMATS = ("merged", "peft")
+
+
+def export_lora(out: str | os.PathLike, *, fmt: str = "merged", ckpt: str | os.PathLike | None = None,
+           step: int | None = None, adapter: str | os.PathLike | None = None, base: str | os.PathLike | None = None,
+           dtype: str | None = None, overwrite: bool = False) -> dict:
+    """Writes a LoRA model as a merged HF folder (`fmt="merged"`) or a PEFT adapter folder (`"peft"`).
+
+    The model: the newest (or `step`) of an orbax checkpoint directory `ckpt` of a LoRA run, or the PEFT folder
+    `adapter` on the HF folder `base`. `base` is also what the PEFT folder's `base_model_name_or_path` names.
+    """
+    from arpo_jax import checkpoint, pretrained
+
+    if fmt not in EXPORT_FORMATS:
+        raise ValueError(f"--format {fmt!r}; allowed: {EXPORT_FORMATS}")
+    if (ckpt is None) == (adapter is None):
+        raise ValueError("export needs exactly one source: --ckpt RUN/checkpoints, or --adapter PEFT_FOLDER --base HF")
+    if adapter is not None and base is None:
+        raise ValueError("--adapter needs --base: the HF folder the adapter was trained on")
+    hf.check_export_destination(out, overwrite=overwrite)
+    tokenizer = None
+    if ckpt is not None:
+        ckpt = Path(ckpt)
+        model = checkpoint.Checkpointer(ckpt, create=False).restore_model(step)
+        if (ckpt / TOKENIZER_SUBDIR).is_dir():
+            tokenizer = ckpt / TOKENIZER_SUBDIR
+    else:
+        model = lora_io.load_peft(pretrained.from_pretrained(base, dtype=dtype or hf.checkpoint_dtype(base)), adapter)
+        tokenizer = base if any((Path(base) / f).is_file() for f in hf.TOKENIZER_FILES) else None
+    if not model.config.lora_rank:
+        raise ValueError(f"{ckpt}: the checkpoint holds no LoRA adapters (use `arpo-jax convert orbax-to-hf`)")
+    if fmt == "peft":
+        written = lora_io.save_peft(model, out, base_model=str(base or ""), overwrite=overwrite)
+    else:
+        written = hf.save_pretrained(model, out, tokenizer=tokenizer, dtype=dtype, overwrite=overwrite)
+    return {"out": str(written), "format": fmt, "rank": model.config.lora_rank, "alpha": model.config.lora_alpha,
+            "targets": list(model.config.lora_targets)}

@@ -63,3 +63,12 @@ def replicate_on_local_devices(tree, shardings):
     per-process sampler samples alone)."""
     tree = multihost_utils.process_allgather(tree, tiled=True)
     return jax.tree.map(lambda x, s: jax.device_put(x, s), tree, shardings)
+
+
+def agree(value):
+    """Process 0's `value` (an int or an int array) on every process: decisions taken from files that process 0
+    alone reads or writes."""
+    if jax.process_count() == 1:
+        return value
+    out = np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(value)))
+    return int(out) if np.ndim(value) == 0 else out

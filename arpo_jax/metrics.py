@@ -34,7 +34,7 @@ import numpy as np
 import tqdm
 
 from arpo_jax import config as config_lib
-from arpo_jax.run_guard import local_path
+from arpo_jax.paths import local_path
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 # Shown on the console, in this order, when present (patterns allowed); everything stays in the files.

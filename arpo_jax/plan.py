@@ -9,7 +9,7 @@ Two parts:
   layer and unembedding and their gradients, the activations remat keeps, the recomputed layer's working set, the
   attention workspace, the log-prob head's chunk, KV cache and sampler weights. Sharded sizes are exact (the same
   rules table as the run, `sharding.logical_to_spec`); activation sizes are a model of what a GPU/TPU compiler
-  keeps (below). It needs no device and no compile: `config.jax_mem_fraction` uses it at launch.
+  keeps (below). It needs no device and no compile: `jax_mem_fraction` uses it at launch.
 * **The compiled check** (`compile_check`): the update and the log-prob forward (and the sampler's prefill and
   decode for the JAX engine, `compile_sampler`) are lowered and compiled at the config's real widths and lengths
   on fake CPU devices with abstract inputs (nothing allocated), with a reduced layer count for compile time, and
@@ -268,6 +268,25 @@ def memory_split(cfg) -> dict:
     shape = tuple(cfg.mesh.shape)
     devices = math.prod(shape) if -1 not in shape else min(8, DEVICES[cfg.mesh.device].per_host)
     return analyse(cfg, devices=devices)
+
+
+def jax_mem_fraction(cfg) -> float:
+    """The share of each GPU JAX may take (XLA_PYTHON_CLIENT_MEM_FRACTION, set by the launch scripts).
+
+    Beside a co-located vLLM it comes from the planned peak (`memory_split`: the largest program's bytes per
+    device, plus 10% headroom, as a share of the device named by `mesh.device`), so the engine can have the rest
+    (`arpo-jax plan` checks `rollout.vllm.gpu_memory_utilization` against it). Without a plannable device
+    (`mesh.device=cpu`) or model config, the fixed split `1 - gpu_memory_utilization - 0.05`. The JAX engine gets
+    JAX's usual 0.9."""
+    if cfg.rollout.engine != "vllm":
+        return 0.9
+    fixed = round(1.0 - cfg.rollout.vllm.gpu_memory_utilization - 0.05, 2)
+    if cfg.mesh.device == "cpu":
+        return fixed
+    try:
+        return memory_split(cfg)["jax_fraction"]
+    except FileNotFoundError:  # no config.json for model.path yet: nothing to plan from
+        return fixed
 
 
 

@@ -10,7 +10,8 @@
 - `StopSignals`: SIGTERM / SIGINT ask the loop to stop at the next step boundary (the loop saves a checkpoint,
   flushes metrics and raises `Stopped`: exit status 128 + signal, i.e. 143 / 130); a second signal exits at once.
   In a multi-host run the processes agree at every step boundary (any process signalled: all stop).
-- `local_path`: the work directory and checkpoint folders are POSIX paths; a URL (`gs://...`) is refused.
+- `paths.local_path` (a leaf module): the work directory and checkpoint folders are POSIX paths; a URL (`gs://...`)
+  is refused.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import fcntl
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import time
@@ -32,24 +32,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "run.lock"
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
-
-def local_path(path: str | os.PathLike, what: str = "workdir") -> Path:
-    """`path` made absolute; a URL (gs://, s3://, ...) is refused with what to use instead.
-
-    `Path("gs://b/x").absolute()` is `$PWD/gs:/b/x`: each host of a pod would write its own local copy, lost with
-    the VM. The run's files (the run lock, metrics.jsonl, the checkpoints' integrity records, the weight-sync
-    exports) are written with POSIX calls, so an object store is refused rather than half supported.
-    """
-    text = os.fspath(path)
-    if _URL.match(text):
-        raise ValueError(
-            f"{what} {text!r} is a URL; arpo-jax writes runs to POSIX paths only. Use a folder that every host "
-            "mounts at the same path: a shared file system (NFS, Filestore, Lustre), or the bucket mounted with "
-            f"gcsfuse (e.g. `gcsfuse --implicit-dirs BUCKET /gcs/BUCKET`, then {what} /gcs/BUCKET/...); on a single "
-            "host, a local folder.")
-    return Path(text).absolute()
 
 # Per command, the leaves (or whole sections, ending in ".") whose change makes a resumed run another experiment.
 # The RL fields do not change an SFT run (the demo passes one config with its algorithm's fields to both).

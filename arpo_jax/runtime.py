@@ -14,7 +14,6 @@ import os
 from pathlib import Path
 
 import jax
-import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
@@ -78,15 +77,6 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def agree(value):
-    """Process 0's `value` (an int or an int array) on every process: decisions taken from files that process 0
-    alone reads or writes."""
-    if jax.process_count() == 1:
-        return value
-    out = np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(value)))
-    return int(out) if np.ndim(value) == 0 else out
-
-
 def make_mesh(cfg) -> Mesh:
     """The config's ('data', 'fsdp', 'tensor') mesh over every device of every process."""
     return sharding.make_mesh(tuple(cfg.mesh.shape))
@@ -118,11 +108,11 @@ def runtime_options(cfg) -> dict:
 
 def load_policy(cfg, workdir: str | os.PathLike, mesh: Mesh) -> tuple[CausalLM, object, Path]:
     """(model sharded over `mesh`, tokenizer, its HF folder) for the config's starting point; with `model.lora`
-    its adapters attached (`lora.from_config`)."""
-    from arpo_jax import lora
+    its adapters attached (`lora_io.from_config`)."""
+    from arpo_jax import lora_io
 
     model, tokenizer, folder = _load_base_policy(cfg, workdir, mesh)
-    return lora.from_config(model, cfg.model.lora, seed=cfg.seed, mesh=mesh), tokenizer, folder
+    return lora_io.from_config(model, cfg.model.lora, seed=cfg.seed, mesh=mesh), tokenizer, folder
 
 
 def _load_base_policy(cfg, workdir: str | os.PathLike, mesh: Mesh) -> tuple[CausalLM, object, Path]:

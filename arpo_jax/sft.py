@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from arpo_jax import config as config_lib
-from arpo_jax import distributed, hf, packing, run_guard, runtime, skeleton
+from arpo_jax import distributed, hf, packing, paths, run_guard, runtime, skeleton
 from arpo_jax import metrics as metrics_lib
 from arpo_jax import train_step as ts
 from arpo_jax.checkpoint import Checkpointer
@@ -145,7 +145,7 @@ def run_sft(cfg, workdir: str | os.PathLike) -> dict:
     t_start = time.perf_counter()
     runtime.initialize_distributed()
     cfg = config_lib.validate(cfg, device_count=jax.device_count(), process_count=jax.process_count(), command="sft")
-    workdir = run_guard.local_path(workdir)  # refuses gs:// (it would become $PWD/gs:/...)
+    workdir = paths.local_path(workdir)  # refuses gs:// (it would become $PWD/gs:/...)
     with run_guard.StopSignals("sft") as stop:
         lock, resuming = run_guard.open_workdir(workdir, cfg, "sft")
         try:

@@ -53,6 +53,7 @@ from arpo_jax import (
     hf,
     lora,
     packing,
+    paths,
     rewards,
     run_guard,
     runtime,
@@ -86,7 +87,7 @@ class Trainer:
         runtime.initialize_distributed()
         self.cfg = cfg = config_lib.validate(cfg, device_count=jax.device_count(), process_count=jax.process_count(),
                                                    command="train")
-        self.workdir = run_guard.local_path(workdir)  # refuses gs:// (it would become $PWD/gs:/...)
+        self.workdir = paths.local_path(workdir)  # refuses gs:// (it would become $PWD/gs:/...)
         self.is_main = runtime.is_main_process()
         self.lock, resuming = run_guard.open_workdir(self.workdir, cfg, "train")
         if cfg.trainer.export_hf:
@@ -109,12 +110,7 @@ class Trainer:
                                                   temperature=upd.temperature, mesh=self.mesh,
                                                   tree=cfg.actor.tree_training)
         self.batches = GlobalBatch(cfg, self.mesh, self.model_cfg, self.workers, self.local_workers)
-        # With a KL loss, the reference policy: a copy of the starting params, or with LoRA the policy's own base
-        # with the adapters off (no weight copy).
-        lora_ref = bool(cfg.actor.kl_coef and self.model_cfg.lora_rank)
-        self.ref_params = None if lora_ref else reference_params(params, cfg)
-        self.ref_fn = (lora.jit_reference_logprobs(self.model_cfg, temperature=upd.temperature,
-                                                   chunk=cfg.actor.logprob_chunk, mesh=self.mesh) if lora_ref else None)
+        self.ref_logprobs = reference_logprobs(params, cfg, self.model_cfg, self.logprob_fn, upd.temperature, self.mesh)
         self.critic = None
         if cfg.algorithm.adv_estimator == "gae":
             self.critic = critic_lib.Critic(critic_config(cfg), self.model_cfg, self.mesh, self.policy.abstract,
@@ -310,10 +306,8 @@ class Trainer:
     def _old_logprobs(self, batch: dict) -> dict:
         """The mini-batch with the pre-update policy's log-probs (and the reference policy's, with a KL loss)."""
         batch = batch | {"old_logp": self.logprob_fn(self.state.params, batch)[0]}
-        if self.ref_params is not None:
-            batch["ref_logp"] = self.logprob_fn(self.ref_params, batch)[0]
-        if self.ref_fn is not None:  # LoRA
-            batch["ref_logp"] = self.ref_fn(self.state.params, batch)[0]
+        if self.ref_logprobs is not None:
+            batch["ref_logp"] = self.ref_logprobs(self.state.params, batch)
         return batch
 
     def _update(self, minis: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -445,13 +439,19 @@ def worker_seed(seed: int, step: int, worker: int, salt: str = "") -> int:
     return zlib.crc32(f"{seed}/{step}/{worker}/{salt}".encode()) & 0x7FFFFFFF
 
 
-def reference_params(params, cfg):
-    """With a KL loss, the reference policy: the starting policy, on host memory when asked (reference:
-    param_offload); None without one."""
+def reference_logprobs(params, cfg, model_cfg, logprob_fn, temperature: float, mesh: Mesh):
+    """With a KL loss, the reference policy's log-probs as a function of (policy params, batch): the starting
+    policy (a copy, on host memory when asked: the reference's param_offload), or with LoRA the policy's own base
+    with the adapters off (no weight copy); None without a KL loss."""
     if not cfg.actor.kl_coef:
         return None
+    if model_cfg.lora_rank:
+        base_fn = lora.jit_reference_logprobs(model_cfg, temperature=temperature, chunk=cfg.actor.logprob_chunk,
+                                              mesh=mesh)
+        return lambda policy, batch: base_fn(policy, batch)[0]
     ref = jax.tree.map(jnp.copy, params)
-    return jax.device_get(ref) if cfg.model.ref_on_host else ref
+    ref = jax.device_get(ref) if cfg.model.ref_on_host else ref
+    return lambda policy, batch: logprob_fn(ref, batch)[0]
 
 
 def critic_config(cfg) -> critic_lib.CriticConfig:

@@ -6,7 +6,7 @@ trained (full), then with rank-``--rank`` adapters on all seven projections and 
 ``lora.freeze_base``). Memory is read from the compiled programs (XLA's own accounting, not a noisy RSS):
 the training state (params + optimizer moments) and the step's temporaries (gradient accumulators, activations).
 Also timed: the weight-sync export (``hf.save_pretrained``: full weights; LoRA merged) against writing the adapters
-alone (``lora.save_peft``), with their sizes on disk.
+alone (``lora_io.save_peft``), with their sizes on disk.
 
   python benchmarks/lora.py [--model smollm2-135m-instruct|PATH] [--rank 16] [--seq 256 --batch 4 --micro 2]
 
@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 import arpo_jax
-from arpo_jax import hf, lora, named_models, packing
+from arpo_jax import hf, lora, lora_io, named_models, packing
 from arpo_jax import train_step as ts
 
 
@@ -79,7 +79,7 @@ def measure(model, args, batch) -> dict:
 def sync(model, tmp: Path) -> dict:
     """Seconds and bytes of the weight-sync export: the full (merged) HF folder vs the adapters alone."""
     res = {}
-    writers = {"full": lambda p: hf.save_pretrained(model, p), "adapters": lambda p: lora.save_peft(model, p)}
+    writers = {"full": lambda p: hf.save_pretrained(model, p), "adapters": lambda p: lora_io.save_peft(model, p)}
     for name, write in writers.items():
         path = tmp / name
         t0 = time.perf_counter()

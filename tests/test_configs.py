@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from ml_collections import ConfigDict
 
-from arpo_jax import config, testing
+from arpo_jax import config, plan, testing
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p for p in (REPO / "arpo_jax" / "configs").glob("*.py") if p.name not in ("__init__.py", "base.py"))
@@ -191,10 +191,10 @@ def test_toy_config_validates_with_files_and_devices():
     cfg = config.load_config([f"--config={TOY}"])
     for command in ("train", "sft"):
         config.validate(cfg, check_files=True, device_count=8, process_count=2, command=command)
-    assert config.jax_mem_fraction(cfg) == 0.9  # the JAX engine
+    assert plan.jax_mem_fraction(cfg) == 0.9  # the JAX engine
     vllm = config.load_config([f"--config={TOY}", "--config.rollout.engine=vllm",
                                "--config.rollout.vllm.gpu_memory_utilization=0.6"])
-    assert config.jax_mem_fraction(vllm) == 0.35
+    assert plan.jax_mem_fraction(vllm) == 0.35
 
 
 def test_brightdata_key_must_be_in_the_environment(monkeypatch):

@@ -12,7 +12,7 @@ import torch
 from flax import nnx, traverse_util
 
 import arpo_jax
-from arpo_jax import hf, lora, packing, sharding
+from arpo_jax import convert, hf, lora, lora_io, packing, sharding
 from arpo_jax import train_step as ts
 from arpo_jax.models.transformer import LORA_TARGETS
 
@@ -200,7 +200,7 @@ def test_peft_export_loads_in_peft_and_back(tiny, tmp_path):
 
     path, _, base = tiny
     model = _randomize_b(lora.with_adapters(base, RANK, ALPHA, targets=("q_proj", "v_proj", "o_proj", "down_proj")))
-    out = lora.save_peft(model, tmp_path / "adapter", base_model=str(path))
+    out = lora_io.save_peft(model, tmp_path / "adapter", base_model=str(path))
     torch_base = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     tm = peft.PeftModel.from_pretrained(torch_base, str(out)).eval()
     ids = _ids()
@@ -209,7 +209,7 @@ def test_peft_export_loads_in_peft_and_back(tiny, tmp_path):
     np.testing.assert_allclose(got, expect, atol=1e-4, rtol=0)
     assert np.abs(got - np.asarray(_logits(base, ids))).max() > 1e-3  # the adapters are in effect
     # Import onto the base (to continue training): the same adapters, bit for bit, and the same config.
-    back = lora.load_peft(base, out)
+    back = lora_io.load_peft(base, out)
     assert back.config == model.config
     adapters = lambda m: jax.tree.leaves(nnx.state(m, lora.LoRAParam))
     for x, y in zip(adapters(back), adapters(model), strict=True):
@@ -219,10 +219,10 @@ def test_peft_export_loads_in_peft_and_back(tiny, tmp_path):
     from ml_collections import ConfigDict
 
     lc = ConfigDict({"rank": RANK, "alpha": ALPHA, "targets": model.config.lora_targets, "adapter": str(out)})
-    assert lora.from_config(base, lc).config == model.config
+    assert lora_io.from_config(base, lc).config == model.config
     lc.rank = 8
     with pytest.raises(ValueError, match="set model.lora to match"):
-        lora.from_config(base, lc)
+        lora_io.from_config(base, lc)
 
 
 def test_export_command_writes_peft_and_merged_from_a_lora_checkpoint(tiny, tmp_path):
@@ -245,7 +245,7 @@ def test_export_command_writes_peft_and_merged_from_a_lora_checkpoint(tiny, tmp_
     with Checkpointer(tmp_path / "plain", async_save=False) as ckpt:
         ckpt.save(1, nnx.state(base, nnx.Param), config=base.config, force=True)
     with pytest.raises(ValueError, match="no LoRA adapters"):
-        lora.export(tmp_path / "x", ckpt=tmp_path / "plain")
+        convert.export_lora(tmp_path / "x", ckpt=tmp_path / "plain")
 
 
 def test_config_validation_names_the_lora_fields():

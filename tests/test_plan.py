@@ -40,7 +40,7 @@ def test_every_shipped_config_fits_its_device(name):
     assert r["fits"]
     if r["engine"] == "vllm" and r["device"] != "cpu":  # the engine's share and JAX's planned share add up
         cfg = config.load_config([f"--config=builtin:{name}"])
-        jax_fraction = config.jax_mem_fraction(cfg)
+        jax_fraction = plan.jax_mem_fraction(cfg)
         assert jax_fraction == r["jax_fraction"]
         assert jax_fraction + cfg.rollout.vllm.gpu_memory_utilization + plan.CUDA_RESERVE <= 1.0 + 1e-9
 

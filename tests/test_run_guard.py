@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from arpo_jax import cli, run_guard
+from arpo_jax import cli, paths, run_guard
 from arpo_jax import config as config_lib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -120,7 +120,7 @@ def test_a_url_workdir_is_refused_not_made_a_local_folder(tmp_path, capsys, monk
     for make in (Checkpointer, MetricsLogger):  # the init checkpoint and the loggers refuse it too
         with pytest.raises(ValueError, match="is a URL"):
             make("s3://bucket/x")
-    assert run_guard.local_path("rel/dir") == tmp_path / "rel" / "dir"
+    assert paths.local_path("rel/dir") == tmp_path / "rel" / "dir"
 
 
 SIGNALLED = """

@@ -133,7 +133,7 @@ class Linear(nnx.Module):
         n_out = len(spec.split("->")[1]) - 2  # output dims after b, t
         out_shape, out_axes = tuple(shape[:n_out]), tuple(axes[:n_out])
         self.bias = _param(rngs, cfg, out_shape, out_axes, (math.prod(out_shape),), "zeros") if bias else None
-        # Optional LoRA adapter, attached by `arpo_jax.lora.attach`: A [r, in...], B [out..., r], y += scale x A B.
+        # Optional LoRA adapter, attached by `attach_lora`: A [r, in...], B [out..., r], y += scale x A B.
         self.lora_a, self.lora_b = nnx.data(None), nnx.data(None)  # data: a later Param may replace them
         self.lora_scale = 0.0
 
@@ -489,6 +489,48 @@ def attention_mask_4d(attention_mask: jax.Array | None, segment_ids: jax.Array |
     return jnp.broadcast_to(mask, (b, t, t))[:, None]
 
 
+# LoRA adapters on the Linears (`arpo_jax.lora` has the rest: training, reference, merge, PEFT files).
+
+
+class LoRAParam(nnx.Param):
+    """A LoRA adapter matrix: a Param (saved, sharded, restored as one), told apart by its type."""
+
+
+def lora_scale(cfg: Config) -> float:
+    return cfg.lora_alpha / cfg.lora_rank
+
+
+def lora_letters(linear: Linear) -> tuple[str, str]:
+    """(input letters, output letters) of a Linear's weight, in its weight's (HF) order."""
+    (xs, ws), out = linear.spec.split("->")[0].split(","), linear.spec.split("->")[1]
+    return "".join(c for c in ws if c in xs[2:]), "".join(c for c in ws if c in out[2:])
+
+
+def lora_linears(model: nnx.Module, cfg: Config):
+    """(path, Linear) of every Linear the config puts an adapter on (matched by its HF module name)."""
+    for path, module in nnx.iter_graph(model):
+        if isinstance(module, Linear) and path and path[-1] in cfg.lora_targets:
+            yield path, module
+
+
+def attach_lora(model: CausalLM, rngs: nnx.Rngs) -> None:
+    """Gives each targeted Linear of `model` its adapters (in place): A ~ U(-1/sqrt(in), 1/sqrt(in)) as PEFT's
+    default (kaiming-uniform with a = sqrt(5)), B = 0."""
+    cfg = model.config
+    r = cfg.lora_rank
+    for _, lin in list(lora_linears(model, cfg)):
+        ins, outs = lora_letters(lin)
+        ws, w = lin.spec.split("->")[0].split(",")[1], lin.weight
+        in_shape, in_axes = tuple(w.shape[ws.index(c)] for c in ins), tuple(w.axes[ws.index(c)] for c in ins)
+        out_shape, out_axes = tuple(w.shape[ws.index(c)] for c in outs), tuple(w.axes[ws.index(c)] for c in outs)
+        bound = 1.0 / math.sqrt(math.prod(in_shape))
+        a = jax.random.uniform(rngs.params(), (r, *in_shape), jnp.float32, -bound, bound)
+        lin.lora_a = LoRAParam(a, axes=(None, *in_axes), hf_shape=(r, math.prod(in_shape)))
+        lin.lora_b = LoRAParam(jnp.zeros((*out_shape, r), jnp.float32), axes=(*out_axes, None),
+                               hf_shape=(math.prod(out_shape), r))
+        lin.lora_scale = lora_scale(cfg)
+
+
 class CausalLM(nnx.Module):
     """Qwen2/2.5/3 or Llama 3.x causal LM. `model(input_ids, positions, attention_mask, segment_ids) -> logits`."""
 
@@ -499,9 +541,7 @@ class CausalLM(nnx.Module):
             self.lm_head = Linear(cfg, "btd,vd->btv", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
                                   (cfg.vocab_size, cfg.hidden_size), rngs=rngs)
         if cfg.lora_rank:
-            from arpo_jax import lora  # lora imports this module
-
-            lora.attach(self, rngs)
+            attach_lora(self, rngs)
 
     def unembedding(self) -> jax.Array:
         """The output projection `[V, D]` (the embedding itself when tied)."""

@@ -282,7 +282,7 @@ class VllmSampler:
         import jax
         from flax import nnx
 
-        from arpo_jax import hf, runtime  # the trainer's side: jax is already there
+        from arpo_jax import distributed, hf, runtime  # the trainer's side: jax is already there
 
         dtype = self.export_dtype or self.info["dtype"]
         nbytes = hf.export_nbytes(nnx.state(model, nnx.Param), dtype)
@@ -299,7 +299,7 @@ class VllmSampler:
                 check_export_room(self.export_dir, nbytes, dtype)
             except OSError as e:
                 no_room = str(e)
-        if runtime.agree(int(bool(no_room))):  # every process stops, not only the writer (the others would wait)
+        if distributed.agree(int(bool(no_room))):  # every process stops, not only the writer (the others would wait)
             raise OSError(no_room or f"weight sync: process 0 found too little room for one export in "
                                      f"{self.export_dir} (its log says how much)")
         self._sync_version += 1
