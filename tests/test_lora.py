@@ -280,7 +280,7 @@ def test_lora_sft_trains_adapters_only_and_exports_merged(tmp_path):
     with Checkpointer(tmp_path / "checkpoints", async_save=False) as ckpt:
         trained = ckpt.restore_model(2)
     assert trained.config.lora_rank == 8
-    base_now, base_then = lora._base_state(trained), nnx.state(start, nnx.Param)
+    base_now, base_then = lora.base_state(trained), nnx.state(start, nnx.Param)
     for (p, x), (_, y) in zip(nnx.to_flat_state(base_now), nnx.to_flat_state(base_then), strict=True):
         np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]), err_msg=str(p))
     assert any(np.any(np.asarray(v[...])) for p, v in nnx.to_flat_state(nnx.state(trained, lora.LoRAParam))

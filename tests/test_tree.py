@@ -240,7 +240,7 @@ def test_loss_and_gradients_equal_flat(case):
         rel = _rel(g_tree, g_flat)
         print(f"{case} {agg} {norm}: gradient relative error {rel:.2e}, loss {m_tree['loss']:.6g} {m_flat['loss']:.6g}")
         assert rel < tol, (agg, norm, rel)
-        for name in m_flat:
+        for name in m_flat.keys() - {"micro_batches"}:  # the micro-batches computed: the layouts' own counts
             np.testing.assert_allclose(m_tree[name], m_flat[name], rtol=tol * 5, atol=1e-7, err_msg=f"{agg} {name}")
         assert abs(m_flat["loss"]) > 1e-4
 
