@@ -158,6 +158,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _run_two_processes(cmd: list[str], cache: Path) -> list[str]:
+    """`cmd` as a real 2-process jax.distributed run on localhost (one fake device each); both must succeed."""
+    port = _free_port()
+    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=_env(1, cache, ARPO_COORDINATOR=f"127.0.0.1:{port}", ARPO_NUM_PROCESSES="2",
+                                       ARPO_PROCESS_ID=str(i)))
+             for i in range(2)]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-4000:]
+    return outs
+
+
 def test_two_processes_match_one_process_with_two_workers(shared):
     """jax.distributed over 2 local processes (1 device each) == 1 process with 2 devices and 2 rollout workers."""
     root, reward, cache = shared
@@ -165,15 +178,7 @@ def test_two_processes_match_one_process_with_two_workers(shared):
     single = root / "single"
     _run(_command(single, reward, *overrides), _env(2, cache))
     multi = root / "multi"
-    port = _free_port()
-    procs = [subprocess.Popen(_command(multi, reward, *overrides), cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env=_env(1, cache, ARPO_COORDINATOR=f"127.0.0.1:{port}", ARPO_NUM_PROCESSES="2",
-                                       ARPO_PROCESS_ID=str(i)))
-             for i in range(2)]
-    outs = [p.communicate(timeout=900)[0] for p in procs]
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-4000:]
+    _run_two_processes(_command(multi, reward, *overrides), cache)
     a, _ = _params(single, STEPS)
     b, _ = _params(multi, STEPS)
     assert _max_diff(a, b) <= 1e-5

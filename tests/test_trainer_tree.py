@@ -6,7 +6,6 @@ its gradients. Two rollout workers, so the workers' tree sizes (micro-batches, h
 loss normalisation is split over workers; ARPO branching as the toy config has it (initial_rollouts < n).
 """
 
-import subprocess
 from pathlib import Path
 
 import jax
@@ -16,7 +15,7 @@ import pytest
 from arpo_jax import config as config_lib
 from arpo_jax import metrics
 from arpo_jax import trainer as trainer_lib
-from tests.test_trainer import _command, _env, _free_port, _max_diff, _params, _run
+from tests.test_trainer import _command, _env, _max_diff, _params, _run, _run_two_processes
 from tests.test_trainer_rollouts import HALF_CONSTANT_REWARD, InjectingSampler
 
 REWARD = '''
@@ -98,16 +97,8 @@ def test_two_processes_with_tree_training_match_one_flat_process(tmp_path):
     overrides = ("--config.rollout.workers=2", "--config.trainer.max_steps=2")
     single = tmp_path / "single"
     _run(_command(single, reward, *overrides, "--config.actor.tree_training=false"), _env(2, cache))
-    multi, port = tmp_path / "multi", _free_port()
-    procs = [subprocess.Popen(_command(multi, reward, *overrides, "--config.actor.tree_training=true"),
-                              cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env=_env(1, cache, ARPO_COORDINATOR=f"127.0.0.1:{port}", ARPO_NUM_PROCESSES="2",
-                                       ARPO_PROCESS_ID=str(i)))
-             for i in range(2)]
-    outs = [p.communicate(timeout=900)[0] for p in procs]
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-4000:]
+    multi = tmp_path / "multi"
+    _run_two_processes(_command(multi, reward, *overrides, "--config.actor.tree_training=true"), cache)
     assert _max_diff(_params(single, 2)[0], _params(multi, 2)[0]) <= 1e-5
     ra, rb = (metrics.read_jsonl(d / "metrics.jsonl") for d in (single, multi))
     for x, y in zip(ra, rb, strict=True):
