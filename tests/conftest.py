@@ -52,3 +52,20 @@ def _release_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+def pytest_configure(config):
+    """`--dist loadgroup` puts each `xdist_group` (the SmolLM2 tests: a model and a vLLM engine each, the demo a whole
+    run) on one worker by suffixing node ids with `@group`; pytest 9.2's structured node ids make pytest-xdist <= 3.8
+    drop the suffix silently (pytest-xdist#1386), and the groups then run on both workers at once: twice the memory,
+    and the demo twice. Refuse that pair instead of running it."""
+    from importlib.metadata import version
+
+    def release(name):
+        return tuple(int(p) for p in version(name).split(".")[:2] if p.isdigit())
+
+    if config.getoption("dist", "no") == "loadgroup" and release("pytest") >= (9, 2) and \
+            release("pytest-xdist") <= (3, 8):
+        raise pytest.UsageError(f"pytest {version('pytest')} with pytest-xdist {version('pytest-xdist')} ignores "
+                                "xdist_group under --dist loadgroup (pytest-xdist#1386): install the test extra's "
+                                "pins (pip install -e '.[test]')")
