@@ -94,7 +94,8 @@ def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=
         from arpo_jax.rollout.jax_sampler import JaxSampler
 
         return JaxSampler(model, tokenizer, max_len=max_len, mesh=mesh, decode_chunk=cfg.rollout.jax.decode_chunk,
-                          prefill_chunk=cfg.rollout.jax.prefill_chunk)
+                          prefill_chunk=cfg.rollout.jax.prefill_chunk,
+                          max_tokens_per_call=cfg.rollout.jax.max_tokens_per_call)
     if engine == "vllm":
         from arpo_jax.rollout.vllm_sampler import VllmSampler, engine_devices, host_gpus
 

@@ -499,6 +499,13 @@ def _check_rollout(ck: _Checker, command: str, process_count: int | None) -> Non
         ck.add("rollout.val_kwargs.n", f"{ck.get('rollout.val_kwargs.n')} greedy samples would all be the same",
                "1, or val_kwargs.do_sample=True")
     ck.require("rollout.workers", _nonneg, "0 (one per process) or a positive count")
+    budget, p, r = (ck.get(k) for k in ("rollout.jax.max_tokens_per_call", "data.max_prompt_length",
+                                        "data.max_response_length"))
+    if budget and p and r and budget < p + r:  # one trajectory's row must fit (the sampler checks its buckets)
+        ck.add("rollout.jax.max_tokens_per_call", f"{budget} is less than one trajectory (data.max_prompt_length + "
+                                                  f"data.max_response_length = {p + r})", f"0 (no limit) or >= {p + r}")
+    else:
+        ck.require("rollout.jax.max_tokens_per_call", _nonneg, "0 (no limit) or a token count")
     ck.require("rollout.vllm.gpu_memory_utilization", lambda v: 0 < v < 1, "0 < x < 1")
     ck.require("rollout.vllm.cpu_kv_cache_gb", _nonneg, _NONNEG)
     ck.require("rollout.vllm.engines", _nonneg, "0 (one per tensor-parallel group of the host's GPUs) or a count")

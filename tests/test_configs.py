@@ -152,6 +152,7 @@ BAD = [  # (overrides, problem's field, words the message must contain, validate
      "actor.rollout_correction.mode", "needs rollout.temperature=1", {}),
     (dict(rollout__vllm__engines=-1), "rollout.vllm.engines", "0 (one per tensor-parallel group", {}),
     (dict(rollout__vllm__tensor_parallel_size=0), "rollout.vllm.tensor_parallel_size", ">= 1", {}),
+    (dict(rollout__jax__max_tokens_per_call=100), "rollout.jax.max_tokens_per_call", "0 (no limit) or >= ", {}),
 ]
 
 

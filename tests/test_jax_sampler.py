@@ -1,5 +1,7 @@
 """The JAX KV-cache sampler: parity with transformers, cache reuse across calls, stop strings, sampling, sharding."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -381,3 +383,67 @@ def test_bucket_steps():
     assert pow2_buckets(16, 256, quarter_steps=True) == (16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160,
                                                          192, 224, 256)
     assert pow2_buckets(1, 16) == (1, 2, 4, 8, 16)
+
+
+def test_chunked_calls_equal_one_call(tiny_hf_dir, tokenizer):
+    """A token budget of 2 rows x 96 slots runs 4 requests in 2 chunks, greedy, then continues them (tool results,
+    a branch) with seeded sampling: the same tokens, text and log-probs as one unbudgeted call each round
+    (per-request seeds), every program's cache at most 2 rows; the second round reuses only the last chunk's rows
+    (the cache kept between calls is bounded too)."""
+    path, _ = tiny_hf_dir("qwen2")
+    kw = dict(prefill_chunk=16)  # one prefill width: fewer compiles
+    whole, chunked = _sampler(path, tokenizer, **kw), _sampler(path, tokenizer, max_tokens_per_call=2 * 96, **kw)
+    reqs = [SampleRequest(p, 16, slot_id=i) for i, p in enumerate(_prompts([5, 17, 9, 30], seed=21))]
+    seeded = SamplingSettings(temperature=1.0, seed=3, stop=(), logprobs=5, logprob_positions=8, token_logprobs=True)
+    tool = tokenizer.encode(" <result>\n42\n</result>")
+    for rnd, settings in enumerate((GREEDY, seeded)):
+        want, got = whole.generate(reqs, settings), chunked.generate(reqs, settings)
+        _assert_same_results(got, want)
+        assert chunked.last_stats["chunks"] == 2 and chunked.last_stats["batch_bucket"] == 2
+        assert chunked.last_stats["batch"] == len(reqs) == whole.last_stats["batch"]
+        if rnd:  # slot 3 and its branch come from the cache of the last chunk; slots 0 and 1 prefill again
+            assert 0 < chunked.last_stats["reused_tokens"] < whole.last_stats["reused_tokens"]
+            np.testing.assert_allclose(np.concatenate([r.token_logprobs for r in got]),
+                                       np.concatenate([r.token_logprobs for r in want]), atol=1e-4)
+        reqs = [SampleRequest(r.token_ids + res.token_ids + tool, 16, slot_id=r.slot_id) for r, res in zip(reqs, want)]
+        reqs[2] = SampleRequest(reqs[3].token_ids, 16, slot_id=9, parent_id=3)  # a branch of slot 3
+
+
+def test_a_budget_below_one_row_is_refused(tiny_hf_dir, tokenizer):
+    path, _ = tiny_hf_dir("qwen2")
+    sampler = _sampler(path, tokenizer, max_tokens_per_call=50)
+    with pytest.raises(ValueError, match=r"max_tokens_per_call=50 .*allowed: 0 \(no limit\) or >= 64"):
+        sampler.generate([SampleRequest(_prompts([5])[0], 8)], GREEDY)
+
+
+def test_weights_are_kept_in_the_compute_dtype(tiny_hf_dir, tokenizer, monkeypatch):
+    """float32 master weights, bfloat16 compute: the sampler holds a bfloat16 copy (half the bytes) and samples what
+    it did from the float32 weights: the same greedy tokens, log-probs within bfloat16 rounding (XLA's CPU upcasts
+    bf16 dots to float32 and may then read the float32 weights unrounded, so they are not bitwise equal here)."""
+    from arpo_jax.rollout import jax_sampler
+
+    path, _ = tiny_hf_dir("qwen2")
+    model = arpo_jax.from_pretrained(path, dtype="bfloat16", param_dtype="float32")
+    reqs = [SampleRequest(p, 12) for p in _prompts([6, 15], seed=23)]
+    settings = dataclasses.replace(GREEDY, token_logprobs=True)
+    cast = JaxSampler(model, tokenizer, max_len=64, restrict_to_tokenizer=False)
+    assert {x.dtype for x in jax.tree.leaves(cast._state)} == {jnp.dtype(jnp.bfloat16)}
+    monkeypatch.setattr(jax_sampler, "decode_weights", lambda state, dtype: jax.tree.map(jnp.copy, state))
+    master = JaxSampler(model, tokenizer, max_len=64, restrict_to_tokenizer=False)
+    assert {x.dtype for x in jax.tree.leaves(master._state)} == {jnp.dtype(jnp.float32)}
+    for a, b in zip(cast.generate(reqs, settings), master.generate(reqs, settings), strict=True):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.token_logprobs, b.token_logprobs, atol=0.05)
+
+
+def test_sleep_frees_the_weights_until_the_next_update(tiny_hf_dir, tokenizer):
+    path, _ = tiny_hf_dir("qwen2")
+    sampler = _sampler(path, tokenizer)
+    req = [SampleRequest(_prompts([7], seed=24)[0], 6, slot_id=0)]
+    before = sampler.generate(req, GREEDY)
+    sampler.sleep()
+    assert sampler._state is None and sampler._cache is None
+    with pytest.raises(RuntimeError, match="update_weights first"):
+        sampler.generate(req, GREEDY)
+    sampler.update_weights(arpo_jax.from_pretrained(path))
+    _assert_same_results(sampler.generate(req, GREEDY), before)

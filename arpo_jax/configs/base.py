@@ -96,6 +96,10 @@ def get_config() -> ConfigDict:
     c.rollout.jax = ConfigDict()
     c.rollout.jax.decode_chunk = 16  # sampling steps per jitted call (stop strings are checked in between)
     c.rollout.jax.prefill_chunk = 512  # longest prefill per call
+    # KV-cache slots (rows x cache length, the whole process) one sampler program may hold; a call with more rows runs
+    # in chunks of the largest batch bucket that fits, one after another (same samples: per-request seeds). Bounds
+    # the cache `arpo-jax plan` counts for the sampler. 0 = no limit (the whole call in one cache).
+    c.rollout.jax.max_tokens_per_call = 0
     c.rollout.vllm = ConfigDict()
     c.rollout.vllm.python = ""  # interpreter of a virtualenv with vllm; "" = this one
     c.rollout.vllm.dtype = "auto"  # auto = the exported weights' dtype

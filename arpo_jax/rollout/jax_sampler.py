@@ -16,6 +16,16 @@ compile); samplers of one model share the compiled functions. On accelerators th
 `lax.scan` (`Config.scan_layers`), so a compile costs about one layer's, whatever the depth; on CPU they run
 unrolled over per-layer weights and cache buffers (`_cpu_layout`), compiled in a few seconds at 30 layers.
 
+Memory: the weights are kept in the compute dtype (`decode_weights`, once per `update_weights`: every weight is
+cast to it before use anyway; half the bytes of float32 masters), and with
+`max_tokens_per_call` the requests of a call run in chunks, one after another, each chunk's cache at most that many
+slots (rows bucket x cache length): the peak is set by the budget, not by the call's size. Outputs do not depend on
+the chunking (per-request seeds, per-row computation). Only the last chunk's cache is kept for the next call (the
+memory bound holds between calls too); requests that continue its rows run first, the others prefill their whole
+context again (compute, where the alternative is memory that is not there). Finished rows are dropped between
+chunks and between calls: a cache holds only its chunk's rows, and the next call gathers only the rows it continues.
+`sleep` frees the weights and the cache until the next `update_weights` (the trainer's update runs meanwhile).
+
 Cache invariant: every row is contiguous from slot 0 and slot index == RoPE position. Slots >= the row's
 `lengths` are free (position -1). The host records, per saved slot, the token ids its row holds.
 
@@ -50,6 +60,7 @@ from arpo_jax.rollout.sampler import Sampler, SampleRequest, SampleResult, Sampl
 from arpo_jax.sharding import constrain, get_rules
 
 _SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's threshold)
+_SUMMED_STATS = ("batch", "reused_tokens", "prefill_tokens")  # `last_stats` that add up over a call's chunks
 _DETOK_PRIME = 5  # prompt tokens that prime the incremental detokenizer (vLLM's initial offset)
 
 
@@ -266,6 +277,21 @@ def _new_cache(cfg, b: int, s: int, per_layer: bool) -> KVCache:
     return cache.per_layer() if per_layer else cache
 
 
+def decode_weights(state, dtype):
+    """The sampler's copy of the weights: floating leaves in `dtype` (the model's compute dtype), other leaves
+    copied. Every weight is cast to the compute dtype before it is used (embedding rows, Linear weights and biases,
+    norm scales, the unembedding, LoRA adapters), so this copy holds the values the model computes with, at half
+    the bytes of float32 masters and without a cast per call. (Not always bitwise: XLA's CPU backend upcasts bf16
+    dots to float32 and, allowed excess precision, may then read a float32 weight unrounded.) Always new buffers:
+    the caller's may be donated (the train step donates its params)."""
+    dt = jnp.dtype(dtype)
+
+    def cast(x):
+        return x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dt else jnp.copy(x)
+
+    return jax.tree.map(cast, state)
+
+
 @functools.lru_cache(maxsize=8)
 def _to_input_major(graphdef):
     """jitted: the model's state -> the state of its `input_major_linears` copy (see `_cpu_layout`)."""
@@ -347,12 +373,14 @@ class JaxSampler(Sampler):
       batch_buckets / length_buckets: allowed B and S (cache length); default powers of two.
       logprobs_mode: "processed" (vLLM V0, the reference) or "raw" (see the module docstring).
       restrict_to_tokenizer: sample only ids the tokenizer knows (the reference's allowed_token_ids).
+      max_tokens_per_call: KV-cache slots (rows bucket x cache length, the whole process) one program may hold;
+        a call with more runs in chunks (module docstring). 0 = no limit.
     """
 
     def __init__(self, model, tokenizer, *, max_len: int, mesh: Mesh | None = None,
                  eos_ids: Sequence[int] | None = None, decode_chunk: int = 16, prefill_chunk: int = 512,
                  batch_buckets: Sequence[int] | None = None, length_buckets: Sequence[int] | None = None,
-                 logprobs_mode: str = "processed", restrict_to_tokenizer: bool = True):
+                 logprobs_mode: str = "processed", restrict_to_tokenizer: bool = True, max_tokens_per_call: int = 0):
         graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
         self.config = cfg = nnx.merge(graphdef, state).config
         self._model_graphdef, self._cpu = graphdef, _cpu_layout()
@@ -367,6 +395,9 @@ class JaxSampler(Sampler):
             raise ValueError(f"logprobs_mode={logprobs_mode!r}; allowed: 'processed', 'raw'")
         self.logprobs_mode = logprobs_mode
         self.decode_chunk, self.prefill_chunk = decode_chunk, prefill_chunk
+        if max_tokens_per_call < 0:
+            raise ValueError(f"max_tokens_per_call={max_tokens_per_call}; allowed: 0 (no limit) or > 0")
+        self.max_tokens_per_call = max_tokens_per_call
         self._batch_multiple = 1
         if mesh is not None:
             self._batch_multiple = math.prod(mesh.shape[a] for a in get_rules(cfg.sharding_rules)["batch"])
@@ -394,7 +425,10 @@ class JaxSampler(Sampler):
         self.last_stats: dict[str, int] = {}
 
     def _set_state(self, state) -> None:
-        """The weights to sample with, from the model's state (HF layout): on CPU a copy laid out for its matmuls."""
+        """The weights to sample with, from the model's state (HF layout): in the compute dtype (`decode_weights`),
+        on CPU laid out for its matmuls."""
+        self._state = None  # the old weights go before the new copy is made
+        state = decode_weights(state, self.config.compute_dtype)
         if self._cpu:
             state = _to_input_major(self._model_graphdef)(state)
         self._state = jax.block_until_ready(state)
@@ -431,40 +465,81 @@ class JaxSampler(Sampler):
     def reset_cache(self) -> None:
         """Forgets every cached slot, so that a call does not depend on what earlier calls left in the cache."""
         self._slots.clear()
+        self._cache = None  # a cache no slot points into is never read again: free it now
+
+    def sleep(self) -> None:
+        """Frees the weights and the cache (device memory) until the next `update_weights`; `generate` refuses
+        meanwhile. The trainer calls it before the update, whose new weights the sampler gets next anyway."""
+        self._state = self._cache = None
+        self._slots.clear()
 
     def generate(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[SampleResult]:
         if not requests:
             self._slots.clear()
             return []
         _check_settings(settings)
+        if self._state is None:
+            raise RuntimeError("JaxSampler.generate after sleep(): update_weights first")
+        rows: list[_Row | None] = [None] * len(requests)
+        stats: Counter[str] = Counter()
         try:
             with self._mesh_ctx():
-                plan = self._plan(requests)
-                h = self._prefill_all(plan)
-                rows = self._decode_all(plan, h, settings)
+                chunks = self._chunks(requests)
+                for idx in chunks:
+                    sub = [requests[i] for i in idx]
+                    plan = self._plan(sub, idx)
+                    h = self._prefill_all(plan)
+                    for i, row in zip(idx, self._decode_all(plan, h, settings)):
+                        rows[i] = row
+                    self._save_slots(sub, plan)
+                    for k, v in self.last_stats.items():  # counts add up, sizes are the largest chunk's
+                        stats[k] = stats[k] + v if k in _SUMMED_STATS else max(stats[k], v)
         except BaseException:
             # `_plan` has already taken the cache: slots kept now would point into a cache that is gone, and the
             # next call would prefill only their suffixes onto empty rows.
             self._slots.clear()
             self._cache = None
             raise
-        self._save_slots(requests, plan)
+        self.last_stats = dict(stats) | {"chunks": len(chunks)}
         return [SampleResult(r.gen, r.text, r.finish, r.stop_string, r.top_logprobs,
                              r.token_logprobs if settings.token_logprobs else None) for r in rows]
 
+    def _chunks(self, requests: Sequence[SampleRequest]) -> list[list[int]]:
+        """The requests' indices in the order they run, one list per chunk: all at once without a budget; with
+        `max_tokens_per_call` as many rows as the largest batch bucket whose cache (rows x the call's longest cache
+        length) fits it, the requests that continue a row of the cache kept from the last call first."""
+        n = len(requests)
+        if not self.max_tokens_per_call:
+            return [list(range(n))]
+        s = _bucket(max(min(len(r.token_ids) + max(r.max_tokens, 1), self.max_len) for r in requests),
+                    self.length_buckets, "cache length")
+        fits = [b for b in self.batch_buckets if b * s <= self.max_tokens_per_call]
+        if not fits:
+            raise ValueError(f"max_tokens_per_call={self.max_tokens_per_call} holds no batch bucket of {s}-slot rows "
+                             f"(the smallest is {self.batch_buckets[0]} rows, a multiple of the mesh's batch "
+                             f"devices); allowed: 0 (no limit) or >= {self.batch_buckets[0] * s}")
+        size = fits[-1]
+        cached = [i for i, r in enumerate(requests)
+                  if any(k is not None and k in self._slots for k in (r.slot_id, r.parent_id))]
+        first = set(cached)
+        order = cached + [i for i in range(n) if i not in first]
+        return [order[k:k + size] for k in range(0, n, size)]
+
     # -- the three phases ---------------------------------------------------------------------------------------
 
-    def _plan(self, requests: Sequence[SampleRequest]) -> dict:
-        """Decides rows, reusable prefixes and bucket sizes; builds this call's cache from the last one's."""
+    def _plan(self, requests: Sequence[SampleRequest], index: Sequence[int]) -> dict:
+        """Decides rows, reusable prefixes and bucket sizes; builds this chunk's cache from the last one's.
+        `index`: the requests' positions in the call (their seeds)."""
         n = len(requests)
         contexts = [np.asarray(r.token_ids, np.int32) for r in requests]
         src, keep = np.zeros(n, np.int32), np.zeros(n, np.int32)
         limits = np.zeros(n, np.int32)
         for i, (r, ctx) in enumerate(zip(requests, contexts)):
             if len(ctx) == 0 or len(ctx) >= self.max_len:
-                raise ValueError(f"request {i}: {len(ctx)} context tokens; need 1 .. max_len - 1 = {self.max_len - 1}")
+                raise ValueError(f"request {index[i]}: {len(ctx)} context tokens; need 1 .. max_len - 1 = "
+                                 f"{self.max_len - 1}")
             if r.max_tokens < 1:
-                raise ValueError(f"request {i}: max_tokens={r.max_tokens} (must be >= 1)")
+                raise ValueError(f"request {index[i]}: max_tokens={r.max_tokens} (must be >= 1)")
             limits[i] = min(r.max_tokens, self.max_len - len(ctx))
             slot = self._slots.get(r.slot_id) if r.slot_id is not None else None
             if slot is None and r.parent_id is not None:
@@ -494,7 +569,7 @@ class JaxSampler(Sampler):
         self.last_stats = {"batch": n, "batch_bucket": b, "cache_len": s, "prefill_chunk": t,
                            "reused_tokens": int(keep.sum()), "prefill_tokens": int((ctx_lens - keep).sum())}
         return {"n": n, "b": b, "t": t, "s": s, "contexts": contexts, "keep": keep, "ctx_lens": ctx_lens,
-                "limits": limits, "cache": cache}
+                "limits": limits, "cache": cache, "index": list(index)}
 
     def _prefill_all(self, plan: dict) -> jax.Array:
         """Prefills every row's uncached suffix; returns the hidden state [B, D] of each row's last token."""
@@ -529,7 +604,7 @@ class JaxSampler(Sampler):
         truncate = not greedy and (settings.top_k > 0 or settings.top_p < 1.0)
         pad = (0, b - n)
         fixed = {
-            "row_ids": jnp.asarray(self._row_seeds(plan["contexts"], settings.seed, b)),
+            "row_ids": jnp.asarray(self._row_seeds(plan["contexts"], plan["index"], settings.seed, b)),
             "ctx_lens": jnp.asarray(np.pad(plan["ctx_lens"], pad)),
             "limits": jnp.asarray(np.pad(plan["limits"], pad)), "eos_ids": jnp.asarray(self._eos_arr),
             "allowed": self._allowed, "seed": jnp.uint32(settings.seed & 0xFFFFFFFF),
@@ -569,14 +644,15 @@ class JaxSampler(Sampler):
         return rows
 
     @staticmethod
-    def _row_seeds(contexts, seed: int, b: int) -> np.ndarray:
-        """Each row's `sampler.request_seed` (the padding rows' are 0): what its PRNG keys fold in."""
+    def _row_seeds(contexts, index, seed: int, b: int) -> np.ndarray:
+        """Each row's `sampler.request_seed` (of its position `index` in the call; the padding rows' are 0): what
+        its PRNG keys fold in, so a request samples the same in any chunk."""
         seeds = np.zeros(b, np.uint32)
-        seeds[:len(contexts)] = [request_seed(seed, i, ctx) for i, ctx in enumerate(contexts)]
+        seeds[:len(contexts)] = [request_seed(seed, i, ctx) for i, ctx in zip(index, contexts)]
         return seeds
 
     def _save_slots(self, requests: Sequence[SampleRequest], plan: dict) -> None:
-        """Remembers what each slot's row holds; slots absent from this call are dropped (their rows freed)."""
+        """Remembers what each slot's row holds; slots absent from this chunk are dropped (their rows freed)."""
         self._slots = {}
         for i, r in enumerate(requests):
             if r.slot_id is not None:

@@ -75,7 +75,7 @@ class SampleResult:
 class Sampler(Protocol):
     """A rollout engine. `generate` is batched: one result per request, in order.
 
-    Engines subclass it for the no-op defaults of `reset_cache` and `close`, so callers never test for them.
+    Engines subclass it for the no-op defaults of `reset_cache`, `sleep` and `close`, so callers never test for them.
     """
 
     def generate(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[SampleResult]: ...
@@ -86,6 +86,9 @@ class Sampler(Protocol):
 
     def reset_cache(self) -> None:
         """Forgets what earlier calls left in a cache, so that the next call does not depend on them."""
+
+    def sleep(self) -> None:
+        """Frees the engine's device memory (weights, cache) until the next `update_weights`, where it can."""
 
     def close(self) -> None:
         """Releases the engine's processes, threads and connections. Safe to call twice."""
