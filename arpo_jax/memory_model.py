@@ -202,17 +202,18 @@ def kv_cache_bytes(c: models.Config, sh: Shapes, local_devices: int) -> float:
 
 
 def sampler_items(c: models.Config, s: Sizes, sh: Shapes, local_devices: int) -> dict[str, dict[str, float]]:
-    """Bytes per device of the JAX sampler's programs (prefill, regather, decode), train state resident.
+    """Bytes per device of the JAX sampler's programs (prefill, regather, decode) for one chunk of `sampler_batch`
+    rows (`rollout.jax.max_tokens_per_call` bounds it), train state resident.
 
-    The sampler holds a copy of the params (the trainer's `_sampler_params`: in param dtype, the whole model over
+    The sampler holds a copy of the weights in the compute dtype (`jax_sampler.decode_weights`: the whole model over
     each process's local devices) and its cache between calls; each call stacks the layers once; a prefill chunk
     attends over the whole cache (`cached_attention`): float32 scores [B, N, chunk, S]; the regather builds the new
     cache beside the old one."""
-    pb = jnp.dtype(c.param_dtype).itemsize
+    pb, cb = jnp.dtype(c.param_dtype).itemsize, jnp.dtype(c.dtype).itemsize
     resident = {"params": s.params * pb, "optimizer_state": 2 * s.params * pb,
-                "sampler_params": s.total_params * pb / local_devices}
+                "sampler_params": s.total_params * cb / local_devices}
     kv = kv_cache_bytes(c, sh, local_devices)
-    stacked = s.layer_params * pb * (s.total_params / local_devices) / max(s.params, 1)
+    stacked = s.layer_params * cb * (s.total_params / local_devices) / max(s.params, 1)
     b_dev = sh.sampler_batch / local_devices
     return {
         "sampler_prefill": resident | {
@@ -244,11 +245,9 @@ def itemise(c: models.Config, mesh_shape: tuple[int, int, int], sh: Shapes, back
             programs["critic_update"] = {k: v for k, v in critic.items() if k not in ("params", "optimizer_state")}
             programs["critic_update"] |= {"params": s.params * pb, "optimizer_state": 2 * s.params * pb}
         if sh.engine == "jax":
-            smp = sampler_items(c, s, sh, local)
-            # Between calls the sampler keeps its weights and its last cache: they stay through the update.
-            extra |= {"sampler_params": smp["sampler_prefill"]["sampler_params"],
-                      "kv_cache": smp["sampler_prefill"]["kv_cache"]}
-            programs |= smp
+            # Not resident during the log-prob forward and the update: the trainer puts the sampler to sleep
+            # (`Sampler.sleep` frees its weights and cache) until the weight sync that follows the update.
+            programs |= sampler_items(c, s, sh, local)
     for items in programs.values():
         for k, v in extra.items():
             items.setdefault(k, v)

@@ -141,7 +141,19 @@ def shapes_of(cfg, mesh_shape: tuple[int, int, int], rules_name: str, command: s
     return Shapes("train", rows, seq, micro, cfg.actor.logprob_chunk, cfg.rollout.engine,
                   cfg.rollout.vllm.gpu_memory_utilization, cfg.algorithm.adv_estimator == "gae",
                   bool(cfg.actor.kl_coef) and not cfg.model.ref_on_host, processes,
-                  _pow2_at_least(trajectories, local), s_len, cfg.rollout.jax.prefill_chunk, p + r)
+                  sampler_chunk(_pow2_at_least(trajectories, local), s_len, local, cfg.rollout.jax.max_tokens_per_call),
+                  s_len, cfg.rollout.jax.prefill_chunk, p + r)
+
+
+def sampler_chunk(batch: int, s_len: int, local: int, budget: int) -> int:
+    """Rows of one sampler program: the call's batch bucket, or with a token budget the largest bucket (a power of
+    two times the local devices, `JaxSampler._chunks`) whose cache of `s_len` slots a row fits it (at least one)."""
+    if not budget:
+        return batch
+    b = local
+    while b * 2 <= batch and b * 2 * s_len <= budget:
+        b *= 2
+    return b
 
 
 def budget_gib(device: str, engine: str, gpu_memory_utilization: float) -> float:
@@ -181,10 +193,11 @@ _FIXES = {
     "params": "more devices in mesh.shape", "grad_accumulator": "more devices in mesh.shape",
     "micro_batch_grads": "more devices in mesh.shape",
     "stacked_layers": "stacked layer storage (issue 31 item 3), or more devices",
-    "kv_cache": "more rollout.workers (fewer prompts per sampler call)",
-    "kv_cache_new": "more rollout.workers (fewer prompts per sampler call)",
-    "prefill_scores": "a smaller rollout.jax.prefill_chunk, or more rollout.workers",
-    "sampler_params": "a bf16, sharded sampler copy (issue 31 item 7; not a config setting yet)",
+    "kv_cache": "a smaller rollout.jax.max_tokens_per_call (the sampler's batch in chunks)",
+    "kv_cache_new": "a smaller rollout.jax.max_tokens_per_call (the sampler's batch in chunks)",
+    "prefill_scores": "a smaller rollout.jax.prefill_chunk or rollout.jax.max_tokens_per_call",
+    "sampler_params": "more devices per host (each host's sampler holds the whole model in the compute dtype)",
+    "sampler_stacked_layers": "stacked layer storage (issue 31 item 3), or more devices per host",
     "critic_params_and_optimizer": "more devices in mesh.shape",
 }
 
@@ -254,6 +267,14 @@ def _fitting_settings(c, mesh_shape, sh: Shapes, backend: str, device: str) -> d
         if fits(dataclasses.replace(sh, seq=t), sh.gpu_memory_utilization):
             out[field] = t
             break
+    if sh.engine == "jax" and sh.command == "train":
+        local = max(1, math.prod(mesh_shape) // sh.processes)
+        b = sh.sampler_batch
+        while b >= local:
+            if fits(dataclasses.replace(sh, sampler_batch=b), sh.gpu_memory_utilization):
+                out["rollout.jax.max_tokens_per_call"] = b * sh.sampler_len
+                break
+            b //= 2
     if sh.engine == "vllm" and DEVICES[device].kind == "gpu":
         for util in (x / 100 for x in range(int(sh.gpu_memory_utilization * 100), 9, -5)):
             if fits(sh, util):
@@ -366,6 +387,7 @@ def compile_sampler(model_cfg: models.Config, sh: Shapes, local_devices: int) ->
     mesh = sharding.make_mesh((1, local_devices, 1), devices=jax.devices()[:local_devices])
     graphdef, abstract = nnx.split(models.abstract_model(model_cfg))
     p_sh = sharding.state_shardings(abstract, mesh, sharding.get_rules(model_cfg.sharding_rules))
+    abstract = jax.eval_shape(lambda a: js.decode_weights(a, model_cfg.compute_dtype), abstract)  # the sampler's copy
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, p_sh)
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("fsdp",)))
     rows2 = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("fsdp",), None))

@@ -70,6 +70,7 @@ from arpo_jax.components import make_sampler, make_tool_executor, rollout_config
 from arpo_jax.data import rl_dataset, toy
 from arpo_jax.experience import Trajectories
 from arpo_jax.rollout.agent_loop import RolloutOutput, RolloutState, greedy_settings, rollout
+from arpo_jax.rollout.jax_sampler import decode_weights
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +215,8 @@ class Trainer:
                 token_arrays = self._advantages(trajs)
             with timers("pack"):
                 minis, pack_metrics = self.batches.pack(trajs, token_arrays)
+            if minis:  # the sampler gets new weights after the update: free its copy and cache meanwhile
+                self.sampler.sleep()
             with timers("old_logprob"):
                 minis = [self._old_logprobs(batch) for batch in minis]
         with timers("update"):
@@ -490,11 +493,13 @@ def sync_weights(sampler, cfg, policy: skeleton.Policy, params) -> float:
 
 
 def sampler_params(params, model_cfg):
-    """A copy of the policy's params for the JAX sampler (the train step donates its own), on local devices: with
-    several processes every one gets the whole model (it samples alone)."""
+    """A copy of the policy's params for the JAX sampler (the train step donates its own) in the compute dtype
+    (`jax_sampler.decode_weights`: cast before any gather), on local devices: with several processes every one gets
+    the whole model (it samples alone)."""
+    params = decode_weights(params, model_cfg.compute_dtype)
     if jax.process_count() > 1:
         return distributed.replicate_on_local_devices(params, ts.param_shardings(model_cfg, sampler_mesh()))
-    return jax.tree.map(jnp.copy, params)
+    return params
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -19,9 +19,6 @@ from arpo_jax.models.transformer import blockwise_blocks, resolve_attention
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(p.stem for p in (REPO / "arpo_jax" / "configs").glob("*.py") if p.stem not in ("__init__", "base"))
-# Needs the bounded TPU sampler (issue 31 item 7): each host's sampler holds the whole model in float32 and a
-# dense cache of a worker's trajectories; no config setting makes that fit a 32 GiB v4 chip.
-NOT_YET = {"arpo_qwen3_14b_tpu_v4_32"}
 
 
 def _analyse(name: str, *overrides: str) -> dict:
@@ -30,8 +27,7 @@ def _analyse(name: str, *overrides: str) -> dict:
     return plan.analyse(cfg, devices=math.prod(shape) if -1 not in shape else 8)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="issue 31 item 7"))
-                                  if n in NOT_YET else n for n in SHIPPED])
+@pytest.mark.parametrize("name", SHIPPED)
 def test_every_shipped_config_fits_its_device(name):
     """The itemised model at the config's full depth and sizes (no compile: it is arithmetic over the exact shard
     shapes; `test_itemised_state_is_what_xla_compiles` checks it against compiled programs)."""
@@ -45,10 +41,16 @@ def test_every_shipped_config_fits_its_device(name):
         assert jax_fraction + cfg.rollout.vllm.gpu_memory_utilization + plan.CUDA_RESERVE <= 1.0 + 1e-9
 
 
-def test_the_14b_v4_config_is_refused_for_its_sampler():
-    r = _analyse("arpo_qwen3_14b_tpu_v4_32")
-    assert not r["fits"] and r["peak_program"].startswith("sampler")
-    assert {"kv_cache", "sampler_params", "prefill_scores"} & set(list(r["items_gib"])[:3])
+def test_the_14b_v4_config_without_its_token_budget_is_refused_for_its_sampler():
+    """The sampler's programs run at the chunk the budget allows (8 of a worker's 192 trajectories, 256 rows as a
+    bucket); without the budget its KV cache alone is 80 GiB a chip, and the plan finds the budget that fits."""
+    fits = _analyse("arpo_qwen3_14b_tpu_v4_32")
+    assert fits["sampler_batch"] == 8 and fits["programs_gib"]["sampler_prefill"]["kv_cache"] == 2.5
+    r = _analyse("arpo_qwen3_14b_tpu_v4_32", "--config.rollout.jax.max_tokens_per_call=0")
+    assert not r["fits"] and r["peak_program"].startswith("sampler") and r["sampler_batch"] == 256
+    assert list(r["items_gib"])[0] == "kv_cache" and r["items_gib"]["kv_cache"] == 80.0
+    assert r["fitting_settings"]["rollout.jax.max_tokens_per_call"] == 8 * 8192
+    assert any("kv_cache" in f and "rollout.jax.max_tokens_per_call" in f for f in r["fixes"])
 
 
 def test_the_review_figures_of_the_7b_update():
@@ -113,15 +115,16 @@ def test_default_attention_is_the_blockwise_kernel_with_bounded_blocks():
 
 @pytest.mark.slow
 def test_sampler_programs_compile_with_the_itemised_weights_and_cache():
-    """The v5p config's sampler prefill and decode (2 layers, B = 128 rows over 4 fake devices, S = 1024 for time):
-    the decode's XLA arguments are the itemised sampler weights + KV cache; the prefill's lack only the unused
-    unembedding (XLA prunes it from the program; the array still exists)."""
+    """The v5p config's sampler prefill and decode (2 layers, a chunk of B = 128 rows over 4 fake devices, S = 1024
+    for time): the decode's XLA arguments are the itemised sampler weights (bfloat16) + KV cache; the prefill's lack
+    only the unused unembedding (XLA prunes it from the program; the array still exists)."""
     cfg = config.load_config(["--config=builtin:arpo_qwen25_7b_tpu_v5p8", "--config.data.max_prompt_length=512",
-                              "--config.data.max_response_length=512", "--config.actor.max_token_len_per_device=0"])
+                              "--config.data.max_response_length=512", "--config.actor.max_token_len_per_device=0",
+                              "--config.rollout.jax.max_tokens_per_call=131072"])
     c = plan.compile_check(cfg, devices=4, layers=2)
     decode, prefill = c["sampler_decode"], c["sampler_prefill"]
     assert decode["xla_arguments_gib"] == pytest.approx(decode["model_state_gib"], rel=2e-3)
-    unembed = 152064 * 3584 * 4 / 4 / plan.GB  # Qwen2.5-7B's lm_head, float32, over 4 devices
+    unembed = 152064 * 3584 * 2 / 4 / plan.GB  # Qwen2.5-7B's lm_head, bfloat16, over 4 devices
     assert prefill["xla_arguments_gib"] == pytest.approx(prefill["model_state_gib"] - unembed, rel=2e-3)
 
 

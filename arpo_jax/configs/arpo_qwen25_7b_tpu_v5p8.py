@@ -14,11 +14,11 @@ def get_config():
     c.mesh.rules = "fsdp"
     c.mesh.device = "tpu-v5p"
     c.rollout.engine = "jax"
-    # Memory (`arpo-jax plan`): the JAX sampler puts a worker's trajectories in one dense cache and keeps it between
-    # calls, so 16 rollout workers of 8 prompts (128 rows, 10.5 GiB of cache per chip instead of 168) and prefill
-    # chunks of 128 (float32 scores [B, N, chunk, S]); one trajectory per packed row (4 rows per chip).
-    c.rollout.workers = 16
+    # Memory (`arpo-jax plan`): the JAX sampler runs a call's trajectories in chunks of 256 rows x 6144 cache slots
+    # (21 GiB of KV cache per chip; one worker's whole call, 2048 rows, would be 168 GiB) and prefills in chunks of
+    # 128 tokens (float32 scores [B, N, chunk, S]). Its peak (the regather, old and new cache side by side) leaves
+    # 24% of a chip free, the update 40%.
+    c.rollout.jax.max_tokens_per_call = 256 * 6144
     c.rollout.jax.prefill_chunk = 128
-    c.actor.max_token_len_per_device = 5632
     c.trainer.experiment = "arpo_qwen25_7b_tpu_v5p8"
     return c

@@ -1,10 +1,10 @@
 """ARPO, Qwen3-14B deep search (the arpo_qwen3_14b_deepsearch recipe) on a Cloud TPU v4-32 slice.
 
 A v4-32 is 16 chips (32 GiB HBM each) on 4 hosts, so 4 JAX processes: launch with launch/tpu_pod.sh, which runs the
-same command on every worker; jax.distributed.initialize() finds the slice by itself. FSDP over all 16 chips keeps
-about 15 GiB of fp32 params + AdamW state per chip. If activations or the sampler's KV cache do not fit, trade FSDP
-for tensor parallelism: `--config.mesh.shape="(1, 8, 2)" --config.mesh.rules=fsdp_tp` (Qwen3-14B's 40 query and
-8 KV heads divide by 2). Each of the 4 processes rolls out 16 of the 64 prompts of a step.
+same command on every worker; jax.distributed.initialize() finds the slice by itself. The params and AdamW state
+are sharded over all 16 chips (10.3 GiB per chip), as FSDP over 4 x tensor parallelism over 4 (Qwen3-14B's 40
+query and 8 KV heads divide by 4), which splits the gathered layers and attention 4 ways. Each of the 4 processes
+rolls out 16 of the 64 prompts of a step.
 """
 
 from arpo_jax.configs.arpo_qwen3_14b_deepsearch import get_config as arpo_config
@@ -12,12 +12,17 @@ from arpo_jax.configs.arpo_qwen3_14b_deepsearch import get_config as arpo_config
 
 def get_config():
     c = arpo_config()
-    c.mesh.shape = (1, 16, 1)
-    c.mesh.rules = "fsdp"
+    c.mesh.shape = (1, 4, 4)
+    c.mesh.rules = "fsdp_tp"
     c.mesh.device = "tpu-v4"
     c.rollout.engine = "jax"
-    # `arpo-jax plan` says this does not fit yet: each host's sampler holds the whole model in float32 over its 4
-    # chips (13.8 GiB each) and a dense KV cache of a worker's trajectories (40 GiB at 8 prompts x 12); it needs the
-    # bounded TPU sampler of issue 31 item 7 (bf16 weights, a token budget per call).
+    # Memory (`arpo-jax plan`, 32 GiB a chip): one trajectory (P + R = 8192 tokens) per packed row, the update then
+    # peaks at 26.5 GiB. Each host's sampler holds the whole model in bfloat16 over its 4 chips (6.9 GiB each) and a
+    # stacked copy of the layers per call (6.2 GiB, until the layers are stored stacked: issue 31 item 3), beside
+    # the train state: 8 rows x 8192 slots of KV cache per program (2.5 GiB a chip; a worker's whole call, 192
+    # rows, would be 80) and prefill chunks of 128 tokens leave 16% of a chip free.
+    c.actor.max_token_len_per_device = 8192
+    c.rollout.jax.max_tokens_per_call = 8 * 8192
+    c.rollout.jax.prefill_chunk = 128
     c.trainer.experiment = "arpo_qwen3_14b_tpu_v4_32"
     return c
