@@ -33,10 +33,13 @@ def test_request_seed_depends_only_on_base_position_and_tokens():
     assert s not in others and len(others) == 4
 
 
-def test_reset_cache_and_close_default_to_no_ops():
+def test_reset_cache_sleep_and_close_default_to_no_ops():
     class Minimal(Sampler):
         def generate(self, requests, settings):
             return []
 
     m = Minimal()
-    assert m.reset_cache() is None and m.close() is None
+    assert m.reset_cache() is None and m.sleep() is None and m.close() is None
+    from arpo_jax.rollout.vllm_sampler import VllmSampler  # not a subclass: the trainer calls its sleep too
+
+    assert callable(VllmSampler.sleep)

@@ -323,6 +323,10 @@ class VllmSampler:
     def reset_cache(self) -> None:
         """Nothing to do: vLLM's prefix cache never changes what a call samples (`Sampler.reset_cache`)."""
 
+    def sleep(self) -> None:
+        """Nothing freed (`Sampler.sleep`): the engines keep their `gpu_memory_utilization` share, which the plan
+        already leaves out of JAX's budget."""
+
 
 def _accept_into(listener: Listener, accepted: list) -> None:
     try:
