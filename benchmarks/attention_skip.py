@@ -14,7 +14,7 @@ head_dim 64), float32:
 
 For each case and T (default 2048 and 4096): the unskipped kernel at its defaults (query blocks of
 max(128, T / 8)) and the skip kernel at `--blocks`, each jitted as value_and_grad of sum(out * w) w.r.t. q, k, v,
-compiled once, then called `--repeats` times alternately: median wall seconds, the fraction of block pairs the
+compiled once, then called `--repeats` times alternately: median wall and CPU seconds, the fraction of block pairs the
 skip kernel computes, and the largest difference from the unskipped kernel (output and gradients).
 
   python benchmarks/attention_skip.py [--seqs 2048 4096] [--blocks 128 256 512] [--repeats 5]
@@ -98,26 +98,33 @@ def main() -> None:
                 t0 = time.perf_counter()
                 outs[label] = jax.block_until_ready(fn(q, k, v, info))
                 compile_s[label] = time.perf_counter() - t0
+            cpu = {label: [] for label in fns}
             for _ in range(args.repeats):
                 for label, fn in fns.items():
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     jax.block_until_ready(fn(q, k, v, info))
                     times[label].append(time.perf_counter() - t0)
+                    cpu[label].append(time.process_time() - c0)
             base = jax.tree.leaves(outs["unskipped"])
-            r = {"case": name, "seq": t, "unskipped_s": statistics.median(times["unskipped"])}
+            r = {"case": name, "seq": t, "unskipped_s": statistics.median(times["unskipped"]),
+                 "unskipped_cpu_s": statistics.median(cpu["unskipped"])}
             for label in fns:
                 if label == "unskipped":
                     continue
                 b = variants[label]["block_size"]
                 diff = max(float(jnp.max(jnp.abs(x - y)) / (1 + jnp.max(jnp.abs(y))))
                            for x, y in zip(jax.tree.leaves(outs[label]), base))
-                r[label] = {"s": statistics.median(times[label]), "pairs": round(pair_fraction(info, t, b), 3),
+                r[label] = {"s": statistics.median(times[label]), "cpu_s": statistics.median(cpu[label]),
+                            "pairs": round(pair_fraction(info, t, b), 3),
                             "speedup": statistics.median(times["unskipped"]) / statistics.median(times[label]),
+                            "cpu_speedup": statistics.median(cpu["unskipped"]) / statistics.median(cpu[label]),
                             "max_rel_diff": diff, "compile_s": round(compile_s[label], 1)}
             results.append(r)
             print(f"T={t} {name:7s} unskipped {r['unskipped_s'] * 1e3:7.1f} ms  "
-                  + "  ".join(f"{lb}: {r[lb]['s'] * 1e3:7.1f} ms (x{r[lb]['speedup']:.2f}, pairs {r[lb]['pairs']:.2f},"
-                              f" diff {r[lb]['max_rel_diff']:.1e})" for lb in r if lb.startswith("skip")),
+                  + "  ".join(f"{lb}: {r[lb]['s'] * 1e3:7.1f} ms (x{r[lb]['speedup']:.2f},"
+                              f" cpu x{r[lb]['cpu_speedup']:.2f}, pairs {r[lb]['pairs']:.2f},"
+                              f" diff {r[lb]['max_rel_diff']:.1e})"
+                              for lb in r if lb.startswith("skip")),
                   flush=True)
     print(json.dumps({"backend": jax.default_backend(), "heads": [N, K, H], "results": results}))
 
