@@ -130,6 +130,9 @@ def _pairs_needed(mask, n_blocks: int, block: int, tree: bool):
     Dense mask [B, 1, 1, Tp, Tp]: any over the block. Tree (key_end [B, Tp]): key s is seen by the queries
     [s, key_end[s]], which meet block i = [a, a + block) iff max(s, a) <= min(key_end[s], a + block - 1)."""
     if not tree:
+        # The barrier keeps XLA from constant-folding the reduction of a constant mask (a mask built from shapes
+        # only, e.g. plain causal): folding [T, T] on the compiler's slow path took ~12 s at T = 2048.
+        mask = jax.lax.optimization_barrier(mask)
         return mask.reshape(mask.shape[0], n_blocks, block, n_blocks, block).any(axis=(0, 2, 4))
     s = jnp.arange(n_blocks * block, dtype=jnp.int32)
     a = (jnp.arange(n_blocks, dtype=jnp.int32) * block)[:, None]  # [n, 1]
