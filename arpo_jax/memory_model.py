@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from arpo_jax import models, sharding
-from arpo_jax.models.transformer import ACCELERATOR_ATTENTION_BLOCK, resolve_attention
+from arpo_jax.models.transformer import blockwise_blocks, resolve_attention
 
 GB = 1024**3
 HEADROOM = 0.10  # a program fits when its peak leaves this share of JAX's budget free
@@ -128,22 +128,51 @@ class Shapes:
     sampler_len: int  # S of one sampler call (a bucket)
     prefill_chunk: int
     min_seq: int = 1  # the smallest token budget a row may have (one whole trajectory / SFT example)
+    # Tree training (`actor.tree_training`, `tree_packing`): rows of T tree tokens, attention by the tree rule (no
+    # [T, T] mask), and per row up to `tree_saving` x T loss entries; `micro_batches` is then the tree layout's.
+    tree: bool = False
+    tree_saving: float = 1.0  # flat tokens / tree tokens: a lower bound from the config (`plan.tree_saving`)
+
+
+def attention_kernel(impl: str, t: int, backend: str, *, tree: bool = False) -> dict:
+    """What the training self-attention runs for T = `t` on `backend` (`Attention.attend`): the kernel, whether it
+    skips the blocks no query sees, its query (and, skipping, key) block, and the mask it reads ("tree rule": one
+    int per key, `TreeMask`; "[T, T]": the boolean mask the model builds from segment ids)."""
+    out = {"kernel": impl, "skip_blocks": False, "block": 0, "mask": "tree rule" if tree else "[T, T]"}
+    if impl == "blockwise":
+        blocks = blockwise_blocks(t, backend)
+        out["skip_blocks"] = bool(blocks.get("skip_blocks"))
+        out["block"] = min(t, blocks["block_size"]) if out["skip_blocks"] else \
+            max(blocks.get("block_size", 128), -(-t // blocks.get("max_blocks", 8)))
+    elif impl == "xla":
+        out["block"] = t
+    if tree and impl != "blockwise":
+        out["mask"] = "[T, T] (TreeMask.dense)"
+    return out
 
 
 def attention_workspace(model_cfg: models.Config, impl: str, t: int, rows: float, tensor: int, backend: str, *,
-                        backward: bool) -> float:
+                        backward: bool, tree: bool = False) -> float:
     """Bytes of one layer's attention at its peak: float32 score-sized arrays (3 in the backward, 2 forward-only)
-    of the largest query block, plus the [T, T] boolean mask the model builds."""
+    of the largest block (skipping: one [N, block, block] pair; unskipped: [N, block, T]), the [T, T] boolean
+    mask the model builds (none for the blockwise kernel under the tree rule: one int per key) and, in the blockwise
+    backward, its float32 gradient accumulators [N + 2K, T, H]."""
     heads = model_cfg.num_heads // tensor
-    if impl == "cudnn":
-        block = 0
-    elif impl == "xla":
-        block = t
-    elif backend == "cpu":
-        block = max(128, -(-t // 8))  # blockwise_causal_attention's defaults
-    else:
-        block = min(t, ACCELERATOR_ATTENTION_BLOCK)
-    return rows * ((3 if backward else 2) * 4 * heads * block * t + t * t)
+    k = attention_kernel(impl, t, backend, tree=tree)
+    keys = k["block"] if k["skip_blocks"] else t
+    mask = 4 * t if k["mask"] == "tree rule" else t * t
+    # The blockwise backward's float32 dq, dk, dv accumulators (whole T; the inputs are in the layer's items).
+    grads = 4 * t * model_cfg.head_dim * (heads + 2 * max(1, model_cfg.num_kv_heads // tensor)) \
+        if backward and impl == "blockwise" else 0
+    return rows * ((3 if backward else 2) * 4 * heads * k["block"] * keys + mask + grads)
+
+
+def batch_bytes(sh: Shapes, arrays: int) -> float:
+    """The micro-batches' arrays on one device: `arrays` int32/float32 [M, rows, T] arrays flat; with tree training
+    the token arrays (ids, positions, tree_end), the heads (<= T: slot, target) and the loss entries (<= saving x T
+    per row: index, segment and `arrays - 3` float arrays)."""
+    per_row = arrays * sh.seq if not sh.tree else (5 + (arrays - 1) * sh.tree_saving) * sh.seq
+    return sh.micro_batches * sh.rows * per_row * 4
 
 
 def _per_layer_widths(c: models.Config, tensor: int) -> tuple[int, int, int]:
@@ -172,9 +201,9 @@ def update_items(c: models.Config, s: Sizes, sh: Shapes, backend: str, impl: str
         "gathered_unembed_and_grad": s.unembed_full * (cb + 4),
         "remat_activations": c.num_layers * r * t * _remat_saved(c, s.tensor) * cb,
         "layer_working_set": r * t * (6 * d + 2 * qkv + 5 * f) * cb,  # the layer recomputed in the backward
-        "attention_workspace": attention_workspace(c, impl, t, r, s.tensor, backend, backward=True),
+        "attention_workspace": attention_workspace(c, impl, t, r, s.tensor, backend, backward=True, tree=sh.tree),
         "logprob_head": 3 * r * sh.logprob_chunk * c.vocab_size // s.tensor * 4,  # [rows, chunk, V] float32
-        "batch": 9 * sh.micro_batches * r * t * 4,
+        "batch": batch_bytes(sh, 9),
     }
 
 
@@ -189,9 +218,9 @@ def forward_items(c: models.Config, s: Sizes, sh: Shapes, backend: str, impl: st
         "gathered_layer_and_grad": s.layer_full * cb,
         "gathered_unembed_and_grad": s.unembed_full * cb,
         "layer_working_set": r * t * (4 * d + qkv + 3 * f) * cb,
-        "attention_workspace": attention_workspace(c, impl, t, r, s.tensor, backend, backward=False),
+        "attention_workspace": attention_workspace(c, impl, t, r, s.tensor, backend, backward=False, tree=sh.tree),
         "logprob_head": 2 * r * sh.logprob_chunk * c.vocab_size // s.tensor * 4,
-        "batch": 2 * (4 + 2) * sh.micro_batches * r * t * 4,
+        "batch": 2 * batch_bytes(sh, 6),
     }
 
 
@@ -251,4 +280,7 @@ def itemise(c: models.Config, mesh_shape: tuple[int, int, int], sh: Shapes, back
     for items in programs.values():
         for k, v in extra.items():
             items.setdefault(k, v)
-    return {"programs": programs, "sizes": dataclasses.asdict(s), "attention": impl}
+    kernel = attention_kernel(impl, sh.seq, backend, tree=sh.tree)
+    attention = {p: kernel if not p.startswith("sampler") else {"kernel": "cached_attention", "skip_blocks": False}
+                 for p in programs}
+    return {"programs": programs, "sizes": dataclasses.asdict(s), "attention": impl, "attention_by_program": attention}

@@ -21,10 +21,20 @@ Two parts:
 The activation model (per device, one row of T tokens per batch device, compute dtype c bytes, heads/MLP split
 over the tensor axis where the rules say so): remat "full" keeps each layer's input [T, D]; "dots" also the
 matmul outputs; "none" everything (~ T (8D + 3(N+2K)H + 4F) c per layer). The recomputed layer in the backward
-holds about T (6D + 2(N+2K)H + 5F) c. Attention: the blockwise kernel's largest block keeps three float32
-[N, block, T] arrays in its backward (scores/probabilities, dP, dS) and the [T, T] boolean mask the model
-builds; XLA's attention keeps three float32 [N, T, T]; cuDNN only the mask. These are upper estimates of what
-XLA's GPU/TPU buffer assignment keeps alive at once; RESULTS.md records how they compare with compiled figures.
+holds about T (6D + 2(N+2K)H + 5F) c. Attention (`memory_model.attention_kernel` names, per program, the kernel,
+whether it skips blocks, its block and its mask; `format_plan` prints it): the blockwise kernel with block skipping
+(every backend's default) keeps three float32 [N, block, block] arrays of one block pair in its backward (scores/
+probabilities, dP, dS), unskipped three [N, block, T]; plus its float32 dq, dk, dv accumulators [N + 2K, T, H] and
+the [T, T] boolean mask the model builds from segment ids (with tree training: one int per key instead); XLA's
+attention keeps three float32 [N, T, T]; cuDNN only the mask. These are upper estimates of what XLA's GPU/TPU
+buffer assignment keeps alive at once; RESULTS.md records how they compare with compiled figures. Block skipping
+saves time, not memory beyond the block size: the plan counts one block pair whatever is skipped.
+
+Tree training (`actor.tree_training`): rows keep T tokens, now tree tokens, so the per-row activations are the
+flat ones; what changes is the mask (the tree rule, no [T, T] array), the batch arrays (token, head and loss-entry
+arrays: a row's entries are its trajectories' loss tokens, at most `tree_saving` x T) and the number of
+micro-batches (divided by `tree_saving`). `tree_saving` is the lower bound the config guarantees (the prompt shared
+by the n trajectories of a group); ARPO's mid-response branches save more, which only lowers the real figures.
 
 Fit: JAX's budget per device is what the device gives it: the whole HBM on TPU; on a GPU beside a co-located
 vLLM engine (which takes `rollout.vllm.gpu_memory_utilization` of GPU 0) `1 - gpu_memory_utilization - 0.05`
@@ -134,6 +144,9 @@ def shapes_of(cfg, mesh_shape: tuple[int, int, int], rules_name: str, command: s
     rows = workers * rows_per_worker / batch_devices
     seq = cfg.actor.max_token_len_per_device or 2 * (p + r)
     micro = max(1, -(-cfg.actor.ppo_mini_batch_size * cfg.rollout.n // (workers * rows_per_worker)))
+    tree = bool(cfg.actor.tree_training)
+    saving = tree_saving(p, r, cfg.rollout.n) if tree else 1.0
+    micro = max(1, math.ceil(micro / saving))  # the same tokens in fewer rows
     local = max(1, math.prod(mesh_shape) // processes)
     # One sampler call carries one worker's prompts, at most n live trajectories each (branching fills up to n).
     trajectories = cfg.data.train_batch_size // workers * cfg.rollout.n
@@ -142,7 +155,7 @@ def shapes_of(cfg, mesh_shape: tuple[int, int, int], rules_name: str, command: s
                   cfg.rollout.vllm.gpu_memory_utilization, cfg.algorithm.adv_estimator == "gae",
                   bool(cfg.actor.kl_coef) and not cfg.model.ref_on_host, processes,
                   sampler_chunk(_pow2_at_least(trajectories, local), s_len, local, cfg.rollout.jax.max_tokens_per_call),
-                  s_len, cfg.rollout.jax.prefill_chunk, p + r)
+                  s_len, cfg.rollout.jax.prefill_chunk, p + r, tree, saving)
 
 
 def sampler_chunk(batch: int, s_len: int, local: int, budget: int) -> int:
@@ -154,6 +167,14 @@ def sampler_chunk(batch: int, s_len: int, local: int, budget: int) -> int:
     while b * 2 <= batch and b * 2 * s_len <= budget:
         b *= 2
     return b
+
+
+def tree_saving(prompt: int, response: int, n: int) -> float:
+    """Tree training's saving (flat tokens / tree tokens) that a config guarantees: a group's n trajectories share
+    at least their prompt, so a group of full-length trajectories is n (P + R) tokens flat and at most P + n R as a
+    tree. Branches forked mid-response (ARPO, AEPO) share more and shorter trajectories less: the real ratio is
+    `perf/tree_tokens_flat / perf/tree_tokens_computed`, logged each step."""
+    return n * (prompt + response) / (prompt + n * response)
 
 
 def budget_gib(device: str, engine: str, gpu_memory_utilization: float) -> float:
@@ -243,8 +264,9 @@ def analyse(cfg, *, devices: int = 8, command: str | None = None) -> dict:
     r |= {"model": source, "params": plan["sizes"]["total_params"], "mesh": list(mesh_shape),
           "rules": model_cfg.sharding_rules, "command": sh.command, "engine": sh.engine, "seq": sh.seq,
           "rows_per_device": sh.rows, "remat": model_cfg.remat, "attention": plan["attention"],
-          "attention_by_program": {p: ("cached_attention" if p.startswith("sampler") else plan["attention"])
-                                   for p in plan["programs"]},
+          "attention_by_program": plan["attention_by_program"],
+          "tree_training": {"on": sh.tree, "saving_at_least": round(sh.tree_saving, 3),
+                            "micro_batches": sh.micro_batches} if sh.command == "train" else None,
           "sampler_batch": sh.sampler_batch, "sampler_len": sh.sampler_len,
           "programs_gib": {p: {k: round(v / GB, 3) for k, v in items.items()}
                            for p, items in plan["programs"].items()}}
@@ -471,6 +493,15 @@ def plan_config(cfg, *, devices: int = 8, compile_layers: int = 0, command: str 
     return r
 
 
+def _kernel_words(a: dict) -> str:
+    """"blockwise (skip, 512x512 blocks, tree rule)" from `memory_model.attention_kernel`'s dict."""
+    if a["kernel"] != "blockwise":
+        return a["kernel"]
+    b = a["block"]
+    return (f"blockwise (skip, {b}x{b} blocks" if a["skip_blocks"] else f"blockwise (no skip, {b}-query blocks") + \
+        f", {a['mask']})"
+
+
 def format_plan(r: dict) -> str:
     """The per-program table of `plan_config`'s result."""
     progs = list(r["programs_gib"])
@@ -480,7 +511,10 @@ def format_plan(r: dict) -> str:
     lines = [f"{r['model']}: {r['params'] / 1e9:.2f}B params, mesh {tuple(r['mesh'])} rules={r['rules']}, "
              f"remat={r['remat']}, {r['command']} rows/device={r['rows_per_device']:g} x {r['seq']} tokens, "
              f"engine={r['engine'] or '-'}; attention: "
-             + ", ".join(f"{p}={a}" for p, a in r["attention_by_program"].items()),
+             + ", ".join(f"{p}={_kernel_words(a)}" for p, a in r["attention_by_program"].items())
+             + (f"; tree training: rows of tree tokens, saving >= {r['tree_training']['saving_at_least']:g}x "
+                f"(the prompt shared n ways), {r['tree_training']['micro_batches']} micro-batches"
+                if (r.get("tree_training") or {}).get("on") else ""),
              f"device {r['device']}: {r['hbm_gib']} GiB, JAX budget {r['budget_gib']} GiB per device",
              f"{'GiB per device':28s}" + "".join(f"{p:>{width + 1}s}" for p in progs)]
     for k in items:

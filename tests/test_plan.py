@@ -83,7 +83,7 @@ def test_shipped_config_passes_the_cli():
                         "--compile-layers=0"], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    assert r["fits"] and r["headroom"] >= 0.1 and r["attention_by_program"]["update"] == "blockwise"
+    assert r["fits"] and r["headroom"] >= 0.1 and r["attention_by_program"]["update"]["kernel"] == "blockwise"
     assert "attention: update=blockwise" in p.stdout
 
 
@@ -100,10 +100,8 @@ def test_itemised_state_is_what_xla_compiles():
 
 def test_default_attention_is_the_blockwise_kernel_with_bounded_blocks():
     assert resolve_attention(None) == "blockwise" and resolve_attention("cudnn") == "cudnn"
-    assert blockwise_blocks(1024, "cpu") == {}  # the CPU's tuned defaults: numerics unchanged
-    blocks = blockwise_blocks(24000, "tpu")
-    assert blocks["block_size"] == 512 and math.ceil(24000 / blocks["max_blocks"]) <= 512
-    # The accelerator blocks compute the same attention (3 query blocks of 512 here) as the full-scores reference.
+    assert blockwise_blocks(24000, "tpu") == {"block_size": 512, "skip_blocks": True}  # 512 x 512 whatever T
+    # The accelerator blocks compute the same attention (3 x 3 blocks of 512 here) as the full-scores reference.
     b, t, n, k, h = 1, 1100, 4, 2, 16
     q, kk, v = (jax.random.normal(jax.random.key(i), (b, t, m, h)) for i, m in enumerate((n, k, k)))
     seg = (jnp.arange(t) >= 700).astype(jnp.int32)[None]  # two packed segments
@@ -139,3 +137,23 @@ def test_critic_config_plans_the_critic_update():
     upd, critic = r["programs_gib"]["update"], r["programs_gib"]["critic_update"]
     assert upd["critic_params_and_optimizer"] == pytest.approx(3 * upd["params"], rel=1e-3)
     assert critic["grad_accumulator"] == upd["grad_accumulator"] and r["peak_gib"] > 32.23
+
+
+def test_plan_names_the_attention_kernel_per_program_and_accounts_tree_packing():
+    """Which kernel each program runs and whether it skips blocks; with tree training, the tree rule replaces the
+    [T, T] mask and the micro-batches shrink by the saving the config guarantees (its prompt shared n ways)."""
+    flat = _analyse("arpo_qwen3_8b_deepsearch")
+    tree = _analyse("arpo_qwen3_8b_deepsearch", "--config.actor.tree_training=true")
+    assert flat["attention_by_program"]["update"] == {"kernel": "blockwise", "skip_blocks": True, "block": 512,
+                                                      "mask": "[T, T]"}
+    assert tree["attention_by_program"]["logprob_forward"]["mask"] == "tree rule"
+    saving = 16 * (2000 + 10000) / (2000 + 16 * 10000)  # n (P + R) flat tokens, at most P + n R as a tree
+    assert plan.tree_saving(2000, 10000, 16) == pytest.approx(saving)
+    assert tree["tree_training"] == {"on": True, "saving_at_least": round(saving, 3),
+                                     "micro_batches": math.ceil(flat["tree_training"]["micro_batches"] / saving)}
+    t = flat["seq"]  # the tree rule reads one int per key instead of the [T, T] bool mask
+    drop = flat["programs_gib"]["update"]["attention_workspace"] - tree["programs_gib"]["update"]["attention_workspace"]
+    assert drop == pytest.approx((t * t - 4 * t) / plan.GB, abs=2e-3)
+    sampler = _analyse("arpo_qwen25_7b_tpu_v5p8")["attention_by_program"]
+    assert sampler["sampler_decode"] == {"kernel": "cached_attention", "skip_blocks": False}
+    assert sampler["update"]["skip_blocks"]

@@ -382,14 +382,16 @@ def resolve_attention(impl: str | None) -> str:
 
 
 def blockwise_blocks(t: int, backend: str | None = None) -> dict:
-    """Block arguments of `blockwise_causal_attention` for T = `t`. CPU: the kernel's defaults (128-query blocks, at
-    most 8, tuned for 2 cores; unchanged numerics). GPU/TPU: 512-query blocks whatever T, so one block's float32
-    scores are N x 512 x T per row (1.5 GiB at N = 32, T = 24k) instead of T / 8 query rows."""
+    """Block arguments of `blockwise_causal_attention` for T = `t`, per backend. Every backend skips the blocks
+    no query sees (`skip_blocks`: query x key blocks, loops compiled once whatever T). CPU: 128 x 128 blocks
+    (fastest on 2 cores at T = 2048/4096, benchmarks/attention_skip.py). GPU/TPU: 512 x 512 blocks, so one block
+    pair's float32 scores are N x 512 x 512 per row whatever T (the unskipped kernel's were N x 512 x T)."""
     if (backend or jax.default_backend()) == "cpu":
-        return {}
-    return {"block_size": ACCELERATOR_ATTENTION_BLOCK, "max_blocks": max(8, -(-t // ACCELERATOR_ATTENTION_BLOCK))}
+        return {"block_size": CPU_ATTENTION_BLOCK, "skip_blocks": True}
+    return {"block_size": ACCELERATOR_ATTENTION_BLOCK, "skip_blocks": True}
 
 
+CPU_ATTENTION_BLOCK = 128
 ACCELERATOR_ATTENTION_BLOCK = 512
 
 
