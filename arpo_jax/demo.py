@@ -149,6 +149,9 @@ def demo_config(model: str, size: DemoSize, algo: str, seed: int, engine: str):
         cfg.rollout.engine = engine
         cfg.rollout.vllm.python = os.environ.get("ARPO_VLLM_PYTHON", "")
         cfg.rollout.vllm.dtype = "float32"
+        # The vLLM worker holds its KV cache for the whole run: 0.5 GiB is ~8.7k float32 SmolLM2 tokens (vLLM's log),
+        # a step's 32 trajectories of ~235 tokens with their prompts shared (1 GiB, the default, held ~17k).
+        cfg.rollout.vllm.cpu_kv_cache_gb = 0.5
         cfg.rollout.n = size.rl_n
         cfg.rollout.initial_rollouts = size.rl_n // 2
         cfg.rollout.beam_size = 2
