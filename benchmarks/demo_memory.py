@@ -123,6 +123,9 @@ def live_arrays_child(demo_args: list[str], out_file: Path, interval: float = 2.
         while not stop.wait(interval):
             arrays = jax.live_arrays()
             samples.append((round(time.time(), 1), sum(a.nbytes for a in arrays), len(arrays)))
+            # Dropped before the next poll: a list held across polls keeps its arrays alive, and the next list
+            # then holds them too (the first version of this probe kept SFT's state alive for the whole run).
+            del arrays
             out_file.write_text(json.dumps(samples))
 
     threading.Thread(target=poll, daemon=True).start()
