@@ -11,6 +11,12 @@ Restore takes abstract targets (`jax.ShapeDtypeStruct` with a sharding) and orba
 directly, so a checkpoint saved on one mesh shape restores onto another (e.g. (1, 8, 1) -> (2, 2, 2)).
 Saves are asynchronous; an interrupted save leaves a temporary folder that orbax never lists as a step.
 
+Layer layout: the decoder layers are stored stacked (`model.layers.<weight>` [L, ...]). Checkpoints written before
+that hold them per layer (`model.layers.<i>.<weight>`); `restore` reads the saved tree's metadata, restores such a
+step into per-layer targets and stacks each weight onto its target sharding (`_per_layer_target`, `_stack_layers`),
+params and optimizer state alike. The stacking holds a weight's per-layer and stacked copies at once: a transient
+of one stacked weight on top of the restored state.
+
 Integrity: once a step's files are complete, process 0 records their sizes and CRC-32s in `<step>/integrity.json`
 (in a background thread: hashing a 7B model's state takes seconds). Restore checks them first and refuses
 non-finite params, raising `CorruptCheckpointError` (one line: the step, the file, what is wrong) instead of
@@ -145,6 +151,62 @@ def abstract_params(cfg: Config, mesh: Mesh | None = None) -> dict:
     # No mesh: the first local device, whatever topology saved it (e.g. a multi-host run's checkpoint on a laptop).
     one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), nnx.to_pure_dict(state))
+
+
+def _is_decoder(x) -> bool:
+    """A `Decoder`'s pure dict (params, or any param-shaped tree such as Adam's moments)."""
+    return isinstance(x, dict) and "embed_tokens" in x and "layers" in x
+
+
+def _map_decoders(fn, tree, *rest):
+    """`tree` with every decoder dict d replaced by fn(d, *the matching subtrees of `rest`)."""
+    return jax.tree.map(lambda d, *r: fn(d, *r) if _is_decoder(d) else (r[0] if r else d), tree, *rest,
+                        is_leaf=_is_decoder)
+
+
+def _layer_sds(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    """One layer's abstract array of a stacked one (its sharding without the unsplit layer axis)."""
+    s = getattr(x, "sharding", None)
+    if isinstance(s, jax.sharding.NamedSharding):
+        s = jax.sharding.NamedSharding(s.mesh, jax.P(*tuple(s.spec)[1:]))
+    return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=s)
+
+
+def _per_layer_target(target):
+    """The abstract tree of `target` (stacked layers) in the per-layer layout of older checkpoints."""
+    def one(d):
+        n = jax.tree.leaves(d["layers"])[0].shape[0]
+        return {**d, "layers": {i: jax.tree.map(_layer_sds, d["layers"]) for i in range(n)}}
+
+    return _map_decoders(one, target)
+
+
+def _stack_layers(restored, target):
+    """Per-layer restored trees -> the stacked layout of `target`, each weight stacked onto its target sharding
+    (and its per-layer arrays freed as soon as it is)."""
+    def one(t, r):
+        n = len(r["layers"])
+
+        def stack(ts, *xs):
+            out = sharding.stack_onto(xs, getattr(ts, "sharding", None))
+            for x in xs:
+                x.delete()
+            return out
+
+        return {**r, "layers": jax.tree.map(stack, t["layers"], *(r["layers"][i] for i in range(n)))}
+
+    return _map_decoders(one, target, restored)
+
+
+def saved_per_layer(step_dir: Path) -> bool:
+    """Whether a step's params were saved with the layers per layer (`model.layers.<i>`: before stacked storage)."""
+    try:
+        tree = ocp.StandardCheckpointHandler().metadata(step_dir / "params").tree
+    except Exception:  # unreadable metadata: the restore itself reports the damage
+        return False
+    found = []
+    _map_decoders(lambda d: found.append(all(str(k).isdigit() for k in d["layers"])), tree)
+    return any(found)
 
 
 class RestoredState(NamedTuple):
@@ -333,10 +395,16 @@ class Checkpointer:
         config = config or config_from_json(meta["model_config"])
         if params_target is None:
             params_target = abstract_params(config, mesh)
-        items = {"params": ocp.args.StandardRestore(params_target)}
+        per_layer = saved_per_layer(self.step_dir(step))  # an old checkpoint: restore per layer, then stack
+        adapt = _per_layer_target if per_layer else (lambda t: t)
+        items = {"params": ocp.args.StandardRestore(adapt(params_target))}
         if opt_state_target is not None:
-            items["opt_state"] = ocp.args.StandardRestore(opt_state_target)
-        out = self._restore(step, **items)
+            items["opt_state"] = ocp.args.StandardRestore(adapt(opt_state_target))
+        out = dict(self._restore(step, **items))
+        if per_layer:
+            out["params"] = _stack_layers(out["params"], params_target)
+            if opt_state_target is not None:
+                out["opt_state"] = _stack_layers(out["opt_state"], opt_state_target)
         bad = _first_non_finite(out["params"])
         if bad is not None:
             raise CorruptCheckpointError(self.directory, step, f"params/{bad}", "holds NaN or infinite values")

@@ -154,11 +154,11 @@ def tensors(reader, cfg: dict) -> dict[str, hf.TensorSource]:
 
 
 def hf_keys(cfg: dict) -> list[str]:
-    """The HF tensor names of a model with this config.json: the model's own parameter paths."""
+    """The HF tensor names of a model with this config.json: the model's own parameter paths (per layer)."""
     from flax import nnx
 
-    abstract = models.abstract_model(models.config_from_hf(cfg))
-    return [".".join(str(p) for p in path) for path, _ in nnx.to_flat_state(nnx.state(abstract, nnx.Param))]
+    config = models.config_from_hf(cfg)
+    return [key for key, *_ in hf.hf_tensors(nnx.state(models.abstract_model(config), nnx.Param), config.num_layers)]
 
 
 def tokenizer(reader):

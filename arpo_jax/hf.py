@@ -1,12 +1,15 @@
 """HuggingFace folder <-> model params.
 
-Module attribute names mirror HF, so the key table is the model's own state paths: `model.layers.0.mlp.up_proj.weight`
-is the NNX path ('model', 'layers', 0, 'mlp', 'up_proj', 'weight'). Each Param declares its HF shape (`hf_shape`
-metadata), so the per-tensor transform is a shape check and a reshape (never a transpose, which keeps both
-directions at memory-copy speed).
+Module attribute names mirror HF, so the key table is the model's own state paths plus a layer index: the layers are
+stored stacked, and HF's `model.layers.3.mlp.up_proj.weight` is row 3 of the NNX path ('model', 'layers', 'mlp',
+'up_proj', 'weight') [L, F, D] (`hf_tensors`, `transformer.hf_keys`). Each Param declares its (one layer's) HF shape
+(`hf_shape` metadata), so the per-tensor transform is a shape check and a reshape (never a transpose, which keeps
+both directions at memory-copy speed). The public format stays HF's per-layer keys: layers are split and stacked
+here, at the I/O boundary.
 
 Import streams tensor by tensor: each tensor is read from safetensors on the host, cast, and placed straight into its
-target sharding (`jax.make_array_from_callback`), so peak host memory is one tensor, not the model.
+target sharding (`jax.make_array_from_callback`), so peak host memory is one tensor, not the model; a stacked weight's
+L layers are then stacked on the devices (one weight's layers at a time: the transient is one stacked weight).
 Export streams the other way into a `.tmp` folder that is renamed into place only when complete
 (`write_folder_atomically`: only a previous export is ever replaced, never a run or an unrelated folder).
 """
@@ -36,7 +39,7 @@ from safetensors import SafetensorError, safe_open
 
 from arpo_jax import models, sharding
 from arpo_jax.models import hf_config
-from arpo_jax.models.transformer import CausalLM, Config
+from arpo_jax.models.transformer import CausalLM, Config, hf_keys
 
 # Checkpoint keys that carry no parameters and are skipped: RoPE buffers of old checkpoints.
 IGNORED_KEYS = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
@@ -75,8 +78,15 @@ def _safetensors_files(path: Path) -> list[Path]:
     return found
 
 
-def _param_key(path: tuple) -> str:
-    return ".".join(str(p) for p in path)
+def hf_tensors(state: nnx.State, num_layers: int) -> list[tuple[str, tuple, nnx.Variable, int | None]]:
+    """[(HF key, state path, Variable, layer index or None)] of every tensor `state` holds in the HF format: a
+    stacked layer weight [L, ...] gives L keys (`transformer.hf_keys`), the others their own path."""
+    return [(key, tuple(p), var, i) for p, var in nnx.to_flat_state(state) for key, i in hf_keys(p, num_layers)]
+
+
+def layer_value(var: nnx.Variable, i: int | None) -> jax.Array:
+    """The array of one HF tensor: the Variable's value, or layer i of a stacked one."""
+    return var[...] if i is None else var[...][i]
 
 
 def checkpoint_index(path: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
@@ -130,7 +140,7 @@ def place_tensors(tensors: dict[str, TensorSource], cfg: Config, mesh: Mesh | No
     concurrently (reads and host-to-device copies release the GIL), each straight into its target sharding.
     """
     graphdef, abstract = nnx.split(models.abstract_model(cfg))
-    expected = {_param_key(p): v for p, v in nnx.to_flat_state(abstract)}
+    expected = {key: (p, var, i) for key, p, var, i in hf_tensors(abstract, cfg.num_layers)}
     plan = []
     for key, src in tensors.items():
         if any(p.fullmatch(key) for p in IGNORED_KEYS):
@@ -140,7 +150,7 @@ def place_tensors(tensors: dict[str, TensorSource], cfg: Config, mesh: Mesh | No
         if key not in expected:
             raise ValueError(f"{src.origin}: unexpected tensor {key!r} for model_type={cfg.model_type!r} "
                              f"(tie_word_embeddings={cfg.tie_word_embeddings}, layers={cfg.num_layers})")
-        hf_shape = tuple(expected[key].get_metadata()["hf_shape"])
+        hf_shape = tuple(expected[key][1].get_metadata()["hf_shape"])
         if tuple(src.shape) != hf_shape:
             raise ValueError(f"{src.origin}: tensor {key!r} has shape {tuple(src.shape)}, expected {hf_shape}")
         plan.append(key)
@@ -152,19 +162,35 @@ def place_tensors(tensors: dict[str, TensorSource], cfg: Config, mesh: Mesh | No
     rules = sharding.get_rules(cfg.sharding_rules)
     target_dtype = _NP_DTYPES[cfg.param_dtype]
 
-    def load_one(key: str) -> tuple[str, jax.Array]:
-        var = expected[key]
-        host = tensors[key].read().reshape(var.shape).astype(target_dtype, copy=False)
+    def target_of(axes, shape):
         if mesh is None:
-            target = SingleDeviceSharding(jax.devices()[0])
-        else:
-            target = sharding.param_sharding(var.get_metadata()["axes"], var.shape, mesh, rules)
-        # Each device gets only its slice of the host tensor; the host copy is dropped when this returns.
-        return key, jax.make_array_from_callback(var.shape, target, lambda idx: host[idx])
+            return SingleDeviceSharding(jax.devices()[0])
+        return sharding.param_sharding(axes, shape, mesh, rules)
 
+    def load_one(key: str) -> jax.Array:
+        _, var, i = expected[key]
+        axes, shape = tuple(var.get_metadata()["axes"]), var.shape
+        if i is not None:  # one layer of a stacked weight: its own slice of the stacked sharding
+            axes, shape = axes[1:], shape[1:]
+        host = tensors[key].read().reshape(shape).astype(target_dtype, copy=False)
+        # Each device gets only its slice of the host tensor; the host copy is dropped when this returns.
+        return jax.make_array_from_callback(shape, target_of(axes, shape), lambda idx: host[idx])
+
+    by_path: dict[tuple, list[str]] = {}
+    for key, (p, _, _) in expected.items():
+        by_path.setdefault(p, []).append(key)
+    loaded = {}
     with ThreadPoolExecutor(IO_THREADS) as pool:
-        loaded = dict(pool.map(load_one, plan))
-    state = nnx.from_flat_state([(p, v.replace(loaded[_param_key(p)])) for p, v in nnx.to_flat_state(abstract)])
+        for p, keys in by_path.items():  # one stacked weight at a time: its L layers, then their stack
+            arrays = list(pool.map(load_one, keys))
+            var = expected[keys[0]][1]
+            if expected[keys[0]][2] is None:
+                loaded[p] = arrays[0]
+            else:
+                target = target_of(var.get_metadata()["axes"], var.shape)
+                loaded[p] = sharding.stack_onto(arrays, target)
+                del arrays
+    state = nnx.from_flat_state([(p, v.replace(loaded[tuple(p)])) for p, v in nnx.to_flat_state(abstract)])
     return graphdef, state
 
 
@@ -238,7 +264,8 @@ def _shard_plan(entries, max_shard_bytes: int) -> list[list]:
 def export_nbytes(state: nnx.State, dtype: str) -> int:
     """Bytes of the safetensors data `save_state(state, ..., dtype=dtype)` writes (headers and config files aside)."""
     itemsize = np.dtype(_NP_DTYPES[dtype]).itemsize
-    return sum(math.prod(var.get_metadata()["hf_shape"]) * itemsize for _, var in nnx.to_flat_state(state))
+    # A tensor's HF shape is a reshape of its (layer's) array: the bytes are the elements', stacked or not.
+    return sum(math.prod(var.shape) * itemsize for _, var in nnx.to_flat_state(state))
 
 
 def save_state(state: nnx.State, cfg: Config, path: str | os.PathLike, *, tokenizer=None, dtype: str | None = None,
@@ -255,10 +282,10 @@ def save_state(state: nnx.State, cfg: Config, path: str | os.PathLike, *, tokeni
     dtype = dtype or cfg.param_dtype
     np_dtype = np.dtype(_NP_DTYPES[dtype])
     entries = []
-    for p, var in nnx.to_flat_state(state):
+    for key, _, var, i in hf_tensors(state, cfg.num_layers):
         hf_shape = tuple(var.get_metadata()["hf_shape"])
-        key = _param_key(p)
-        value = (lambda v=var: v[...]) if transform is None else (lambda v=var, k=key: transform(k, v[...]))
+        value = ((lambda v=var, i=i: layer_value(v, i)) if transform is None else
+                 (lambda v=var, i=i, k=key: transform(k, layer_value(v, i))))
         fetch = (lambda value=value, s=hf_shape: _to_host(value()).reshape(s).astype(np_dtype, copy=False))
         entries.append((key, hf_shape, np_dtype, fetch))
     if jax.process_index() != 0:

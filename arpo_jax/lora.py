@@ -38,6 +38,7 @@ from arpo_jax.models.transformer import (  # noqa: F401  (lora.LoRAParam, lora.a
     LoRAParam,
     lora_letters,
     lora_linears,
+    split_layer_key,
 )
 from arpo_jax.models.transformer import attach_lora as attach  # noqa: F401
 from arpo_jax.models.transformer import lora_scale as scale  # noqa: F401
@@ -125,13 +126,17 @@ def _param_key(path) -> str:
     return ".".join(str(p) for p in path)
 
 
-def _delta(lin: Linear) -> jax.Array:
-    """scale * B A in the weight's own layout and shape (float32)."""
+def _delta(lin: Linear, i: int | None = None) -> jax.Array:
+    """scale * B A in the weight's own layout and shape (float32): of layer i of a stacked Linear, or of all its
+    layers (i None; a per-layer Linear's own)."""
     ins, outs = lora_letters(lin)
     ws = lin.spec.split("->")[0].split(",")[1]
-    r = next(c for c in "zyxwvu" if c not in lin.spec)
-    d = jnp.einsum(f"{outs}{r},{r}{ins}->{ws}", lin.lora_b[...].astype(jnp.float32),
-                   lin.lora_a[...].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    r, n = [c for c in "zyxwvu" if c not in lin.spec][:2]
+    a, b = lin.lora_a[...].astype(jnp.float32), lin.lora_b[...].astype(jnp.float32)
+    if i is not None:
+        a, b = a[i], b[i]
+    lead = n if a.ndim == len(ins) + 2 else ""  # the stacked layers' axis
+    d = jnp.einsum(f"{lead}{outs}{r},{lead}{r}{ins}->{lead}{ws}", b, a, precision=jax.lax.Precision.HIGHEST)
     return lin.lora_scale * d
 
 
@@ -140,23 +145,32 @@ def base_state(model: CausalLM) -> nnx.State:
     return nnx.split(model, LoRAParam, nnx.Param)[2]
 
 
-def _merged_weight(lin: Linear) -> jax.Array:
-    """W + scale * B A of one adapted Linear, in W's dtype (the sum in float32)."""
-    w = lin.weight[...]
-    return (w.astype(jnp.float32) + _delta(lin)).astype(w.dtype)
+def _merged(w: jax.Array, lin: Linear, i: int | None = None) -> jax.Array:
+    """W + scale * B A (see `_delta`), in W's dtype (the sum in float32)."""
+    return (w.astype(jnp.float32) + _delta(lin, i)).astype(w.dtype)
+
+
+def _adapted(model: CausalLM) -> dict[str, Linear]:
+    """{state key of the weight (dotted path): its Linear} of every adapted Linear."""
+    return {_param_key((*path, "weight")): lin for path, lin in lora_linears(model, model.config)}
 
 
 def merged_export(model: CausalLM):
-    """(the base params of `model`, the config without adapters, a `transform(key, array)` that merges each adapted
-    weight as `hf.save_state` writes it): the merged HF export, one merged tensor in memory at a time."""
-    merged = {_param_key((*path, "weight")): lin for path, lin in lora_linears(model, model.config)}
-    transform = lambda key, w: _merged_weight(merged[key]) if key in merged else w
+    """(the base params of `model`, the config without adapters, a `transform(HF key, array)` that merges each adapted
+    weight as `hf.save_state` writes it): the merged HF export, one merged tensor (one layer) in memory at a time."""
+    adapted = _adapted(model)
+
+    def transform(key, w):
+        state_key, i = split_layer_key(key)
+        return _merged(w, adapted[state_key], i) if state_key in adapted else w
+
     return base_state(model), base_config(model.config), transform
 
 
 def merged_state(model: CausalLM) -> tuple[nnx.State, Config]:
     """(the params of `model` with each adapter merged into its weight, all at once; the config without adapters).
     Exports use `merged_export`, which merges a tensor at a time."""
-    state, cfg, transform = merged_export(model)
-    flat = [(p, v.replace(transform(_param_key(p), v[...]))) for p, v in nnx.to_flat_state(state)]
-    return nnx.from_flat_state(flat), cfg
+    adapted = _adapted(model)
+    flat = [(p, v.replace(_merged(v[...], adapted[_param_key(p)]) if _param_key(p) in adapted else v[...]))
+            for p, v in nnx.to_flat_state(base_state(model))]
+    return nnx.from_flat_state(flat), base_config(model.config)

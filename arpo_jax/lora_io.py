@@ -77,10 +77,11 @@ def save_peft(model: CausalLM, path: str | os.PathLike, *, base_model: str = "",
     if not cfg.lora_rank:
         raise ValueError("the model has no LoRA adapters (model.lora.rank = 0): nothing to export as PEFT")
     entries = []
-    for p, var in nnx.to_flat_state(nnx.state(model, LoRAParam)):
+    for key, _, var, i in hf.hf_tensors(nnx.state(model, LoRAParam), cfg.num_layers):  # per layer, as HF's keys
         shape = tuple(var.get_metadata()["hf_shape"])
-        fetch = (lambda v=var, s=shape: hf._to_host(v[...]).reshape(s).astype(np.float32, copy=False))
-        entries.append((_peft_key(p), shape, np.dtype(np.float32), fetch))
+        fetch = (lambda v=var, i=i, s=shape: hf._to_host(hf.layer_value(v, i)).reshape(s).astype(np.float32,
+                                                                                                copy=False))
+        entries.append((_peft_key(tuple(key.split("."))), shape, np.dtype(np.float32), fetch))
 
     def fill(tmp: Path) -> None:
         hf._write_safetensors(tmp / ADAPTER_WEIGHTS, entries, threads=1)
@@ -124,20 +125,23 @@ def load_peft(model: CausalLM, path: str | os.PathLike, *, mesh: Mesh | None = N
     tensors = hf.folder_tensors(path) if (path / ADAPTER_WEIGHTS).is_file() else {}
     if not tensors:
         raise FileNotFoundError(f"{path / ADAPTER_WEIGHTS} not found")
-    expected = {_peft_key(p): (p, v) for p, v in nnx.to_flat_state(abstract)}
+    expected = {_peft_key(tuple(key.split("."))): (p, v, i) for key, p, v, i in hf.hf_tensors(abstract, cfg.num_layers)}
     unknown = sorted(set(tensors) - set(expected))
     missing = sorted(set(expected) - set(tensors))
     if unknown or missing:
         raise ValueError(f"{path}: adapter tensors do not match the model and {ADAPTER_CONFIG}: "
                          f"unexpected {unknown[:3]}, missing {missing[:3]}")
     rules = sharding.get_rules(cfg.sharding_rules)
-    flat = []
-    for key, (p, var) in expected.items():
+    hosts: dict[tuple, list[np.ndarray]] = {}
+    for key, (p, var, _) in expected.items():
         src = tensors[key]
         if tuple(src.shape) != tuple(var.get_metadata()["hf_shape"]):
             raise ValueError(f"{path}: tensor {key!r} has shape {tuple(src.shape)}, expected "
                              f"{tuple(var.get_metadata()['hf_shape'])}")
-        host = np.asarray(src.read(), np.float32).reshape(var.shape)
+        hosts.setdefault(p, []).append(np.asarray(src.read(), np.float32))  # layers in order (`hf_tensors`)
+    flat = []
+    for p, var in nnx.to_flat_state(abstract):
+        host = np.stack(hosts[tuple(p)]).reshape(var.shape)  # the stacked layers' adapters (small: rank r)
         target = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
                   else sharding.param_sharding(var.get_metadata()["axes"], var.shape, mesh, rules))
         flat.append((p, var.replace(jax.device_put(host, target))))

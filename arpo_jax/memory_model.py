@@ -1,13 +1,12 @@
 """The itemised memory model behind `arpo-jax plan` (`plan.py`): per device and per program, the bytes of each
 thing alive at that program's peak, from the config's shapes and the run's sharding rules; no device, no compile.
 
-Programs: the policy update, the old/ref log-prob forward, the critic's update (`adv_estimator=gae`) and, with
-the JAX engine, the sampler's prefill and decode. Items: params, optimizer state, gradient buffers (float32
-accumulator + one micro-batch's), the per-call stacked copy of the layer params (`CausalLM.stacked_layers`), the
-gathered layer and unembedding and their gradients, the activations remat keeps, the recomputed layer's working
-set, the attention workspace, the log-prob head's chunk, KV cache and sampler weights. Sharded sizes are exact;
-activation sizes are a model of what a GPU/TPU compiler keeps (plan.py's docstring gives the model, and
-benchmarks/RESULTS.md how it compares with compiled figures).
+Programs: the policy update, the old/ref log-prob forward, the critic's update (`adv_estimator=gae`) and, with the
+JAX engine, the sampler's prefill and decode. Items: params, optimizer state, gradient buffers (float32 accumulator
++ one micro-batch's), the gathered layer and unembedding and their gradients, the activations remat keeps, the
+recomputed layer's working set, the attention workspace, the log-prob head's chunk, KV cache and sampler weights.
+Sharded sizes are exact; activation sizes are a model of what a GPU/TPU compiler keeps (plan.py's docstring gives
+the model, and benchmarks/RESULTS.md how it compares with compiled figures).
 """
 
 from __future__ import annotations
@@ -196,7 +195,6 @@ def update_items(c: models.Config, s: Sizes, sh: Shapes, backend: str, impl: str
         "optimizer_state": 2 * s.params * pb,  # AdamW mu and nu, shaped and sharded like the params
         "grad_accumulator": s.params * 4,  # float32, sharded like the params
         "micro_batch_grads": s.params * pb,  # one micro-batch's gradients before they are added
-        "stacked_layers": s.layer_params * pb,  # CausalLM.stacked_layers: a copy of every layer per call
         "gathered_layer_and_grad": s.layer_full * (cb + 4),  # FSDP: one whole layer in compute dtype + its grad
         "gathered_unembed_and_grad": s.unembed_full * (cb + 4),
         "remat_activations": c.num_layers * r * t * _remat_saved(c, s.tensor) * cb,
@@ -214,7 +212,6 @@ def forward_items(c: models.Config, s: Sizes, sh: Shapes, backend: str, impl: st
     t, r = sh.seq, sh.rows
     return {
         "params": s.params * pb, "optimizer_state": 2 * s.params * pb,
-        "stacked_layers": s.layer_params * pb,
         "gathered_layer_and_grad": s.layer_full * cb,
         "gathered_unembed_and_grad": s.unembed_full * cb,
         "layer_working_set": r * t * (4 * d + qkv + 3 * f) * cb,
@@ -235,22 +232,21 @@ def sampler_items(c: models.Config, s: Sizes, sh: Shapes, local_devices: int) ->
     rows (`rollout.jax.max_tokens_per_call` bounds it), train state resident.
 
     The sampler holds a copy of the weights in the compute dtype (`jax_sampler.decode_weights`: the whole model over
-    each process's local devices) and its cache between calls; each call stacks the layers once; a prefill chunk
-    attends over the whole cache (`cached_attention`): float32 scores [B, N, chunk, S]; the regather builds the new
-    cache beside the old one."""
+    each process's local devices; the layers stored stacked, so no per-call copy) and its cache between calls; a
+    prefill chunk attends over the whole cache (`cached_attention`): float32 scores [B, N, chunk, S]; the regather
+    builds the new cache beside the old one."""
     pb, cb = jnp.dtype(c.param_dtype).itemsize, jnp.dtype(c.dtype).itemsize
     resident = {"params": s.params * pb, "optimizer_state": 2 * s.params * pb,
                 "sampler_params": s.total_params * cb / local_devices}
     kv = kv_cache_bytes(c, sh, local_devices)
-    stacked = s.layer_params * cb * (s.total_params / local_devices) / max(s.params, 1)
     b_dev = sh.sampler_batch / local_devices
     return {
         "sampler_prefill": resident | {
-            "kv_cache": kv, "sampler_stacked_layers": stacked,
+            "kv_cache": kv,
             "prefill_scores": 2 * 4 * b_dev * c.num_heads * sh.prefill_chunk * sh.sampler_len},
         "sampler_regather": resident | {"kv_cache": kv, "kv_cache_new": kv},
         "sampler_decode": resident | {
-            "kv_cache": kv, "sampler_stacked_layers": stacked,
+            "kv_cache": kv,
             "decode_logits": 3 * 4 * b_dev * c.vocab_size},
     }
 

@@ -2,14 +2,13 @@
 
 Two parts:
 
-* **The itemised model** (`itemise`): per device and per program (the policy update, the old/ref log-prob forward,
-  the critic's update with `adv_estimator=gae`, and with the JAX engine the sampler's prefill and decode), the
-  bytes of each thing alive at that program's peak: params, optimizer state, gradient buffers (float32 accumulator
-  + one micro-batch's), the per-call stacked copy of the layer params (`CausalLM.stacked_layers`), the gathered
-  layer and unembedding and their gradients, the activations remat keeps, the recomputed layer's working set, the
-  attention workspace, the log-prob head's chunk, KV cache and sampler weights. Sharded sizes are exact (the same
-  rules table as the run, `sharding.logical_to_spec`); activation sizes are a model of what a GPU/TPU compiler
-  keeps (below). It needs no device and no compile: `jax_mem_fraction` uses it at launch.
+* **The itemised model** (`itemise`): per device and per program (the policy update, the old/ref log-prob forward, the
+  critic's update with `adv_estimator=gae`, and with the JAX engine the sampler's prefill and decode), the bytes of
+  each thing alive at that program's peak: params, optimizer state, gradient buffers (float32 accumulator + one
+  micro-batch's), the gathered layer and unembedding and their gradients, the activations remat keeps, the recomputed
+  layer's working set, the attention workspace, the log-prob head's chunk, KV cache and sampler weights. Sharded sizes
+  are exact (the same rules table as the run, `sharding.logical_to_spec`); activation sizes are a model of what a
+  GPU/TPU compiler keeps (below). It needs no device and no compile: `jax_mem_fraction` uses it at launch.
 * **The compiled check** (`compile_check`): the update and the log-prob forward (and the sampler's prefill and
   decode for the JAX engine, `compile_sampler`) are lowered and compiled at the config's real widths and lengths
   on fake CPU devices with abstract inputs (nothing allocated), with a reduced layer count for compile time, and
@@ -213,12 +212,10 @@ _FIXES = {
     "optimizer_state": "more devices in mesh.shape (FSDP), or mesh.rules=fsdp_tp with a tensor axis",
     "params": "more devices in mesh.shape", "grad_accumulator": "more devices in mesh.shape",
     "micro_batch_grads": "more devices in mesh.shape",
-    "stacked_layers": "stacked layer storage (issue 31 item 3), or more devices",
     "kv_cache": "a smaller rollout.jax.max_tokens_per_call (the sampler's batch in chunks)",
     "kv_cache_new": "a smaller rollout.jax.max_tokens_per_call (the sampler's batch in chunks)",
     "prefill_scores": "a smaller rollout.jax.prefill_chunk or rollout.jax.max_tokens_per_call",
     "sampler_params": "more devices per host (each host's sampler holds the whole model in the compute dtype)",
-    "sampler_stacked_layers": "stacked layer storage (issue 31 item 3), or more devices per host",
     "critic_params_and_optimizer": "more devices in mesh.shape",
 }
 

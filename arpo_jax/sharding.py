@@ -15,6 +15,7 @@ failing, because a real model's head counts rarely divide every mesh.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -124,6 +125,20 @@ def state_shardings(abstract_state, mesh: Mesh, rules: dict, *, abstract: bool =
         return var.replace(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=s) if abstract else s)
 
     return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _stack(*xs):
+    return jax.numpy.stack(xs)
+
+
+@functools.lru_cache(maxsize=64)
+def _stacker(target):
+    return jax.jit(_stack, out_shardings=target)  # one wrapper per sharding: compiled once per shape
+
+
+def stack_onto(arrays: Sequence[jax.Array], target: jax.sharding.Sharding | None) -> jax.Array:
+    """`jnp.stack(arrays)` placed straight into `target` (e.g. per-layer arrays -> a stacked weight)."""
+    return _stacker(target)(*arrays)
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None], rules_name: str) -> jax.Array:

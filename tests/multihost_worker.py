@@ -156,9 +156,9 @@ def weight_sync(engine: str, delay: float, process_id: int, port: int, hf_dir: s
         sampler.update_weights(nnx.merge(graphdef, params))
         if engine == "files":
             gathered = multihost_utils.process_allgather(params, tiled=True)
-            for path, value in nnx.to_flat_state(gathered):
-                key = hf._param_key(path)
-                want = np.asarray(value[...]).reshape(sampler.engine.loaded[key].shape)
+            n_layers = nnx.merge(graphdef, params).config.num_layers
+            for key, _, value, i in hf.hf_tensors(gathered, n_layers):  # HF's per-layer tensors
+                want = np.asarray(hf.layer_value(value, i)).reshape(sampler.engine.loaded[key].shape)
                 assert np.array_equal(sampler.engine.loaded[key], want), f"step {step}: {key} is not this step's"
         else:
             results = sampler.generate([SampleRequest(list(map(int, p)), n_new) for p in prompts], greedy)

@@ -38,8 +38,8 @@ def test_save_on_one_mesh_restore_on_another(tiny_hf_dir, tmp_path):
         assert ckpt.latest_step() == 7
         restored, restored_opt, meta = ckpt.restore(mesh=mesh_b, opt_state_target=target_opt)
     assert meta["data_position"] == 123 and meta["step"] == 7
-    q = restored["model"]["layers"][0]["self_attn"]["q_proj"]["weight"]
-    assert q.sharding.mesh.shape == mesh_b.shape and q.sharding.spec == jax.P("tensor", None, "fsdp")
+    q = restored["model"]["layers"]["self_attn"]["q_proj"]["weight"]  # stacked [L, ...]: the layer axis never split
+    assert q.sharding.mesh.shape == mesh_b.shape and q.sharding.spec == jax.P(None, "tensor", None, "fsdp")
     for a, b in zip(_leaves(params), _leaves(restored)):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(_leaves(opt_state), _leaves(restored_opt)):
@@ -214,3 +214,49 @@ def test_save_state_round_trip_and_sft_checkpoints_of_the_old_metadata_format(tm
         assert x.sharding == s
     assert (int(old.state.step), int(old.state.skipped), old.position) == (8, 3, DataPosition(2, 0))
     assert critic.position is None and int(critic.state.step) == 5
+
+
+def test_per_layer_checkpoints_of_before_stacked_layers_restore_stacked(tmp_path):
+    """A checkpoint written when the layers were stored per layer (`model.layers.<i>.<weight>`, params and Adam
+    moments alike) restores into the stacked layout, in the target's shardings, with every value where it was."""
+    from arpo_jax import models
+    from arpo_jax import train_step as ts
+
+    cfg = models.Config(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
+                        num_heads=2, num_kv_heads=1, head_dim=16, qkv_bias=True, sharding_rules="fsdp_tp")
+    model = models.init_model(cfg, seed=0)
+    _, params = ts.split_model(model)
+    opt = optax.adamw(1e-3)
+    opt_state = jax.jit(lambda p: opt.update(jax.tree.map(lambda x: 0.01 + x, p), opt.init(p), p)[1])(params)
+
+    def per_layer(tree):  # the old layout, as nnx.to_pure_dict wrote an nnx.List of layers: int keys
+        def one(d):
+            if not (isinstance(d, dict) and "layers" in d and "embed_tokens" in d):
+                return d
+            return {**d, "layers": {i: jax.tree.map(lambda x, i=i: np.asarray(x)[i], d["layers"])
+                                    for i in range(cfg.num_layers)}}
+        return jax.tree.map(one, tree, is_leaf=lambda d: isinstance(d, dict) and "embed_tokens" in d)
+
+    old = per_layer(params)
+    assert set(old["model"]["layers"]) == {0, 1, 2} and old["model"]["layers"][1]["mlp"]["up_proj"]["weight"].ndim == 2
+    with checkpoint.Checkpointer(tmp_path / "c") as ckpt:
+        ckpt.save(4, old, config=cfg, opt_state=per_layer(opt_state))
+        ckpt.save(5, params, config=cfg, opt_state=opt_state)  # the stacked layout: restored as is
+    assert checkpoint.saved_per_layer(tmp_path / "c" / "4") and not checkpoint.saved_per_layer(tmp_path / "c" / "5")
+
+    mesh = sharding.make_mesh((1, 4, 2))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    shardings = ts.state_shardings(opt, ts.param_shardings(cfg, mesh), abstract, mesh)
+    target = ts.abstract_train_state(opt, abstract, shardings)
+    with checkpoint.Checkpointer(tmp_path / "c", create=False) as ckpt:
+        for step in (4, 5):
+            got = ckpt.restore_state(step, target).state
+            assert jax.tree.structure(got.params) == jax.tree.structure(params)
+            for a, b in zip(_leaves((params, opt_state)), _leaves((got.params, got.opt_state)), strict=True):
+                np.testing.assert_array_equal(a, b)
+            for x, s in zip(jax.tree.leaves((got.params, got.opt_state)),
+                            jax.tree.leaves((shardings.params, shardings.opt_state)), strict=True):
+                assert x.sharding == s
+        again = ckpt.restore_model(4)  # no mesh, the stored config: as an export of an old run reads it
+    for a, b in zip(_leaves(params), _leaves(ts.split_model(again)[1]), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -172,8 +172,8 @@ def _grads(graphdef, params, batch, cfg, mesh=None):
     new, metrics = critic.jit_value_step(graphdef, TINY, cfg, SGD, mesh, shardings)(state, {k: v[0] for k, v in
                                                                                           batch.items()})
     if mesh is not None:
-        leaf = new.params["backbone"]["model"]["layers"][0]["mlp"]["up_proj"]["weight"]
-        assert leaf.sharding == p_sh["backbone"]["model"]["layers"][0]["mlp"]["up_proj"]["weight"]
+        leaf = new.params["backbone"]["model"]["layers"]["mlp"]["up_proj"]["weight"]
+        assert leaf.sharding == p_sh["backbone"]["model"]["layers"]["mlp"]["up_proj"]["weight"]
         assert not leaf.sharding.is_fully_replicated
     grads = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), params, new.params)
     return grads, {k: float(v) for k, v in metrics.items()}, np.asarray(values)

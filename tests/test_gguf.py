@@ -48,12 +48,11 @@ def write_gguf(path, model: arpo_jax.CausalLM, qtype=gguf.GGMLQuantizationType.F
                                         {"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[arch],
                                         cfg.num_layers)
     expected = {}
-    for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        key = ".".join(map(str, p))
+    for key, _, var, i in hf.hf_tensors(nnx.state(model, nnx.Param), cfg.num_layers):  # HF's per-layer tensors
         if key == skip:
             continue
         hf_shape = tuple(var.get_metadata()["hf_shape"])
-        x = np.asarray(var[...], np.float32).reshape(hf_shape)
+        x = np.asarray(hf.layer_value(var, i), np.float32).reshape(hf_shape)
         base, suffix = key.rsplit(".", 1)
         head = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads}.get(base.split(".")[-1])
         stored = _permute(x, head) if head and arch == "llama" else x
@@ -82,8 +81,8 @@ def _random_k_quant(shape, qtype) -> np.ndarray:
 
 
 def _params(model) -> dict[str, np.ndarray]:
-    return {".".join(map(str, p)): np.asarray(v[...]).reshape(v.get_metadata()["hf_shape"])
-            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    return {key: np.asarray(hf.layer_value(v, i)).reshape(v.get_metadata()["hf_shape"])
+            for key, _, v, i in hf.hf_tensors(nnx.state(model, nnx.Param), model.config.num_layers)}
 
 
 @pytest.mark.parametrize("variant,qtype", [("llama32_tied", "F32"), ("llama32_tied", "Q4_K"), ("qwen2", "Q8_0"),

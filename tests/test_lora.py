@@ -53,12 +53,13 @@ def test_zero_b_is_the_base_model_exactly(tiny):
     lp = ts.jit_forward_logprobs(graphdef, model.config)(params, batch)[0]
     np.testing.assert_array_equal(np.asarray(lp), np.asarray(lp_base))
     # Adapters on every target, float32 over the base, A [r, in...] / B [out..., r], B zero.
-    q = model.model.layers[0].self_attn.q_proj
+    q = model.layer(0).self_attn.q_proj
     assert q.lora_a.shape == (RANK, base.config.hidden_size) and q.lora_a.dtype == jnp.float32
     assert q.lora_b.shape == (*q.weight.shape[:2], RANK) and not np.any(np.asarray(q.lora_b[...]))
-    o = model.model.layers[0].self_attn.o_proj
+    o = model.layer(0).self_attn.o_proj
     assert o.lora_a.shape == (RANK, *o.weight.shape[1:]) and o.lora_b.shape == (o.weight.shape[0], RANK)
-    assert len(lora.trainable_paths(model.config)) == 2 * len(LORA_TARGETS) * base.config.num_layers
+    assert len(lora.trainable_paths(model.config)) == 2 * len(LORA_TARGETS)  # A, B per target, stacked over layers
+    assert model.model.layers.self_attn.q_proj.lora_a.shape == (base.config.num_layers, RANK, base.config.hidden_size)
     assert model.lm_head.lora_a is None  # the head stays frozen
     # The check can fail: a non-zero B changes the logits.
     assert not np.allclose(np.asarray(_logits(_randomize_b(model), ids)), base_logits, atol=1e-3)
@@ -67,7 +68,7 @@ def test_zero_b_is_the_base_model_exactly(tiny):
 def test_targets_and_config_validation(tiny):
     _, _, base = tiny
     model = lora.with_adapters(base, RANK, ALPHA, targets=("v_proj", "down_proj"))
-    layer = model.model.layers[1]
+    layer = model.layer(1)
     assert layer.self_attn.v_proj.lora_a is not None and layer.mlp.down_proj.lora_b is not None
     assert layer.self_attn.q_proj.lora_a is None and layer.mlp.up_proj.lora_a is None
     with pytest.raises(ValueError, match="lora_targets"):
@@ -85,9 +86,9 @@ def test_unmerged_forward_equals_merged_weights(tiny):
     ids = _ids()
     np.testing.assert_allclose(np.asarray(_logits(merged, ids)), np.asarray(_logits(model, ids)), atol=1e-5, rtol=0)
     # The merged weight of q_proj by hand: W [N, H, D] + s * B [N, H, r] A [r, D].
-    q = model.model.layers[0].self_attn.q_proj
+    q = model.layer(0).self_attn.q_proj
     expect = q.weight[...] + (ALPHA / RANK) * np.einsum("nhr,rd->nhd", q.lora_b[...], q.lora_a[...])
-    np.testing.assert_allclose(np.asarray(merged.model.layers[0].self_attn.q_proj.weight[...]), expect, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(merged.layer(0).self_attn.q_proj.weight[...]), expect, atol=1e-6)
 
 
 def _rollout_batch(graphdef, params, model_cfg, n=8, seed=0):
@@ -138,17 +139,17 @@ def test_sharded_lora_step_equals_single_device(tiny):
                                                                                mini)
     mesh = sharding.make_mesh((2, 2, 2))
     p_sh = ts.param_shardings(model.config, mesh)
-    lq = p_sh["model"]["layers"][0]["self_attn"]["q_proj"]
+    lq = p_sh["model"]["layers"]["self_attn"]["q_proj"]  # stacked [L, ...]: the layer axis unsplit
     # A follows the base weight's input axis (embed -> fsdp), B its output axes (heads -> tensor); rank unsplit.
-    assert lq["lora_a"].spec == jax.sharding.PartitionSpec(None, "fsdp")
-    assert lq["lora_b"].spec == jax.sharding.PartitionSpec("tensor", None, None)
-    ld = p_sh["model"]["layers"][0]["mlp"]["down_proj"]
-    assert ld["lora_a"].spec == jax.sharding.PartitionSpec(None, "tensor")
-    assert ld["lora_b"].spec == jax.sharding.PartitionSpec("fsdp", None)
+    assert lq["lora_a"].spec == jax.sharding.PartitionSpec(None, None, "fsdp")
+    assert lq["lora_b"].spec == jax.sharding.PartitionSpec(None, "tensor", None, None)
+    ld = p_sh["model"]["layers"]["mlp"]["down_proj"]
+    assert ld["lora_a"].spec == jax.sharding.PartitionSpec(None, None, "tensor")
+    assert ld["lora_b"].spec == jax.sharding.PartitionSpec(None, "fsdp", None)
     sharded_params = jax.tree.map(jax.device_put, params, p_sh)
     shardings = ts.state_shardings(opt, p_sh, sharded_params, mesh)
     state = ts.init_train_state(sharded_params, opt, shardings)
-    mu = state.opt_state[1][0].mu["model"]["layers"][0]["self_attn"]["q_proj"]["lora_b"]
+    mu = state.opt_state[1][0].mu["model"]["layers"]["self_attn"]["q_proj"]["lora_b"]
     assert mu.sharding == lq["lora_b"] and not mu.sharding.is_fully_replicated
     new_state, metrics = ts.jit_train_step(graphdef, model.config, cfg, opt, mesh, shardings)(state, mini)
     for x, y in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(ref_state.params)):

@@ -151,8 +151,8 @@ def test_sharded_step_equals_single_device(tiny, mesh_shape):
     p_sh = ts.param_shardings(model_cfg, mesh)
     shardings = ts.state_shardings(opt, p_sh, sharded_params, mesh)
     state = ts.init_train_state(sharded_params, opt, shardings)
-    mu = state.opt_state[1][0].mu["model"]["layers"][0]["mlp"]["up_proj"]["weight"]
-    assert mu.sharding == p_sh["model"]["layers"][0]["mlp"]["up_proj"]["weight"] and not mu.sharding.is_fully_replicated
+    mu = state.opt_state[1][0].mu["model"]["layers"]["mlp"]["up_proj"]["weight"]
+    assert mu.sharding == p_sh["model"]["layers"]["mlp"]["up_proj"]["weight"] and not mu.sharding.is_fully_replicated
     step = ts.jit_train_step(graphdef, model_cfg, cfg, opt, mesh, shardings)
     new_state, metrics = step(state, mini)
     assert new_state.params["lm_head"]["weight"].sharding == p_sh["lm_head"]["weight"]

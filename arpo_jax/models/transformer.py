@@ -5,9 +5,13 @@ embeddings), so they share this module; `qwen.py` and `llama.py` read their HF c
 
 Parameter layout follows HuggingFace exactly up to a free reshape (no transposes): a Linear weight is stored as
 `[out..., in...]` (e.g. q_proj `[N, H, D]` for HF's `[N*H, D]`) and applied with an einsum. Module attribute
-names equal HF's, so an NNX state path *is* the HF key (`model.layers.3.self_attn.q_proj.weight`). Import and
-export are therefore a reshape per tensor, and every Param carries `axes` (logical sharding names) and
-`hf_shape` metadata, declared once here and used by sharding, conversion and checkpointing.
+names equal HF's, so an NNX state path is the HF key up to the layer index: the decoder layers are stored stacked,
+one array per weight with a leading [L] layer axis (`model.layers.self_attn.q_proj.weight` [L, N, H, D] holds HF's
+`model.layers.{i}.self_attn.q_proj.weight` for every i; `hf_keys` / `split_layer_key` map between the two), so
+`lax.scan` runs over them without a per-call stacked copy. Import and export are therefore a reshape per tensor
+(and a layer index), and every Param carries `axes` (logical sharding names, None for the layer axis: never split)
+and `hf_shape` (one layer's HF shape) metadata, declared once here and used by sharding, conversion and
+checkpointing.
 
 Shape letters: B batch, T query length, S key length, D hidden, N query heads, K kv heads, H head dim,
 F MLP width, V vocab, L layers.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any, NamedTuple
 
 import jax
@@ -81,7 +86,8 @@ class Config:
     attention_impl: str | None = None
     sharding_rules: str = "fsdp_tp"  # name of a table in arpo_jax.sharding.RULES
     # Run the layers as one `lax.scan` over their stacked params (compiled once, whatever the depth) instead of a
-    # Python loop (one copy of the layer per layer in the program). Params stay per layer either way.
+    # Python loop (one copy of the layer per layer in the program, each reading its slice of the stacked params).
+    # The params are stored stacked either way.
     scan_layers: bool = True
     # LoRA adapters (`arpo_jax.lora`): rank 0 = none; else float32 A [r, in...] and B [out..., r] on the Linears
     # named in lora_targets, scaled by lora_alpha / lora_rank. Part of the model's structure (its params, shardings
@@ -183,10 +189,12 @@ def input_major_linears(model: nnx.Module) -> nnx.Module:
     """Stores every Linear's weight inputs first (`[in..., out...]`, HF's transpose) and rewrites its einsum to
     match: the same products, in the layout XLA's CPU matmul (XNNPACK) reads in place. From the HF layout it
     copies the weight transposed before every matmul, which in a batch-32 decode step cost ~20% of its CPU time
-    (benchmarks/RESULTS.md, issue 20). The LM head keeps its layout (`unembedding`). For the sampler's own copy
-    only: the HF key == param path design, import, export and checkpoints keep the HF layout (`hf_shape` is
-    unchanged). In place; returns the model.
+    (benchmarks/RESULTS.md, issue 20). The layers are unstacked first (`unstack_layers`: this copy runs them
+    unrolled). The LM head keeps its layout (`unembedding`). For the sampler's own copy only: the HF key == param
+    path design, import, export and checkpoints keep the HF layout (`hf_shape` is unchanged). In place; returns the
+    model.
     """
+    unstack_layers(model)
     for path, module in nnx.iter_graph(model):
         if isinstance(module, Linear) and tuple(path) != ("lm_head",):  # `logits` applies the head itself
             spec, perm = _input_major(module.spec)
@@ -448,8 +456,68 @@ class Embed(nnx.Module):
 class Decoder(nnx.Module):
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
         self.embed_tokens = Embed(cfg, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        # Initialised layer by layer (the same random draws as per-layer storage), stored stacked.
+        self.layers = stack_layers([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg, cfg.hidden_size, rngs=rngs)
+
+
+# Stacked layer storage: `Decoder.layers` is one DecoderLayer whose every Variable has a leading [L] axis.
+
+LAYERS_PATH = ("model", "layers")
+_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
+    """One DecoderLayer holding `layers`' Variables stacked on a new leading axis (logical axis None: not split)."""
+    graphdef, _ = nnx.split(layers[0])
+
+    def stack(*vs):
+        return vs[0].replace(jnp.stack([v[...] for v in vs]), axes=(None, *vs[0].get_metadata()["axes"]))
+
+    return nnx.merge(graphdef, jax.tree.map(stack, *(nnx.state(layer) for layer in layers), is_leaf=_is_var))
+
+
+def layer_slice(state: nnx.State, i) -> nnx.State:
+    """Layer i's Variables of a stacked layers state (index static or traced), with their per-layer metadata."""
+    return jax.tree.map(lambda v: v.replace(v[...][i], axes=tuple(v.get_metadata()["axes"][1:])), state,
+                        is_leaf=_is_var)
+
+
+def is_stacked_path(path) -> bool:
+    """Whether a state path (tuple of keys) is inside the stacked layers."""
+    return tuple(path[:2]) == LAYERS_PATH and (len(path) < 3 or not isinstance(path[2], int))
+
+
+def hf_keys(path, num_layers: int) -> list[tuple[str, int | None]]:
+    """[(HF key, layer index or None)] that the state path `path` holds: one key per layer for a stacked weight
+    (`model.layers.q.weight` -> `model.layers.0.q.weight`, ...), else the path itself."""
+    key = ".".join(str(p) for p in path)
+    if not is_stacked_path(path):
+        return [(key, None)]
+    rest = ".".join(str(p) for p in path[2:])
+    return [(f"model.layers.{i}.{rest}", i) for i in range(num_layers)]
+
+
+def split_layer_key(key: str) -> tuple[str, int | None]:
+    """The inverse of `hf_keys`: (state path as a dotted key, layer index or None) of an HF key."""
+    m = _LAYER_KEY.fullmatch(key)
+    return (f"model.layers.{m.group(2)}", int(m.group(1))) if m else (key, None)
+
+
+def unstack_layers(model: CausalLM) -> CausalLM:
+    """Stores the layers as a list of L per-layer modules (in place; a no-op if they already are): a copy for a
+    program that runs the layers unrolled many times (the JAX sampler on CPU), where XLA's CPU backend would copy
+    each layer's slice out of the stacked arrays before every matmul. Returns the model."""
+    layers = model.model.layers
+    if isinstance(layers, DecoderLayer):
+        graphdef, state = nnx.split(layers)
+        model.model.layers = nnx.List([nnx.merge(graphdef, layer_slice(state, i))
+                                       for i in range(model.config.num_layers)])
+    return model
 
 
 def default_positions(attention_mask: jax.Array | None, segment_ids: jax.Array | None, shape) -> jax.Array:
@@ -517,18 +585,30 @@ def lora_linears(model: nnx.Module, cfg: Config):
 
 def attach_lora(model: CausalLM, rngs: nnx.Rngs) -> None:
     """Gives each targeted Linear of `model` its adapters (in place): A ~ U(-1/sqrt(in), 1/sqrt(in)) as PEFT's
-    default (kaiming-uniform with a = sqrt(5)), B = 0."""
+    default (kaiming-uniform with a = sqrt(5)), B = 0. A stacked Linear (the layers') gets stacked adapters
+    [L, r, in...] / [L, out..., r], drawn layer by layer as per-layer storage drew them."""
     cfg = model.config
     r = cfg.lora_rank
-    for _, lin in list(lora_linears(model, cfg)):
+    linears = [lin for _, lin in lora_linears(model, cfg)]
+    shapes = []
+    for lin in linears:
         ins, outs = lora_letters(lin)
         ws, w = lin.spec.split("->")[0].split(",")[1], lin.weight
-        in_shape, in_axes = tuple(w.shape[ws.index(c)] for c in ins), tuple(w.axes[ws.index(c)] for c in ins)
-        out_shape, out_axes = tuple(w.shape[ws.index(c)] for c in outs), tuple(w.axes[ws.index(c)] for c in outs)
-        bound = 1.0 / math.sqrt(math.prod(in_shape))
-        a = jax.random.uniform(rngs.params(), (r, *in_shape), jnp.float32, -bound, bound)
-        lin.lora_a = LoRAParam(a, axes=(None, *in_axes), hf_shape=(r, math.prod(in_shape)))
-        lin.lora_b = LoRAParam(jnp.zeros((*out_shape, r), jnp.float32), axes=(*out_axes, None),
+        lead = w.ndim - len(ws)  # 1 for the stacked layers' Linears
+        axes, shape = tuple(w.axes)[lead:], w.shape[lead:]
+        in_shape, in_axes = tuple(shape[ws.index(c)] for c in ins), tuple(axes[ws.index(c)] for c in ins)
+        out_shape, out_axes = tuple(shape[ws.index(c)] for c in outs), tuple(axes[ws.index(c)] for c in outs)
+        shapes.append((w.shape[:lead], in_shape, in_axes, out_shape, out_axes, (None,) * lead))
+    n = max((math.prod(s[0]) for s in shapes), default=1)
+    draws = [[] for _ in linears]
+    for _ in range(n):  # layer-major, then Linear: the order of per-layer storage
+        for j, (_, in_shape, *_rest) in enumerate(shapes):
+            bound = 1.0 / math.sqrt(math.prod(in_shape))
+            draws[j].append(jax.random.uniform(rngs.params(), (r, *in_shape), jnp.float32, -bound, bound))
+    for lin, (lead, in_shape, in_axes, out_shape, out_axes, lead_axes), a in zip(linears, shapes, draws):
+        a = jnp.stack(a).reshape(*lead, r, *in_shape)
+        lin.lora_a = LoRAParam(a, axes=(*lead_axes, None, *in_axes), hf_shape=(r, math.prod(in_shape)))
+        lin.lora_b = LoRAParam(jnp.zeros((*lead, *out_shape, r), jnp.float32), axes=(*lead_axes, *out_axes, None),
                                hf_shape=(math.prod(out_shape), r))
         lin.lora_scale = lora_scale(cfg)
 
@@ -578,19 +658,31 @@ class CausalLM(nnx.Module):
                 body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
             x, _ = jax.lax.scan(body, x, stacked)
         else:
-            for layer in self.model.layers:
+            for layer in self.layer_modules():
                 x = _remat_layer(cfg.remat)(layer, x, positions, mask)
         return self.model.norm(x)
 
     def stacked_layers(self):
-        """(graphdef of one layer, the layers' states stacked on a leading [L] axis), for `lax.scan` over layers.
-
-        The stack is a copy made inside the traced function (params are stored per layer, keyed as HF); a caller
-        that runs many steps (the sampler) makes it once per call and passes it to `extend_hidden`.
-        """
+        """(graphdef of one layer, the layers' state with its leading [L] axis), for `lax.scan` over layers: the
+        stored params themselves (no copy). Only a per-layer copy (`unstack_layers`) is stacked here, a copy."""
         layers = self.model.layers
+        if isinstance(layers, DecoderLayer):
+            return nnx.split(layers)
         graphdef, _ = nnx.split(layers[0])
         return graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.state(layer) for layer in layers))
+
+    def layer(self, i: int) -> DecoderLayer:
+        """Layer i as a per-layer module: a view of the stacked params (a slice of each: a copy, outside jit), or the
+        module itself after `unstack_layers`."""
+        layers = self.model.layers
+        if not isinstance(layers, DecoderLayer):
+            return layers[i]
+        graphdef, state = nnx.split(layers)
+        return nnx.merge(graphdef, layer_slice(state, i))
+
+    def layer_modules(self) -> list[DecoderLayer]:
+        """The L layers as per-layer modules (`layer`), for the unrolled paths."""
+        return [self.layer(i) for i in range(self.config.num_layers)]
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits `[B, T, V]` from hidden states (the matmul accumulates in float32)."""
@@ -621,7 +713,7 @@ class CausalLM(nnx.Module):
                       ) -> tuple[jax.Array, KVCache]:
         """`extend` without the vocab projection: (final-norm hidden states [B, T, D], cache). A sampler that
         needs logits at one position per row projects only those ([B, T, V] would dominate prefill memory).
-        `layers`: `stacked_layers()` made once by a caller that extends many times (scan_layers only).
+        `layers`: `stacked_layers()` taken once by a caller that extends many times (scan_layers only).
 
         The cache's k / v may also be tuples of L per-layer arrays [B, K, S, H] (`KVCache.per_layer`): the layers
         then run unrolled, each reading and writing its own buffer in place. XLA's CPU backend copies a layer's
@@ -645,7 +737,7 @@ class CausalLM(nnx.Module):
         k_all, v_all = cache.k, cache.v
         if isinstance(k_all, tuple):
             k_all, v_all = list(k_all), list(v_all)
-            for i, layer in enumerate(self.model.layers):
+            for i, layer in enumerate(self.layer_modules()):
                 x, k_all[i], v_all[i] = layer.extend(x, positions, mask, k_all[i], v_all[i], None, start, self_mask)
             k_all, v_all = tuple(k_all), tuple(v_all)
         elif self.config.scan_layers:
@@ -660,7 +752,7 @@ class CausalLM(nnx.Module):
             n = self.config.num_layers
             (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (stacked, jnp.arange(n, dtype=jnp.int32)))
         else:
-            for i, layer in enumerate(self.model.layers):
+            for i, layer in enumerate(self.layer_modules()):
                 x, k_all, v_all = layer.extend(x, positions, mask, k_all, v_all, i, start, self_mask)
         last_valid = jnp.max(jnp.where(valid, jnp.arange(t)[None] + 1, 0), axis=1)
         return self.model.norm(x), KVCache(k_all, v_all, kv_pos, cache.lengths + last_valid.astype(jnp.int32))

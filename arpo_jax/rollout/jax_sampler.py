@@ -165,7 +165,7 @@ def _decode_chunk(graphdef, state, cache, h, active, ngen, row_ids, ctx_lens, li
     model = nnx.merge(graphdef, state)
     layers = None
     if not isinstance(cache.k, tuple) and model.config.scan_layers:
-        layers = model.stacked_layers()  # once per call, not per step
+        layers = model.stacked_layers()  # the stored stacked params (no copy), split once per call
     base = jax.random.key(seed)
     row_keys = jax.vmap(lambda i, c: jax.random.fold_in(jax.random.fold_in(base, i), c))(row_ids, ctx_lens)
 
@@ -244,10 +244,10 @@ def _counted(name, fn):
 
 def _cpu_layout() -> bool:
     """Whether to lay the sampler out for XLA's CPU backend, which copies what its matmuls read unless it is laid out
-    as they want: Linear weights inputs first (`input_major_linears`, once per weights) and the layers unrolled
-    over per-layer cache buffers (`KVCache.per_layer`, the cache's layout from allocation on), instead of a copy of
-    every weight (HF layout, or a slice of the stacked layers) and of every layer's cache at every step, and a
-    stack of all the layers' weights per prefill or decode call. At batch 32 on SmolLM2 that was about a third of
+    as they want: Linear weights inputs first and per layer (`input_major_linears`, which also unstacks the stored
+    stacked layers; once per weights) and the layers unrolled over per-layer cache buffers (`KVCache.per_layer`, the
+    cache's layout from allocation on), instead of a copy of every weight (HF layout, or a slice of the stacked
+    layers) and of every layer's cache at every step. At batch 32 on SmolLM2 that was about a third of
     a decode step's CPU time (benchmarks/RESULTS.md, issue 20). The price is compiles that grow with depth;
     accelerators' matmuls read either layout, so they keep the scan."""
     return jax.default_backend() == "cpu"
