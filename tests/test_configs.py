@@ -152,6 +152,9 @@ BAD = [  # (overrides, problem's field, words the message must contain, validate
      "actor.rollout_correction.mode", "needs rollout.temperature=1", {}),
     (dict(rollout__vllm__engines=-1), "rollout.vllm.engines", "0 (one per tensor-parallel group", {}),
     (dict(rollout__vllm__tensor_parallel_size=0), "rollout.vllm.tensor_parallel_size", ">= 1", {}),
+    (dict(rollout__max_staleness=-1), "rollout.max_staleness", "0 (synchronous) | 1 (one step off-policy)", {}),
+    (dict(rollout__max_staleness=1, algorithm__dynamic_sampling=True), "rollout.max_staleness",
+     "algorithm.dynamic_sampling=false", {"process_count": 2}),
 ]
 
 
