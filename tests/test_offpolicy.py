@@ -1,14 +1,17 @@
 """Off-policy rollouts (`rollout.max_staleness`): the weight-sync schedule and the rollout that runs ahead.
 
-The trainer runs with it in tests/test_trainer.py (vLLM, overlapped) and tests/test_trainer_rollouts.py (the JAX
-engine: the same schedule without the overlap, and a resume with a rollout generated ahead)."""
+The trainer runs with it here (the JAX engine: the same schedule without the overlap, and a resume with a rollout
+generated ahead) and in tests/test_trainer.py (vLLM, overlapped)."""
 
 import threading
 
 import pytest
 
+from arpo_jax import config as config_lib
+from arpo_jax import trainer as trainer_lib
 from arpo_jax.experience import RolloutAhead
 from arpo_jax.trainer import sync_due
+from tests.test_trainer_rollouts import TEXT_REWARD
 
 
 def _versions(max_staleness: int, steps: int) -> list[int]:
@@ -74,3 +77,41 @@ def test_rollout_ahead_without_overlap_runs_at_start_and_reports_errors_at_take(
         ahead.start(5, lambda: "r5")
         assert ahead.take(4) is None
         ahead.close()
+
+
+@pytest.mark.slow  # two trainers (compiles) on the toy config
+def test_jax_engine_schedule_and_a_resume_with_a_rollout_generated_ahead(tmp_path):
+    """max_staleness = 1 with the JAX engine (the same schedule as vLLM's, without the thread): step k trains on a
+    rollout generated with the weights of step k-1. Its engine log-probs then differ from the trainer's (at
+    staleness 0 they are the same model code and weights: equal), and the rollout correction is on.
+
+    A run stopped after step 2 holds step 3's rollout, generated ahead: it is dropped, and the resumed run starts at
+    that batch's data position with the resumed weights (the step's seeds are (seed, step, worker)): no batch lost,
+    none trained twice. (Only the resumed run's state is checked: its step would compile the update again.)
+    """
+    reward = tmp_path / "reward.py"
+    reward.write_text(TEXT_REWARD)
+    cfg = config_lib.load_config([
+        "--config=builtin:toy_cpu", f"--config.reward.custom_path={reward}", "--config.trainer.progress=false",
+        "--config.trainer.loggers=('jsonl',)", "--config.trainer.max_steps=3", "--config.rollout.max_staleness=1"])
+    tr = trainer_lib.Trainer(cfg, tmp_path / "run")
+    try:
+        calls, collect = [], tr._collect
+        tr._collect = lambda step, pos: calls.append((step, pos.to_dict(), tr.weights_version)) or collect(step, pos)
+        records = [tr.train_step(), tr.train_step()]
+        tr.save()  # stopped here: step 3's rollout, generated ahead, is lost with the process
+        tr.checkpoints.wait()
+    finally:
+        tr.close()
+    assert [(s, v) for s, _, v in calls] == [(0, 0), (1, 0), (2, 1)]  # step k+1's rollout: step k's weights
+    assert [(r["rollout/weights_version"], r["rollout/staleness"]) for r in records] == [(0, 0), (0, 1)]
+    # The JAX engine runs the trainer's model code: same weights, same log-probs up to rounding; stale: not.
+    assert records[0]["rollout_corr/abs_logp_diff_max"] < 1e-5 and records[1]["rollout_corr/abs_logp_diff_mean"] > 1e-3
+    assert all(r["rollout_corr/tokens"] > 0 and r["actor/grad_norm"] > 0 for r in records)
+
+    resumed = trainer_lib.Trainer(cfg, tmp_path / "run")
+    try:
+        assert (resumed.step, resumed.position.to_dict(), resumed.weights_version) == (2, calls[2][1], 2)
+        assert resumed.ahead.take(2) is None  # so its first step generates the dropped batch now, with version 2
+    finally:
+        resumed.close()
