@@ -189,8 +189,10 @@ class Trainer:
         if stop is not None and stop.requested():  # the signal came during the last step: it is saved, stop as asked
             raise stop.stopped(self.checkpoints.save_for_stop(self.step, self.save))
         self.checkpoints.wait()
-        export = tr.export_hf and str(hf.save_pretrained(nnx.merge(self.policy.graphdef, self.state.params),
-                                                         self.workdir / "hf", tokenizer=self.tokenizer)) or None
+        export = None
+        if tr.export_hf:
+            export = str(hf.save_pretrained(nnx.merge(self.policy.graphdef, self.state.params), self.workdir / "hf",
+                                            tokenizer=self.tokenizer))
         summary = {"steps": self.step, "total_steps": self.total_steps, "reward_mean": last.get("reward/mean"),
                    "val": {k: v for k, v in val.items() if k.startswith("val/")}, "hf_export": export,
                    "wall_s": round(time.perf_counter() - t_start, 1), "workdir": str(self.workdir),
