@@ -9,6 +9,7 @@ the step; rollout and reward are the step's rollout's own times, wherever it ran
 during the previous step's update), so with overlap rollout_wait ~ max(0, rollout + reward - the main thread's work).
 
   flock /tmp/heavy.lock python benchmarks/offpolicy.py --workdir /tmp/offpolicy_bench [--steps 5] [--engine vllm]
+      [--override actor.ppo_epochs=8 ...]
 
 Prints one line per run, then a final JSON line with every run's per-phase means, the speed-up of each staleness
 over staleness 0, and what the synchronous run's phases predict (`predict`): the step time and the idle fractions of
@@ -35,7 +36,7 @@ PHASES = ("rollout_wait", "rollout_ahead", "advantages", "pack", "old_logprob", 
           "rollout", "reward")
 
 
-def run(workdir: Path, staleness: int, steps: int, engine: str) -> dict:
+def run(workdir: Path, staleness: int, steps: int, engine: str, overrides: list[str]) -> dict:
     """One training run; the per-phase means over its steps after the first."""
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
@@ -44,7 +45,7 @@ def run(workdir: Path, staleness: int, steps: int, engine: str) -> dict:
     cmd = [sys.executable, "-m", "arpo_jax.cli", "train", "--config=builtin:toy_cpu", f"--workdir={workdir}",
            f"--config.reward.custom_path={reward}", f"--config.trainer.max_steps={steps}",
            "--config.trainer.save_freq=0", "--config.trainer.progress=false", "--config.trainer.loggers=('jsonl',)",
-           f"--config.rollout.engine={engine}", f"--config.rollout.max_staleness={staleness}"]
+           f"--config.rollout.engine={engine}", f"--config.rollout.max_staleness={staleness}", *overrides]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"PYTHONUNBUFFERED": "1"})
     wall = time.perf_counter() - t0
@@ -63,16 +64,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--engine", default="vllm", choices=("vllm", "jax"))
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--override", nargs="*", default=[], help="more config overrides, e.g. actor.ppo_epochs=8")
     args = parser.parse_args()
     runs = []
     for s in args.staleness:
-        r = run(Path(args.workdir) / f"s{s}", s, args.steps, args.engine)
+        r = run(Path(args.workdir) / f"s{s}", s, args.steps, args.engine, [f"--config.{o}" for o in args.override])
         print(f"max_staleness={s}: step {r['step_s']} s (rollout {r['rollout']} s, update {r['update']} s, "
               f"waited for the rollout {r['rollout_wait']} s, weight sync {r['weight_sync']} s; "
               f"run {r['run_wall_s']} s)", flush=True)
         runs.append(r)
     base = runs[0]["step_s"]
-    print(json.dumps({"engine": args.engine, "steps": args.steps, "load_avg": os.getloadavg()[0],
+    print(json.dumps({"engine": args.engine, "steps": args.steps, "overrides": args.override,
+                      "load_avg": os.getloadavg()[0],
                       "speedup_vs_first": {r["max_staleness"]: round(base / r["step_s"], 3) for r in runs},
                       "predicted": predict(runs[0]), "runs": runs}))
 
