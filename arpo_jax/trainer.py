@@ -19,7 +19,8 @@ One training step (`Trainer.train_step`), phase by phase, each timed as `time/<p
                totals of the whole mini-batch over every worker;
   old_logprob  old (and, with a KL loss, reference) log-probs with the pre-update params;
   update       `ppo_epochs` x K optimizer steps (the critic's first, with GAE);
-  weight_sync  the sampler gets the new weights;
+  weight_sync  the sampler gets the new weights (with rollout.max_staleness > 0 after the next step's rollout, run
+               ahead during this step, has ended: `rollout_wait`);
   metrics      then a checkpoint every `save_freq` steps and validation (greedy, n = 1, per data_source) every
                `test_freq` steps (`run`).
 The host-side maths of reward, advantages and pack are pure functions in `experience`.
