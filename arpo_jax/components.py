@@ -125,10 +125,13 @@ def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=
 
 def rollout_correction_mode(cfg) -> str:
     """`actor.rollout_correction.mode` with "auto" resolved: truncate (TIS) for vLLM, off for the JAX engine (the
-    trainer's own model code) and for vLLM at a temperature other than 1 (its log-probs are temperature 1's)."""
+    trainer's own model code) unless its rollouts are off-policy (`rollout.max_staleness` > 0), off for vLLM at a
+    temperature other than 1 (its log-probs are temperature 1's)."""
     mode = cfg.actor.rollout_correction.mode
     if mode == "auto":
-        return "truncate" if cfg.rollout.engine == "vllm" and cfg.rollout.temperature == 1 else "off"
+        if cfg.rollout.engine == "vllm":
+            return "truncate" if cfg.rollout.temperature == 1 else "off"
+        return "truncate" if cfg.rollout.get("max_staleness", 0) > 0 else "off"
     return mode
 
 

@@ -506,6 +506,12 @@ def _check_rollout(ck: _Checker, command: str, process_count: int | None) -> Non
                                                   f"data.max_response_length = {p + r})", f"0 (no limit) or >= {p + r}")
     else:
         ck.require("rollout.jax.max_tokens_per_call", _nonneg, "0 (no limit) or a token count")
+    ck.require("rollout.max_staleness", _nonneg, "0 (synchronous) | 1 (one step off-policy) | 2 | ...")
+    if (ck.get("rollout.max_staleness") or 0) > 0 and (process_count or 1) > 1 and ck.get("algorithm.dynamic_sampling"):
+        # Dynamic sampling agrees on its extra draws across processes (collectives); from the rollout thread they
+        # would interleave with the update's own collectives.
+        ck.add("rollout.max_staleness", f"{ck.get('rollout.max_staleness')} with several processes does not support "
+               "algorithm.dynamic_sampling", "0, or algorithm.dynamic_sampling=false")
     ck.require("rollout.vllm.gpu_memory_utilization", lambda v: 0 < v < 1, "0 < x < 1")
     ck.require("rollout.vllm.cpu_kv_cache_gb", _nonneg, _NONNEG)
     ck.require("rollout.vllm.engines", _nonneg, "0 (one per tensor-parallel group of the host's GPUs) or a count")

@@ -2,14 +2,15 @@
 
 `Trainer.train_step` calls them in order, per rollout worker:
 
-  rollout     `collect`: this step's rollouts of every local worker, with dynamic sampling's extra draws;
+  rollout     `collect`: this step's rollouts of every local worker, with dynamic sampling's extra draws (with
+              `rollout.max_staleness` > 0 collected during the previous step's update: `RolloutAhead`);
   reward      `score_rollout` (decode, score: spec 7.2), `shape_rollout` (failures and overlong responses masked,
               the DAPO overlong penalty), `select_groups` (dynamic sampling's pick over several draws);
   advantages  `outcome_advantages` (GRPO family, per prompt group: spec 8.1), or with a critic `gae_inputs` ->
               `gae` -> `response_to_tokens` (spec 8.2), all as token-aligned arrays per trajectory;
   pack        `layout` (where each sequence sits in [K, M, B, T]) and `worker_batch` (the worker's block of the
               global batch, loss weights from the totals of every worker: `packing.loss_weights`);
-  metrics     `rollout_metrics`, `update_metrics`, `trajectory_records`.
+  metrics     `rollout_metrics`, `update_metrics`, `trajectory_records`, `validation_metrics`.
 
 Nothing here touches a device, a model or another process: what needs them (the rollout itself, the critic's
 values, totals over all processes, whitening over the global batch) is passed in.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -102,6 +104,56 @@ def collect(batch_at: Callable[[DataPosition], dict[int, list]], roll: Callable[
     return trajs, position, {"dynamic_sampling/kept_fraction": float(counts[0] / max(counts[1], 1)),
                              "dynamic_sampling/extra_rounds": float(extra),
                              "dynamic_sampling/filled_groups": float(counts[2])}
+
+
+@dataclasses.dataclass
+class Collected:
+    """One step's rollout and reward (`collect`), with what its step logs about it."""
+
+    trajs: dict[int, Trajectories]  # per local rollout worker
+    position: DataPosition  # the data position after its batches
+    metrics: dict  # dynamic sampling's and the tools' metrics of this rollout
+    seconds: dict[str, float]  # its phases' times (rollout, reward), wherever it ran
+    weights_version: int  # the policy step whose weights the engine generated it with
+
+
+class RolloutAhead:
+    """`rollout.max_staleness` > 0: the next step's rollout, started while this step updates and taken by the next.
+
+    `overlap`: in a background thread (an engine in another process: vLLM; the thread waits on it, and JAX releases
+    the GIL while the update runs); without it the rollout runs at `start`, before the update (the JAX engine shares
+    the devices with the update: the same schedule and results, without the overlap). At most one is in flight."""
+
+    def __init__(self, overlap: bool):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead") if overlap else None
+        self._step, self._future = None, None
+
+    def start(self, step: int, run: Callable[[], Collected]) -> None:
+        assert self._future is None, "one rollout in flight at most"
+        self._step = step
+        if self._pool is not None:
+            self._future = self._pool.submit(run)
+            return
+        self._future = Future()
+        try:
+            self._future.set_result(run())
+        except Exception as e:  # raised by `take`, where the step that needs it runs
+            self._future.set_exception(e)
+
+    def wait(self) -> None:
+        """Until the rollout in flight (if any) has ended: the engine is idle and its weights may change."""
+        if self._future is not None:
+            wait([self._future])
+
+    def take(self, step: int) -> Collected | None:
+        """Step `step`'s rollout if it was started ahead (its error, if it failed), else None."""
+        future, started = self._future, self._step
+        self._step = self._future = None
+        return future.result() if future is not None and started == step else None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -291,6 +343,17 @@ def worker_batch(traj: Trajectories, token_arrays: dict[str, list[np.ndarray]], 
 # ------------------------------------------------------------------------------------------------------------------
 # metrics
 # ------------------------------------------------------------------------------------------------------------------
+
+
+def validation_metrics(scores: np.ndarray, sources: list[str], n: int) -> dict[str, float]:
+    """Validation's [N] scores (every process's) -> the mean reward and accuracy (score > 0) over all samples, and
+    the mean reward per data source (`mean@n`: n samples per prompt)."""
+    out = {"val/reward/mean": float(np.mean(scores)), "val/accuracy": float(np.mean(scores > 0)),
+           "val/samples": len(scores)}
+    for src in sorted(set(sources)):
+        sel = np.asarray([s == src for s in sources])
+        out[f"val/{src}/reward/mean@{n}"] = float(np.mean(scores[sel]))
+    return out
 
 
 def rollout_metrics(trajs: list[Trajectories], *, overlong_mask: bool = False,

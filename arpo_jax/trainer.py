@@ -2,7 +2,7 @@
 
 `Trainer.__init__` is the setup and the resume (the run skeleton it shares with SFT is `skeleton.py`), `Trainer.run`
 the loop (stop protocol, step, validation, metrics, checkpoints), `Trainer.train_step` one step; below the class,
-the setup helpers and `GlobalBatch`, the layout of the step's batch over workers and processes.
+the setup helpers; `global_batch.GlobalBatch` is the layout of the step's batch over workers and processes.
 
 One training step (`Trainer.train_step`), phase by phase, each timed as `time/<phase>`:
   rollout      a batch of `data.train_batch_size` prompts (seeded shuffle per epoch, drop_last); every process
@@ -19,10 +19,18 @@ One training step (`Trainer.train_step`), phase by phase, each timed as `time/<p
                totals of the whole mini-batch over every worker;
   old_logprob  old (and, with a KL loss, reference) log-probs with the pre-update params;
   update       `ppo_epochs` x K optimizer steps (the critic's first, with GAE);
-  weight_sync  the sampler gets the new weights;
+  weight_sync  the sampler gets the new weights (with rollout.max_staleness > 0 after the next step's rollout, run
+               ahead during this step, has ended: `rollout_wait`);
   metrics      then a checkpoint every `save_freq` steps and validation (greedy, n = 1, per data_source) every
                `test_freq` steps (`run`).
 The host-side maths of reward, advantages and pack are pure functions in `experience`.
+
+Off-policy rollouts (`rollout.max_staleness` = S > 0): as soon as a step has its batch, the next step's rollout
+(and reward) starts in a background thread (`experience.RolloutAhead`) with the weights the engine holds, and runs
+while this step's advantages, old log-probs and update run; the weight sync waits for it (`time/rollout_wait`), so
+an engine never reloads in the middle of a rollout. Step k thus trains on a rollout generated with the weights of
+step k-1 (`rollout/weights_version`, `rollout/staleness`), corrected by the engine's log-probs
+(`actor.rollout_correction`). S = 0 is the synchronous loop.
 
 Randomness is a pure function of (seed, step, worker), and the data position is stored in every checkpoint, so a
 run killed at any moment resumes from its newest checkpoint and ends with the parameters an uninterrupted run
@@ -32,9 +40,9 @@ would have.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
-import math
 import os
 import time
 import zlib
@@ -44,22 +52,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from arpo_jax import (
     algos,
     distributed,
     experience,
+    global_batch,
     hf,
     lora,
-    packing,
     paths,
     rewards,
     run_guard,
     runtime,
     sharding,
     skeleton,
-    tree_packing,
 )
 from arpo_jax import config as config_lib
 from arpo_jax import critic as critic_lib
@@ -110,13 +117,11 @@ class Trainer:
         self.logprob_fn = ts.jit_forward_logprobs(self.policy.graphdef, self.model_cfg, chunk=cfg.actor.logprob_chunk,
                                                   temperature=upd.temperature, mesh=self.mesh,
                                                   tree=cfg.actor.tree_training)
-        self.batches = GlobalBatch(cfg, self.mesh, self.model_cfg, self.workers, self.local_workers)
+        self.batches = global_batch.GlobalBatch(cfg, self.mesh, self.model_cfg, self.workers, self.local_workers)
         self.ref_logprobs = reference_logprobs(params, cfg, self.model_cfg, self.logprob_fn, upd.temperature, self.mesh)
-        self.critic = None
-        if cfg.algorithm.adv_estimator == "gae":
-            self.critic = critic_lib.Critic(critic_config(cfg), self.model_cfg, self.mesh, self.policy.abstract,
-                                            updates, self.workdir / "critic_checkpoints",
-                                            keep=cfg.trainer.keep_checkpoints)
+        self.critic = None if cfg.algorithm.adv_estimator != "gae" else critic_lib.Critic(
+            critic_config(cfg), self.model_cfg, self.mesh, self.policy.abstract, updates,
+            self.workdir / "critic_checkpoints", keep=cfg.trainer.keep_checkpoints)
 
         # Resume, or start: the policy's and the critic's newest intact step, with the data position.
         self.checkpoints = skeleton.RunCheckpoints(
@@ -139,9 +144,12 @@ class Trainer:
                                             self.state.params, sync=self.step > 0 or bool(cfg.model.init_checkpoint))
         self.logger = skeleton.open_logger(cfg, self.workdir, resume_step=latest, enabled=self.is_main)
         self.timers = metrics_lib.PhaseTimer()
-        f = cfg.rollout.failures
-        self.failures = experience.FailureBudget(f.max_fraction, f.max_skipped_steps)  # skips steps of failures
+        self.failures = experience.FailureBudget(cfg.rollout.failures.max_fraction,  # skips steps of failures
+                                                 cfg.rollout.failures.max_skipped_steps)
         self.rollout_states = {w: RolloutState() for w in self.local_workers}  # B1 compat, see `_rollout`
+        # Off-policy rollouts (rollout.max_staleness): the next step's rollout runs while this step updates.
+        self.max_staleness, self.weights_version = cfg.rollout.max_staleness, self.step  # engine: step's weights
+        self.ahead = rollout_ahead(cfg, upd.rollout_correction)
 
     def run(self, stop: run_guard.StopSignals | None = None) -> dict:
         """Trains to `total_steps`: each step, then validation every `test_freq` steps, metrics, a checkpoint every
@@ -188,25 +196,25 @@ class Trainer:
             export = str(hf.save_pretrained(nnx.merge(self.policy.graphdef, self.state.params), self.workdir / "hf",
                                             tokenizer=self.tokenizer))
         summary = {"steps": self.step, "total_steps": self.total_steps, "reward_mean": last.get("reward/mean"),
-                   "val": {k: v for k, v in val.items() if k.startswith("val/")},
+                   "val": {k: v for k, v in val.items() if k.startswith("val/")}, "hf_export": export,
                    "wall_s": round(time.perf_counter() - t_start, 1), "workdir": str(self.workdir),
-                   "checkpoints": str(self.checkpoints.main.directory), "metrics": str(self.workdir / "metrics.jsonl"),
-                   "hf_export": export}
+                   "checkpoints": str(self.checkpoints.main.directory), "metrics": str(self.workdir / "metrics.jsonl")}
         if self.is_main:
             (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
     def train_step(self) -> dict:
-        """One RL step, phase by phase (each timed under its name: `time/<phase>`). Returns its metrics."""
+        """One RL step, phase by phase (each timed under its name: `time/<phase>`). Returns its metrics. With
+        `rollout.max_staleness` > 0 the next step's rollout runs in the background from its start to the sync."""
         cfg, timers = self.cfg, self.timers
         timers.reset()
         t0 = time.perf_counter()
-        # rollout -> reward, per draw: dynamic sampling needs the rewards to decide whether to draw again.
-        trajs, position, sampling_metrics = experience.collect(
-            self._batch_examples, self._rollout_and_reward, self.position, steps_per_epoch=self.steps_per_epoch,
-            need=cfg.data.train_batch_size // self.workers, dynamic=cfg.algorithm.dynamic_sampling,
-            max_extra_rounds=cfg.algorithm.max_extra_rounds, agree_max=distributed.agree_max,
-            gather=distributed.gather)
+        with timers("rollout_wait"):  # 0 when it was generated ahead and is already done
+            got = self.ahead.take(self.step) or self._collect(self.step, self.position)
+        if self.max_staleness and not self._done(self.step + 1, got.position):  # the next rollout, in the background
+            with timers("rollout_ahead"):  # ~0 s; the JAX engine's whole rollout (it runs here, without overlap)
+                self.ahead.start(self.step + 1, functools.partial(self._collect, self.step + 1, got.position))
+        trajs = got.trajs
         failed = distributed.gather(np.concatenate([t.failed for t in trajs.values()]).astype(np.float32))
         skip = self.failures.skip(failed, self.step + 1)
         minis, pack_metrics = [], {}
@@ -215,30 +223,36 @@ class Trainer:
                 token_arrays = self._advantages(trajs)
             with timers("pack"):
                 minis, pack_metrics = self.batches.pack(trajs, token_arrays)
-            if minis:  # the sampler gets new weights after the update: free its copy and cache meanwhile
+            if minis and sync_due(self.weights_version, self.step, self.max_staleness):
+                # The sampler gets new weights after the update: free its copy and cache meanwhile (the JAX engine's
+                # rollout ahead has already run; an engine in another process does not sleep).
                 self.sampler.sleep()
             with timers("old_logprob"):
                 minis = [self._old_logprobs(batch) for batch in minis]
         with timers("update"):
             step_metrics, critic_metrics = self._update(minis)
+        with timers("rollout_wait"):
+            self.ahead.wait()  # the next step's rollout ends before the engine's weights change
         with timers("weight_sync"):
-            if minis:
-                sync_weights(self.sampler, cfg, self.policy, self.state.params)
-        self.step += 1
-        self.position = position
+            if not minis and self.weights_version == self.step:
+                self.weights_version += 1  # no update: the engine's weights are the next step's too
+            elif sync_due(self.weights_version, self.step, self.max_staleness):
+                self._sync(self.step + 1)
+        self.step, self.position = self.step + 1, got.position
         with timers("metrics"):
             out = (experience.rollout_metrics(list(trajs.values()), overlong_mask=cfg.algorithm.overlong == "mask",
                                               gather=distributed.gather)
-                   | self.executor.metrics()  # tools/<tag>/<name>
+                   | got.metrics  # tools/<tag>/<name>, dynamic_sampling/*
                    | experience.update_metrics(step_metrics)
-                   | experience.update_metrics(critic_metrics, prefix="critic/") | sampling_metrics | pack_metrics
-                   | {"rollout/step_skipped": float(skip)})
-            self.executor.reset_metrics()
+                   | experience.update_metrics(critic_metrics, prefix="critic/") | pack_metrics
+                   | {"rollout/step_skipped": float(skip), "rollout/weights_version": float(got.weights_version),
+                      "rollout/staleness": float(self.step - 1 - got.weights_version)})
             if cfg.trainer.log_trajectories and self.is_main:
                 self.logger.log_jsonl("trajectories", experience.trajectory_records(
                     trajs[self.local_workers[0]], cfg.trainer.log_trajectories, self.step))
         tokens = sum(len(s) for t in trajs.values() for s in t.sequences)
         elapsed = time.perf_counter() - t0
+        timers.seconds |= got.seconds  # the rollout's phases (rollout, reward), wherever it ran
         return out | timers.as_metrics(prefix="time/") | {
             "time/step": elapsed, "perf/tokens_per_s": tokens * jax.process_count() / elapsed,
             "train/epoch": self.position.epoch, "train/lr": float(self.policy.schedule(int(self.state.step)))}
@@ -246,28 +260,37 @@ class Trainer:
     # -- rollout and reward --------------------------------------------------------------------------------------
 
     def _batch_examples(self, position: rl_dataset.DataPosition | None = None) -> dict[int, list]:
-        """This step's prompts (or those of the batch at `position`) per local rollout worker."""
-        cfg = self.cfg
-        position = position or self.position
-        idx = rl_dataset.batch_indices(len(self.train_data), cfg.data.train_batch_size, position.epoch,
-                                       position.step_in_epoch, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
-                                       drop_last=cfg.data.drop_last)
-        return {w: [self.train_data[int(i)] for i in rl_dataset.shard(idx, w, self.workers)]
-                for w in self.local_workers}
+        """This step's prompts (or the batch's at `position`) per local rollout worker."""
+        return batch_examples(self.train_data, self.cfg.data, position or self.position, self.workers,
+                              self.local_workers)
 
-    def _rollout_and_reward(self, examples, worker: int, extra_round: int) -> Trajectories:
-        with self.timers("rollout"):
-            out = self._rollout(examples, worker, extra_round=extra_round)
-        with self.timers("reward"):
-            return self._reward(out, examples)
+    def _collect(self, step: int, position: rl_dataset.DataPosition) -> experience.Collected:
+        """Step `step`'s rollout -> reward from `position`, per draw (dynamic sampling needs the rewards to decide
+        whether to draw again). Thread-safe against the update: it may run in the background (`RolloutAhead`)."""
+        cfg, timers, version = self.cfg, metrics_lib.PhaseTimer(), self.weights_version
 
-    def _rollout(self, examples, worker: int, *, validation: bool = False, extra_round: int = 0) -> RolloutOutput:
-        """The tool rollout of one worker's prompts, seeded by (seed, step, worker, draw)."""
-        cfg = self.cfg
-        val = cfg.rollout.val_kwargs
+        def rollout_and_reward(examples, worker: int, extra_round: int) -> Trajectories:
+            with timers("rollout"):
+                out = self._rollout(examples, worker, step=step, extra_round=extra_round)
+            with timers("reward"):
+                return self._reward(out, examples)
+
+        trajs, position, sampling_metrics = experience.collect(
+            self._batch_examples, rollout_and_reward, position, steps_per_epoch=self.steps_per_epoch,
+            need=cfg.data.train_batch_size // self.workers, dynamic=cfg.algorithm.dynamic_sampling,
+            max_extra_rounds=cfg.algorithm.max_extra_rounds, agree_max=distributed.agree_max,
+            gather=distributed.gather)
+        tools = self.executor.metrics()  # tools/<tag>/<name>: this rollout's calls
+        self.executor.reset_metrics()
+        return experience.Collected(trajs, position, sampling_metrics | tools, timers.seconds, version)
+
+    def _rollout(self, examples, worker: int, *, step: int | None = None, validation: bool = False,
+                 extra_round: int = 0) -> RolloutOutput:
+        """The tool rollout of one worker's prompts, seeded by (seed, step (default: this one), worker, draw)."""
+        cfg, val = self.cfg, self.cfg.rollout.val_kwargs
         rcfg = self.rollout_cfg.for_validation(val.n) if validation else self.rollout_cfg
         salt = "val" if validation else "train" if not extra_round else f"train/extra{extra_round}"
-        seed = worker_seed(cfg.seed, self.step, worker, salt)
+        seed = worker_seed(cfg.seed, self.step if step is None else step, worker, salt)
         settings = sampling_settings(cfg, seed)
         if validation:
             settings = (dataclasses.replace(settings, temperature=val.temperature, top_p=val.top_p, top_k=val.top_k)
@@ -291,20 +314,7 @@ class Trainer:
         if self.critic is None:
             return {w: {"advantages": experience.outcome_advantages(t, a.adv_estimator, norm_by_std=a.norm_adv_by_std)}
                     for w, t in trajs.items()}
-        # The critic's values of every sequence: one forward pass over the packed global batch (GAE itself runs per
-        # trajectory: a reverse scan over a packed row would cross into another trajectory).
-        batch, layouts = self.batches.forward_batch(trajs, critic_lib.FORWARD_KEYS)
-        values = self.batches.unpack(self.critic.values(batch), layouts)
-        n_local = sum(len(t.sequences) for t in trajs.values())
-        rows = slice(jax.process_index() * n_local, (jax.process_index() + 1) * n_local)
-        # Whitened over every trajectory of the step (as the reference's driver does), not per process.
-        g = distributed.gather
-        whiten = lambda adv, mask: np.asarray(algos.masked_whiten(g(adv), g(mask)))[rows]
-        out = experience.gae([trajs[w] for w in self.local_workers], [values[w] for w in self.local_workers],
-                             max_response_length=self.cfg.data.max_response_length, gamma=a.gamma, lam=a.lam,
-                             whiten=whiten)
-        return {w: {"advantages": adv, "returns": ret, "old_values": values[w]}
-                for w, (adv, ret) in zip(self.local_workers, out)}
+        return critic_advantages(trajs, self.critic, self.batches, self.cfg)
 
     def _old_logprobs(self, batch: dict) -> dict:
         """The mini-batch with the pre-update policy's log-probs (and the reference policy's, with a KL loss)."""
@@ -325,6 +335,10 @@ class Trainer:
                 step_metrics.append(m)
         return jax.device_get(step_metrics), jax.device_get(critic_metrics)
 
+    def _sync(self, version: int) -> None:  # the (idle) engine gets the current weights, those of step `version`
+        sync_weights(self.sampler, self.cfg, self.policy, self.state.params)
+        self.weights_version = version
+
     # -- metrics, validation, checkpoints ------------------------------------------------------------------------
 
     def validate(self) -> dict:
@@ -332,27 +346,19 @@ class Trainer:
         and accuracy over all samples, and the mean reward per data_source (`mean@n`)."""
         if self.val_data is None:
             return {}
+        if self.weights_version < self.step:  # max_staleness >= 2 may have left the engine on older weights
+            self._sync(self.step)
         t0 = time.perf_counter()
         n, bs = self.cfg.rollout.val_kwargs.n, self.cfg.data.val_batch_size
-        idx = np.array_split(np.arange(len(self.val_data)), self.workers)
         scores, sources = [], []
-        for w in self.local_workers:
-            exs = [self.val_data[int(i)] for i in idx[w]]
-            for start in range(0, len(exs), bs or max(len(exs), 1)):
-                chunk = exs[start:start + (bs or len(exs))]
-                if chunk:
-                    t = self._reward(self._rollout(chunk, w, validation=True), chunk, shape=False)
-                    scores += list(t.scores)
-                    sources += [chunk[int(p)].data_source for p in t.group]
+        for w, chunk in validation_chunks(self.val_data, self.workers, self.local_workers, bs):
+            t = self._reward(self._rollout(chunk, w, validation=True), chunk, shape=False)
+            scores += list(t.scores)
+            sources += [chunk[int(p)].data_source for p in t.group]
         scores, sources = distributed.gather_ragged(np.asarray(scores, np.float32), sources,
                                                     sorted(set(self.val_data.data_sources)),
                                                     width=len(self.val_data) * n)
-        out = {"val/reward/mean": float(np.mean(scores)), "val/accuracy": float(np.mean(scores > 0)),
-               "val/samples": len(scores), "time/validation": time.perf_counter() - t0}
-        for src in sorted(set(sources)):
-            sel = np.asarray([s == src for s in sources])
-            out[f"val/{src}/reward/mean@{n}"] = float(np.mean(scores[sel]))
-        return out
+        return experience.validation_metrics(scores, sources, n) | {"time/validation": time.perf_counter() - t0}
 
     def _restore(self, step: int) -> ts.TrainState:
         """The policy's state at `step`; sets the step and data position the run continues from."""
@@ -367,14 +373,16 @@ class Trainer:
         if self.critic:
             self.critic.save(self.step)
 
-    def _done(self) -> bool:
-        """`total_steps` trained, or (without trainer.max_steps) `total_epochs` of data used: dynamic sampling
-        draws extra batches, so an epoch can end after fewer steps."""
-        tr = self.cfg.trainer
-        return self.step >= self.total_steps or (not tr.max_steps and self.position.epoch >= tr.total_epochs)
+    def _done(self, step: int | None = None, position: rl_dataset.DataPosition | None = None) -> bool:
+        """`total_steps` trained, or (without trainer.max_steps) `total_epochs` of data used (dynamic sampling can end
+        an epoch early), at this step and position or those given."""
+        step, position = self.step if step is None else step, position or self.position
+        return step >= self.total_steps or (not self.cfg.trainer.max_steps and
+                                            position.epoch >= self.cfg.trainer.total_epochs)
 
     def close(self) -> None:
         try:
+            self.ahead.close()  # a rollout still in flight (the step failed) ends before its engine closes
             self.checkpoints.close()
         finally:
             self.logger.close()
@@ -400,6 +408,18 @@ def train(cfg, workdir: str | os.PathLike) -> dict:
 # ------------------------------------------------------------------------------------------------------------------
 
 
+def rollout_ahead(cfg, correction: str) -> experience.RolloutAhead:
+    """Where the next step's rollout runs (`rollout.max_staleness` > 0): a background thread for vLLM (its own
+    process), before the update for the JAX engine (the same devices as the update). Says so once."""
+    s = cfg.rollout.max_staleness
+    if s:
+        log.info("rollout.max_staleness=%d: step k trains on a rollout generated with the weights of step k-1 (at "
+                 "most k-%d), %s; rollout correction: %s", s, s, "generated during the update of step k-1"
+                 if cfg.rollout.engine != "jax" else "generated before the update of step k-1 (the JAX engine "
+                 "shares the devices with the update: the same schedule without the overlap)", correction)
+    return experience.RolloutAhead(overlap=cfg.rollout.engine != "jax")
+
+
 def resolve_files(files, workdir: Path, split: str, seed: int) -> list[str]:
     """Data file list with `builtin:toy` replaced by the generated toy parquet of `split` (train or val)."""
     if runtime.is_main_process():
@@ -416,6 +436,24 @@ def load_datasets(cfg, workdir: Path, tokenizer) -> tuple[rl_dataset.RLDataset, 
         max_prompt_length=d.max_prompt_length, overlong=d.overlong_prompts, source=d.source, **kw)
     return load(d.train_files, "train"), (load(d.val_files, "val", max_samples=d.val_max_samples)
                                           if d.val_files else None)
+
+
+def batch_examples(data: rl_dataset.RLDataset, d, position: rl_dataset.DataPosition, workers: int,
+                   local: range) -> dict[int, list]:
+    """The prompts of the batch at `position` (`d`: the `data` config) per local rollout worker."""
+    idx = rl_dataset.batch_indices(len(data), d.train_batch_size, position.epoch, position.step_in_epoch,
+                                   seed=d.seed, shuffle=d.shuffle, drop_last=d.drop_last)
+    return {w: [data[int(i)] for i in rl_dataset.shard(idx, w, workers)] for w in local}
+
+
+def validation_chunks(data: rl_dataset.RLDataset, workers: int, local: range, batch_size: int):
+    """(worker, prompts) for each local worker's validation rollouts: its share of `data` in chunks of `batch_size`
+    (0: all at once)."""
+    idx = np.array_split(np.arange(len(data)), workers)
+    for w in local:
+        exs = [data[int(i)] for i in idx[w]]
+        for start in range(0, len(exs), batch_size or max(len(exs), 1)):
+            yield w, exs[start:start + (batch_size or len(exs))]
 
 
 def step_counts(cfg, prompts: int) -> tuple[int, int]:
@@ -457,6 +495,24 @@ def reference_logprobs(params, cfg, model_cfg, logprob_fn, temperature: float, m
     return lambda policy, batch: logprob_fn(ref, batch)[0]
 
 
+def critic_advantages(trajs: dict[int, Trajectories], critic: critic_lib.Critic, batches: global_batch.GlobalBatch,
+                      cfg) -> dict[int, dict[str, list[np.ndarray]]]:
+    """Per local worker, GAE's token-aligned `advantages`, `returns` and the critic's `old_values` per sequence."""
+    a, local = cfg.algorithm, batches.local_workers
+    # The critic's values of every sequence: one forward pass over the packed global batch (GAE itself runs per
+    # trajectory: a reverse scan over a packed row would cross into another trajectory).
+    batch, layouts = batches.forward_batch(trajs, critic_lib.FORWARD_KEYS)
+    values = batches.unpack(critic.values(batch), layouts)
+    n_local = sum(len(t.sequences) for t in trajs.values())
+    rows = slice(jax.process_index() * n_local, (jax.process_index() + 1) * n_local)
+    # Whitened over every trajectory of the step (as the reference's driver does), not per process.
+    g = distributed.gather
+    whiten = lambda adv, mask: np.asarray(algos.masked_whiten(g(adv), g(mask)))[rows]
+    out = experience.gae([trajs[w] for w in local], [values[w] for w in local],
+                         max_response_length=cfg.data.max_response_length, gamma=a.gamma, lam=a.lam, whiten=whiten)
+    return {w: {"advantages": adv, "returns": ret, "old_values": values[w]} for w, (adv, ret) in zip(local, out)}
+
+
 def critic_config(cfg) -> critic_lib.CriticConfig:
     return critic_lib.CriticConfig(cliprange_value=cfg.critic.cliprange_value, lr=cfg.critic.lr,
                                    max_grad_norm=cfg.actor.max_grad_norm, weight_decay=cfg.actor.weight_decay,
@@ -484,6 +540,14 @@ def make_rollout_sampler(cfg, tokenizer, model_folder: Path, workdir: Path, poli
     return sampler
 
 
+def sync_due(weights_version: int, step: int, max_staleness: int) -> bool:
+    """Whether the engine, holding the weights of step `weights_version`, needs those of step + 1 after step `step`'s
+    update: the next rollout it generates (step + 2's with one generated ahead, else step + 1's) may be at most
+    `max_staleness` steps stale. Every step for 0 and 1; every other step for 2 (k syncs out of k for k+1 ...)."""
+    next_rollout = step + 1 + (1 if max_staleness else 0)
+    return weights_version < next_rollout - max_staleness
+
+
 def sync_weights(sampler, cfg, policy: skeleton.Policy, params) -> float:
     """The weight-sync phase: the sampler gets `params` (the JAX sampler a copy of its own, vLLM the model to
     export). Returns the seconds it took."""
@@ -500,90 +564,3 @@ def sampler_params(params, model_cfg):
     if jax.process_count() > 1:
         return distributed.replicate_on_local_devices(params, ts.param_shardings(model_cfg, sampler_mesh()))
     return params
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# The global batch
-# ------------------------------------------------------------------------------------------------------------------
-
-
-# (plan a worker's layout, its loss totals, its block of the batch): flat, or (tree training) prefix trees
-_LAYOUTS = {False: (experience.layout, packing.loss_totals, experience.worker_batch),
-            True: (tree_packing.worker_tree_layout, tree_packing.loss_totals, tree_packing.worker_tree_batch)}
-
-
-class GlobalBatch:
-    """How the step's trajectories become global [K, M, B, *] arrays: each local rollout worker packs its block of
-    `rows_per_worker` rows of `row_len` tokens; the blocks of every worker of every process sit side by side along
-    B, the batch-sharded axis.
-
-    Two layouts, chosen here once by `actor.tree_training`: flat (`experience.layout` / `experience.worker_batch`:
-    [K, M, B, T] arrays) or prefix trees (`tree_packing.worker_tree_layout` / `worker_tree_batch`: tokens
-    [K, M, B, T], heads [K, M, B, U], loss entries [K, M, B, E]). The rest of the step does not care which:
-    the log-prob forward and the train step recognise a tree batch by its `tree_end`."""
-
-    def __init__(self, cfg, mesh: Mesh, model_cfg, workers: int, local: range):
-        self.cfg, self.mesh, self.workers, self.local_workers = cfg, mesh, workers, local
-        self.sharding = NamedSharding(mesh, ts.batch_spec(mesh, model_cfg.sharding_rules))  # [M, B, T]
-        self.sharding4 = NamedSharding(mesh, PartitionSpec(None, *self.sharding.spec))  # [K, M, B, T]
-        rules = sharding.get_rules(model_cfg.sharding_rules)
-        self.rows_per_worker = max(1, math.prod(mesh.shape[a] for a in rules["batch"]) // workers)
-        self.row_len = cfg.actor.max_token_len_per_device or 2 * (cfg.data.max_prompt_length +
-                                                                  cfg.data.max_response_length)
-        self.tree = bool(cfg.actor.tree_training)
-
-    def layouts(self, trajs: dict[int, Trajectories], tree: bool | None = None) -> dict:
-        """Each worker's layout (`packing.Layout`, or with `tree` (default: `actor.tree_training`) a
-        `tree_packing.TreeLayout`), with the sizes of the largest one over every process (micro-batches; for trees
-        also heads and entries per row), so that every worker's block has one global shape."""
-        tree = self.tree if tree is None else tree
-        plan = _LAYOUTS[tree][0]
-        mini_prompts = self.cfg.actor.ppo_mini_batch_size // self.workers
-        layouts = {w: plan(t, self.cfg, mini_prompts=mini_prompts, rows=self.rows_per_worker, row_len=self.row_len)
-                   for w, t in trajs.items()}
-        if tree:
-            sizes = distributed.gather(np.array([layouts[w].sizes for w in self.local_workers])).max(0)  # (M, U, E)
-            return {w: lay.with_sizes(*map(int, sizes)) for w, lay in layouts.items()}
-        m = distributed.agree_max(max(layouts[w].shape[1] for w in self.local_workers))
-        return {w: lay.with_micro_batches(m) for w, lay in layouts.items()}
-
-    def pack(self, trajs: dict[int, Trajectories], token_arrays: dict[int, dict]) -> tuple[list[dict], dict]:
-        """K mini-batches of global [M, B, *] arrays, in optimizer-step order, and the layout's metrics (tree
-        training: `perf/tree_tokens_computed` and `perf/tree_tokens_flat` over every process). The loss weights are
-        normalised by the loss tokens and sequences of each whole mini-batch, summed over every worker of every
-        process."""
-        _, loss_totals, worker_batch = _LAYOUTS[self.tree]
-        layouts = self.layouts(trajs)
-        totals = distributed.gather(np.stack([loss_totals(layouts[w], trajs[w].loss_masks)
-                                              for w in self.local_workers])).sum(0)  # [K, 2]
-        blocks = [worker_batch(trajs[w], token_arrays[w], layouts[w], self.cfg, totals=totals, workers=self.workers)
-                  for w in self.local_workers]
-        local = self._side_by_side(blocks, blocks[0])  # [K, M, B_local, *]
-        minis = [{name: distributed.global_array(v[k], self.sharding) for name, v in local.items()}
-                 for k in range(local["input_ids"].shape[0])]
-        metrics = {}
-        if self.tree:
-            tm = tree_packing.tree_metrics([layouts[w] for w in self.local_workers])
-            summed = distributed.gather(np.array([list(tm.values())], np.float64)).sum(0)
-            metrics = {k: float(v) for k, v in zip(tm, summed)}
-        return minis, metrics
-
-    def forward_batch(self, trajs: dict[int, Trajectories], keys) -> tuple[dict, dict[int, packing.Layout]]:
-        """The packed sequences as one global [K, M, B, T] batch of `keys` (for a forward pass), and the layouts
-        (flat: the critic's values are per token of every sequence)."""
-        layouts = self.layouts(trajs, tree=False)
-        zeros = {w: [np.zeros(len(s), np.float32) for s in t.sequences] for w, t in trajs.items()}
-        blocks = [packing.assemble(layouts[w], trajs[w].sequences, trajs[w].loss_masks, zeros[w])
-                  for w in self.local_workers]
-        local = self._side_by_side(blocks, keys)
-        return {k: distributed.global_array(v, self.sharding4) for k, v in local.items()}, layouts
-
-    def unpack(self, values: jax.Array, layouts: dict[int, packing.Layout]) -> dict[int, list[np.ndarray]]:
-        """Per local worker, the token-aligned values of each sequence from a global [K, M, B, T] array."""
-        per_worker = np.split(distributed.host_local(values, self.mesh, self.sharding4), len(self.local_workers),
-                              axis=2)
-        return {w: packing.unpack(layouts[w], v) for w, v in zip(self.local_workers, per_worker)}
-
-    @staticmethod
-    def _side_by_side(blocks: list[dict], keys) -> dict[str, np.ndarray]:
-        return {k: np.concatenate([b[k] for b in blocks], axis=-2) for k in keys}

@@ -153,6 +153,9 @@ BAD = [  # (overrides, problem's field, words the message must contain, validate
     (dict(rollout__vllm__engines=-1), "rollout.vllm.engines", "0 (one per tensor-parallel group", {}),
     (dict(rollout__vllm__tensor_parallel_size=0), "rollout.vllm.tensor_parallel_size", ">= 1", {}),
     (dict(rollout__jax__max_tokens_per_call=100), "rollout.jax.max_tokens_per_call", "0 (no limit) or >= ", {}),
+    (dict(rollout__max_staleness=-1), "rollout.max_staleness", "0 (synchronous) | 1 (one step off-policy)", {}),
+    (dict(rollout__max_staleness=1, algorithm__dynamic_sampling=True), "rollout.max_staleness",
+     "algorithm.dynamic_sampling=false", {"process_count": 2}),
 ]
 
 

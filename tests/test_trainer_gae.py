@@ -183,6 +183,11 @@ def test_rollout_correction_defaults_by_engine(tmp_path):
         "truncate", "token", 2.0)
     assert resolved().rollout_correction == "off"
     assert resolved("--config.rollout.engine=vllm", "--config.rollout.temperature=0.7").rollout_correction == "off"
+    # Off-policy rollouts (rollout.max_staleness > 0): on for the JAX engine too, still off where vLLM's log-probs
+    # are not the sampling distribution's.
+    assert resolved("--config.rollout.max_staleness=1").rollout_correction == "truncate"
+    assert resolved("--config.rollout.engine=vllm", "--config.rollout.temperature=0.7",
+                    "--config.rollout.max_staleness=1").rollout_correction == "off"
     explicit = resolved("--config.actor.rollout_correction.mode=mask",
                         "--config.actor.rollout_correction.level=sequence",
                         "--config.actor.rollout_correction.threshold=3.0")

