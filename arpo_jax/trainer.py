@@ -235,6 +235,9 @@ class Trainer:
                    | experience.update_metrics(step_metrics)
                    | experience.update_metrics(critic_metrics, prefix="critic/") | sampling_metrics | pack_metrics
                    | {"rollout/step_skipped": float(skip)})
+            synced = getattr(self.sampler, "last_sync", {})  # vLLM: the LoRA adapters' bytes, or the full weights'
+            if "export_bytes" in synced:
+                out["weight_sync/export_bytes"] = float(synced["export_bytes"])
             self.executor.reset_metrics()
             if cfg.trainer.log_trajectories and self.is_main:
                 self.logger.log_jsonl("trajectories", experience.trajectory_records(
