@@ -455,7 +455,12 @@ class Checkpointer:
             return self.restore_newest_intact(lambda s: self.restore_model(s, mesh=mesh, **runtime),
                                               move_damaged=False)[1]
         step = self._resolve(step)
-        config = config_from_json(self.read_meta(step)["model_config"]).replace(**runtime)
+        meta = self.read_meta(step)
+        config = config_from_json(meta["model_config"]).replace(**runtime)
+        if "lora_base" in meta:  # a LoRA RL checkpoint: the adapters here, the base where its pointer says
+            from arpo_jax import lora_io
+
+            return lora_io.restore_model(self, step, meta, config, mesh)
         params, _, _ = self.restore(step, config=config, mesh=mesh)
         graphdef, state = nnx.split(models.abstract_model(config))
         nnx.replace_by_pure_dict(state, params)

@@ -93,7 +93,7 @@ def _demo(args) -> dict:
     from arpo_jax import demo
 
     return demo.run_demo(args.workdir, quick=args.quick, algo=args.algo, seed=args.seed, model=args.model,
-                         engine=args.engine, vllm=False if args.no_vllm else None)
+                         engine=args.engine, vllm=False if args.no_vllm else None, lora=args.lora)
 
 
 def _quickstart(args) -> dict:
@@ -278,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--engine", choices=["jax", "vllm"], default=None,
                     help="rollout engine (default: vllm when installed, else jax)")
     dm.add_argument("--no-vllm", action="store_true", help="skip the vLLM transcript even when vllm is installed")
+    dm.add_argument("--lora", action="store_true", help="RL with LoRA adapters (rank 16, all projections, lr 1e-4) "
+                    "over the frozen SFT model; results in <workdir>/<algo>_lora")
     dm.set_defaults(func=_demo)
 
     qs = sub.add_parser("quickstart", help="tiny model end to end: build, convert, check parity, sample",

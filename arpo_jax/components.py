@@ -109,7 +109,8 @@ def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=
                            export_dir=Path(os.path.expandvars(v.export_dir)) if v.export_dir else export_dir,
                            dtype=v.dtype, max_model_len=max_len, seed=cfg.seed, enforce_eager=v.enforce_eager,
                            gpu_memory_utilization=v.gpu_memory_utilization, cpu_kv_cache_gb=v.cpu_kv_cache_gb,
-                           engines=v.engines or None, tensor_parallel_size=v.tensor_parallel_size)
+                           engines=v.engines or None, tensor_parallel_size=v.tensor_parallel_size,
+                           lora_rank=cfg.model.lora.rank)  # > 0: weight syncs send the adapters only
     if engine == "transformers":
         import torch
         from transformers import AutoModelForCausalLM

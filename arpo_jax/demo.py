@@ -311,15 +311,22 @@ def _stderr(accuracy: float, n: int) -> float:
     return round(float(np.sqrt(accuracy * (1 - accuracy) / n)), 4)
 
 
+# `arpo-jax demo --lora`: rank 16 on all seven projections (alpha 32), ~4.9 M trainable params of SmolLM2-135M's 135 M
+# (3.6%); adapters learn at about 10x full fine-tuning's rate (LoRA papers and peers' RL recipes use 1e-5 -> 1e-4).
+LORA_RANK, LORA_LR = 16, 1e-4
+
+
 def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "arpo", seed: int = 0,
-             model: str = DEFAULT_MODEL, vllm: bool | None = None, engine: str | None = None) -> dict:
+             model: str = DEFAULT_MODEL, vllm: bool | None = None, engine: str | None = None, lora: bool = False
+             ) -> dict:
     """The whole demo in `workdir` (module docstring); returns the summary (also `workdir/<algo>/summary.json`).
 
     The data, the model and the SFT live in `workdir` itself and every phase resumes, so running the demo again with
     another `algo` in the same work dir reuses the SFT model and compares the algorithms from the same start; each
     algorithm's RL run, plots, transcript and summary go to `workdir/<algo>/`. `model` is a named model, an HF
     folder or a .gguf file (`model.path`); `engine` the rollout engine (default: `rollout_engine()`); `vllm` whether
-    the exported model also answers in vLLM (default: when installed, full runs only).
+    the exported model also answers in vLLM (default: when installed, full runs only). `lora`: the RL phase trains
+    LoRA adapters (`LORA_RANK` on every projection, lr `LORA_LR`) over the frozen SFT model, in `workdir/<algo>_lora/`.
     """
     from arpo_jax import metrics, sft, trainer
     from arpo_jax.data import toy
@@ -328,7 +335,7 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
         raise ValueError(f"--algo={algo!r}; allowed: {', '.join(ALGOS)}")
     size = QUICK if quick else FULL
     workdir = Path(workdir).absolute()
-    out = workdir / algo
+    out = workdir / (f"{algo}_lora" if lora else algo)
     times = {}
     t0 = time.perf_counter()
 
@@ -337,6 +344,10 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     _log(f"1/6 data in {workdir}; model {model} ({'quick' if quick else 'full'} run, algo {algo}, seed {seed}, "
          f"rollouts in {engine})")
     cfg = demo_config(model, size, algo, seed, engine)
+    if lora:  # the RL phase only: the SFT model (shared by every algorithm in `workdir`) is the frozen base
+        with cfg.unlocked():
+            cfg.model.lora.rank, cfg.model.lora.alpha, cfg.actor.lr = LORA_RANK, 2.0 * LORA_RANK, LORA_LR
+            cfg.trainer.experiment += "_lora"
     data = write_data(workdir / "data", size, seed, max_results=cfg.tools.search.max_results,
                       result_length=cfg.tools.search.result_length)
     with cfg.unlocked():

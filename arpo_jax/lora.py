@@ -145,6 +145,11 @@ def base_state(model: CausalLM) -> nnx.State:
     return nnx.split(model, LoRAParam, nnx.Param)[2]
 
 
+def base_model(model: CausalLM) -> CausalLM:
+    """`model` without its adapters (the same weight arrays): the base that a vLLM engine serves under them."""
+    return nnx.merge(nnx.split(models.abstract_model(base_config(model.config)), nnx.Param)[0], base_state(model))
+
+
 def _merged(w: jax.Array, lin: Linear, i: int | None = None) -> jax.Array:
     """W + scale * B A (see `_delta`), in W's dtype (the sum in float32)."""
     return (w.astype(jnp.float32) + _delta(lin, i)).astype(w.dtype)

@@ -8,16 +8,18 @@ it back.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, traverse_util
 from jax.sharding import Mesh
 
-from arpo_jax import hf, models, sharding
+from arpo_jax import hf, lora, models, sharding
 from arpo_jax.lora import (
     LoRAParam,
     base_state,
@@ -53,6 +55,103 @@ def from_config(model: CausalLM, lora_cfg, *, seed: int = 0, mesh: Mesh | None =
 
 
 # --------------------------------------------------------------------------------------------------
+# RL checkpoints of a LoRA policy: the adapters (and their optimizer state) plus a pointer to the frozen base
+
+BASE_POINTER = "lora_base"  # the checkpoint metadata key of the pointer
+
+
+def _leaf_digest(x: jax.Array) -> jax.Array:
+    """Two uint32 sums over every bit pattern of `x`, position-weighted: exact modular integer arithmetic, so the
+    same on any sharding or number of devices (no float reduction order)."""
+    bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize])
+    bits = bits.astype(jnp.uint32)
+    idx = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape)
+    return jnp.stack([jnp.sum(bits * (idx * jnp.uint32(2654435761) + 1)), jnp.sum(bits ^ idx)])
+
+
+_tree_digest = jax.jit(lambda tree: jax.tree.map(_leaf_digest, tree))  # one program for the whole base
+
+
+def base_fingerprint(params: dict, cfg: Config) -> str:
+    """A hash of a LoRA model's frozen base (every bit of every base weight, computed where the weights live): what
+    a checkpoint's base pointer is checked against on resume."""
+    flat = {".".join(map(str, k)): v for k, v in traverse_util.flatten_dict(lora.base_params(params, cfg)).items()}
+    digests = jax.device_get(_tree_digest(flat))
+    h = hashlib.sha256()
+    for k in sorted(flat):
+        h.update(f"{k}:{flat[k].shape}:{flat[k].dtype}:{digests[k].tolist()}\n".encode())
+    return h.hexdigest()[:32]
+
+
+def base_pointer(cfg, folder, params: dict, model_cfg: Config) -> dict:
+    """Where a LoRA run's base comes from (`model.init_checkpoint`'s newest step, else the HF folder `folder` that
+    `model.path` resolved to) and its hash."""
+    return {"model_path": str(cfg.model.path), "folder": str(folder),
+            "init_checkpoint": os.path.expandvars(str(cfg.model.init_checkpoint or "")),
+            "hash": base_fingerprint(params, model_cfg)}
+
+
+def load_base(pointer: dict, cfg: Config, mesh: Mesh | None = None) -> CausalLM:
+    """The base model a pointer names (`base_pointer`), loaded in `cfg`'s dtypes; checked against its hash by
+    `with_base` / `restore_model`."""
+    from arpo_jax import pretrained
+    from arpo_jax.checkpoint import Checkpointer
+
+    opts = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype, "sharding_rules": cfg.sharding_rules}
+    if pointer["init_checkpoint"]:
+        with Checkpointer(pointer["init_checkpoint"], async_save=False, create=False) as ckpt:
+            model = ckpt.restore_model(ckpt.latest_step(), mesh=mesh, **opts)
+        return lora.base_model(model) if model.config.lora_rank else model
+    return pretrained.from_pretrained(pointer["folder"], mesh=mesh, **opts)
+
+
+def restore_model(ckpt, step: int, meta: dict, config: Config, mesh: Mesh | None = None) -> CausalLM:
+    """A LoRA RL checkpoint (`Checkpointer.restore_model` calls this for one with a base pointer) as a model: its
+    adapters over the base its pointer names, loaded and checked against the hash."""
+    from arpo_jax.checkpoint import abstract_params
+
+    pointer = meta[BASE_POINTER]
+    base = load_base(pointer, config, mesh)
+    adapters, _, _ = ckpt.restore(step, config=config, mesh=mesh,
+                                  params_target=adapters_only(abstract_params(config, mesh), config))
+    base_params = nnx.to_pure_dict(nnx.state(base, nnx.Param))
+    got = base_fingerprint(base_params, lora.base_config(config))
+    if got != pointer["hash"]:
+        where = pointer["init_checkpoint"] or pointer["folder"]
+        raise ValueError(f"{ckpt.directory} step {step}: its LoRA base ({where}) has hash {pointer['hash']}, the "
+                         f"weights there now {got}: the base changed since the checkpoint was written")
+    graphdef, state = nnx.split(models.abstract_model(config))
+    flat = traverse_util.flatten_dict(adapters) | traverse_util.flatten_dict(base_params)
+    nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(flat))
+    return nnx.merge(graphdef, state)
+
+
+def adapters_only(tree, cfg: Config):
+    """The adapters of a params-shaped tree (a TrainState: its params): what a LoRA checkpoint saves."""
+    from arpo_jax import train_step as ts
+
+    if hasattr(tree, "params"):
+        return tree._replace(params=adapters_only(tree.params, cfg))
+    return ts.partition(tree, lora.trainable_paths(cfg))[0]
+
+
+def with_base(state, base: dict, pointer: dict, cfg: Config, shardings=None):
+    """A restored adapters-only TrainState with the frozen `base` params (pure dict, loaded from the pointer's
+    source) put back, copied into `shardings` (a TrainState's: the train step donates its state, `base` stays the
+    caller's); raises when `base` is not the one the checkpoint was trained on (its hash)."""
+    from arpo_jax import train_step as ts
+
+    got = base_fingerprint(base, cfg)
+    if got != pointer["hash"]:
+        raise ValueError(f"the LoRA checkpoint's base (model.path={pointer['model_path']!r}, init_checkpoint="
+                         f"{pointer['init_checkpoint']!r}) has hash {pointer['hash']}, the loaded base {got}: the "
+                         "base weights changed since the checkpoint was written; restore them or start a new run")
+    params = ts.combine(state.params, lora.base_params(base, cfg))
+    copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=None if shardings is None else shardings.params)
+    return state._replace(params=copy(params))
+
+
+# --------------------------------------------------------------------------------------------------
 # PEFT adapter folders
 
 
@@ -71,7 +170,8 @@ def peft_config(cfg: Config, base_model: str = "") -> dict:
 
 def save_peft(model: CausalLM, path: str | os.PathLike, *, base_model: str = "", overwrite: bool = False) -> Path:
     """Writes `model`'s adapters as a PEFT folder (float32 safetensors + adapter_config.json), atomically with the
-    rules of `hf.write_folder_atomically` (only a previous export is ever replaced)."""
+    rules of `hf.write_folder_atomically` (only a previous export is ever replaced). In a multi-host run every
+    process must call this (the adapters are gathered collectively); only process 0 writes."""
 
     cfg = model.config
     if not cfg.lora_rank:
@@ -82,6 +182,11 @@ def save_peft(model: CausalLM, path: str | os.PathLike, *, base_model: str = "",
         fetch = (lambda v=var, i=i, s=shape: hf._to_host(hf.layer_value(v, i)).reshape(s).astype(np.float32,
                                                                                                 copy=False))
         entries.append((_peft_key(tuple(key.split("."))), shape, np.dtype(np.float32), fetch))
+
+    if jax.process_index() != 0:
+        for e in entries:  # take part in the collective gathers, write nothing (as `hf.save_state`)
+            e[3]()
+        return Path(path)
 
     def fill(tmp: Path) -> None:
         hf._write_safetensors(tmp / ADAPTER_WEIGHTS, entries, threads=1)

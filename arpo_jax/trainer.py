@@ -61,6 +61,7 @@ from arpo_jax import (
     global_batch,
     hf,
     lora,
+    lora_io,
     paths,
     rewards,
     run_guard,
@@ -128,12 +129,16 @@ class Trainer:
             [Checkpointer(self.workdir / "checkpoints", max_to_keep=cfg.trainer.keep_checkpoints)]
             + ([self.critic.ckpt] if self.critic else []))
         self.step, self.position = 0, rl_dataset.DataPosition(0, 0)
+        # LoRA: checkpoints hold the adapters and a pointer to the frozen base (`lora_io.base_pointer`), not the base.
+        lora_rl = bool(self.model_cfg.lora_rank)
+        self._lora_base = params if lora_rl else None
+        self.lora_base = lora_io.base_pointer(cfg, self.model_folder, params, self.model_cfg) if lora_rl else None
         latest, (self.state, critic_state) = self.checkpoints.resume_or_init(
             resuming, lambda s: (self._restore(s), self.critic.restore(s) if self.critic else None),
             lambda: (self.policy.init_state(params), self.critic.init_state(params) if self.critic else None))
         if self.critic:
             self.critic.state = critic_state
-        params = model = None  # the states hold their own copies: free the loaded weights before the sampler's
+        params = model = self._lora_base = None  # the states hold their own copies: free the loaded weights
 
         # The rollout's components, the logger.
         self.rollout_cfg = rollout_config(cfg)
@@ -247,6 +252,9 @@ class Trainer:
                    | experience.update_metrics(critic_metrics, prefix="critic/") | pack_metrics
                    | {"rollout/step_skipped": float(skip), "rollout/weights_version": float(got.weights_version),
                       "rollout/staleness": float(self.step - 1 - got.weights_version)})
+            synced = getattr(self.sampler, "last_sync", {})  # vLLM: the LoRA adapters' bytes, or the full weights'
+            if "export_bytes" in synced:
+                out["weight_sync/export_bytes"] = float(synced["export_bytes"])
             if cfg.trainer.log_trajectories and self.is_main:
                 self.logger.log_jsonl("trajectories", experience.trajectory_records(
                     trajs[self.local_workers[0]], cfg.trainer.log_trajectories, self.step))
@@ -362,14 +370,24 @@ class Trainer:
 
     def _restore(self, step: int) -> ts.TrainState:
         """The policy's state at `step`; sets the step and data position the run continues from."""
-        restored = self.checkpoints.main.restore_state(step, self.policy.restore_target())
+        target = self.policy.restore_target()
+        if self.lora_base:  # the adapters from the checkpoint, the base from its pointer (the weights loaded above)
+            target = lora_io.adapters_only(target, self.model_cfg)
+        restored = self.checkpoints.main.restore_state(step, target)
         self.step, self.position = int(restored.meta["step"]), restored.position
         log.info("resumed from %s step %d", self.checkpoints.main.directory, self.step)
+        if self.lora_base:
+            return lora_io.with_base(restored.state, self._lora_base, restored.meta[lora_io.BASE_POINTER],
+                                     self.model_cfg, self.policy.shardings)
         return restored.state
 
     def save(self) -> None:
-        self.checkpoints.main.save_state(self.step, self.state, config=self.model_cfg, position=self.position,
-                                         meta={"seed": self.cfg.seed, "total_steps": self.total_steps}, force=True)
+        meta = {"seed": self.cfg.seed, "total_steps": self.total_steps}
+        state = self.state
+        if self.lora_base:  # the adapters and their optimizer state, plus the base's pointer (not the frozen base)
+            state, meta = lora_io.adapters_only(state, self.model_cfg), meta | {lora_io.BASE_POINTER: self.lora_base}
+        self.checkpoints.main.save_state(self.step, state, config=self.model_cfg, position=self.position, meta=meta,
+                                         force=True)
         if self.critic:
             self.critic.save(self.step)
 
@@ -535,8 +553,8 @@ def make_rollout_sampler(cfg, tokenizer, model_folder: Path, workdir: Path, poli
     # (a shared file system); one process exports to /dev/shm.
     sampler = make_sampler(cfg, tokenizer, folder=model_folder, log_file=workdir / "vllm.log",
                            export_dir=workdir / "weight_sync" if jax.process_count() > 1 else None)
-    if sync:
-        sync_weights(sampler, cfg, policy, params)
+    if sync:  # with LoRA, model.init_checkpoint's base may differ from `model_folder`: it is sent once, in full
+        sampler.update_weights(nnx.merge(policy.graphdef, params), base=bool(cfg.model.init_checkpoint))
     return sampler
 
 

@@ -78,21 +78,27 @@ def test_quick_demo_runs_every_phase(quick_demo):
 
 @pytest.mark.slow  # the demo CLI on SmolLM2
 def test_second_algorithm_reuses_the_sft_model(quick_demo):
-    """`--algo grpo` in the same work dir resumes data, model and SFT (no new SFT step), so both algorithms start
-    from the same model: the greedy SFT baseline validation is the same number."""
+    """`--algo grpo --lora` in the same work dir resumes data, model and SFT (no new SFT step), so both algorithms
+    start from the same model: the greedy SFT baseline validation is the same number. The run trains LoRA adapters
+    over the frozen SFT model (`--lora`, into grpo_lora/)."""
     workdir, _ = quick_demo
     sft_lines = (workdir / "sft" / "metrics.jsonl").read_text().splitlines()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "arpo_jax.cli", "demo", "--quick", "--algo=grpo",
+    proc = subprocess.run([sys.executable, "-m", "arpo_jax.cli", "demo", "--quick", "--algo=grpo", "--lora",
                            f"--workdir={workdir}"], env=env, cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     grpo = json.loads(proc.stdout.strip().splitlines()[-1])
     arpo = json.loads((workdir / "arpo" / "summary.json").read_text())
-    assert grpo == json.loads((workdir / "grpo" / "summary.json").read_text())
+    assert grpo == json.loads((workdir / "grpo_lora" / "summary.json").read_text())
     assert (workdir / "sft" / "metrics.jsonl").read_text().splitlines() == sft_lines  # SFT not re-run
     assert grpo["baseline_val"] == arpo["baseline_val"]
-    records = [json.loads(line) for line in (workdir / "grpo" / "rl" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (workdir / "grpo_lora" / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["rollout/branches"] == 0 for r in records if "rollout/branches" in r)  # GRPO never branches
+    with open(workdir / "grpo_lora" / "rl" / "config.json") as f:
+        assert json.load(f)["model"]["lora"]["rank"] == 16
+    # With vLLM, each weight sync sent the adapters alone (rank 16: 18.7 MB float32; SmolLM2's weights: 513 MB).
+    synced = [r["weight_sync/export_bytes"] for r in records if "weight_sync/export_bytes" in r]
+    assert grpo["rollout_engine"] != "vllm" or (synced and max(synced) < 25 * 2**20), synced
 
 
 def test_flawed_and_solution_scores():

