@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from flax import nnx
+from flax import nnx, traverse_util
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
@@ -458,9 +458,7 @@ class Checkpointer:
         meta = self.read_meta(step)
         config = config_from_json(meta["model_config"]).replace(**runtime)
         if "lora_base" in meta:  # a LoRA RL checkpoint: the adapters here, the base where its pointer says
-            from arpo_jax import lora_io
-
-            return lora_io.restore_model(self, step, meta, config, mesh)
+            return _restore_lora_model(self, step, meta, config, mesh)
         params, _, _ = self.restore(step, config=config, mesh=mesh)
         graphdef, state = nnx.split(models.abstract_model(config))
         nnx.replace_by_pure_dict(state, params)
@@ -517,3 +515,38 @@ class Checkpointer:
 
 def _pure(params):
     return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+
+
+def _load_lora_base(pointer: dict, cfg, mesh: Mesh | None = None) -> models.CausalLM:
+    """The base model a pointer names (`base_pointer`), loaded in `cfg`'s dtypes; checked against its hash by
+    `_restore_lora_model` (a trainer resuming checks it in `lora_io.with_base`)."""
+    from arpo_jax import lora, pretrained
+
+    opts = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype, "sharding_rules": cfg.sharding_rules}
+    if pointer["init_checkpoint"]:
+        with Checkpointer(pointer["init_checkpoint"], async_save=False, create=False) as ckpt:
+            model = ckpt.restore_model(ckpt.latest_step(), mesh=mesh, **opts)
+        return lora.base_model(model) if model.config.lora_rank else model
+    return pretrained.from_pretrained(pointer["folder"], mesh=mesh, **opts)
+
+
+def _restore_lora_model(ckpt: Checkpointer, step: int, meta: dict, config, mesh: Mesh | None = None
+                        ) -> models.CausalLM:
+    """A LoRA RL checkpoint (`Checkpointer.restore_model` calls this for one with a base pointer) as a model: its
+    adapters over the base its pointer names, loaded and checked against the hash."""
+    from arpo_jax import lora, lora_io
+
+    pointer = meta[lora_io.BASE_POINTER]
+    base = _load_lora_base(pointer, config, mesh)
+    adapters, _, _ = ckpt.restore(step, config=config, mesh=mesh,
+                                  params_target=lora_io.adapters_only(abstract_params(config, mesh), config))
+    base_params = nnx.to_pure_dict(nnx.state(base, nnx.Param))
+    got = lora_io.base_fingerprint(base_params, lora.base_config(config))
+    if got != pointer["hash"]:
+        where = pointer["init_checkpoint"] or pointer["folder"]
+        raise ValueError(f"{ckpt.directory} step {step}: its LoRA base ({where}) has hash {pointer['hash']}, the "
+                         f"weights there now {got}: the base changed since the checkpoint was written")
+    graphdef, state = nnx.split(models.abstract_model(config))
+    flat = traverse_util.flatten_dict(adapters) | traverse_util.flatten_dict(base_params)
+    nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(flat))
+    return nnx.merge(graphdef, state)

@@ -91,41 +91,6 @@ def base_pointer(cfg, folder, params: dict, model_cfg: Config) -> dict:
             "hash": base_fingerprint(params, model_cfg)}
 
 
-def load_base(pointer: dict, cfg: Config, mesh: Mesh | None = None) -> CausalLM:
-    """The base model a pointer names (`base_pointer`), loaded in `cfg`'s dtypes; checked against its hash by
-    `with_base` / `restore_model`."""
-    from arpo_jax import pretrained
-    from arpo_jax.checkpoint import Checkpointer
-
-    opts = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype, "sharding_rules": cfg.sharding_rules}
-    if pointer["init_checkpoint"]:
-        with Checkpointer(pointer["init_checkpoint"], async_save=False, create=False) as ckpt:
-            model = ckpt.restore_model(ckpt.latest_step(), mesh=mesh, **opts)
-        return lora.base_model(model) if model.config.lora_rank else model
-    return pretrained.from_pretrained(pointer["folder"], mesh=mesh, **opts)
-
-
-def restore_model(ckpt, step: int, meta: dict, config: Config, mesh: Mesh | None = None) -> CausalLM:
-    """A LoRA RL checkpoint (`Checkpointer.restore_model` calls this for one with a base pointer) as a model: its
-    adapters over the base its pointer names, loaded and checked against the hash."""
-    from arpo_jax.checkpoint import abstract_params
-
-    pointer = meta[BASE_POINTER]
-    base = load_base(pointer, config, mesh)
-    adapters, _, _ = ckpt.restore(step, config=config, mesh=mesh,
-                                  params_target=adapters_only(abstract_params(config, mesh), config))
-    base_params = nnx.to_pure_dict(nnx.state(base, nnx.Param))
-    got = base_fingerprint(base_params, lora.base_config(config))
-    if got != pointer["hash"]:
-        where = pointer["init_checkpoint"] or pointer["folder"]
-        raise ValueError(f"{ckpt.directory} step {step}: its LoRA base ({where}) has hash {pointer['hash']}, the "
-                         f"weights there now {got}: the base changed since the checkpoint was written")
-    graphdef, state = nnx.split(models.abstract_model(config))
-    flat = traverse_util.flatten_dict(adapters) | traverse_util.flatten_dict(base_params)
-    nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(flat))
-    return nnx.merge(graphdef, state)
-
-
 def adapters_only(tree, cfg: Config):
     """The adapters of a params-shaped tree (a TrainState: its params): what a LoRA checkpoint saves."""
     from arpo_jax import train_step as ts
