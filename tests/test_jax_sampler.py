@@ -418,8 +418,9 @@ def test_a_budget_below_one_row_is_refused(tiny_hf_dir, tokenizer):
 
 def test_weights_are_kept_in_the_compute_dtype(tiny_hf_dir, tokenizer, monkeypatch):
     """float32 master weights, bfloat16 compute: the sampler holds a bfloat16 copy (half the bytes) and samples what
-    it did from the float32 weights: the same greedy tokens, log-probs within bfloat16 rounding (XLA's CPU upcasts
-    bf16 dots to float32 and may then read the float32 weights unrounded, so they are not bitwise equal here)."""
+    it did from the float32 weights: the same greedy tokens up to a near-tie, log-probs within bfloat16 rounding
+    (XLA's CPU upcasts bf16 dots to float32 and may then read the float32 weights unrounded, so they are not bitwise
+    equal here, and a near-tie on a random tiny model may go either way)."""
     from arpo_jax.rollout import jax_sampler
 
     path, _ = tiny_hf_dir("qwen2")
@@ -432,8 +433,11 @@ def test_weights_are_kept_in_the_compute_dtype(tiny_hf_dir, tokenizer, monkeypat
     master = JaxSampler(model, tokenizer, max_len=64, restrict_to_tokenizer=False)
     assert {x.dtype for x in jax.tree.leaves(master._state)} == {jnp.dtype(jnp.float32)}
     for a, b in zip(cast.generate(reqs, settings), master.generate(reqs, settings), strict=True):
-        assert a.token_ids == b.token_ids
-        np.testing.assert_allclose(a.token_logprobs, b.token_logprobs, atol=0.05)
+        same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
+        assert same >= 4, (a.token_ids, b.token_ids)
+        np.testing.assert_allclose(a.token_logprobs[:same], b.token_logprobs[:same], atol=0.05)
+        if same < len(a.token_ids):  # the two picks are a near-tie: their log-probs within bf16 rounding
+            assert abs(a.token_logprobs[same] - b.token_logprobs[same]) < 0.05, (same, a, b)
 
 
 def test_sleep_frees_the_weights_until_the_next_update(tiny_hf_dir, tokenizer):

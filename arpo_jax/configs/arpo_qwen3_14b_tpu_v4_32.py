@@ -17,12 +17,12 @@ def get_config():
     c.mesh.device = "tpu-v4"
     c.rollout.engine = "jax"
     # Memory (`arpo-jax plan`, 32 GiB a chip): one trajectory (P + R = 8192 tokens) per packed row, the update then
-    # peaks at 26.5 GiB. Each host's sampler holds the whole model in bfloat16 over its 4 chips (6.9 GiB each) and a
-    # stacked copy of the layers per call (6.2 GiB, until the layers are stored stacked: issue 31 item 3), beside
-    # the train state: 8 rows x 8192 slots of KV cache per program (2.5 GiB a chip; a worker's whole call, 192
-    # rows, would be 80) and prefill chunks of 128 tokens leave 16% of a chip free.
+    # peaks at 26.5 GiB. Each host's sampler holds the whole model in bfloat16 over its 4 chips (6.9 GiB each; the
+    # layers are stored stacked, so no per-call copy) beside the train state: 16 rows x 8192 slots of KV cache per
+    # program (5 GiB a chip; a worker's whole call, 192 rows, would be 80) and prefill chunks of 128 tokens leave
+    # 14% of a chip free (the sampler's regather is the peak program).
     c.actor.max_token_len_per_device = 8192
-    c.rollout.jax.max_tokens_per_call = 8 * 8192
+    c.rollout.jax.max_tokens_per_call = 16 * 8192
     c.rollout.jax.prefill_chunk = 128
     c.trainer.experiment = "arpo_qwen3_14b_tpu_v4_32"
     return c

@@ -468,8 +468,7 @@ class JaxSampler(Sampler):
         self._cache = None  # a cache no slot points into is never read again: free it now
 
     def sleep(self) -> None:
-        """Frees the weights and the cache (device memory) until the next `update_weights`; `generate` refuses
-        meanwhile. The trainer calls it before the update, whose new weights the sampler gets next anyway."""
+        """Frees the weights and cache until the next `update_weights` (the trainer's update gives new ones)."""
         self._state = self._cache = None
         self._slots.clear()
 

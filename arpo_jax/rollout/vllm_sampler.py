@@ -355,31 +355,18 @@ class VllmSampler:
         import jax
         from flax import nnx
 
-        from arpo_jax import distributed, hf, lora, lora_io, runtime  # the trainer's side: jax is already there
+        from arpo_jax import hf, lora, lora_io, runtime  # the trainer's side: jax is already there
 
-        if kind == "adapters":
-            dtype = "float32"
-            nbytes = hf.export_nbytes(nnx.state(model, lora.LoRAParam), dtype)
-        else:
-            dtype = self.export_dtype or self.info["dtype"]
-            nbytes = hf.export_nbytes(lora.base_state(model) if model.config.lora_rank else
-                                      nnx.state(model, nnx.Param), dtype)
+        dtype = "float32" if kind == "adapters" else self.export_dtype or self.info["dtype"]
+        nbytes = hf.export_nbytes(nnx.state(model, lora.LoRAParam) if kind == "adapters" else
+                                  lora.base_state(model) if model.config.lora_rank else nnx.state(model, nnx.Param),
+                                  dtype)
         if self.export_dir is None:  # ours: removed again by close()
             if jax.process_count() > 1:  # /dev/shm/arpo_jax_vllm_<pid> is one host's: the others never see it
                 raise ValueError("a multi-process weight sync needs export_dir on a file system every host shares "
                                  "(the trainer uses <workdir>/weight_sync; config: rollout.vllm.export_dir)")
             self.export_dir = self._own_export = _default_export_dir(nbytes)
-        no_room = ""
-        if runtime.is_main_process():  # the writer
-            if self._sync_version == 0:
-                remove_previous_syncs(self.export_dir)  # left by a run that was killed mid-sync
-            try:
-                check_export_room(self.export_dir, nbytes, dtype)
-            except OSError as e:
-                no_room = str(e)
-        if distributed.agree(int(bool(no_room))):  # every process stops, not only the writer (the others would wait)
-            raise OSError(no_room or f"weight sync: process 0 found too little room for one export in "
-                                     f"{self.export_dir} (its log says how much)")
+        _agree_on_room(self.export_dir, nbytes, dtype, first_sync=self._sync_version == 0)
         self._sync_version += 1
         path = self.export_dir / f"{SYNC_PREFIX}{self._sync_version}"
         if kind == "adapters":
@@ -627,6 +614,24 @@ def check_export_room(folder: Path, nbytes: int, dtype: str) -> None:
 
 def _gib(n: int) -> str:
     return f"{n / 1024**3:.2f} GiB"
+
+
+def _agree_on_room(export_dir: Path, nbytes: int, dtype: str, *, first_sync: bool) -> None:
+    """Process 0 (the writer) clears what a killed run left (`first_sync`) and checks the room for one export; every
+    process raises if it lacks room (not only the writer: the others would wait for it at the barrier)."""
+    from arpo_jax import distributed, runtime  # the trainer's side: jax is already there
+
+    no_room = ""
+    if runtime.is_main_process():
+        if first_sync:
+            remove_previous_syncs(export_dir)  # left by a run that was killed mid-sync
+        try:
+            check_export_room(export_dir, nbytes, dtype)
+        except OSError as e:
+            no_room = str(e)
+    if distributed.agree(int(bool(no_room))):
+        raise OSError(no_room or f"weight sync: process 0 found too little room for one export in {export_dir} (its "
+                                 "log says how much)")
 
 
 def _default_export_dir(nbytes: int = 0) -> Path:
