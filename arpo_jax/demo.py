@@ -344,10 +344,6 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     _log(f"1/6 data in {workdir}; model {model} ({'quick' if quick else 'full'} run, algo {algo}, seed {seed}, "
          f"rollouts in {engine})")
     cfg = demo_config(model, size, algo, seed, engine)
-    if lora:  # the RL phase only: the SFT model (shared by every algorithm in `workdir`) is the frozen base
-        with cfg.unlocked():
-            cfg.model.lora.rank, cfg.model.lora.alpha, cfg.actor.lr = LORA_RANK, 2.0 * LORA_RANK, LORA_LR
-            cfg.trainer.experiment += "_lora"
     data = write_data(workdir / "data", size, seed, max_results=cfg.tools.search.max_results,
                       result_length=cfg.tools.search.result_length)
     with cfg.unlocked():
@@ -372,6 +368,9 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
          f"SFT baseline) and every {size.test_freq} steps")
     with cfg.unlocked():
         cfg.model.init_checkpoint = sft_summary["checkpoint_dir"]
+        if lora:  # the RL phase only (set after SFT): the SFT model, shared by every algorithm here, is the base
+            cfg.model.lora.rank, cfg.model.lora.alpha, cfg.actor.lr = LORA_RANK, 2.0 * LORA_RANK, LORA_LR
+            cfg.trainer.experiment += "_lora"
     rl_summary = trainer.train(cfg, out / "rl")
     release_memory()
     times["rl"] = time.perf_counter() - t

@@ -410,7 +410,8 @@ def test_vllm_adapter_only_sync_matches_the_jax_policy(tiny, tmp_path):
         assert list((tmp_path / "sync").iterdir()) == []  # each version removed once loaded
 
         # A new base (full weights, once) under adapters: the JAX model's log-probs again.
-        other = _randomize_b(lora.with_adapters(base, RANK, ALPHA), seed=3, scale=0.3)
+        # From a fresh copy: with_adapters shares the base's weights, and nnx.update below changes them in place.
+        other = _randomize_b(lora.with_adapters(arpo_jax.from_pretrained(path), RANK, ALPHA), seed=3, scale=0.3)
         noisy = jax.tree.map(lambda x: x * 1.1, nnx.state(lora.base_model(other), nnx.Param))
         nnx.update(other, noisy)
         sampler.update_weights(other, base=True)
