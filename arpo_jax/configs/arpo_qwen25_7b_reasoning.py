@@ -31,8 +31,8 @@ def get_config():
     c.rollout.branch_probability = 0.5  # p
     c.rollout.entropy_weight = 0.2  # w
     c.rollout.rule = "arpo"
-    # vLLM on GPU 0 beside JAX: the update peaks at 32.2 GiB per GPU (`arpo-jax plan`, benchmarks/RESULTS.md), so
-    # JAX needs 0.45 of an 80 GB card and vLLM gets 0.5 (the scripts' 0.7 would leave JAX 18 GiB).
+    # vLLM beside JAX on each GPU: the update peaks at 27.7 GiB per GPU (`arpo-jax plan`, benchmarks/RESULTS.md), so
+    # JAX needs 0.39 of an 80 GB card and vLLM gets 0.5 (the scripts' 0.7 would leave JAX 18 GiB).
     c.rollout.vllm.gpu_memory_utilization = 0.5
 
     c.tools.call_limit = 3  # ARPO ppo_trainer.yaml (spec 6.3)

@@ -30,7 +30,8 @@ def get_config():
     c.rollout.entropy_weight = 0.2
     c.rollout.rule = "arpo"
     # Planned (`arpo-jax plan`): 12288 tokens per device and micro-batch (one 12k trajectory; the scripts' 2 (P + R)
-    # = 24000 needs 43 GiB per GPU) peak at 35.3 GiB, so vLLM gets 0.45 of GPU 0 (the scripts: 0.6).
+    # = 24000 needs 43 GiB per GPU) peak at 30.2 GiB: JAX takes 0.42 of an 80 GB card and vLLM 0.45 of GPU 0
+    # (up to 0.53 would leave the CUDA contexts their 0.05; the scripts: 0.6).
     c.rollout.vllm.gpu_memory_utilization = 0.45
 
     c.tools.call_limit = 6  # ppo_trainer_dr.yaml
