@@ -116,6 +116,38 @@ def with_base(state, base: dict, pointer: dict, cfg: Config, shardings=None):
     return state._replace(params=copy(params))
 
 
+class CheckpointView:
+    """What a run's checkpoints hold of its policy's TrainState. A LoRA run (`pointer`: `base_pointer`) saves the
+    adapters, their optimizer state and the base's pointer, never the frozen base, and a restore puts the loaded
+    `base` back (checking its hash); any other run saves the state as it is."""
+
+    def __init__(self, model_cfg: Config, pointer: dict | None = None, base: dict | None = None):
+        self.model_cfg, self.pointer, self.base = model_cfg, pointer, base
+
+    @classmethod
+    def for_run(cls, cfg, folder, params: dict, model_cfg: Config) -> CheckpointView:
+        """The view for the policy `params` loaded from `folder` (a LoRA run when `model_cfg` has adapters)."""
+        if not model_cfg.lora_rank:
+            return cls(model_cfg)
+        return cls(model_cfg, base_pointer(cfg, folder, params, model_cfg), params)
+
+    def saved(self, state, meta: dict) -> tuple:
+        """(what a checkpoint stores of `state`, its metadata `meta` with the base's pointer)."""
+        if self.pointer is None:
+            return state, meta
+        return adapters_only(state, self.model_cfg), meta | {BASE_POINTER: self.pointer}
+
+    def target(self, target):
+        """The restore target for a checkpoint of this run, from the whole state's `target`."""
+        return target if self.pointer is None else adapters_only(target, self.model_cfg)
+
+    def restored(self, state, meta: dict, shardings=None):
+        """The whole TrainState from a restored `state` (`target`-shaped) and its metadata."""
+        if self.pointer is None:
+            return state
+        return with_base(state, self.base, meta[BASE_POINTER], self.model_cfg, shardings)
+
+
 # --------------------------------------------------------------------------------------------------
 # PEFT adapter folders
 

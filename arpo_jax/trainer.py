@@ -130,15 +130,13 @@ class Trainer:
             + ([self.critic.ckpt] if self.critic else []))
         self.step, self.position = 0, rl_dataset.DataPosition(0, 0)
         # LoRA: checkpoints hold the adapters and a pointer to the frozen base (`lora_io.base_pointer`), not the base.
-        lora_rl = bool(self.model_cfg.lora_rank)
-        self._lora_base = params if lora_rl else None
-        self.lora_base = lora_io.base_pointer(cfg, self.model_folder, params, self.model_cfg) if lora_rl else None
+        self.stored = lora_io.CheckpointView.for_run(cfg, self.model_folder, params, self.model_cfg)
         latest, (self.state, critic_state) = self.checkpoints.resume_or_init(
             resuming, lambda s: (self._restore(s), self.critic.restore(s) if self.critic else None),
             lambda: (self.policy.init_state(params), self.critic.init_state(params) if self.critic else None))
         if self.critic:
             self.critic.state = critic_state
-        params = model = self._lora_base = None  # the states hold their own copies: free the loaded weights
+        params = model = self.stored.base = None  # the states hold their own copies: free the loaded weights
 
         # The rollout's components, the logger.
         self.rollout_cfg = rollout_config(cfg)
@@ -196,17 +194,9 @@ class Trainer:
         if stop is not None and stop.requested():  # the signal came during the last step: it is saved, stop as asked
             raise stop.stopped(self.checkpoints.save_for_stop(self.step, self.save))
         self.checkpoints.wait()
-        export = None
-        if tr.export_hf:
-            export = str(hf.save_pretrained(nnx.merge(self.policy.graphdef, self.state.params), self.workdir / "hf",
-                                            tokenizer=self.tokenizer))
-        summary = {"steps": self.step, "total_steps": self.total_steps, "reward_mean": last.get("reward/mean"),
-                   "val": {k: v for k, v in val.items() if k.startswith("val/")}, "hf_export": export,
-                   "wall_s": round(time.perf_counter() - t_start, 1), "workdir": str(self.workdir),
-                   "checkpoints": str(self.checkpoints.main.directory), "metrics": str(self.workdir / "metrics.jsonl")}
-        if self.is_main:
-            (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-        return summary
+        export = str(hf.save_pretrained(nnx.merge(self.policy.graphdef, self.state.params), self.workdir / "hf",
+                                        tokenizer=self.tokenizer)) if tr.export_hf else None
+        return run_summary(self, last, val, export, time.perf_counter() - t_start)
 
     def train_step(self) -> dict:
         """One RL step, phase by phase (each timed under its name: `time/<phase>`). Returns its metrics. With
@@ -370,22 +360,13 @@ class Trainer:
 
     def _restore(self, step: int) -> ts.TrainState:
         """The policy's state at `step`; sets the step and data position the run continues from."""
-        target = self.policy.restore_target()
-        if self.lora_base:  # the adapters from the checkpoint, the base from its pointer (the weights loaded above)
-            target = lora_io.adapters_only(target, self.model_cfg)
-        restored = self.checkpoints.main.restore_state(step, target)
+        restored = self.checkpoints.main.restore_state(step, self.stored.target(self.policy.restore_target()))
         self.step, self.position = int(restored.meta["step"]), restored.position
         log.info("resumed from %s step %d", self.checkpoints.main.directory, self.step)
-        if self.lora_base:
-            return lora_io.with_base(restored.state, self._lora_base, restored.meta[lora_io.BASE_POINTER],
-                                     self.model_cfg, self.policy.shardings)
-        return restored.state
+        return self.stored.restored(restored.state, restored.meta, self.policy.shardings)  # LoRA: the base put back
 
     def save(self) -> None:
-        meta = {"seed": self.cfg.seed, "total_steps": self.total_steps}
-        state = self.state
-        if self.lora_base:  # the adapters and their optimizer state, plus the base's pointer (not the frozen base)
-            state, meta = lora_io.adapters_only(state, self.model_cfg), meta | {lora_io.BASE_POINTER: self.lora_base}
+        state, meta = self.stored.saved(self.state, {"seed": self.cfg.seed, "total_steps": self.total_steps})
         self.checkpoints.main.save_state(self.step, state, config=self.model_cfg, position=self.position, meta=meta,
                                          force=True)
         if self.critic:
@@ -407,6 +388,19 @@ class Trainer:
             self.executor.close()
             self.sampler.close()
             self.lock.release()
+
+
+def run_summary(trainer: Trainer, last: dict, val: dict, export: str | None, wall_s: float) -> dict:
+    """A finished run's summary: the last step's reward, validation, where everything is; the main process also
+    writes it to `summary.json`."""
+    summary = {"steps": trainer.step, "total_steps": trainer.total_steps, "reward_mean": last.get("reward/mean"),
+               "val": {k: v for k, v in val.items() if k.startswith("val/")}, "hf_export": export,
+               "wall_s": round(wall_s, 1), "workdir": str(trainer.workdir),
+               "checkpoints": str(trainer.checkpoints.main.directory),
+               "metrics": str(trainer.workdir / "metrics.jsonl")}
+    if trainer.is_main:
+        (trainer.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
 
 
 def train(cfg, workdir: str | os.PathLike) -> dict:

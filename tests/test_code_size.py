@@ -19,9 +19,6 @@ KNOWN = {
     # the split (engine worker script | sampler | export folders) is the next step.
     "module arpo_jax/rollout/vllm_sampler.py",
     "class arpo_jax/rollout/agent_loop.py _Loop",
-    # 298 -> 319 lines when off-policy rollouts (issue 33) and LoRA checkpoints (issue 35) were merged the same day:
-    # the LoRA checkpoint view (save/restore/pointer) belongs in lora_io and the run summary in skeleton (next step).
-    "class arpo_jax/trainer.py Trainer",
     "function arpo_jax/demo.py run_demo", "function arpo_jax/algos.py rollout_correction",
 }
 

@@ -434,11 +434,13 @@ def test_rl_checkpoint_holds_the_adapters_and_a_pointer_to_the_base(tiny, tmp_pa
     state = ts.init_train_state(params, opt)
     state = state._replace(opt_state=jax.tree.map(lambda x: x + 1 if x.dtype == jnp.float32 else x, state.opt_state))
     run_cfg = ConfigDict({"model": {"path": str(path), "init_checkpoint": ""}})
-    pointer = lora_io.base_pointer(run_cfg, path, params, model.config)
+    view = lora_io.CheckpointView.for_run(run_cfg, path, params, model.config)  # what the trainer saves/restores
+    pointer = view.pointer
     assert pointer["folder"] == str(path) and len(pointer["hash"]) == 32
     with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
-        ckpt.save_state(2, lora_io.adapters_only(state, model.config), config=model.config,
-                        meta={lora_io.BASE_POINTER: pointer}, force=True)
+        saved, meta = view.saved(state, {"seed": 0})
+        assert meta == {"seed": 0, lora_io.BASE_POINTER: pointer}
+        ckpt.save_state(2, saved, config=model.config, meta=meta, force=True)
     on_disk = sum(f.stat().st_size for f in (tmp_path / "ckpt").rglob("*") if f.is_file())
     adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(lora_io.adapters_only(params, model.config)))
     base_bytes = sum(x.nbytes for x in jax.tree.leaves(lora.base_params(params, model.config)))
@@ -448,9 +450,9 @@ def test_rl_checkpoint_holds_the_adapters_and_a_pointer_to_the_base(tiny, tmp_pa
     abstract = ts.abstract_train_state(opt, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params),
                                        jax.tree.map(lambda x: x.sharding, state))
     with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
-        restored = ckpt.restore_state(2, lora_io.adapters_only(abstract, model.config))
+        restored = ckpt.restore_state(2, view.target(abstract))
         fresh = nnx.to_pure_dict(nnx.state(lora.with_adapters(arpo_jax.from_pretrained(path), RANK, ALPHA)))
-        back = lora_io.with_base(restored.state, fresh, restored.meta[lora_io.BASE_POINTER], model.config)
+        back = lora_io.CheckpointView(model.config, pointer, fresh).restored(restored.state, restored.meta)
         for a, b in zip(jax.tree.leaves((back.params, back.opt_state)), jax.tree.leaves((state.params,
                                                                                         state.opt_state)), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
