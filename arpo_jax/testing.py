@@ -9,11 +9,31 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import os
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
+
+# XLA flags of the test suite (tests/conftest.py sets them for the suite's processes, `subprocess_env` passes them
+# on): compile fast, run slower. Most tests compile tiny programs that then run for milliseconds, so LLVM's
+# optimisation passes were most of their CPU time. Semantics are XLA's and the same in every process of a test.
+TEST_XLA_FLAGS_ENV = "ARPO_TEST_XLA_FLAGS"
+FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def subprocess_env(devices: int | None = None, **extra: str) -> dict:
+    """The environment for a test's subprocess (`arpo-jax ...`, a JAX worker): this process's, with JAX on CPU with
+    `devices` fake devices (None: XLA_FLAGS removed, e.g. for a process that is not JAX's) and the suite's compile
+    flags, unbuffered output; `extra` on top. The session's compilation cache (conftest) is inherited."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu",
+                                                                       "PYTHONUNBUFFERED": "1"}
+    if devices is not None:
+        env["XLA_FLAGS"] = f"{os.environ.get(TEST_XLA_FLAGS_ENV, '')} " \
+                           f"--xla_force_host_platform_device_count={devices}".strip()
+    return env | extra
+
 
 # Tiny variants of each supported family. Every feature that differs between them is switched on somewhere:
 # q/k/v bias (qwen2), tied and untied embeddings, q/k norm with explicit head_dim (qwen3), llama3 RoPE scaling.

@@ -2,8 +2,12 @@
 
 import os
 
-# Must be set before JAX initialises its backend (the first jax import in the session happens after this).
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+# Must be set before JAX initialises its backend (the first jax import in the session happens after this). The
+# suite's compile flags (arpo_jax.testing.FAST_COMPILE_XLA_FLAGS: LLVM's optimisation passes were most of the CPU
+# time of tests that compile tiny programs) reach the tests' subprocesses through `testing.subprocess_env`.
+os.environ.setdefault("ARPO_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), os.environ["ARPO_TEST_XLA_FLAGS"],
+                                    "--xla_force_host_platform_device_count=8"]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -18,6 +22,8 @@ if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not i
 
     SESSION_JIT_CACHE = tempfile.mkdtemp(prefix="arpo-jax-tests-jit-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = SESSION_JIT_CACHE
+    # Every program, not only those that compile for >= 1 s: with the fast-compile flags most take less.
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import gc  # noqa: E402
 

@@ -144,7 +144,7 @@ def test_non_editable_install_trains_from_an_empty_directory(tmp_path):
     assert (site / "arpo_jax" / "configs" / "toy_cpu.py").is_file()
     empty = tmp_path / "empty"
     empty.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"PYTHONPATH": str(site), "JAX_PLATFORMS": "cpu"}
+    env = testing.subprocess_env(1, PYTHONPATH=str(site))
     code = ("import sys, arpo_jax; from arpo_jax import cli; assert arpo_jax.__file__.startswith(sys.argv[1]), "
             "arpo_jax.__file__; sys.exit(cli.main(sys.argv[2:]))")
     proc = subprocess.run([sys.executable, "-c", code, str(site), "train", "--config=builtin:toy_cpu",

@@ -40,10 +40,7 @@ VOLATILE = ("seconds",)  # wall time: the only record field that may differ betw
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return env | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
-                  "PYTHONUNBUFFERED": "1",  # the compilation cache: the session's (conftest)
-                  "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
+    return testing.subprocess_env(1, NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
 
 
 def _eval_cmd(workdir: Path, model: str, *extra: str, benchmarks=BENCHMARKS, limit=LIMIT) -> list[str]:

@@ -31,7 +31,7 @@ def _run_two(args: list[str], out_dir: Path, timeout: float = 300.0) -> list[str
     """Runs the worker as processes 0 and 1 (`args` around PROCESS_ID PORT); a process that fails ends the other
     (it would wait for its peer in a collective). Returns both outputs; asserts both succeeded."""
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = testing.subprocess_env(4)  # the worker's 4 fake devices (it sets them again when run by hand)
     env["PYTHONPATH"] = str(WORKER.parents[1])
     logs = [out_dir / f"process_{i}.log" for i in range(2)]
     procs = []

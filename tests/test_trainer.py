@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from arpo_jax import metrics
+from arpo_jax import metrics, testing
 from arpo_jax.checkpoint import Checkpointer
 from tests.tensorboard_events import read_tensorboard_scalars
 
@@ -32,15 +32,14 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return {"score": (sum(map(ord, solution_str)) % 97) / 97.0}
 '''
 STEPS = 3
+# The reference run's settings (`uninterrupted`), shared by the runs compared with it: 2 rollout workers on 2
+# devices, which 2 processes of 1 device each must reproduce; validation at the last step.
+RUN = ("--config.trainer.test_freq=3", "--config.rollout.workers=2")
 
 pytestmark = pytest.mark.slow  # `arpo-jax train` runs in subprocesses: kills, resumes, 2 processes, vLLM
 
 
-def _env(devices: int, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env |= {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
-            "PYTHONUNBUFFERED": "1"}  # the compilation cache: the session's (conftest)
-    return env | extra
+_env = testing.subprocess_env  # (devices, **extra): the compilation cache is the session's (conftest)
 
 
 def _command(workdir: Path, reward: Path, *overrides: str, python: str = sys.executable) -> list[str]:
@@ -79,10 +78,10 @@ def shared(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def uninterrupted(shared):
-    """A 3-step run start to finish: (workdir, stdout)."""
+    """A 3-step run start to finish (`RUN`): (workdir, stdout)."""
     root, reward = shared
     workdir = root / "uninterrupted"
-    out = _run(_command(workdir, reward, "--config.trainer.test_freq=3"), _env(2))
+    out = _run(_command(workdir, reward, *RUN), _env(2))
     return workdir, out
 
 
@@ -131,7 +130,7 @@ def test_train_moves_params(uninterrupted):
 def test_sigkill_at_a_random_moment_resumes_to_the_same_params(uninterrupted, shared):
     root, reward = shared
     workdir = root / "killed"
-    cmd, env = _command(workdir, reward, "--config.trainer.test_freq=3"), _env(2)
+    cmd, env = _command(workdir, reward, *RUN), _env(2)
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.time() + 300
@@ -171,14 +170,12 @@ def _run_two_processes(cmd: list[str]) -> list[str]:
     return outs
 
 
-def test_two_processes_match_one_process_with_two_workers(shared):
+def test_two_processes_match_one_process_with_two_workers(uninterrupted, shared):
     """jax.distributed over 2 local processes (1 device each) == 1 process with 2 devices and 2 rollout workers."""
     root, reward = shared
-    overrides = ("--config.trainer.test_freq=2", "--config.rollout.workers=2")
-    single = root / "single"
-    _run(_command(single, reward, *overrides), _env(2))
+    single = uninterrupted[0]
     multi = root / "multi"
-    _run_two_processes(_command(multi, reward, *overrides))
+    _run_two_processes(_command(multi, reward, *RUN))
     a, _ = _params(single, STEPS)
     b, _ = _params(multi, STEPS)
     assert _max_diff(a, b) <= 1e-5
@@ -252,7 +249,7 @@ def test_sigterm_during_a_step_and_sigint_during_a_save_lose_nothing(uninterrupt
     root, reward = shared
     workdir = root / "signalled"
     env = _env(2)
-    cmd = _command(workdir, reward, "--config.trainer.test_freq=3", "--config.trainer.save_freq=0")
+    cmd = _command(workdir, reward, *RUN, "--config.trainer.save_freq=0")
 
     proc = _popen(cmd, env)
     _wait_for(lambda: _logged_steps(workdir) == [1], proc, "step 1")  # step 2 is running now
@@ -267,7 +264,7 @@ def test_sigterm_during_a_step_and_sigint_during_a_save_lose_nothing(uninterrupt
         assert ckpt.all_steps() == [done[-1]]  # the finished step was saved although save_freq=0
 
     # Resume, and interrupt while a checkpoint is being written (save_freq=1: every step saves).
-    cmd = _command(workdir, reward, "--config.trainer.test_freq=3")
+    cmd = _command(workdir, reward, *RUN)
     proc = _popen(cmd, env)
     saving = lambda: any(".orbax-checkpoint-tmp" in p.name for p in (workdir / "checkpoints").iterdir()) or \
         len(_logged_steps(workdir)) > len(done)
