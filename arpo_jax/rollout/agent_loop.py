@@ -34,16 +34,15 @@ consecutive counter is per prompt and counts refills (B6), and max_tokens is the
 Failure isolation (`RolloutConfig.isolate_failures`, not in the reference): a trajectory is marked failed
 (`RolloutOutput.failed` names the cause) when one of its tool calls fails (`tool_error`, `tool_timeout`: the executor
 gave up; it still sees the error text and goes on, as in the reference), when its engine request raises
-(`engine_error`: the round's batch is retried in halves, recursively, so only a request that raises on its own
-fails; the trajectory ends there), or when it runs longer than `trajectory_timeout_s` from its creation
-(`wall_budget`: it ends after the round). A failed trajectory is never a branching source; the trainer masks it
+(`engine_error`: `BisectingSampler` retries the round's batch in halves, recursively, so only a request that
+raises on its own fails; the trajectory ends there), or when it runs longer than `trajectory_timeout_s` from its
+creation (`wall_budget`: it ends after the round). A failed trajectory is never a branching source; the trainer masks it
 out of the loss. Without isolation an engine error propagates, as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -51,10 +50,9 @@ from typing import Protocol
 import numpy as np
 
 from arpo_jax.rollout import branching
+from arpo_jax.rollout.bisecting_sampler import BisectingSampler
 from arpo_jax.rollout.branching import BranchAttempt, BranchParams, EntropyBaselines
 from arpo_jax.rollout.sampler import Sampler, SampleRequest, SampleResult, SamplingSettings
-
-log = logging.getLogger(__name__)
 
 PREMONITOR_SLOT_BASE = 1 << 30  # slot ids of AEPO's pre-monitoring requests (kept apart from the rollout's)
 
@@ -244,6 +242,8 @@ def rollout(prompts_token_ids: Sequence[Sequence[int]], sampler: Sampler, execut
     """
     rng = np.random.default_rng(rng) if not isinstance(rng, np.random.Generator) else rng
     settings = settings or SamplingSettings()
+    if config.isolate_failures:  # an engine error fails only the requests that raise on their own
+        sampler = BisectingSampler(sampler)
     return _Loop(prompts_token_ids, sampler, executor, tokenizer, config, settings, rng,
                  state or RolloutState()).run()
 
@@ -353,35 +353,11 @@ class _Loop:
         return results
 
     def _sample(self, requests: list[SampleRequest]) -> list[SampleResult | None]:
-        """One batched engine call. With isolation, a call that raises is retried on each half of its requests,
-        recursively, so that only a request that raises on its own gets None (about 2 log2(n) calls for one bad
-        request among n, the healthy halves still batched)."""
-        try:
-            results = self.sampler.generate(requests, self.settings)
-        except Exception as e:
-            if not self.cfg.isolate_failures:
-                raise
-            log.warning("engine call of %d requests raised %s: %s; retrying its halves", len(requests),
-                        type(e).__name__, e)
-            results = self._bisect(requests[:len(requests) // 2]) + self._bisect(requests[len(requests) // 2:])
-            self.sampler.reset_cache()
+        """One batched engine call (None for a request that failed on its own: `BisectingSampler`, isolation)."""
+        results = self.sampler.generate(requests, self.settings)
         if len(results) != len(requests):
             raise RuntimeError(f"sampler returned {len(results)} results for {len(requests)} requests")
         return results
-
-    def _bisect(self, requests: list[SampleRequest]) -> list[SampleResult | None]:
-        if not requests:
-            return []
-        self.sampler.reset_cache()  # a call that raised may have left the engine's cache inconsistent
-        try:
-            return list(self.sampler.generate(requests, self.settings))
-        except Exception as e:
-            if len(requests) == 1:
-                log.warning("engine request of slot %s raised %s: %s; its trajectory is marked failed",
-                            requests[0].slot_id, type(e).__name__, e)
-                return [None]
-            return self._bisect(requests[:len(requests) // 2]) + self._bisect(requests[len(requests) // 2:])
-
 
     @staticmethod
     def _fail(s: _Slot, cause: str) -> None:
