@@ -181,7 +181,7 @@ class _Slot:
     prompt: int
     tokens: list[int]  # prompt + response so far
     prompt_len: int
-    kind: str = "root"
+    kind: str = "root"  # "root", "branch", "refill"; "probe": AEPO pre-monitoring's discarded trajectory
     round_created: int = 0
     parent: int | None = None
     mask: list[int] = dataclasses.field(default_factory=list)  # per response token: 1 model, 0 tool result
@@ -292,8 +292,9 @@ class _Loop:
         r = 0
         while active:
             results = self._generate(active)
-            queued = [q for s, res in zip(active, results) if (q := self._absorb(s, res)) is not None]
-            self._run_tools(queued)
+            t = time.perf_counter()
+            self._tool_round(active, results)
+            self.times["tools"] += time.perf_counter() - t
             keep = []
             budget, now = self.cfg.trajectory_timeout_s, time.monotonic()
             for s in active:
@@ -381,7 +382,6 @@ class _Loop:
                 s.mask.append(1)
                 s.logps.append(np.nan)  # not sampled: no engine log-prob
                 s.finish = "call_limit"
-                self.m["call_limit_reached"] += 1
                 return None
             s.calls += 1
             text = self.tok.decode(s.tokens if self.compat else res.token_ids, skip_special_tokens=False)
@@ -389,7 +389,6 @@ class _Loop:
             if content:
                 return s, tag, content
             s.finish = "empty_tool_content"  # ends silently, no EOS (B10)
-            self.m["empty_tool_content"] += 1
         elif res.finish_reason == "length":
             if not res.token_ids or s.resp_len >= self.R:
                 s.finish = "length"
@@ -397,18 +396,25 @@ class _Loop:
             s.finish = "eos" if res.finish_reason == "eos" else "stop"
         return None
 
-    def _run_tools(self, queued: list[tuple[_Slot, str, str]]) -> None:
-        """Spec 3.3 step 4: all calls of the round at once; results appended with mask 0."""
+    def _tool_round(self, active: list[_Slot], results: list[SampleResult | None], counter: str = "tool_calls",
+                    max_len: int | None = None) -> None:
+        """Spec 3.3 steps 3-4, for the rollout and for AEPO's pre-monitoring (5.1): each slot appends its segment
+        (`_absorb`), then all tool calls of the round run at once and their results are appended with mask 0.
+
+        `counter` is the metric that counts the calls. `max_len` is pre-monitoring's guard: a context that a result
+        would push past it is first cut to `max_len - len(result) - 100` tokens, as in the reference.
+        """
+        queued = [q for s, res in zip(active, results) if (q := self._absorb(s, res)) is not None]
         if not queued:
             return
-        t = time.perf_counter()
-        results = self._execute([(tag, content) for _, tag, content in queued])
-        self.times["tools"] += time.perf_counter() - t
-        self.m["tool_calls"] += len(queued)
-        for (s, _, _), (text, failure) in zip(queued, results):
+        outcomes = self._execute([(tag, content) for _, tag, content in queued])
+        self.m[counter] += len(queued)
+        for (s, _, _), (text, failure) in zip(queued, outcomes):
             if failure and self.cfg.isolate_failures:
                 self._fail(s, failure)
             ids = encode_tool_result(self.tok, text, self.compat)
+            if max_len is not None and len(s.tokens) + len(ids) > max_len:
+                del s.tokens[max(0, max_len - len(ids) - 100):]  # a probe's mask and log-probs are never read
             s.tokens.extend(ids)
             s.mask.extend([0] * len(ids))
             s.logps.extend([np.nan] * len(ids))
@@ -501,43 +507,26 @@ class _Loop:
         return {b: self._entropy(res) for b, res in zip(valid, results) if res is not None}
 
     def _premonitor_tool_rollout(self, valid: list[int], max_len: int) -> dict[int, list[float]]:
-        """H_tool: one complete, discarded tool rollout per prompt; every segment's entropy (the first included)."""
+        """H_tool: one complete, discarded tool rollout per prompt; every segment's entropy (the first included).
+
+        Its probe slots run the rollout's own tool round; they are never branched, returned or counted as
+        trajectories. A probe that reaches the call limit or an empty call just ends (its EOS is never read)."""
         base = PREMONITOR_SLOT_BASE + len(self.prompts)
-        seqs = {b: list(self.prompts[b]) for b in valid}
-        calls = dict.fromkeys(valid, 0)
-        ents: dict[int, list[float]] = {b: [] for b in valid}
-        active = list(valid)
-        resp = lambda b: len(seqs[b]) - len(self.prompts[b])
+        probes = [_Slot(base + b, b, list(self.prompts[b]), len(self.prompts[b]), "probe") for b in valid]
+        active = probes
         while active:
-            budget = max(1, max(self.R - resp(b) for b in active))
-            cap = max_len - max(len(seqs[b]) for b in active)  # extra guard of this phase only
-            reqs = [SampleRequest(list(seqs[b]), max(1, min(budget, cap)), slot_id=base + b) for b in active]
-            results = self._sample(reqs)
-            queued, keep = [], []
-            for b, res in zip(active, results):
+            budget = max(1, max(self.R - s.resp_len for s in active))
+            cap = max_len - max(len(s.tokens) for s in active)  # extra guard of this phase only
+            results = self._sample([SampleRequest(list(s.tokens), max(1, min(budget, cap)), slot_id=s.id)
+                                    for s in active])
+            for s, res in zip(active, results):
                 if res is None:  # the engine failed: this prompt's pre-monitoring ends with what it has
-                    continue
-                ents[b].append(self._entropy(res))
-                seqs[b].extend(res.token_ids)
-                if res.finish_reason == "stop" and res.stop_string in self.closers and calls[b] < self.cfg.call_limit:
-                    tag = res.stop_string[2:-1]
-                    text = self.tok.decode(seqs[b] if self.compat else res.token_ids, skip_special_tokens=False)
-                    content = extract_tool_content(text, tag)
-                    if content:  # calls count only with content; an empty call or the limit ends it (no EOS)
-                        calls[b] += 1
-                        queued.append((b, tag, content))
-                elif res.finish_reason == "length" and res.token_ids and resp(b) < self.R:
-                    keep.append(b)
-            texts = [t for t, _ in self._execute([(tag, c) for _, tag, c in queued])] if queued else []
-            self.m["premonitor_tool_calls"] += len(queued)
-            for (b, _, _), text in zip(queued, texts):
-                ids = encode_tool_result(self.tok, text, self.compat)
-                if len(seqs[b]) + len(ids) > max_len:
-                    seqs[b] = seqs[b][:max(0, max_len - len(ids) - 100)]
-                seqs[b].extend(ids)
-                keep.append(b)
-            active = [b for b in sorted(keep) if resp(b) < self.R and len(seqs[b]) < max_len]
-        return ents
+                    s.finish = "engine_error"
+                else:
+                    s.entropies.append(self._entropy(res))
+            self._tool_round(active, results, "premonitor_tool_calls", max_len)
+            active = [s for s in active if not s.finish and s.resp_len < self.R and len(s.tokens) < max_len]
+        return {s.prompt: s.entropies for s in probes}
 
     # ------------------------------------------------------------------------------------ finalisation (3.4)
     def _members(self) -> list[_Slot]:
@@ -599,6 +588,9 @@ class _Loop:
         return self.trees
 
     def _metrics(self, rows: list[_Slot], lengths: np.ndarray) -> dict[str, float]:
+        # From the trajectories' finish reasons: `_absorb` also ends pre-monitoring's probes, which must not count.
+        for key, finish in (("call_limit_reached", "call_limit"), ("empty_tool_content", "empty_tool_content")):
+            self.m[key] = sum(s.finish == finish for s in self.slots)
         out = {f"rollout/{k}": float(v) for k, v in self.m.items()}
         ents = [e for s in self.slots for e in s.entropies]
         out.update({
