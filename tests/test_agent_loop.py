@@ -309,6 +309,19 @@ def test_dynamic_initial_rollouts(tok):
     assert out.trees[0].h_tool_mean == pytest.approx(np.mean([h[2], h[4], h[6]]))  # 3 segments incl. the first
 
 
+def test_premonitor_probes_end_at_the_call_limit_uncounted(tok):
+    """Pre-monitoring's probes run the rollout's tool round, but their call-limit and empty-call endings are not the
+    trajectories' (rollout/call_limit_reached, empty_tool_content), and their calls count apart."""
+    probe = lambda c: c.request.slot_id >= PREMONITOR_SLOT_BASE + 1  # noqa: E731  (1 prompt: after the H_root id)
+    cfg = dataclasses.replace(ONE, n=2, initial_rollouts=1, call_limit=1, enable_dynamic_rollouts=True)
+    out, sampler, ex = _run(tok, lambda c: CALL if probe(c) else ANSWER, cfg)
+    assert [len([r for r in reqs if r.slot_id >= PREMONITOR_SLOT_BASE + 1]) for reqs, _, _ in sampler.calls] == [
+        0, 1, 1, 0, 0]  # H_root; the probe's call, its second call (the limit: it ends); then the rollout
+    assert len(ex.requests) == 1 and out.metrics["rollout/premonitor_tool_calls"] == 1
+    assert out.metrics["rollout/call_limit_reached"] == out.metrics["rollout/tool_calls"] == 0
+    assert list(out.finish_reason) == ["eos", "eos"]
+
+
 # --------------------------------------------------------------------------------------- property tests (3, 4)
 WORDS = ["the", "of", "and", "print", "math", "sum", "value", "42", "x"]
 

@@ -11,8 +11,9 @@ import pytest
 
 from arpo_jax import testing
 from arpo_jax.rollout.agent_loop import PREMONITOR_SLOT_BASE, RolloutConfig, rollout, select_rows
+from arpo_jax.rollout.bisecting_sampler import BisectingSampler
 from arpo_jax.rollout.fake_sampler import ScriptedSampler, Segment, by_slot
-from arpo_jax.rollout.sampler import Sampler
+from arpo_jax.rollout.sampler import Sampler, SampleRequest, SamplingSettings
 from arpo_jax.tools import ExecutorConfig, Tool, ToolExecutor
 
 
@@ -103,6 +104,20 @@ def test_an_engine_error_fails_one_request_and_the_rest_runs_unchanged(tok):
     assert _text(out, tok, 1) == _text(clean, tok, 1).split("<answer>")[0]  # ends after its tool result
     with pytest.raises(RuntimeError, match="request rejected"):  # without isolation the error propagates
         _run(tok, script, dataclasses.replace(CFG, isolate_failures=False), engine=lambda s: FailingEngine(s, poisoned))
+
+
+def test_the_bisecting_sampler_fails_only_the_request_that_raises_alone(tok):
+    inner = ScriptedSampler(tok, lambda c: Segment(f"<answer> {c.request.slot_id} </answer>", eos=True))
+    engine = FailingEngine(inner, lambda r: r.slot_id == 5)
+    reqs = [SampleRequest(tok.encode("the of and"), 16, slot_id=i) for i in range(8)]
+    out = BisectingSampler(engine).generate(reqs, SamplingSettings())
+    assert [r is None for r in out] == [i == 5 for i in range(8)]
+    assert engine.raised == 4  # [0..7], then [4..7], [4, 5] and [5]
+    assert [[r.slot_id for r in call] for call, _, _ in inner.calls] == [[0, 1, 2, 3], [4], [6, 7]]  # halves batched
+    assert [r.text for r in out if r] == [f"<answer> {i} </answer>" for i in range(8) if i != 5]  # in order
+    healthy = [r for r in reqs if r.slot_id != 5]
+    assert [r.text for r in BisectingSampler(engine).generate(healthy, SamplingSettings())] == [
+        r.text for r in inner.generate(healthy, SamplingSettings())]  # no failure: the engine's call as is
 
 
 def test_a_trajectory_over_its_wall_budget_ends_and_is_marked(tok):

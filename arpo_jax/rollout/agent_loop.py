@@ -6,7 +6,8 @@ budget, 3.3.1); the segment entropy of every slot (4.1); tool calls detected by 
 call limit (the extra call appends EOS, mask 1), empty tool content (the slot ends silently); all tool calls of the
 round executed concurrently by the executor, results appended as `" <result>\\n{text}\\n</result>"` with loss-mask
 0; then branching (ARPO 4.2 / AEPO 5.2) and the refill rule (4.3), until every prompt has exactly n trajectories.
-The output is padded numpy arrays (3.4) plus per-trajectory metadata, branching trees and metrics.
+The output (`rollout/output.py`) is padded numpy arrays (3.4) plus per-trajectory metadata, branching trees
+and metrics.
 
 `RolloutConfig.reference_compat` (default False = the intended algorithm), quirk by quirk (spec section 14):
 
@@ -34,16 +35,15 @@ consecutive counter is per prompt and counts refills (B6), and max_tokens is the
 Failure isolation (`RolloutConfig.isolate_failures`, not in the reference): a trajectory is marked failed
 (`RolloutOutput.failed` names the cause) when one of its tool calls fails (`tool_error`, `tool_timeout`: the executor
 gave up; it still sees the error text and goes on, as in the reference), when its engine request raises
-(`engine_error`: the round's batch is retried in halves, recursively, so only a request that raises on its own
-fails; the trajectory ends there), or when it runs longer than `trajectory_timeout_s` from its creation
-(`wall_budget`: it ends after the round). A failed trajectory is never a branching source; the trainer masks it
+(`engine_error`: `BisectingSampler` retries the round's batch in halves, recursively, so only a request that
+raises on its own fails; the trajectory ends there), or when it runs longer than `trajectory_timeout_s` from its
+creation (`wall_budget`: it ends after the round). A failed trajectory is never a branching source; the trainer masks it
 out of the loss. Without isolation an engine error propagates, as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -51,10 +51,17 @@ from typing import Protocol
 import numpy as np
 
 from arpo_jax.rollout import branching
-from arpo_jax.rollout.branching import BranchAttempt, BranchParams, EntropyBaselines
+from arpo_jax.rollout.bisecting_sampler import BisectingSampler
+from arpo_jax.rollout.branching import BranchParams, EntropyBaselines
+from arpo_jax.rollout.output import (  # noqa: F401  (FAILURE_CAUSES, select_rows: re-exported with the outputs)
+    FAILURE_CAUSES,
+    PromptTree,
+    RolloutOutput,
+    TreeNode,
+    pad_rows,
+    select_rows,
+)
 from arpo_jax.rollout.sampler import Sampler, SampleRequest, SampleResult, SamplingSettings
-
-log = logging.getLogger(__name__)
 
 PREMONITOR_SLOT_BASE = 1 << 30  # slot ids of AEPO's pre-monitoring requests (kept apart from the rollout's)
 
@@ -117,9 +124,6 @@ class Executor(Protocol):
     # Optional: `run_batch(requests) -> list[ToolResult]` (text and failure cause); without it no call fails.
 
 
-FAILURE_CAUSES = ("tool_error", "tool_timeout", "engine_error", "wall_budget")
-
-
 @dataclasses.dataclass
 class RolloutState:
     """State a rollout worker keeps across calls: only the reference's stale entropy dict (B1, compat mode)."""
@@ -128,62 +132,12 @@ class RolloutState:
 
 
 @dataclasses.dataclass
-class TreeNode:
-    slot_id: int
-    parent_id: int | None  # the slot it was copied from (branches only)
-    kind: str  # "root", "branch" or "refill"
-    round_created: int
-    branch_point: int  # response tokens inherited from the parent (0 for roots and refills)
-    baseline: float | None  # H_init used for this slot's decisions (default mode; None in compat mode)
-    segment_entropies: list[float]  # entropy of every segment this slot generated itself, in order
-
-
-@dataclasses.dataclass
-class PromptTree:
-    """Branching record of one prompt: its n trajectories as nodes, and every branching attempt."""
-
-    prompt_index: int
-    initial_rollouts: int
-    nodes: list[TreeNode]
-    attempts: list[BranchAttempt]
-    h_root: float | None = None  # AEPO pre-monitoring values (None when not run)
-    h_tool_mean: float | None = None
-
-
-@dataclasses.dataclass
-class RolloutOutput:
-    """Padded arrays (B = prompts, n per prompt, row i = prompt i // n) plus metadata. All numpy."""
-
-    input_ids: np.ndarray  # [B*n, P+R] int32: left-padded prompt | right-padded response
-    attention_mask: np.ndarray  # [B*n, P+R] int32: prompt mask | response attention
-    position_ids: np.ndarray  # [B*n, P+R] int32
-    responses: np.ndarray  # [B*n, R] int32
-    response_mask: np.ndarray  # [B*n, R] int32: response attention (up to and including the first EOS)
-    loss_mask: np.ndarray  # [B*n, R] int32: model tokens (not tool results) within the response attention
-    prompt_index: np.ndarray  # [B*n] int32
-    slot_id: np.ndarray  # [B*n] int32
-    parent_id: np.ndarray  # [B*n] int32, -1 for roots and refills
-    tool_calls: np.ndarray  # [B*n] int32: calls counted against call_limit
-    rounds: np.ndarray  # [B*n] int32: generated segments in the trajectory (inherited ones included)
-    response_length: np.ndarray  # [B*n] int32: kept response tokens (<= R)
-    truncated: np.ndarray  # [B*n] bool: the response was longer than R and was cut
-    finish_reason: np.ndarray  # [B*n] str: eos | call_limit | empty_tool_content | length | stop | engine_error |
-    #                                 wall_budget
-    failed: np.ndarray  # [B*n] str: "" or the first failure cause (FAILURE_CAUSES), with isolate_failures
-    trees: list[PromptTree]
-    metrics: dict[str, float]
-    # [B*n, R] float32: the engine's log-prob of each sampled response token (`SamplingSettings.token_logprobs`);
-    # NaN where it has none (tool results, an appended call-limit EOS, padding, engines that report none).
-    rollout_logp: np.ndarray
-
-
-@dataclasses.dataclass
 class _Slot:
     id: int
     prompt: int
     tokens: list[int]  # prompt + response so far
     prompt_len: int
-    kind: str = "root"
+    kind: str = "root"  # "root", "branch", "refill"; "probe": AEPO pre-monitoring's discarded trajectory
     round_created: int = 0
     parent: int | None = None
     mask: list[int] = dataclasses.field(default_factory=list)  # per response token: 1 model, 0 tool result
@@ -204,6 +158,18 @@ class _Slot:
     @property
     def resp_len(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+    def append(self, ids: Sequence[int], mask: int, logps: Sequence[float] | None = None) -> None:
+        """Response tokens with their loss mask (1 model, 0 tool result) and engine log-probs (NaN without)."""
+        self.tokens.extend(ids)
+        self.mask.extend([mask] * len(ids))
+        self.logps.extend(logps if logps is not None and len(logps) == len(ids) else [np.nan] * len(ids))
+
+    def fail(self, cause: str, *, end: bool = False) -> None:
+        """Marks a failure (a trajectory keeps its first cause); `end`: the trajectory also ends with it."""
+        self.failed = self.failed or cause
+        if end:
+            self.finish = cause
 
 
 def extract_tool_content(text: str, tag: str) -> str:
@@ -230,6 +196,30 @@ def encode_tool_result(tokenizer, text: str, reference_compat: bool = False) -> 
         return list(tokenizer.encode(wrapped, add_special_tokens=False))
 
 
+def _run_calls(executor: Executor, requests: list[tuple[str, str]]) -> list[tuple[str, str | None]]:
+    """(text, failure cause or None) per tool call; executors without `run_batch` never report a failure."""
+    if hasattr(executor, "run_batch"):
+        return [(r.text, r.failure) for r in executor.run_batch(requests)]
+    return [(text, None) for text in executor.execute_batch(requests)]
+
+
+def _branch_params(config: RolloutConfig) -> BranchParams:
+    p = config.branch_probability
+    if config.rule == "aepo" and not config.reference_compat:
+        p = 1.0 - p  # B3: feed the AEPO formula so that larger p means more branching, as in ARPO
+    return BranchParams(config.n, config.beam_size, p, config.entropy_weight, config.rule, config.consecutive_penalty)
+
+
+def _members(slots: list[_Slot], prompts: int, n: int) -> list[_Slot]:
+    """The output's rows: n slots per prompt, prompt after prompt, each prompt's in creation order."""
+    rows = []
+    for b in range(prompts):
+        mine = [s for s in slots if s.prompt == b][:n]
+        mine += [mine[-1]] * (n - len(mine))  # the reference's safeguard; unreachable (4.4)
+        rows.extend(mine)
+    return rows
+
+
 def rollout(prompts_token_ids: Sequence[Sequence[int]], sampler: Sampler, executor: Executor, tokenizer,
             config: RolloutConfig, settings: SamplingSettings | None = None,
             rng: np.random.Generator | int = 0, *, state: RolloutState | None = None) -> RolloutOutput:
@@ -244,6 +234,8 @@ def rollout(prompts_token_ids: Sequence[Sequence[int]], sampler: Sampler, execut
     """
     rng = np.random.default_rng(rng) if not isinstance(rng, np.random.Generator) else rng
     settings = settings or SamplingSettings()
+    if config.isolate_failures:  # an engine error fails only the requests that raise on their own
+        sampler = BisectingSampler(sampler)
     return _Loop(prompts_token_ids, sampler, executor, tokenizer, config, settings, rng,
                  state or RolloutState()).run()
 
@@ -270,11 +262,7 @@ class _Loop:
         self.slots: list[_Slot] = []
         self.count = [0] * B
         self.consecutive = [0] * B
-        p = config.branch_probability
-        if config.rule == "aepo" and not self.compat:
-            p = 1.0 - p  # B3: feed the AEPO formula so that larger p means more branching, as in ARPO
-        self.params = BranchParams(config.n, config.beam_size, p, config.entropy_weight, config.rule,
-                                   config.consecutive_penalty)
+        self.params = _branch_params(config)
         self.trees = [PromptTree(b, 0, [], []) for b in range(B)]
         self.m = {k: 0.0 for k in ("rounds", "tool_calls", "branches", "branch_attempts", "refills",
                                    "call_limit_reached", "empty_tool_content", "premonitor_tool_calls")}
@@ -292,16 +280,16 @@ class _Loop:
         r = 0
         while active:
             results = self._generate(active)
-            queued = [q for s, res in zip(active, results) if (q := self._absorb(s, res)) is not None]
-            self._run_tools(queued)
+            t = time.perf_counter()
+            self._tool_round(active, results)
+            self.times["tools"] += time.perf_counter() - t
             keep = []
             budget, now = self.cfg.trajectory_timeout_s, time.monotonic()
             for s in active:
                 if not s.finish and s.resp_len >= self.R:
                     s.finish = "length"  # spec 3.3 step 5: the budget is spent (possibly by a tool result)
                 if not s.finish and budget and now - s.created > budget:
-                    s.finish = "wall_budget"
-                    self._fail(s, "wall_budget")
+                    s.fail("wall_budget", end=True)
                 if not s.finish:
                     keep.append(s)
             t = time.perf_counter()
@@ -341,8 +329,7 @@ class _Loop:
         self.times["generate"] += time.perf_counter() - t
         for s, res in zip(active, results):
             if res is None:  # the engine failed on this request: the trajectory ends here
-                s.finish = "engine_error"
-                self._fail(s, "engine_error")
+                s.fail("engine_error", end=True)
                 continue
             s.entropy = self._entropy(res)
             s.entropies.append(s.entropy)
@@ -353,39 +340,11 @@ class _Loop:
         return results
 
     def _sample(self, requests: list[SampleRequest]) -> list[SampleResult | None]:
-        """One batched engine call. With isolation, a call that raises is retried on each half of its requests,
-        recursively, so that only a request that raises on its own gets None (about 2 log2(n) calls for one bad
-        request among n, the healthy halves still batched)."""
-        try:
-            results = self.sampler.generate(requests, self.settings)
-        except Exception as e:
-            if not self.cfg.isolate_failures:
-                raise
-            log.warning("engine call of %d requests raised %s: %s; retrying its halves", len(requests),
-                        type(e).__name__, e)
-            results = self._bisect(requests[:len(requests) // 2]) + self._bisect(requests[len(requests) // 2:])
-            self.sampler.reset_cache()
+        """One batched engine call (None for a request that failed on its own: `BisectingSampler`, isolation)."""
+        results = self.sampler.generate(requests, self.settings)
         if len(results) != len(requests):
             raise RuntimeError(f"sampler returned {len(results)} results for {len(requests)} requests")
         return results
-
-    def _bisect(self, requests: list[SampleRequest]) -> list[SampleResult | None]:
-        if not requests:
-            return []
-        self.sampler.reset_cache()  # a call that raised may have left the engine's cache inconsistent
-        try:
-            return list(self.sampler.generate(requests, self.settings))
-        except Exception as e:
-            if len(requests) == 1:
-                log.warning("engine request of slot %s raised %s: %s; its trajectory is marked failed",
-                            requests[0].slot_id, type(e).__name__, e)
-                return [None]
-            return self._bisect(requests[:len(requests) // 2]) + self._bisect(requests[len(requests) // 2:])
-
-
-    @staticmethod
-    def _fail(s: _Slot, cause: str) -> None:
-        s.failed = s.failed or cause  # a trajectory keeps its first cause
 
     def _absorb(self, s: _Slot, res: SampleResult | None) -> tuple[_Slot, str, str] | None:
         """Spec 3.3 step 3 for one slot: append the segment, detect a tool call; returns a queued call or None."""
@@ -393,19 +352,13 @@ class _Loop:
             return None
         s.decision_point = (len(s.tokens), s.calls, s.segments) if s.post_tool else None
         s.post_tool = False
-        s.tokens.extend(res.token_ids)
-        s.mask.extend([1] * len(res.token_ids))
-        lps = res.token_logprobs
-        s.logps.extend(lps if lps is not None and len(lps) == len(res.token_ids) else [np.nan] * len(res.token_ids))
+        s.append(res.token_ids, 1, res.token_logprobs)
         s.segments += 1
         if res.finish_reason == "stop" and res.stop_string in self.closers:
             tag = res.stop_string[2:-1]
             if s.calls >= self.cfg.call_limit:
-                s.tokens.append(self.eos)  # the extra call: EOS, trained (mask 1)
-                s.mask.append(1)
-                s.logps.append(np.nan)  # not sampled: no engine log-prob
+                s.append([self.eos], 1)  # the extra call: EOS, trained (mask 1), not sampled (no log-prob)
                 s.finish = "call_limit"
-                self.m["call_limit_reached"] += 1
                 return None
             s.calls += 1
             text = self.tok.decode(s.tokens if self.compat else res.token_ids, skip_special_tokens=False)
@@ -413,7 +366,6 @@ class _Loop:
             if content:
                 return s, tag, content
             s.finish = "empty_tool_content"  # ends silently, no EOS (B10)
-            self.m["empty_tool_content"] += 1
         elif res.finish_reason == "length":
             if not res.token_ids or s.resp_len >= self.R:
                 s.finish = "length"
@@ -421,28 +373,27 @@ class _Loop:
             s.finish = "eos" if res.finish_reason == "eos" else "stop"
         return None
 
-    def _run_tools(self, queued: list[tuple[_Slot, str, str]]) -> None:
-        """Spec 3.3 step 4: all calls of the round at once; results appended with mask 0."""
+    def _tool_round(self, active: list[_Slot], results: list[SampleResult | None], counter: str = "tool_calls",
+                    max_len: int | None = None) -> None:
+        """Spec 3.3 steps 3-4, for the rollout and for AEPO's pre-monitoring (5.1): each slot appends its segment
+        (`_absorb`), then all tool calls of the round run at once and their results are appended with mask 0.
+
+        `counter` is the metric that counts the calls. `max_len` is pre-monitoring's guard: a context that a result
+        would push past it is first cut to `max_len - len(result) - 100` tokens, as in the reference.
+        """
+        queued = [q for s, res in zip(active, results) if (q := self._absorb(s, res)) is not None]
         if not queued:
             return
-        t = time.perf_counter()
-        results = self._execute([(tag, content) for _, tag, content in queued])
-        self.times["tools"] += time.perf_counter() - t
-        self.m["tool_calls"] += len(queued)
-        for (s, _, _), (text, failure) in zip(queued, results):
+        outcomes = _run_calls(self.executor, [(tag, content) for _, tag, content in queued])
+        self.m[counter] += len(queued)
+        for (s, _, _), (text, failure) in zip(queued, outcomes):
             if failure and self.cfg.isolate_failures:
-                self._fail(s, failure)
+                s.fail(failure)
             ids = encode_tool_result(self.tok, text, self.compat)
-            s.tokens.extend(ids)
-            s.mask.extend([0] * len(ids))
-            s.logps.extend([np.nan] * len(ids))
+            if max_len is not None and len(s.tokens) + len(ids) > max_len:
+                del s.tokens[max(0, max_len - len(ids) - 100):]  # a probe's mask and log-probs are never read
+            s.append(ids, 0)
             s.post_tool = True
-
-    def _execute(self, requests: list[tuple[str, str]]) -> list[tuple[str, str | None]]:
-        """(text, failure cause or None) per tool call; executors without `run_batch` never report a failure."""
-        if hasattr(self.executor, "run_batch"):
-            return [(r.text, r.failure) for r in self.executor.run_batch(requests)]
-        return [(text, None) for text in self.executor.execute_batch(requests)]
 
     def _branch_and_refill(self, active: list[_Slot], keep: list[_Slot], r: int) -> list[_Slot]:
         """Spec 4.2 / 5.2 branching, then the 4.3 refill, then AEPO's counter update; returns the new slots."""
@@ -525,95 +476,42 @@ class _Loop:
         return {b: self._entropy(res) for b, res in zip(valid, results) if res is not None}
 
     def _premonitor_tool_rollout(self, valid: list[int], max_len: int) -> dict[int, list[float]]:
-        """H_tool: one complete, discarded tool rollout per prompt; every segment's entropy (the first included)."""
+        """H_tool: one complete, discarded tool rollout per prompt; every segment's entropy (the first included).
+
+        Its probe slots run the rollout's own tool round; they are never branched, returned or counted as
+        trajectories. A probe that reaches the call limit or an empty call just ends (its EOS is never read)."""
         base = PREMONITOR_SLOT_BASE + len(self.prompts)
-        seqs = {b: list(self.prompts[b]) for b in valid}
-        calls = dict.fromkeys(valid, 0)
-        ents: dict[int, list[float]] = {b: [] for b in valid}
-        active = list(valid)
-        resp = lambda b: len(seqs[b]) - len(self.prompts[b])
+        probes = [_Slot(base + b, b, list(self.prompts[b]), len(self.prompts[b]), "probe") for b in valid]
+        active = probes
         while active:
-            budget = max(1, max(self.R - resp(b) for b in active))
-            cap = max_len - max(len(seqs[b]) for b in active)  # extra guard of this phase only
-            reqs = [SampleRequest(list(seqs[b]), max(1, min(budget, cap)), slot_id=base + b) for b in active]
-            results = self._sample(reqs)
-            queued, keep = [], []
-            for b, res in zip(active, results):
+            budget = max(1, max(self.R - s.resp_len for s in active))
+            cap = max_len - max(len(s.tokens) for s in active)  # extra guard of this phase only
+            results = self._sample([SampleRequest(list(s.tokens), max(1, min(budget, cap)), slot_id=s.id)
+                                    for s in active])
+            for s, res in zip(active, results):
                 if res is None:  # the engine failed: this prompt's pre-monitoring ends with what it has
-                    continue
-                ents[b].append(self._entropy(res))
-                seqs[b].extend(res.token_ids)
-                if res.finish_reason == "stop" and res.stop_string in self.closers and calls[b] < self.cfg.call_limit:
-                    tag = res.stop_string[2:-1]
-                    text = self.tok.decode(seqs[b] if self.compat else res.token_ids, skip_special_tokens=False)
-                    content = extract_tool_content(text, tag)
-                    if content:  # calls count only with content; an empty call or the limit ends it (no EOS)
-                        calls[b] += 1
-                        queued.append((b, tag, content))
-                elif res.finish_reason == "length" and res.token_ids and resp(b) < self.R:
-                    keep.append(b)
-            texts = [t for t, _ in self._execute([(tag, c) for _, tag, c in queued])] if queued else []
-            self.m["premonitor_tool_calls"] += len(queued)
-            for (b, _, _), text in zip(queued, texts):
-                ids = encode_tool_result(self.tok, text, self.compat)
-                if len(seqs[b]) + len(ids) > max_len:
-                    seqs[b] = seqs[b][:max(0, max_len - len(ids) - 100)]
-                seqs[b].extend(ids)
-                keep.append(b)
-            active = [b for b in sorted(keep) if resp(b) < self.R and len(seqs[b]) < max_len]
-        return ents
+                    s.finish = "engine_error"
+                else:
+                    s.entropies.append(self._entropy(res))
+            self._tool_round(active, results, "premonitor_tool_calls", max_len)
+            active = [s for s in active if not s.finish and s.resp_len < self.R and len(s.tokens) < max_len]
+        return {s.prompt: s.entropies for s in probes}
 
     # ------------------------------------------------------------------------------------ finalisation (3.4)
-    def _members(self) -> list[_Slot]:
-        rows = []
-        for b in range(len(self.prompts)):
-            mine = [s for s in self.slots if s.prompt == b][: self.cfg.n]  # creation order
-            mine += [mine[-1]] * (self.cfg.n - len(mine))  # the reference's safeguard; unreachable (4.4)
-            rows.extend(mine)
-        return rows
-
     def _finalize(self) -> RolloutOutput:
-        R, P, pad = self.R, self.P, self.tok.pad_token_id
-        pad = self.eos if pad is None else pad
-        rows = self._members()
-        N = len(rows)
-        responses = np.full((N, R), pad, np.int32)
-        mask = np.zeros((N, R), np.int32)
-        rollout_logp = np.full((N, R), np.nan, np.float32)
-        lengths = np.zeros(N, np.int32)
-        for i, s in enumerate(rows):
-            resp = s.tokens[s.prompt_len:s.prompt_len + R]
-            lengths[i] = len(resp)
-            responses[i, :len(resp)] = resp
-            mask[i, :len(resp)] = s.mask[:R]
-            rollout_logp[i, :len(resp)] = s.logps[:R]
-        is_eos = (responses == self.eos).astype(np.int32)
-        attn = (np.cumsum(is_eos, axis=1) - is_eos) == 0  # up to and including the first EOS
-        if not self.compat:
-            attn &= np.arange(R)[None, :] < lengths[:, None]  # B10: padding after a no-EOS response gets 0
-        attn = attn.astype(np.int32)
-        prompt_ids = np.full((len(self.prompts), P), pad, np.int32)
-        prompt_mask = np.zeros((len(self.prompts), P), np.int32)
-        for b, p in enumerate(self.prompts):
-            if p:
-                prompt_ids[b, P - len(p):] = p
-                prompt_mask[b, P - len(p):] = 1
-        pidx = np.asarray([s.prompt for s in rows], np.int32)
-        prompt_pos = np.clip(np.cumsum(prompt_mask, axis=1) - 1, 0, None)[pidx]
-        resp_pos = prompt_pos[:, -1:] + 1 + np.arange(R)[None, :]
+        rows = _members(self.slots, len(self.prompts), self.cfg.n)
+        pad = self.eos if self.tok.pad_token_id is None else self.tok.pad_token_id
+        arrays = pad_rows(self.prompts, [(s.prompt, s.tokens[s.prompt_len:], s.mask, s.logps) for s in rows],
+                          R=self.R, P=self.P, pad=pad, eos=self.eos, compat=self.compat)
         return RolloutOutput(
-            input_ids=np.concatenate([prompt_ids[pidx], responses], axis=1),
-            attention_mask=np.concatenate([prompt_mask[pidx], attn], axis=1),
-            position_ids=np.concatenate([prompt_pos, resp_pos], axis=1).astype(np.int32),
-            responses=responses, response_mask=attn, loss_mask=mask * attn, prompt_index=pidx,
-            slot_id=np.asarray([s.id for s in rows], np.int32),
+            **arrays, slot_id=np.asarray([s.id for s in rows], np.int32),
             parent_id=np.asarray([-1 if s.parent is None else s.parent for s in rows], np.int32),
             tool_calls=np.asarray([s.calls for s in rows], np.int32),
-            rounds=np.asarray([s.segments for s in rows], np.int32), response_length=lengths,
-            truncated=np.asarray([s.resp_len > R for s in rows]),
+            rounds=np.asarray([s.segments for s in rows], np.int32),
+            truncated=np.asarray([s.resp_len > self.R for s in rows]),
             finish_reason=np.asarray([s.finish for s in rows], dtype=object),
             failed=np.asarray([s.failed for s in rows], dtype=object),
-            trees=self._trees(), metrics=self._metrics(rows, lengths), rollout_logp=rollout_logp)
+            trees=self._trees(), metrics=self._metrics(rows))
 
     def _trees(self) -> list[PromptTree]:
         for tree in self.trees:
@@ -622,7 +520,10 @@ class _Loop:
                           for s in self.slots if s.prompt == tree.prompt_index]
         return self.trees
 
-    def _metrics(self, rows: list[_Slot], lengths: np.ndarray) -> dict[str, float]:
+    def _metrics(self, rows: list[_Slot]) -> dict[str, float]:
+        # From the trajectories' finish reasons: `_absorb` also ends pre-monitoring's probes, which must not count.
+        for key, finish in (("call_limit_reached", "call_limit"), ("empty_tool_content", "empty_tool_content")):
+            self.m[key] = sum(s.finish == finish for s in self.slots)
         out = {f"rollout/{k}": float(v) for k, v in self.m.items()}
         ents = [e for s in self.slots for e in s.entropies]
         out.update({
@@ -632,38 +533,3 @@ class _Loop:
             "rollout/segment_entropy_mean": float(np.mean(ents)) if ents else 0.0,
         })
         return out
-
-
-_MEAN_METRICS = ("_mean", "_fraction", "_per_trajectory")  # engine metrics that average (the rest are sums)
-
-
-def select_rows(parts: Sequence[tuple[RolloutOutput, Sequence[int]]]) -> RolloutOutput:
-    """Chosen rows of one or more rollout outputs as one output (dynamic sampling's batch over rollout rounds).
-
-    Prompts are renumbered 0, 1, ... in order of first appearance and keep their trees (a chosen prompt's rows
-    must all be chosen for the trees to describe them). The metrics describe all the work done: every part's
-    counts and times summed, its means averaged.
-    """
-    per_row = [f.name for f in dataclasses.fields(RolloutOutput) if f.name not in ("trees", "metrics")]
-    first: dict[tuple[int, int], int] = {}
-    trees, prompt_index = [], []
-    for k, (out, rows) in enumerate(parts):
-        for i in rows:
-            key = (k, int(out.prompt_index[i]))
-            if key not in first:
-                first[key] = len(first)
-                trees.append(dataclasses.replace(out.trees[key[1]], prompt_index=first[key]))
-            prompt_index.append(first[key])
-    fields = {}
-    for name in per_row:
-        values = [getattr(out, name) for out, _ in parts]
-        if isinstance(values[0], np.ndarray):
-            fields[name] = np.concatenate([v[np.asarray(rows, np.int64)] for v, (_, rows) in zip(values, parts)])
-        else:  # a list with one entry per row
-            fields[name] = [v[int(i)] for v, (_, rows) in zip(values, parts) for i in rows]
-    fields["prompt_index"] = np.asarray(prompt_index, np.int32)
-    metrics = {}
-    for key in parts[0][0].metrics:
-        values = [out.metrics[key] for out, _ in parts]
-        metrics[key] = float(np.mean(values) if key.endswith(_MEAN_METRICS) else np.sum(values))
-    return RolloutOutput(**fields, trees=trees, metrics=metrics)
