@@ -161,6 +161,13 @@ class RolloutAhead:
 # ------------------------------------------------------------------------------------------------------------------
 
 
+def weight_sync_metrics(sampler) -> dict[str, float]:
+    """`weight_sync/export_bytes`: what the last weight sync wrote for the engine (vLLM: the LoRA adapters' bytes,
+    or the full weights'); nothing for an engine that syncs in memory."""
+    synced = getattr(sampler, "last_sync", {})
+    return {"weight_sync/export_bytes": float(synced["export_bytes"])} if "export_bytes" in synced else {}
+
+
 def score_rollout(out: RolloutOutput, examples, tokenizer, reward_fn) -> Trajectories:
     """Decodes each valid response (spec 7.2: up to its response mask, special tokens skipped) and scores it."""
     seqs, masks, texts, prompt_lengths, rollout_logps = [], [], [], [], []

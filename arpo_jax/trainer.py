@@ -152,13 +152,13 @@ class Trainer:
         self.rollout_states = {w: RolloutState() for w in self.local_workers}  # B1 compat, see `_rollout`
         # Off-policy rollouts (rollout.max_staleness): the next step's rollout runs while this step updates.
         self.max_staleness, self.weights_version = cfg.rollout.max_staleness, self.step  # engine: step's weights
-        self.ahead = rollout_ahead(cfg, upd.rollout_correction)
+        self.ahead, self.stop = rollout_ahead(cfg, upd.rollout_correction), None  # stop: `run`'s StopSignals
 
     def run(self, stop: run_guard.StopSignals | None = None) -> dict:
         """Trains to `total_steps`: each step, then validation every `test_freq` steps, metrics, a checkpoint every
         `save_freq` steps. With `stop`, a signal ends the loop at the next step boundary: the step is saved, metrics
         are flushed and `run_guard.Stopped` is raised."""
-        tr = self.cfg.trainer
+        tr, self.stop = self.cfg.trainer, stop
         t_start = time.perf_counter()
         val, last = {}, {}
         if tr.val_before_train and self.step == 0:
@@ -182,7 +182,8 @@ class Trainer:
                 raise stop.stopped(f"the step in progress was abandoned ({type(e).__name__}: "
                                    f"{str(e).splitlines()[0][:200] if str(e) else ''}); "
                                    f"{self.checkpoints.save_for_stop(self.step, self.save)}") from None
-            if tr.test_freq and (self.step % tr.test_freq == 0 or self._done()):
+            stopping = stop is not None and stop.requested()  # no validation: its engine may have had the signal too
+            if tr.test_freq and (self.step % tr.test_freq == 0 or self._done()) and not stopping:
                 val = self.validate()
                 last |= val
             self.logger.log(self.step, last)
@@ -242,9 +243,7 @@ class Trainer:
                    | experience.update_metrics(critic_metrics, prefix="critic/") | pack_metrics
                    | {"rollout/step_skipped": float(skip), "rollout/weights_version": float(got.weights_version),
                       "rollout/staleness": float(self.step - 1 - got.weights_version)})
-            synced = getattr(self.sampler, "last_sync", {})  # vLLM: the LoRA adapters' bytes, or the full weights'
-            if "export_bytes" in synced:
-                out["weight_sync/export_bytes"] = float(synced["export_bytes"])
+            out |= experience.weight_sync_metrics(self.sampler)
             if cfg.trainer.log_trajectories and self.is_main:
                 self.logger.log_jsonl("trajectories", experience.trajectory_records(
                     trajs[self.local_workers[0]], cfg.trainer.log_trajectories, self.step))
@@ -256,11 +255,6 @@ class Trainer:
             "train/epoch": self.position.epoch, "train/lr": float(self.policy.schedule(int(self.state.step)))}
 
     # -- rollout and reward --------------------------------------------------------------------------------------
-
-    def _batch_examples(self, position: rl_dataset.DataPosition | None = None) -> dict[int, list]:
-        """This step's prompts (or the batch's at `position`) per local rollout worker."""
-        return batch_examples(self.train_data, self.cfg.data, position or self.position, self.workers,
-                              self.local_workers)
 
     def _collect(self, step: int, position: rl_dataset.DataPosition) -> experience.Collected:
         """Step `step`'s rollout -> reward from `position`, per draw (dynamic sampling needs the rewards to decide
@@ -274,7 +268,8 @@ class Trainer:
                 return self._reward(out, examples)
 
         trajs, position, sampling_metrics = experience.collect(
-            self._batch_examples, rollout_and_reward, position, steps_per_epoch=self.steps_per_epoch,
+            lambda pos: batch_examples(self.train_data, cfg.data, pos, self.workers, self.local_workers),
+            rollout_and_reward, position, steps_per_epoch=self.steps_per_epoch,
             need=cfg.data.train_batch_size // self.workers, dynamic=cfg.algorithm.dynamic_sampling,
             max_extra_rounds=cfg.algorithm.max_extra_rounds, agree_max=distributed.agree_max,
             gather=distributed.gather)
@@ -334,8 +329,13 @@ class Trainer:
         return jax.device_get(step_metrics), jax.device_get(critic_metrics)
 
     def _sync(self, version: int) -> None:  # the (idle) engine gets the current weights, those of step `version`
-        sync_weights(self.sampler, self.cfg, self.policy, self.state.params)
-        self.weights_version = version
+        try:  # a stop's signal may have reached the engine too (a Ctrl-C goes to the process group): then the step
+            sync_weights(self.sampler, self.cfg, self.policy, self.state.params)  # ends and is saved without a sync
+            self.weights_version = version
+        except Exception as e:
+            if self.stop is None or not self.stop.requested():
+                raise
+            log.warning("weight sync skipped, the run is stopping: %s", f"{type(e).__name__}: {e}"[:300])
 
     # -- metrics, validation, checkpoints ------------------------------------------------------------------------
 

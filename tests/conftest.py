@@ -5,8 +5,10 @@ import os
 # Must be set before JAX initialises its backend (the first jax import in the session happens after this). The
 # suite's compile flags (arpo_jax.testing.FAST_COMPILE_XLA_FLAGS: LLVM's optimisation passes were most of the CPU
 # time of tests that compile tiny programs) reach the tests' subprocesses through `testing.subprocess_env`.
-os.environ.setdefault("ARPO_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), os.environ["ARPO_TEST_XLA_FLAGS"],
+from arpo_jax import testing as _testing  # noqa: E402 (imports no JAX backend)
+
+os.environ.setdefault(_testing.TEST_XLA_FLAGS_ENV, _testing.FAST_COMPILE_XLA_FLAGS)
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), os.environ[_testing.TEST_XLA_FLAGS_ENV],
                                     "--xla_force_host_platform_device_count=8"]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -2,7 +2,6 @@
 sync to one rollout engine per process."""
 
 import importlib.util
-import os
 import socket
 import subprocess
 import sys

@@ -59,7 +59,8 @@ def test_gae_packed_equals_direct(tmp_path):
         head["weight"] = jax.device_put(0.05 * jax.random.normal(jax.random.key(1), head["weight"].shape),
                                         head["weight"].sharding)
         head["bias"] = jax.device_put(jnp.full(head["bias"].shape, 0.3), head["bias"].sharding)
-        trajs = {w: tr._reward(tr._rollout(ex, w), ex) for w, ex in tr._batch_examples().items()}
+        trajs = {w: tr._reward(tr._rollout(ex, w), ex) for w, ex in
+                 trainer_lib.batch_examples(tr.train_data, cfg.data, tr.position, tr.workers, tr.local_workers).items()}
         arrays = tr._advantages(trajs)
         layouts = tr.batches.layouts(trajs)
         packed = {w: experience.worker_batch(trajs[w], arrays[w], layouts[w], cfg) for w in trajs}
