@@ -301,11 +301,13 @@ def test_sigterm_during_a_step_and_sigint_during_a_save_lose_nothing(uninterrupt
 def test_ctrl_c_to_the_process_group_with_the_vllm_engine_saves_and_exits_130(shared):
     """Ctrl-C in a terminal signals the whole foreground process group: the vLLM engine child gets it too. The run
     still ends with exit 130, one line and the last finished step saved (the step in progress is finished, or
-    abandoned if the engine died under it)."""
+    abandoned if the engine died under its rollout). One step off-policy, so the engine may also die under the
+    next step's rollout, running during this step's update: the step then ends without its weight sync."""
     root, reward = shared
     workdir = root / "vllm_ctrl_c"
     cmd = _command(workdir, reward, "--config.rollout.engine=vllm", "--config.trainer.save_freq=0",
-                   "--config.trainer.test_freq=0", python=VLLM_PYTHON or sys.executable)
+                   "--config.trainer.test_freq=0", "--config.rollout.max_staleness=1",
+                   python=VLLM_PYTHON or sys.executable)
     proc = subprocess.Popen(cmd, env=_env(2), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)  # its own group, as a terminal's foreground job
     _wait_for(lambda: _logged_steps(workdir) == [1], proc, "step 1", poll=0.05)
