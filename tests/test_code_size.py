@@ -12,7 +12,7 @@ code_size = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(code_size)
 
 KNOWN = {
-    "module arpo_jax/config.py", "module arpo_jax/rollout/agent_loop.py", "module arpo_jax/algos.py",
+    "module arpo_jax/rollout/agent_loop.py",
     "module arpo_jax/rollout/jax_sampler.py", "module arpo_jax/eval/runner.py",
     # Grew past 600 with the multi-engine and versioned weight-sync work (issue 33). The worker runs this file as a
     # script that must not import arpo_jax (jax), so its parent-side helpers cannot simply move to a sibling module:
@@ -22,7 +22,7 @@ KNOWN = {
     # 298 -> 319 lines when off-policy rollouts (issue 33) and LoRA checkpoints (issue 35) were merged the same day:
     # the LoRA checkpoint view (save/restore/pointer) belongs in lora_io and the run summary in skeleton (next step).
     "class arpo_jax/trainer.py Trainer",
-    "function arpo_jax/demo.py run_demo", "function arpo_jax/algos.py rollout_correction",
+    "function arpo_jax/demo.py run_demo",
 }
 
 
