@@ -86,7 +86,7 @@ class UpdateConfig:
     min_lr_ratio: float = knobs.knob("actor.min_lr_ratio", knobs.UNIT)
     weight_decay: float = knobs.knob("actor.weight_decay", knobs.NONNEG)
     b1: float = 0.9
-    b2: float = 0.999
+    b2: float = knobs.knob("actor.adam_beta2", knobs.Rule(lambda v: 0 <= v < 1, "0 <= beta2 < 1"))
     eps: float = 1e-8
 
     def __post_init__(self):
