@@ -85,10 +85,10 @@ def _schema() -> dict[str, Any] | None:
 def _components() -> tuple[type, ...]:
     """The settings dataclasses built from the config (``knobs.from_config``): their knob fields' rules are checked
     here by config field (imported lazily: they pull JAX)."""
-    from arpo_jax import train_step
+    from arpo_jax import critic, train_step
     from arpo_jax.rollout import agent_loop, sampler
 
-    return train_step.UpdateConfig, agent_loop.RolloutConfig, sampler.SamplingSettings
+    return train_step.UpdateConfig, agent_loop.RolloutConfig, sampler.SamplingSettings, critic.CriticConfig
 
 
 @functools.cache
@@ -380,8 +380,7 @@ def _check_tools(ck: _Checker, command: str, check_files: bool) -> None:
 
 
 def _check_actor(ck: _Checker) -> None:
-    for path in ("actor.ppo_mini_batch_size", "critic.lr", "critic.cliprange_value"):
-        ck.require(path, POSITIVE)
+    ck.require("actor.ppo_mini_batch_size", POSITIVE)
     mode = ck.get("actor.rollout_correction.mode")
     if mode in ("truncate", "mask") and ck.get("rollout.engine") == "vllm" and ck.get("rollout.temperature") != 1:
         # vLLM's raw_logprobs are the temperature-1 distribution; the trainer's old log-probs divide by T.

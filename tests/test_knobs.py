@@ -7,13 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from arpo_jax import components, config, knobs
+from arpo_jax import components, config, critic, knobs
 from arpo_jax import train_step as ts
 from arpo_jax.configs import base
 from arpo_jax.rollout.agent_loop import RolloutConfig
 from arpo_jax.rollout.sampler import SamplingSettings
 
-COMPONENTS = (ts.UpdateConfig, RolloutConfig, SamplingSettings)
+COMPONENTS = (ts.UpdateConfig, RolloutConfig, SamplingSettings, critic.CriticConfig)
 
 
 @pytest.mark.parametrize("cls", COMPONENTS, ids=lambda c: c.__name__)
