@@ -32,14 +32,14 @@ class Rule:
     problem: str = "is out of range"  # said after the value: "1.0 is out of range (allowed: > 1)"
     values: tuple = ()  # an enum's allowed values (``one_of``)
 
-    def message(self, value: Any) -> str | None:
-        """None when `value` passes, else "<value> <problem> (allowed: <allowed>)"."""
-        return None if self.ok(value) else f"{value!r} {self.problem} (allowed: {self.allowed})"
+    def message(self, value: Any) -> str:
+        """The problem text: "<value> <problem> (allowed: <allowed>)"."""
+        return f"{value!r} {self.problem} (allowed: {self.allowed})"
 
     def enforce(self, name: str, value: Any) -> None:
-        """Raises ValueError("<name>=<value> ...") when `value` fails."""
+        """Raises ValueError("<name>=<value> <problem> (allowed: ...)") when `value` fails."""
         if not self.ok(value):
-            raise ValueError(f"{name}={value!r} {self.problem} (allowed: {self.allowed})")
+            raise ValueError(f"{name}={self.message(value)}")
 
 
 def fmt(values: Sequence) -> str:
@@ -68,12 +68,16 @@ def _base() -> dict[str, Any]:
     return base.get_config().to_dict()
 
 
+def _at(tree, path: str) -> Any:
+    """The value at dotted `path` of a config or dict (a missing part raises KeyError naming it); lists as tuples."""
+    for part in path.split("."):
+        tree = tree[part]
+    return tuple(tree) if isinstance(tree, list) else tree
+
+
 def default(path: str) -> Any:
     """The config file's default of `path` ("actor.clip_c")."""
-    node = _base()
-    for part in path.split("."):
-        node = node[part]
-    return tuple(node) if isinstance(node, list) else node
+    return _at(_base(), path)
 
 
 def knob(path: str, rule: Rule | None = None) -> Any:
@@ -89,7 +93,7 @@ def knob_fields(cls) -> list[tuple[str, str, Rule | None]]:
 def validate(obj) -> None:
     """Raises one ValueError naming every field of `obj` that breaks its rule (`__post_init__` calls this)."""
     name = type(obj).__name__
-    bad = [f"{name}.{field}={getattr(obj, field)!r} {rule.problem} (allowed: {rule.allowed})"
+    bad = [f"{name}.{field}={rule.message(getattr(obj, field))}"
            for field, _, rule in knob_fields(type(obj)) if rule is not None and not rule.ok(getattr(obj, field))]
     if bad:
         raise ValueError("; ".join(bad))
@@ -113,11 +117,5 @@ def from_config(cls, cfg, **overrides):
     unknown = sorted(set(overrides) - names)
     if unknown:
         raise TypeError(f"{cls.__name__} has no field(s) {', '.join(unknown)}")
-    values = {}
-    for field, path, _ in knob_fields(cls):
-        if field not in overrides:
-            node = cfg
-            for part in path.split("."):
-                node = node[part]  # a missing path raises KeyError naming it
-            values[field] = tuple(node) if isinstance(node, list) else node
+    values = {field: _at(cfg, path) for field, path, _ in knob_fields(cls) if field not in overrides}
     return cls(**values, **overrides)
