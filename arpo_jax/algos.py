@@ -14,12 +14,13 @@ Shape letters: B = sequences, T = response length, V = vocabulary, D = model wid
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+from arpo_jax import knobs
 
 Array = jax.Array
 
@@ -187,11 +188,14 @@ def gae_advantages(rewards: Array, values: Array, mask: Array, *, gamma: float =
 # --------------------------------------------------------------------------------------------------
 
 
+DUAL_CLIP = knobs.Rule(lambda c: c > 1, "> 1")  # the dual-clip constant c bounds -A * r by -A * c for A < 0
+
+
 def _clipped_policy_loss(logp, old_logp, advantages, mask, *, clip_low, clip_high, clip_c, entropy_balanced: bool,
                          is_weights=None) -> tuple[Array, dict[str, Array]]:
     """Shared PPO / AEPO body; only the upper clip bound differs (see the public functions)."""
-    if isinstance(clip_c, (int, float)) and not clip_c > 1.0:
-        raise ValueError(f"dual-clip constant clip_c must be > 1, got {clip_c}")  # the reference asserts this
+    if isinstance(clip_c, (int, float)):
+        DUAL_CLIP.enforce("dual-clip constant clip_c", clip_c)  # the reference asserts this
     mask = _f32(mask)
     valid = mask > 0
     # Double-where: padding may hold garbage log-probs; a zero log-ratio there keeps exp() and its gradient finite.
@@ -349,6 +353,7 @@ def entropy_moments(h: Array, valid: Array) -> tuple[Array, Array]:
 
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 ROLLOUT_CORRECTION_MODES = ("off", "truncate", "mask")
+CORRECTION_THRESHOLD = knobs.Rule(lambda c: c > 1, "> 1")  # C: the band [1/C, C] must hold rho = 1
 _LOG_RATIO_BOUND = 20.0  # verl's SAFETY_BOUND: ratios are formed as exp(clip(log r, -20, 20))
 
 
@@ -400,12 +405,10 @@ def rollout_correction(old_logp: Array, rollout_logp: Array, mask: Array, *, lev
       whose weight was truncated / that were dropped; 0 in the other modes) and ``seq_truncated_fraction`` /
       ``seq_masked_fraction`` (sequences with at least one such token).
     """
-    if level not in ROLLOUT_CORRECTION_LEVELS:
-        raise ValueError(f"rollout correction level={level!r}; allowed: {ROLLOUT_CORRECTION_LEVELS}")
-    if mode not in ROLLOUT_CORRECTION_MODES:
-        raise ValueError(f"rollout correction mode={mode!r}; allowed: {ROLLOUT_CORRECTION_MODES}")
-    if isinstance(threshold, (int, float)) and not threshold > 1.0:
-        raise ValueError(f"rollout correction threshold={threshold} must be > 1")
+    knobs.one_of(ROLLOUT_CORRECTION_LEVELS).enforce("rollout correction level", level)
+    knobs.one_of(ROLLOUT_CORRECTION_MODES).enforce("rollout correction mode", mode)
+    if isinstance(threshold, (int, float)):
+        CORRECTION_THRESHOLD.enforce("rollout correction threshold", threshold)
     shape = jnp.shape(old_logp)
     valid = _f32(mask) > 0
     old = jax.lax.stop_gradient(_f32(old_logp))
@@ -427,15 +430,19 @@ def rollout_correction(old_logp: Array, rollout_logp: Array, mask: Array, *, lev
     elif mode == "mask":
         keep = ~(high | low)
     truncated = high if mode == "truncate" else jnp.zeros(shape, bool)
-    dropped = ~keep
+    metrics = _correction_metrics(old, rollout, valid, log_rho, high, low, truncated, ~keep, seq_sum)
+    return weights, keep, metrics
 
+
+def _correction_metrics(old, rollout, valid, log_rho, high, low, truncated, dropped, seq_sum) -> dict[str, Array]:
+    """``rollout_correction``'s metrics (its docstring lists them)."""
     has_seq = seq_sum(valid.astype(jnp.float32)) > 0
     n_seq = jnp.maximum(jnp.sum(has_seq.astype(jnp.float32)), 1.0)
     seq_fraction = lambda flag: jnp.sum(((seq_sum(flag.astype(jnp.float32)) > 0) & has_seq).astype(jnp.float32)) / n_seq
     diff = jnp.where(valid, rollout - old, 0.0)
     k3_log = jnp.clip(log_rho, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
     fraction = lambda flag: masked_mean(flag.astype(jnp.float32), valid)
-    metrics = {
+    return {
         "tokens": jnp.sum(valid.astype(jnp.float32)),
         "abs_logp_diff_mean": masked_mean(jnp.abs(diff), valid),
         "abs_logp_diff_max": jnp.max(jnp.abs(diff)),
@@ -448,7 +455,6 @@ def rollout_correction(old_logp: Array, rollout_logp: Array, mask: Array, *, lev
         "seq_truncated_fraction": seq_fraction(truncated),
         "seq_masked_fraction": seq_fraction(dropped),
     }
-    return weights, keep, metrics
 
 
 # --------------------------------------------------------------------------------------------------
@@ -487,160 +493,3 @@ def kl_penalty(logp: Array, ref_logp: Array, kind: str = "low_var_kl") -> Array:
     if kind == "full":
         raise NotImplementedError("full-distribution KL is not implemented (nor in the reference)")
     raise ValueError(f"unknown KL kind {kind!r}; choose from {KL_KINDS}")
-
-
-# --------------------------------------------------------------------------------------------------
-# Token log-probs and entropy, chunked along the sequence
-# --------------------------------------------------------------------------------------------------
-
-
-def _shifted_stats(z: Array) -> tuple[Array, Array, Array]:
-    """Max-shifted softmax statistics of float32 logits z [..., V].
-
-    Returns ``(zs, lse_s, mean_s)``: ``zs = z - max(z)`` (<= 0), ``lse_s = logsumexp(zs)`` (in [0, log V]) and
-    ``mean_s = E_p[zs]`` (<= 0). Then ``log p = zs - lse_s`` and ``H = lse_s - mean_s``: a sum of two non-negative
-    terms of the size of H itself. Unshifted, ``H = lse - E_p[z]`` subtracts two numbers of the size of the
-    logits, and exp(z - lse) carries lse's rounding (2e-5 nats on LLM-like logits, negative H when peaked).
-    """
-    zs = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
-    lse_s = jax.nn.logsumexp(zs, axis=-1)
-    mean_s = jnp.sum(jnp.exp(zs - lse_s[..., None]) * zs, axis=-1)
-    return zs, lse_s, mean_s
-
-
-def _logprob_entropy(z: Array, targets: Array) -> tuple[Array, Array]:
-    """float32 logits z [..., V], targets [...] -> (log p(target) [...], entropy [...])."""
-    zs, lse_s, mean_s = _shifted_stats(z)
-    target_logit = jnp.take_along_axis(zs, targets[..., None], axis=-1)[..., 0]
-    return target_logit - lse_s, lse_s - mean_s  # finite logits assumed
-
-
-def _chunked_over_time(chunk_fn: Callable[[int | Array, int], tuple[Array, Array]], t: int,
-                       chunk_size: int | None) -> tuple[Array, Array]:
-    """Runs ``chunk_fn(start, size) -> ([B, size], [B, size])`` over T in chunks and concatenates along T.
-
-    Full chunks go through a rematerialised ``lax.scan`` so neither the forward nor the backward pass keeps
-    more than one chunk of [B, chunk, V] float32 logits alive; a static tail handles ``T % chunk_size``.
-    """
-    size = t if chunk_size is None else max(1, min(int(chunk_size), t))
-    n_full, tail = divmod(t, size)
-    step = jax.checkpoint(lambda start: chunk_fn(start, size))  # recompute the chunk's softmax in backward
-
-    def body(carry, i):
-        return carry, step(i * size)
-
-    _, (lp_cbs, ent_cbs) = jax.lax.scan(body, None, jnp.arange(n_full))  # [C, B, size]
-    b = lp_cbs.shape[1]
-    logp = jnp.moveaxis(lp_cbs, 0, 1).reshape(b, n_full * size)  # [B, C*size]
-    ent = jnp.moveaxis(ent_cbs, 0, 1).reshape(b, n_full * size)
-    if tail:
-        lp_tail, ent_tail = chunk_fn(n_full * size, tail)
-        logp, ent = jnp.concatenate([logp, lp_tail], 1), jnp.concatenate([ent, ent_tail], 1)
-    return logp, ent
-
-
-def token_logprobs_and_entropy(logits: Array, targets: Array, *, temperature: float = 1.0,
-                               chunk_size: int | None = 256) -> tuple[Array, Array]:
-    """Log-prob of each target token and the full-vocabulary entropy, from logits, in float32.
-
-    ``z = logits / temperature`` (spec 9: divide before log-softmax), ``log p = z[target] - logsumexp(z)``,
-    ``H = logsumexp(z) - sum softmax(z) z``, both evaluated on ``z - max(z)`` (``_shifted_stats``). The sequence
-    axis is processed ``chunk_size`` positions at a time, so float32 temporaries stay at [B, chunk_size, V] even
-    when ``logits`` is bf16 [B, T, V].
-
-    Args:
-      logits: [B, T, V] logits (any float dtype); ``logits[b, t]`` predicts ``targets[b, t]``.
-      targets: [B, T] integer token ids.
-      temperature: sampling temperature.
-      chunk_size: positions per chunk along T (static); None = one chunk.
-
-    Returns:
-      (logp [B, T], entropy [B, T]), float32.
-    """
-    t = logits.shape[1]
-
-    def chunk_fn(start, size):
-        z = jax.lax.dynamic_slice_in_dim(logits, start, size, axis=1).astype(jnp.float32) / temperature
-        return _logprob_entropy(z, jax.lax.dynamic_slice_in_dim(targets, start, size, axis=1))
-
-    return _chunked_over_time(chunk_fn, t, chunk_size)
-
-
-def token_logprobs_and_entropy_from_hidden(hidden: Array, unembed: Array, targets: Array, *,
-                                           temperature: float = 1.0,
-                                           chunk_size: int | None = 256) -> tuple[Array, Array]:
-    """Like ``token_logprobs_and_entropy`` but from final hidden states and the unembedding matrix.
-
-    Logits are formed ``chunk_size`` positions at a time and never kept: the forward pass saves only two floats
-    per position (logsumexp and the mean logit under the softmax, both of the max-shifted logits: see
-    ``_shifted_stats``), and the backward pass recomputes each chunk's logits once and applies the closed-form
-    gradients (``d logp / dz = onehot - p``, ``dH / dz = -p (z - E_p[z])``, also evaluated on shifted logits)
-    instead of differentiating the softmax graph. Memory stays at [B, chunk, V] float32 forward and backward, for
-    the same four matmuls as rematerialisation and fewer passes over the chunk (half the time of autodiff through
-    a rematerialised scan on CPU, benchmarks/RESULTS.md).
-
-    Args:
-      hidden: [B, T, D] final (post-norm) hidden states.
-      unembed: [D, V] output projection (for tied embeddings pass ``embedding.T``).
-      targets: [B, T] integer token ids.
-      temperature: sampling temperature.
-      chunk_size: positions per chunk along T (static); None = one chunk.
-
-    Returns:
-      (logp [B, T], entropy [B, T]), float32.
-    """
-    b, t, d = hidden.shape
-    size = t if chunk_size is None else max(1, min(int(chunk_size), t))
-    n = -(-t // size)
-    pad = n * size - t  # pad T to whole chunks; padded positions get zero cotangents and are cut off
-    h_nbcd = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, size, d).swapaxes(0, 1)
-    t_nbc = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, size).swapaxes(0, 1)
-    logp, ent = _fused_head(h_nbcd, unembed.T, t_nbc, float(temperature))
-    unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * size)[:, :t]
-    return unchunk(logp), unchunk(ent)
-
-
-def _chunk_logits(h_bcd: Array, w_vd: Array, temperature: float) -> Array:
-    """One chunk's float32 logits z [B, C, V]."""
-    return jnp.einsum("bcd,vd->bcv", h_bcd, w_vd, preferred_element_type=jnp.float32) / temperature
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fused_head(h_nbcd, w_vd, targets_nbc, temperature):
-    return _fused_head_fwd(h_nbcd, w_vd, targets_nbc, temperature)[0]
-
-
-def _fused_head_fwd(h_nbcd, w_vd, targets_nbc, temperature):
-    def body(_, xs):
-        h, tg = xs
-        zs, lse_s, mean_s = _shifted_stats(_chunk_logits(h, w_vd, temperature))
-        logp = jnp.take_along_axis(zs, tg[..., None], axis=-1)[..., 0] - lse_s
-        return None, (logp, lse_s - mean_s, lse_s, mean_s)
-
-    _, (logp, ent, lse_s, mean_s) = jax.lax.scan(body, None, (h_nbcd, targets_nbc))
-    return (logp, ent), (h_nbcd, w_vd, targets_nbc, lse_s, mean_s)
-
-
-def _fused_head_bwd(temperature, residuals, cotangents):
-    h_nbcd, w_vd, targets_nbc, lse_s_nbc, mean_s_nbc = residuals
-    d_logp_nbc, d_ent_nbc = cotangents
-
-    def body(d_w, xs):
-        h, tg, lse_s, mean_s, d_logp, d_ent = xs
-        z = _chunk_logits(h, w_vd, temperature)
-        # The forward's shifted logits again (same max): p and z - E_p[z] from numbers of the size of H, not of z.
-        zs = z - jnp.max(z, axis=-1, keepdims=True)
-        p = jnp.exp(zs - lse_s[..., None])
-        onehot = jnp.arange(z.shape[-1]) == tg[..., None]
-        d_logp, d_ent, mean_s = d_logp[..., None], d_ent[..., None], mean_s[..., None]
-        d_z = jnp.where(onehot, d_logp, 0.0) - p * (d_logp + d_ent * (zs - mean_s))
-        d_z = (d_z / temperature).astype(w_vd.dtype)
-        d_h = jnp.einsum("bcv,vd->bcd", d_z, w_vd, preferred_element_type=jnp.float32).astype(h.dtype)
-        return d_w + jnp.einsum("bcv,bcd->vd", d_z, h, preferred_element_type=jnp.float32), d_h
-
-    xs = (h_nbcd, targets_nbc, lse_s_nbc, mean_s_nbc, d_logp_nbc, d_ent_nbc)
-    d_w, d_h = jax.lax.scan(body, jnp.zeros(w_vd.shape, jnp.float32), xs)
-    return d_h, d_w.astype(w_vd.dtype), None
-
-
-_fused_head.defvjp(_fused_head_fwd, _fused_head_bwd)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from arpo_jax import knobs
 from arpo_jax import train_step as ts
 from arpo_jax.data import toy
 from arpo_jax.prompts import REFERENCE_DATA_SYSTEM_PROMPT, SYSTEM_PROMPT
@@ -22,28 +23,21 @@ from arpo_jax.rollout.agent_loop import RolloutConfig
 from arpo_jax.rollout.sampler import Sampler, SamplingSettings
 from arpo_jax.tools import ToolExecutor, make_executor
 
-ENGINES = ("jax", "vllm", "openai", "transformers")  # rollout.engine takes the first two; eval and demo all
+ROLLOUT_ENGINES = ("jax", "vllm")  # rollout.engine (training); eval and demo also take the others
+ENGINES = (*ROLLOUT_ENGINES, "openai", "transformers")
 
 
 def rollout_config(cfg) -> RolloutConfig:
-    """The agent loop's settings (spec 3) from `rollout`, `tools.call_limit` and the data's token budgets."""
-    r = cfg.rollout
-    return RolloutConfig(
-        n=r.n, initial_rollouts=r.initial_rollouts, beam_size=r.beam_size, branch_probability=r.branch_probability,
-        entropy_weight=r.entropy_weight, rule=r.rule, consecutive_penalty=r.consecutive_penalty,
-        enable_dynamic_rollouts=r.enable_dynamic_rollouts, initial_entropy_tokens=r.initial_entropy_tokens,
-        dynamic_beta=r.dynamic_beta, call_limit=cfg.tools.call_limit, response_length=cfg.data.max_response_length,
-        prompt_length=cfg.data.max_prompt_length, entropy_window=r.entropy_window, entropy_top_k=r.entropy_top_k,
-        reference_compat=r.reference_compat, isolate_failures=r.failures.isolate,
-        trajectory_timeout_s=r.failures.trajectory_timeout_s)
+    """The agent loop's settings (spec 3): its knobs (`rollout`, `tools.call_limit`, `data.max_response_length`)
+    and the prompt width P."""
+    return knobs.from_config(RolloutConfig, cfg, prompt_length=cfg.data.max_prompt_length)
 
 
 def sampling_settings(cfg, seed: int) -> SamplingSettings:
     """`rollout`'s temperature / top-p / top-k and `seed`, with token log-probs (the rollout correction and its
     metrics). The stop strings and the entropy's log-probs are the agent loop's (`agent_loop.rollout` sets them
     from the executor and the rollout config), so they are not set here."""
-    r = cfg.rollout
-    return SamplingSettings(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=seed, token_logprobs=True)
+    return knobs.from_config(SamplingSettings, cfg, seed=seed, token_logprobs=True)
 
 
 def make_tool_executor(cfg) -> ToolExecutor:
@@ -137,17 +131,10 @@ def rollout_correction_mode(cfg) -> str:
 
 
 def update_config(cfg) -> ts.UpdateConfig:
-    """The jitted update step's settings (`actor.*`, the rollout temperature of the log-probs)."""
-    a = cfg.actor
-    return ts.UpdateConfig(
-        rollout_correction=rollout_correction_mode(cfg), rollout_correction_level=a.rollout_correction.level,
-        rollout_correction_threshold=a.rollout_correction.threshold,
-        loss=a.loss, clip_low=a.clip_low, clip_high=a.clip_high, clip_c=a.clip_c, agg_mode=a.agg_mode,
-        micro_norm=a.micro_norm, kl_coef=a.kl_coef, kl_kind=a.kl_kind, entropy_coef=a.entropy_coef,
-        entropy_adv=a.entropy_adv, entropy_adv_alpha=a.entropy_adv_alpha, reference_compat=a.reference_compat,
-        temperature=cfg.rollout.temperature or 1.0, logprob_chunk=a.logprob_chunk, max_grad_norm=a.max_grad_norm,
-        lr=a.lr, schedule=a.schedule, warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio,
-        weight_decay=a.weight_decay)
+    """The jitted update step's settings: its knobs (`actor.*`, the rollout temperature of the log-probs) and the
+    resolved rollout correction mode."""
+    return knobs.from_config(ts.UpdateConfig, cfg, rollout_correction=rollout_correction_mode(cfg),
+                             temperature=cfg.rollout.temperature or 1.0)
 
 
 def system_prompt_for(cfg) -> str:

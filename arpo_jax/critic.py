@@ -33,7 +33,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from arpo_jax import algos, sharding
+from arpo_jax import algos, knobs, sharding
 from arpo_jax import train_step as ts
 from arpo_jax.checkpoint import Checkpointer
 from arpo_jax.models.transformer import CausalLM
@@ -46,14 +46,21 @@ FORWARD_KEYS = ("input_ids", "positions", "segment_ids")
 
 @dataclasses.dataclass(frozen=True)
 class CriticConfig:
-    """Critic loss and optimizer hyperparameters (verl critic defaults). Frozen and hashable: static under jit."""
+    """Critic loss and optimizer hyperparameters (verl critic defaults). Frozen and hashable: static under jit.
 
-    cliprange_value: float = 0.5  # values move at most this far from the rollout's old values per update
-    lr: float = 1e-5
-    max_grad_norm: float = 1.0
-    weight_decay: float = 0.01
+    Each ``knob`` field is the config field it names (default and meaning: arpo_jax/configs/base.py); gradient
+    clipping and weight decay are the actor's (their rules: ``train_step.UpdateConfig``)."""
+
+    # values move at most this far from the rollout's old values per update
+    cliprange_value: float = knobs.knob("critic.cliprange_value", knobs.POSITIVE)
+    lr: float = knobs.knob("critic.lr", knobs.POSITIVE)
+    max_grad_norm: float = knobs.knob("actor.max_grad_norm")
+    weight_decay: float = knobs.knob("actor.weight_decay")
     # True: the reference's value loss, without current verl's 0.5 factor (twice the loss and gradient; value_loss).
-    reference_compat: bool = False
+    reference_compat: bool = knobs.knob("critic.reference_compat")
+
+    def __post_init__(self):
+        knobs.validate(self)
 
     def update_config(self) -> ts.UpdateConfig:
         """The optimizer part as a policy UpdateConfig, so ``train_step.make_optimizer`` builds the critic's AdamW."""

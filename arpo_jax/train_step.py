@@ -37,65 +37,62 @@ import optax
 from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from arpo_jax import algos, models, packing, sharding
+from arpo_jax import algos, knobs, logprobs, models, packing, sharding
 from arpo_jax.models.transformer import CausalLM
 from arpo_jax.models.transformer import Config as ModelConfig
 
 Array = jax.Array
 Batch = dict[str, Array]
-SCHEDULES = ("constant", "cosine")
+SCHEDULES = ("constant", "cosine")  # both after a linear warmup; cosine ends at min_lr_ratio * lr
+_CLIP = knobs.Rule(lambda v: 0 <= v < 1, "0 <= clip < 1")
+_TEMPERATURE = knobs.Rule(lambda v: v > 0, "> 0 (training samples; log-probs divide by it)")
 
 
 @dataclasses.dataclass(frozen=True)
 class UpdateConfig:
-    """Loss and optimizer hyperparameters of the policy update. Frozen and hashable: static under jit."""
+    """Loss and optimizer hyperparameters of the policy update. Frozen and hashable: static under jit.
 
-    loss: str = "ppo"  # "ppo" (ARPO, spec 8.3) or "aepo" (entropy-balanced clipping, spec 10.1)
-    clip_low: float = 0.2  # eps_l, clip_ratio_low
-    clip_high: float = 0.2  # eps_h, clip_ratio_high
-    clip_c: float = 3.0  # dual-clip constant for A < 0
-    # Loss aggregation (packing.AGG_MODES) and micro-batch normalisation ("global_token_mean", or "reference": verl's
-    # per-micro-batch weighting, spec 9). Both act through the loss weights: pass the same values to
-    # packing.pack_batch. micro_norm also picks where entropy-aware advantages pool their statistics.
-    agg_mode: str = "token-mean"
-    micro_norm: str = "global_token_mean"
-    kl_coef: float = 0.0  # KL loss coefficient (scripts: 0.0); != 0 needs ref_logp in the batch
-    kl_kind: str = "low_var_kl"  # algos.KL_KINDS
-    entropy_coef: float = 0.0  # entropy bonus coefficient (scripts: 0.0)
-    entropy_adv: bool = False  # AEPO entropy-aware advantages (spec 10.2)
-    entropy_adv_alpha: float = 0.2
-    reference_compat: bool = False  # True: entropy-aware advantages only act when entropy_coef != 0 (B2)
-    # Rollout / trainer mismatch correction when the batch has rollout_logp (algos.rollout_correction): mode off |
-    # truncate (TIS) | mask (rejection), at the token or sequence level, threshold C.
+    Each ``knob`` field is the config field it names (default and meaning: arpo_jax/configs/base.py) under its rule;
+    ``components.update_config`` builds this from an experiment config."""
+
+    loss: str = knobs.knob("actor.loss", knobs.one_of(algos.POLICY_LOSSES))
+    clip_low: float = knobs.knob("actor.clip_low", _CLIP)  # eps_l, clip_ratio_low
+    clip_high: float = knobs.knob("actor.clip_high", _CLIP)  # eps_h, clip_ratio_high
+    clip_c: float = knobs.knob("actor.clip_c", algos.DUAL_CLIP)
+    # Both act through the loss weights: pass the same values to packing.pack_batch. micro_norm also picks where
+    # entropy-aware advantages pool their statistics.
+    agg_mode: str = knobs.knob("actor.agg_mode", knobs.one_of(packing.AGG_MODES))
+    micro_norm: str = knobs.knob("actor.micro_norm", knobs.one_of(packing.MICRO_NORMS))
+    kl_coef: float = knobs.knob("actor.kl_coef", knobs.NONNEG)  # != 0 needs ref_logp in the batch
+    kl_kind: str = knobs.knob("actor.kl_kind", knobs.one_of(algos.KL_KINDS))
+    entropy_coef: float = knobs.knob("actor.entropy_coef", knobs.NONNEG)
+    entropy_adv: bool = knobs.knob("actor.entropy_adv")
+    entropy_adv_alpha: float = knobs.knob("actor.entropy_adv_alpha", knobs.NONNEG)
+    reference_compat: bool = knobs.knob("actor.reference_compat")
+    # Rollout / trainer mismatch correction when the batch has rollout_logp (algos.rollout_correction): the resolved
+    # mode (actor.rollout_correction.mode's "auto" is components.rollout_correction_mode's).
     rollout_correction: str = "off"
-    rollout_correction_level: str = "token"
-    rollout_correction_threshold: float = 2.0
-    temperature: float = 1.0  # logits / temperature before log-softmax (spec 9)
-    logprob_chunk: int = 256  # positions per chunk of the [B, chunk, V] logits
-    max_grad_norm: float = 1.0
-    lr: float = 1e-6
-    schedule: str = "constant"  # "constant" (after a linear warmup) or "cosine" (warmup + cosine to min_lr)
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0  # cosine end value as a fraction of lr
-    weight_decay: float = 0.01
+    rollout_correction_level: str = knobs.knob("actor.rollout_correction.level",
+                                               knobs.one_of(algos.ROLLOUT_CORRECTION_LEVELS))
+    rollout_correction_threshold: float = knobs.knob("actor.rollout_correction.threshold",
+                                                     algos.CORRECTION_THRESHOLD)
+    # logits / temperature before log-softmax (spec 9): the rollout's sampling temperature
+    temperature: float = knobs.knob("rollout.temperature", _TEMPERATURE)
+    logprob_chunk: int = knobs.knob("actor.logprob_chunk", knobs.POSITIVE)
+    max_grad_norm: float = knobs.knob("actor.max_grad_norm", knobs.POSITIVE)
+    lr: float = knobs.knob("actor.lr", knobs.POSITIVE)
+    schedule: str = knobs.knob("actor.schedule", knobs.one_of(SCHEDULES))
+    warmup_steps: int = knobs.knob("actor.warmup_steps", knobs.NONNEG)
+    min_lr_ratio: float = knobs.knob("actor.min_lr_ratio", knobs.UNIT)
+    weight_decay: float = knobs.knob("actor.weight_decay", knobs.NONNEG)
     b1: float = 0.9
-    b2: float = 0.999
+    b2: float = knobs.knob("actor.adam_beta2", knobs.Rule(lambda v: 0 <= v < 1, "0 <= beta2 < 1"))
     eps: float = 1e-8
 
     def __post_init__(self):
-        checks = (("loss", self.loss, tuple(algos.POLICY_LOSSES)), ("agg_mode", self.agg_mode, packing.AGG_MODES),
-                  ("micro_norm", self.micro_norm, packing.MICRO_NORMS),
-                  ("kl_kind", self.kl_kind, algos.KL_KINDS), ("schedule", self.schedule, SCHEDULES),
-                  ("rollout_correction", self.rollout_correction, algos.ROLLOUT_CORRECTION_MODES),
-                  ("rollout_correction_level", self.rollout_correction_level, algos.ROLLOUT_CORRECTION_LEVELS))
-        for name, value, allowed in checks:
-            if value not in allowed:
-                raise ValueError(f"UpdateConfig.{name}={value!r}; allowed: {allowed}")
-        if not self.clip_c > 1.0:
-            raise ValueError(f"UpdateConfig.clip_c={self.clip_c} must be > 1")
-        if not self.rollout_correction_threshold > 1.0:
-            raise ValueError(f"UpdateConfig.rollout_correction_threshold={self.rollout_correction_threshold} "
-                             "must be > 1")
+        knobs.validate(self)
+        knobs.one_of(algos.ROLLOUT_CORRECTION_MODES).enforce("UpdateConfig.rollout_correction",
+                                                             self.rollout_correction)
 
     @property
     def uses_entropy_adv(self) -> bool:
@@ -195,7 +192,7 @@ def token_logprobs(graphdef: nnx.GraphDef, params, mb: Batch, *, temperature: fl
                    chunk: int = 256) -> tuple[Array, Array]:
     """(log p(targets) [B, T], entropy [B, T]) float32 for one micro-batch of [B, T] arrays.
 
-    The final hidden states go through ``algos.token_logprobs_and_entropy_from_hidden``, so the [B, T, V] logits
+    The final hidden states go through ``logprobs.token_logprobs_and_entropy_from_hidden``, so the [B, T, V] logits
     are never materialised (only [B, chunk, V] at a time, recomputed in the backward pass).
     """
     model = nnx.merge(graphdef, params)
@@ -209,7 +206,7 @@ def token_logprobs(graphdef: nnx.GraphDef, params, mb: Batch, *, temperature: fl
     # its output constraint; otherwise GSPMD contracts over the sharded D and all-reduces [B, chunk, V] logits of
     # the *whole* batch on every device.
     unembed_dv = sharding.constrain(unembed_dv, (None, "act_vocab"), rules)
-    return algos.token_logprobs_and_entropy_from_hidden(hidden_btd, unembed_dv, mb["targets"],
+    return logprobs.token_logprobs_and_entropy_from_hidden(hidden_btd, unembed_dv, mb["targets"],
                                                         temperature=temperature, chunk_size=chunk)
 
 
@@ -226,7 +223,7 @@ def _tree_logprobs(model: CausalLM, mb: Batch, *, temperature: float, chunk: int
     hidden_btd = model.hidden_states(mb["input_ids"], mb["positions"], tree_end=mb["tree_end"])
     hidden_btd = sharding.constrain(hidden_btd, ("batch", "seq", "act_embed"), rules)
     hidden_bud = jnp.take_along_axis(hidden_btd, mb["head_slot"][..., None], axis=1)
-    logp_bu, ent_bu = algos.token_logprobs_and_entropy_from_hidden(
+    logp_bu, ent_bu = logprobs.token_logprobs_and_entropy_from_hidden(
         hidden_bud, _unembed_dv(model, hidden_bud.dtype), mb["head_target"], temperature=temperature,
         chunk_size=chunk)
     take = lambda x: jnp.take_along_axis(x, mb["entry_index"], axis=1)  # [B, E]

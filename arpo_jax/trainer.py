@@ -60,6 +60,7 @@ from arpo_jax import (
     experience,
     global_batch,
     hf,
+    knobs,
     lora,
     lora_io,
     paths,
@@ -526,9 +527,7 @@ def critic_advantages(trajs: dict[int, Trajectories], critic: critic_lib.Critic,
 
 
 def critic_config(cfg) -> critic_lib.CriticConfig:
-    return critic_lib.CriticConfig(cliprange_value=cfg.critic.cliprange_value, lr=cfg.critic.lr,
-                                   max_grad_norm=cfg.actor.max_grad_norm, weight_decay=cfg.actor.weight_decay,
-                                   reference_compat=cfg.critic.reference_compat)
+    return knobs.from_config(critic_lib.CriticConfig, cfg)
 
 
 def sampler_mesh() -> Mesh:

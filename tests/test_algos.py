@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from arpo_jax import algos
+from arpo_jax import algos, logprobs
 
 EPS_L = EPS_H = 0.2
 CLIP_C = 3.0
@@ -476,7 +476,7 @@ def test_logprobs_entropy_chunked_matches_reference(chunk_size):
     rng = np.random.default_rng(10)
     logits = rng.normal(size=(2, 7, 11)) * 3
     targets = rng.integers(0, 11, size=(2, 7))
-    lp, ent = algos.token_logprobs_and_entropy(jnp.asarray(logits, jnp.float32), jnp.asarray(targets),
+    lp, ent = logprobs.token_logprobs_and_entropy(jnp.asarray(logits, jnp.float32), jnp.asarray(targets),
                                                temperature=0.7, chunk_size=chunk_size)
     ref_lp, ref_ent = _ref_logprob_entropy(logits, targets, 0.7)
     assert lp.dtype == jnp.float32 and lp.shape == (2, 7) and ent.shape == (2, 7)
@@ -488,7 +488,7 @@ def test_logprobs_bf16_input_computed_in_float32():
     rng = np.random.default_rng(11)
     logits = jnp.asarray(rng.normal(size=(1, 5, 300)) * 4, jnp.bfloat16)
     targets = jnp.asarray(rng.integers(0, 300, size=(1, 5)))
-    lp, ent = algos.token_logprobs_and_entropy(logits, targets, chunk_size=2)
+    lp, ent = logprobs.token_logprobs_and_entropy(logits, targets, chunk_size=2)
     ref_lp, ref_ent = _ref_logprob_entropy(np.asarray(logits.astype(jnp.float32)), np.asarray(targets), 1.0)
     assert lp.dtype == jnp.float32 and ent.dtype == jnp.float32
     np.testing.assert_allclose(lp, ref_lp, rtol=1e-5, atol=1e-5)
@@ -504,11 +504,11 @@ def test_logprobs_from_hidden_matches_logits_values_and_gradients(temperature, c
     targets = jnp.asarray(rng.integers(0, 13, size=(2, 9)))
 
     def via_logits(h, w):
-        return algos.token_logprobs_and_entropy(jnp.einsum("btd,dv->btv", h, w), targets, chunk_size=None,
+        return logprobs.token_logprobs_and_entropy(jnp.einsum("btd,dv->btv", h, w), targets, chunk_size=None,
                                                 temperature=temperature)
 
     def via_hidden(h, w):
-        return algos.token_logprobs_and_entropy_from_hidden(h, w, targets, chunk_size=chunk, temperature=temperature)
+        return logprobs.token_logprobs_and_entropy_from_hidden(h, w, targets, chunk_size=chunk, temperature=temperature)
 
     for a, b in zip(via_logits(hidden, unembed), jax.jit(via_hidden)(hidden, unembed)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
@@ -534,7 +534,7 @@ def test_entropy_from_shifted_logits_is_accurate_on_llm_like_logits():
     peaked); from max-shifted logits the error is that of float32 at the size of H."""
     rng = np.random.default_rng(20)
     logits = _llm_like_logits(rng, 8)
-    lp, ent = algos.token_logprobs_and_entropy(jnp.asarray(logits)[None], jnp.zeros((1, 8), jnp.int32),
+    lp, ent = logprobs.token_logprobs_and_entropy(jnp.asarray(logits)[None], jnp.zeros((1, 8), jnp.int32),
                                                chunk_size=None)
     ref_lp, ref_ent = _ref_logprob_entropy(logits, np.zeros(8, np.int64), 1.0)
     assert np.abs(np.asarray(ent[0]) - ref_ent).max() < 2e-6
@@ -542,7 +542,7 @@ def test_entropy_from_shifted_logits_is_accurate_on_llm_like_logits():
     # Peaked: one token at +26 nats over a vocabulary of N(10, 1) logits. H ~ 7e-6 must come out positive and close.
     peaked = (10.0 + rng.normal(size=(6, 32768))).astype(np.float32)
     peaked[:, 3] = 36.0
-    _, ent = algos.token_logprobs_and_entropy(jnp.asarray(peaked)[None], jnp.zeros((1, 6), jnp.int32),
+    _, ent = logprobs.token_logprobs_and_entropy(jnp.asarray(peaked)[None], jnp.zeros((1, 6), jnp.int32),
                                               chunk_size=None)
     ref_ent = _ref_logprob_entropy(peaked, np.zeros(6, np.int64), 1.0)[1]
     assert np.all(np.asarray(ent) > 0)
@@ -559,7 +559,7 @@ def test_fused_head_entropy_and_gradient_from_shifted_logits():
     unembed = rng.normal(size=(d, v)).astype(np.float32)
     unembed[0] += 18.0
     targets = jnp.asarray(rng.integers(0, v, size=(1, 8)))
-    lp, ent = jax.jit(lambda h, w: algos.token_logprobs_and_entropy_from_hidden(h, w, targets, chunk_size=4))(
+    lp, ent = jax.jit(lambda h, w: logprobs.token_logprobs_and_entropy_from_hidden(h, w, targets, chunk_size=4))(
         hidden, unembed)
     logits64 = np.einsum("btd,dv->btv", hidden.astype(np.float64), unembed.astype(np.float64))
     ref_lp, ref_ent = _ref_logprob_entropy(logits64[0], np.asarray(targets[0]), 1.0)
@@ -572,7 +572,7 @@ def test_fused_head_entropy_and_gradient_from_shifted_logits():
         return lp, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
 
     def fused(h, w):
-        return algos.token_logprobs_and_entropy_from_hidden(h, w, targets, chunk_size=4)
+        return logprobs.token_logprobs_and_entropy_from_hidden(h, w, targets, chunk_size=4)
 
     def objective(fn):
         return lambda h, w: jnp.sum(fn(h, w)[0] * 0.7) - 0.3 * jnp.sum(fn(h, w)[1])
@@ -590,7 +590,7 @@ def test_logprobs_from_hidden_never_materialises_full_logits():
         targets = jnp.zeros((b, t), jnp.int32)
 
         def loss(h, w):
-            lp, ent = algos.token_logprobs_and_entropy_from_hidden(h, w, targets, chunk_size=32)
+            lp, ent = logprobs.token_logprobs_and_entropy_from_hidden(h, w, targets, chunk_size=32)
             return jnp.sum(lp) + jnp.sum(ent)
 
         args = jax.ShapeDtypeStruct((b, t, d), jnp.float32), jax.ShapeDtypeStruct((d, v), jnp.float32)
@@ -622,7 +622,7 @@ def test_full_loss_pipeline_jits_and_is_finite():
 
     @jax.jit
     def total_loss(w):
-        logp, ent = algos.token_logprobs_and_entropy_from_hidden(hidden, w, targets, chunk_size=2)
+        logp, ent = logprobs.token_logprobs_and_entropy_from_hidden(hidden, w, targets, chunk_size=2)
         adv = algos.compute_advantages("grpo", rewards, ids)[:, None] * mask
         adv = algos.entropy_aware_advantages(adv, ent, mask)
         # seq-mean-token-mean weights (as packing.loss_weights gives them): 1 / (sequences * tokens of the sequence)

@@ -12,13 +12,12 @@ code_size = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(code_size)
 
 KNOWN = {
-    "module arpo_jax/config.py", "module arpo_jax/algos.py",
     "module arpo_jax/rollout/jax_sampler.py", "module arpo_jax/eval/runner.py",
     # Grew past 600 with the multi-engine and versioned weight-sync work (issue 33). The worker runs this file as a
     # script that must not import arpo_jax (jax), so its parent-side helpers cannot simply move to a sibling module:
     # the split (engine worker script | sampler | export folders) is the next step.
     "module arpo_jax/rollout/vllm_sampler.py",
-    "function arpo_jax/demo.py run_demo", "function arpo_jax/algos.py rollout_correction",
+    "function arpo_jax/demo.py run_demo",
 }
 
 

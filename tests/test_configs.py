@@ -156,6 +156,7 @@ BAD = [  # (overrides, problem's field, words the message must contain, validate
     (dict(rollout__max_staleness=-1), "rollout.max_staleness", "0 (synchronous) | 1 (one step off-policy)", {}),
     (dict(rollout__max_staleness=1, algorithm__dynamic_sampling=True), "rollout.max_staleness",
      "algorithm.dynamic_sampling=false", {"process_count": 2}),
+    (dict(actor__adam_beta2=1.0), "actor.adam_beta2", "0 <= beta2 < 1", {}),  # a knob's rule (train_step)
 ]
 
 

@@ -190,6 +190,7 @@ def get_config() -> ConfigDict:
     c.actor.warmup_steps = 0
     c.actor.min_lr_ratio = 0.0  # cosine floor as a fraction of lr
     c.actor.weight_decay = 0.01
+    c.actor.adam_beta2 = 0.999  # the policy AdamW's second-moment decay (torch default); 0.95-0.98 tracks drift faster
     c.actor.max_grad_norm = 1.0
     c.actor.ppo_mini_batch_size = 16  # prompts per optimizer step (x n trajectories); 8 steps per training step
     c.actor.ppo_epochs = 1

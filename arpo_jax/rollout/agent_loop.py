@@ -50,6 +50,7 @@ from typing import Protocol
 
 import numpy as np
 
+from arpo_jax import knobs
 from arpo_jax.rollout import branching
 from arpo_jax.rollout.bisecting_sampler import BisectingSampler
 from arpo_jax.rollout.branching import BranchParams, EntropyBaselines
@@ -66,43 +67,46 @@ from arpo_jax.rollout.sampler import Sampler, SampleRequest, SampleResult, Sampl
 PREMONITOR_SLOT_BASE = 1 << 30  # slot ids of AEPO's pre-monitoring requests (kept apart from the rollout's)
 
 
+RULES = ("arpo", "aepo")  # rollout.rule: ARPO's branching (4.2), AEPO's consecutive-branch penalty (5.2)
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    """Static rollout settings (spec 4.2 and 11.3; script values: n 16, m 8, beam 2, p 0.5, w 0.2)."""
+    """Static rollout settings (spec 4.2 and 11.3; script values: n 16, m 8, beam 2, p 0.5, w 0.2).
 
-    n: int = 16  # trajectories per prompt (GRPO group size)
-    initial_rollouts: int = 8  # root trajectories per prompt m (without dynamic rollouts)
-    beam_size: int = 2  # at most beam_size - 1 branches per source slot per round
-    branch_probability: float = 0.5  # p (see B3 for AEPO)
-    entropy_weight: float = 0.2  # w in P = p + w * dH
-    rule: str = "arpo"  # "arpo" (4.2) or "aepo" (5.2: consecutive-branch penalty)
-    consecutive_penalty: float = 0.05  # AEPO: f = max(0, 1 - penalty * c)
-    enable_dynamic_rollouts: bool = False  # AEPO entropy pre-monitoring decides m per prompt (5.1)
-    initial_entropy_tokens: int = 50  # pre-monitoring: max_tokens of the H_root generation
-    dynamic_beta: float = 0.5  # pre-monitoring: m = floor(n * sigmoid(beta * (H_root - H_tool))) + 1
-    call_limit: int = 5  # executed tool calls per trajectory (ARPO 5, AEPO 6; scripts' dr yaml 6)
-    response_length: int = 4096  # R: response tokens kept (tool results included)
+    Each ``knob`` field is the config field it names (default and meaning: arpo_jax/configs/base.py) under its rule;
+    ``components.rollout_config`` builds this from an experiment config."""
+
+    n: int = knobs.knob("rollout.n", knobs.at_least(1))
+    initial_rollouts: int = knobs.knob("rollout.initial_rollouts", knobs.at_least(1))
+    beam_size: int = knobs.knob("rollout.beam_size", knobs.at_least(1))
+    branch_probability: float = knobs.knob("rollout.branch_probability", knobs.UNIT)  # (see B3 for AEPO)
+    entropy_weight: float = knobs.knob("rollout.entropy_weight")
+    rule: str = knobs.knob("rollout.rule", knobs.one_of(RULES))
+    consecutive_penalty: float = knobs.knob("rollout.consecutive_penalty", knobs.NONNEG)
+    enable_dynamic_rollouts: bool = knobs.knob("rollout.enable_dynamic_rollouts")
+    initial_entropy_tokens: int = knobs.knob("rollout.initial_entropy_tokens", knobs.at_least(1))
+    dynamic_beta: float = knobs.knob("rollout.dynamic_beta")
+    call_limit: int = knobs.knob("tools.call_limit", knobs.NONNEG)
+    response_length: int = knobs.knob("data.max_response_length", knobs.POSITIVE)  # R
     prompt_length: int | None = None  # P: left-padded prompt width (None: longest prompt of the batch)
     max_model_len: int | None = None  # pre-monitoring guards (5.1); None: P + R
-    entropy_window: int = 20  # leading positions of a segment that count (4.1)
-    entropy_top_k: int = 10  # top log-probs per position requested from the engine
+    entropy_window: int = knobs.knob("rollout.entropy_window", knobs.at_least(1))
+    # Top log-probs per position requested from the engine; 0 (no entropy) is for validation only, so the config's
+    # ">= 1" is config.py's rule.
+    entropy_top_k: int = knobs.knob("rollout.entropy_top_k")
     entropy_reduce: str = "sum"  # "sum" over positions (reference) or "mean"
-    reference_compat: bool = False  # reproduce B1, B3, B4, B10, B11 (module docstring)
-    isolate_failures: bool = False  # mark failed trajectories instead of raising (module docstring)
-    trajectory_timeout_s: float = 0.0  # wall budget per trajectory from its creation; 0 = none (needs isolation)
+    reference_compat: bool = knobs.knob("rollout.reference_compat")  # B1, B3, B4, B10, B11 (module docstring)
+    isolate_failures: bool = knobs.knob("rollout.failures.isolate")  # mark failed trajectories instead of raising
+    # Wall budget per trajectory from its creation; 0 = none (needs isolation)
+    trajectory_timeout_s: float = knobs.knob("rollout.failures.trajectory_timeout_s",
+                                             knobs.Rule(lambda v: v >= 0, "0 (none) or seconds"))
 
     def __post_init__(self):
-        checks = [(self.n >= 1, "n must be >= 1"), (self.initial_rollouts >= 1, "initial_rollouts must be >= 1"),
-                  (self.beam_size >= 1, "beam_size must be >= 1"), (self.rule in ("arpo", "aepo"), "rule: arpo|aepo"),
-                  (self.call_limit >= 0, "call_limit must be >= 0"), (self.response_length >= 1, "R must be >= 1"),
-                  (self.entropy_window >= 1, "entropy_window must be >= 1"),
-                  (self.entropy_reduce in ("sum", "mean"), "entropy_reduce: sum|mean"),
-                  (self.trajectory_timeout_s >= 0, "trajectory_timeout_s must be >= 0"),
-                  (self.isolate_failures or not self.trajectory_timeout_s,
-                   "trajectory_timeout_s needs isolate_failures")]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(f"RolloutConfig: {msg}")
+        knobs.validate(self)
+        knobs.one_of(("sum", "mean")).enforce("RolloutConfig.entropy_reduce", self.entropy_reduce)
+        if self.trajectory_timeout_s and not self.isolate_failures:
+            raise ValueError("RolloutConfig: trajectory_timeout_s needs isolate_failures")
 
     def for_validation(self, n: int = 1) -> RolloutConfig:
         """Spec 3.1 validation: no branching, `n` independent samples per prompt (1 in the reference)."""

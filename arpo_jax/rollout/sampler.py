@@ -21,16 +21,22 @@ from typing import Literal, Protocol
 
 import numpy as np
 
+from arpo_jax import knobs
+
 FinishReason = Literal["stop", "eos", "length"]
+
+
+TOP_P = knobs.Rule(lambda v: 0 < v <= 1, "0 < top_p <= 1")
+TOP_K = knobs.Rule(lambda v: v == -1 or v >= 1, "-1 (off) or >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingSettings:
-    """Settings shared by all requests of one `generate` call."""
+    """Settings shared by all requests of one `generate` call (the `knob` fields: arpo_jax/configs/base.py)."""
 
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1 = off
+    temperature: float = knobs.knob("rollout.temperature")  # 0 = greedy
+    top_p: float = knobs.knob("rollout.top_p", TOP_P)
+    top_k: int = knobs.knob("rollout.top_k", TOP_K)  # -1 = off
     stop: tuple[str, ...] = ("</python>", "</search>")  # stop strings (detected on decoded text)
     logprobs: int = 10  # top-k log-probs per generated position (0 = none)
     logprob_positions: int = 20  # how many leading generated positions need them (ARPO: 20)
@@ -38,6 +44,9 @@ class SamplingSettings:
     # Also return the log-prob of every sampled token (SampleResult.token_logprobs), for the trainer's rollout
     # correction: the distribution the engine reports its top-k log-probs from (see each engine).
     token_logprobs: bool = False
+
+    def __post_init__(self):
+        knobs.validate(self)
 
 
 @dataclasses.dataclass(frozen=True)
