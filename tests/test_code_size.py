@@ -15,7 +15,6 @@ _spec.loader.exec_module(code_size)
 
 KNOWN = {
     "module arpo_jax/config.py", "module arpo_jax/rollout/agent_loop.py", "module arpo_jax/algos.py",
-    "module arpo_jax/eval/runner.py",
     "class arpo_jax/rollout/agent_loop.py _Loop",
     # 298 -> 319 lines when off-policy rollouts (issue 33) and LoRA checkpoints (issue 35) were merged the same day:
     # the LoRA checkpoint view (save/restore/pointer) belongs in lora_io and the run summary in skeleton (next step).
