@@ -19,7 +19,7 @@ KNOWN = {
     # 298 -> 319 lines when off-policy rollouts (issue 33) and LoRA checkpoints (issue 35) were merged the same day:
     # the LoRA checkpoint view (save/restore/pointer) belongs in lora_io and the run summary in skeleton (next step).
     "class arpo_jax/trainer.py Trainer",
-    "function arpo_jax/demo.py run_demo", "function arpo_jax/algos.py rollout_correction",
+    "function arpo_jax/algos.py rollout_correction",
 }
 
 
