@@ -328,8 +328,7 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     the exported model also answers in vLLM (default: when installed, full runs only). `lora`: the RL phase trains
     LoRA adapters (`LORA_RANK` on every projection, lr `LORA_LR`) over the frozen SFT model, in `workdir/<algo>_lora/`.
     """
-    from arpo_jax import metrics, sft, trainer
-    from arpo_jax.data import toy
+    from arpo_jax import metrics, trainer
 
     if algo not in ALGOS:
         raise ValueError(f"--algo={algo!r}; allowed: {', '.join(ALGOS)}")
@@ -351,14 +350,7 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     times["setup"] = time.perf_counter() - t0
 
     t = time.perf_counter()
-    _log(f"2/6 cold-start SFT: {size.sft_examples} conversations ({size.flaw_fraction:.0%} with a typical mistake), "
-         f"{size.sft_epochs} epoch(s) of {cfg.sft.batch_size} a step, teaching {model} the tool format (resumed when "
-         f"{workdir / 'sft'} has it)")
-    sft_summary = sft.run_sft(cfg, workdir / "sft")
-    if sft_summary["start_step"] == sft_summary["steps"]:  # resumed a finished SFT: no loss to report
-        _log(f"   SFT model reused from {sft_summary['checkpoint_dir']} ({sft_summary['steps']} steps)")
-    else:
-        _log(f"   SFT loss {sft_summary['final_loss']:.3f} after {sft_summary['steps']} steps")
+    sft_summary = cold_start_sft(cfg, workdir / "sft", size, model)
     release_memory()
     times["sft"] = time.perf_counter() - t
 
@@ -375,34 +367,81 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     release_memory()
     times["rl"] = time.perf_counter() - t
     records = metrics.read_jsonl(out / "rl" / "metrics.jsonl")
-    vals = [r for r in records if "val/accuracy" in r]
-    baseline, final = vals[0], vals[-1]
-    train_records = [r for r in records if "reward/mean" in r]
 
     t = time.perf_counter()
-    question = toy.toy_tasks("demo_heldout", 3, seed)[2]  # a two-hop question: both tools
-    # transformers proves the export runs outside JAX (torch comes with the `test` extra; else the JAX sampler).
-    engines = ["transformers" if importlib.util.find_spec("torch") else "jax"]
-    engines += ["vllm"] if (vllm if vllm is not None else (not quick and _vllm_available())) else []
+    engines = transcript_engines(quick, vllm)
     _log(f"4/6 the exported model ({rl_summary['hf_export']}) answers a held-out question in {' and '.join(engines)}")
-    transcripts = []
-    for answering in engines:
-        tr = transcript(Path(rl_summary["hf_export"]), cfg, question.question, answering)
-        tr["gold"] = question.answer
-        transcripts.append(tr)
-        print(f"--- {answering} ---\n{format_transcript(tr)}\n(gold answer: {question.answer})", flush=True)
-    (out / "transcript.json").write_text(json.dumps(transcripts, indent=2))
+    transcripts = answer_heldout(Path(rl_summary["hf_export"]), cfg, seed, engines, out)
     times["transcript"] = time.perf_counter() - t
 
     _log("5/6 plots")
     plots = plot_curves(out / "rl" / "metrics.jsonl", out / "plots")
     times["total"] = time.perf_counter() - t0
 
+    header = {"model": model, "algo": algo, "seed": seed, "quick": quick, "rollout_engine": engine}
+    outputs = {"workdir": str(workdir), "metrics": str(out / "rl" / "metrics.jsonl"),
+               "trajectories": str(out / "rl" / "trajectories.jsonl"), "plots": plots[0],
+               "hf_model": rl_summary["hf_export"], "transcript": str(out / "transcript.json")}
+    summary = summarise(records, transcripts, size, header=header, times=times, outputs=outputs)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    _log_outcome(summary, size.rl_steps, out)
+    return summary
+
+
+def cold_start_sft(cfg, sft_dir: Path, size: DemoSize, model: str) -> dict:
+    """Step 2: SFT of `model` on the cold-start conversations in `sft_dir` (resumed, or reused when finished); its
+    summary (`sft.run_sft`)."""
+    from arpo_jax import sft
+
+    _log(f"2/6 cold-start SFT: {size.sft_examples} conversations ({size.flaw_fraction:.0%} with a typical mistake), "
+         f"{size.sft_epochs} epoch(s) of {cfg.sft.batch_size} a step, teaching {model} the tool format (resumed when "
+         f"{sft_dir} has it)")
+    sft_summary = sft.run_sft(cfg, sft_dir)
+    if sft_summary["start_step"] == sft_summary["steps"]:  # resumed a finished SFT: no loss to report
+        _log(f"   SFT model reused from {sft_summary['checkpoint_dir']} ({sft_summary['steps']} steps)")
+    else:
+        _log(f"   SFT loss {sft_summary['final_loss']:.3f} after {sft_summary['steps']} steps")
+    return sft_summary
+
+
+def transcript_engines(quick: bool, vllm: bool | None) -> list[str]:
+    """Where the exported model answers the held-out question: `vllm` too when asked (default: when installed, full
+    runs only)."""
+    # transformers proves the export runs outside JAX (torch comes with the `test` extra; else the JAX sampler).
+    engines = ["transformers" if importlib.util.find_spec("torch") else "jax"]
+    engines += ["vllm"] if (vllm if vllm is not None else (not quick and _vllm_available())) else []
+    return engines
+
+
+def answer_heldout(hf_dir: Path, cfg, seed: int, engines: list[str], out: Path) -> list[dict]:
+    """Step 4: the exported model answers a held-out question in each engine; the transcripts are printed and
+    written to `out/transcript.json`."""
+    from arpo_jax.data import toy
+
+    question = toy.toy_tasks("demo_heldout", 3, seed)[2]  # a two-hop question: both tools
+    transcripts = []
+    for answering in engines:
+        tr = transcript(hf_dir, cfg, question.question, answering)
+        tr["gold"] = question.answer
+        transcripts.append(tr)
+        print(f"--- {answering} ---\n{format_transcript(tr)}\n(gold answer: {question.answer})", flush=True)
+    (out / "transcript.json").write_text(json.dumps(transcripts, indent=2))
+    return transcripts
+
+
+def summarise(records: list[dict], transcripts: list[dict], size: DemoSize, *, header: dict, times: dict,
+              outputs: dict) -> dict:
+    """summary.json: `header` (model, algo, seed, ...), validation accuracy (greedy) of the SFT baseline and after RL
+    with its standard error, the training reward and tool calls over the first / last steps, whether each held-out
+    transcript holds the gold answer, the phases' wall seconds (`times`) and the `outputs` paths."""
+    vals = [r for r in records if "val/accuracy" in r]
+    baseline, final = vals[0], vals[-1]
+    train_records = [r for r in records if "reward/mean" in r]
     # One step is only train_batch_size prompts of a random mix of kinds: average the first and the last few steps.
     edge = max(1, min(5, len(train_records) // 2))
     mean_of = lambda rs, key: round(float(np.mean([r[key] for r in rs])), 4) if rs else None
-    summary = {
-        "model": model, "algo": algo, "seed": seed, "quick": quick, "rollout_engine": engine,
+    return {
+        **header,
         "baseline_val_accuracy": round(baseline["val/accuracy"], 4),
         "final_val_accuracy": round(final["val/accuracy"], 4),
         "val_questions": size.val_prompts,  # greedy: the accuracy's standard error is sqrt(p (1 - p) / this)
@@ -416,20 +455,22 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
         "tool_calls_per_trajectory_last": mean_of(train_records[-edge:], "tools/calls_per_trajectory/mean"),
         "heldout_correct": [t["gold"] in t["response"] for t in transcripts],
         "wall_s": {k: round(v, 1) for k, v in times.items()},
-        "outputs": {"workdir": str(workdir), "metrics": str(out / "rl" / "metrics.jsonl"),
-                    "trajectories": str(out / "rl" / "trajectories.jsonl"), "plots": plots[0],
-                    "hf_model": rl_summary["hf_export"], "transcript": str(out / "transcript.json")},
+        "outputs": outputs,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+def _log_outcome(summary: dict, rl_steps: int, out: Path) -> None:
+    """The demo's closing lines: accuracy before -> after RL (per kind), tool calls, reward, where the outputs are."""
+    algo, edge = summary["algo"], summary["train_steps_averaged"]
     per_kind = ", ".join(f"{k.split('/')[1].removeprefix('toy_')} {summary['baseline_val'].get(k, 0):.2f} -> "
                          f"{summary['final_val'].get(k, 0):.2f}" for k in summary["final_val"] if "mean@1" in k)
     _log(f"6/6 greedy validation accuracy {summary['baseline_val_accuracy']:.2f} (the SFT model) -> "
-         f"{summary['final_val_accuracy']:.2f} after {size.rl_steps} {algo.upper()} steps (mean reward per kind: "
+         f"{summary['final_val_accuracy']:.2f} after {rl_steps} {algo.upper()} steps (mean reward per kind: "
          f"{per_kind}); tool calls per training trajectory {summary['tool_calls_per_trajectory_first'] or 0:.2f} "
          f"-> {summary['tool_calls_per_trajectory_last'] or 0:.2f}, training reward "
          f"{summary['train_reward_first'] or 0:.2f} -> {summary['train_reward_last'] or 0:.2f} (first / last {edge} "
          f"steps)\n"
-         f"   curves: {plots[0]}\n   trajectories with branching trees: {summary['outputs']['trajectories']}\n"
+         f"   curves: {summary['outputs']['plots']}\n"
+         f"   trajectories with branching trees: {summary['outputs']['trajectories']}\n"
          f"   TensorBoard: tensorboard --logdir {out / 'rl' / 'tensorboard'}\n"
          f"   the trained model (HF folder): {summary['outputs']['hf_model']}; summary: {out / 'summary.json'}")
-    return summary

@@ -397,16 +397,16 @@ def plan(model_cfg: models.Config, mesh_shape, update_cfg: ts.UpdateConfig, *, m
 
 
 def compile_sampler(model_cfg: models.Config, sh: Shapes, local_devices: int) -> dict:
-    """The JAX sampler's prefill chunk and decode chunk (`jax_sampler._prefill_chunk` / `_decode_chunk`, stacked
+    """The JAX sampler's prefill chunk and decode chunk (`jax_decode._prefill_chunk` / `_decode_chunk`, stacked
     cache and scanned layers as on an accelerator) compiled for one call of B x S rows on a process's local
     devices, abstract inputs: {program: XLA bytes per device}."""
     from arpo_jax.models.transformer import KVCache
-    from arpo_jax.rollout import jax_sampler as js
+    from arpo_jax.rollout import jax_decode as jd
 
     mesh = sharding.make_mesh((1, local_devices, 1), devices=jax.devices()[:local_devices])
     graphdef, abstract = nnx.split(models.abstract_model(model_cfg))
     p_sh = sharding.state_shardings(abstract, mesh, sharding.get_rules(model_cfg.sharding_rules))
-    abstract = jax.eval_shape(lambda a: js.decode_weights(a, model_cfg.compute_dtype), abstract)  # the sampler's copy
+    abstract = jax.eval_shape(lambda a: jd.decode_weights(a, model_cfg.compute_dtype), abstract)  # the sampler's copy
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, p_sh)
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("fsdp",)))
     rows2 = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("fsdp",), None))
@@ -418,7 +418,7 @@ def compile_sampler(model_cfg: models.Config, sh: Shapes, local_devices: int) ->
                     jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows))
     h = jax.ShapeDtypeStruct((b, model_cfg.hidden_size), model_cfg.compute_dtype, sharding=rows2)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows2 if len(shape) == 2 else rows)
-    fns = js._jitted(graphdef, model_cfg)
+    fns = jd.jitted(graphdef, model_cfg)
     out = {}
     with jax.set_mesh(mesh):
         t0 = time.perf_counter()

@@ -28,6 +28,7 @@ from flax import nnx  # noqa: E402
 
 from arpo_jax import hf, models, named_models  # noqa: E402
 from arpo_jax import train_step as ts  # noqa: E402
+from arpo_jax.rollout import jax_decode as jd  # noqa: E402
 from arpo_jax.rollout import jax_sampler as js  # noqa: E402
 
 
@@ -56,14 +57,14 @@ def programs(cfg, args) -> dict[str, tuple[float, float]]:
     out["update_step"] = _compile(ts.jit_train_step(graphdef, cfg, ucfg, opt), state, mini)
     # The sampler: its prefill and decode programs, on the shapes of the workload.
     sgraph, sstate = nnx.split(models.abstract_model(cfg))
-    cpu = js._cpu_layout()  # as JaxSampler lays itself out on this backend
+    cpu = jd.cpu_layout()  # as JaxSampler lays itself out on this backend
     if cpu:
-        sgraph, sstate = js._input_major_graphdef(sgraph, sstate), jax.eval_shape(js._to_input_major(sgraph), sstate)
-    fns = js._jitted(sgraph, cfg, cpu)
+        sgraph, sstate = jd.input_major_graphdef(sgraph, sstate), jax.eval_shape(jd.to_input_major(sgraph), sstate)
+    fns = jd.jitted(sgraph, cfg, cpu)
     sb = args.sampler_batch
     s_len = js._bucket(args.prompt + args.new, js.pow2_buckets(64, 1 << 20, half_steps=True), "cache")
     t_len = js._bucket(args.prompt, js.pow2_buckets(16, 512, quarter_steps=True), "prefill")
-    cache = jax.eval_shape(lambda: js._new_cache(cfg, sb, s_len, per_layer=cpu))
+    cache = jax.eval_shape(lambda: jd.new_cache(cfg, sb, s_len, per_layer=cpu))
     h = jax.ShapeDtypeStruct((sb, cfg.hidden_size), cfg.compute_dtype)
     vec = lambda dt: jax.ShapeDtypeStruct((sb,), dt)  # noqa: E731
     tok = jax.ShapeDtypeStruct((sb, t_len), jnp.int32)

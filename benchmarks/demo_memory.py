@@ -62,7 +62,7 @@ def process_memory(pid: int) -> tuple[str, int, int] | None:
 
 
 def kind_of(cmdline: str) -> str:
-    if "vllm_sampler.py" in cmdline:
+    if "vllm_worker.py" in cmdline:
         return "vllm_worker"
     if "arpo_jax.cli" in cmdline or "arpo-jax" in cmdline or "demo_memory.py --child" in cmdline:
         return "demo"

@@ -176,10 +176,10 @@ def weight_sync(engine: str, delay: float, process_id: int, port: int, hf_dir: s
             assert err < LOGPROB_ATOL and stale > 100 * LOGPROB_ATOL, (step, err, stale)
         previous = params
     if engine == "files":  # process 0's disk "fills up": both processes stop with an error, neither waits forever
-        from arpo_jax.rollout import vllm_sampler
+        from arpo_jax.rollout import export_folders
 
         if process_id == 0:
-            vllm_sampler.EXPORT_SLACK_BYTES = 1 << 60
+            export_folders.EXPORT_SLACK_BYTES = 1 << 60
         try:
             sampler.update_weights(nnx.merge(graphdef, state))
             raise AssertionError("a sync without room went ahead")

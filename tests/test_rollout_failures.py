@@ -169,7 +169,7 @@ def test_export_folders_of_killed_processes_are_removed(tmp_path):
     import subprocess
     import sys
 
-    from arpo_jax.rollout.vllm_sampler import remove_stale_exports
+    from arpo_jax.rollout.export_folders import remove_stale_exports
 
     child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead, alive = int(child.stdout), os.getppid()

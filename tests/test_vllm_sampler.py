@@ -320,7 +320,7 @@ _HOOK_CHECK = """
 import sys, types
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-import vllm_sampler as vs  # the worker's file as the worker runs it: a script, without the arpo_jax package
+import vllm_worker as vs  # the worker's file as the worker runs it: a script, without the arpo_jax package
 from vllm import SamplingParams
 from vllm.v1.engine.logprobs import LogprobsProcessor
 from vllm.v1.outputs import LogprobsLists
@@ -353,7 +353,9 @@ def test_topk_window_hook_on_vllms_own_logprobs_processor():
     vLLM's own entries, later ones only the sampled token's (also when a window ends inside one engine step)."""
     import subprocess
 
-    worker_dir = os.path.dirname(sys.modules[VllmSampler.__module__].__file__)
+    from arpo_jax.rollout import vllm_worker
+
+    worker_dir = os.path.dirname(vllm_worker.__file__)
     out = subprocess.run([VLLM_PYTHON or sys.executable, "-c", _HOOK_CHECK, worker_dir], capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

