@@ -18,7 +18,10 @@ from arpo_jax import train_step as ts
 from arpo_jax.models.transformer import LORA_TARGETS
 
 RANK, ALPHA = 4, 8.0
-LOGPROB_ATOL = 1e-4  # vLLM vs JAX, float32 (tests/test_rollout_engines.py)
+# vLLM vs JAX, float32: 1e-4 elsewhere (tests/test_rollout_engines.py). An engine started with LoRA runs the base
+# through vLLM's LoRA-wrapped layers (other kernels): its float32 log-probs of the base alone were 2.9e-4 from JAX's
+# in one full-suite run (< 1e-4 in others). A wrong or stale adapter moves them by > 1e-2 (asserted below).
+LORA_ENGINE_ATOL = 1e-3
 _logits = nnx.jit(lambda model, ids: model(ids))  # one compile per graph (eager calls are slow on a busy CPU)
 
 
@@ -395,7 +398,7 @@ def test_vllm_adapter_only_sync_matches_the_jax_policy(tiny, tmp_path):
                      export_dir=tmp_path / "sync") as sampler:
         assert sampler.info["lora"] and sampler.info["max_lora_rank"] == 8, sampler.info
         before = sampler.generate(requests, greedy)
-        assert max_logp_diff(base, before) < LOGPROB_ATOL
+        assert max_logp_diff(base, before) < LORA_ENGINE_ATOL
         adapters_bytes = hf.export_nbytes(nnx.state(lora.with_adapters(base, RANK, ALPHA), lora.LoRAParam), "float32")
         base_bytes = hf.export_nbytes(nnx.state(base, nnx.Param), "float32")
         for seed in (1, 2):  # two versions: the second replaces the first (lora_int_id 2, id 1 removed)
@@ -406,8 +409,8 @@ def test_vllm_adapter_only_sync_matches_the_jax_policy(tiny, tmp_path):
             # On disk: the adapter tensors, their header and adapter_config.json; not the base.
             assert adapters_bytes < sync["written_bytes"] < adapters_bytes + 16384 < base_bytes / 10
             after = sampler.generate(requests, greedy)
-            assert max_logp_diff(model, after) < LOGPROB_ATOL
-            assert max_logp_diff(base, after) > 100 * LOGPROB_ATOL  # the check can fail: the adapters change them
+            assert max_logp_diff(model, after) < LORA_ENGINE_ATOL
+            assert max_logp_diff(base, after) > 10 * LORA_ENGINE_ATOL  # the check can fail: the adapters change them
         assert list((tmp_path / "sync").iterdir()) == []  # each version removed once loaded
 
         # A new base (full weights, once) under adapters: the JAX model's log-probs again.
@@ -417,7 +420,7 @@ def test_vllm_adapter_only_sync_matches_the_jax_policy(tiny, tmp_path):
         nnx.update(other, noisy)
         sampler.update_weights(other, base=True)
         assert sampler.last_sync["weights"] == "adapters"
-        assert max_logp_diff(other, sampler.generate(requests, greedy)) < LOGPROB_ATOL
+        assert max_logp_diff(other, sampler.generate(requests, greedy)) < LORA_ENGINE_ATOL
 
 
 def test_rl_checkpoint_holds_the_adapters_and_a_pointer_to_the_base(tiny, tmp_path):
