@@ -122,9 +122,16 @@ def truncate_jsonl(path: str | os.PathLike, max_step: int) -> int:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """All records of a jsonl file (for tests and notebooks)."""
+    """All records of a jsonl file (for tests and notebooks). A live run's file may end in a line still being
+    written: a last line without its newline that does not parse yet is left out."""
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    if lines and not lines[-1].endswith("\n"):
+        try:
+            json.loads(lines[-1])
+        except json.JSONDecodeError:
+            lines.pop()
+    return [json.loads(line) for line in lines]
 
 
 # --------------------------------------------------------------------------------------------------

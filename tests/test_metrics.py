@@ -67,6 +67,18 @@ def test_truncate_jsonl_keeps_records_without_step(tmp_path):
     assert metrics.truncate_jsonl(tmp_path / "missing.jsonl", 5) == 0
 
 
+def test_read_jsonl_of_a_live_run_leaves_out_the_line_being_written(tmp_path):
+    """A watcher (a notebook, the trainer tests' polling) reads metrics.jsonl while the logger appends a line."""
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "reward/me')  # the second record half written
+    assert metrics.read_jsonl(path) == [{"step": 1}]
+    path.write_text('{"step": 1}\n{"step": 2}')  # complete, without its newline: kept
+    assert metrics.read_jsonl(path) == [{"step": 1}, {"step": 2}]
+    path.write_text('{"step": 1\n{"step": 2}\n')  # a damaged line that is not the last: still an error
+    with pytest.raises(json.JSONDecodeError):
+        metrics.read_jsonl(path)
+
+
 def test_wandb_missing_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     with pytest.raises(ValueError, match=r"trainer\.loggers.*pip install arpo-jax\[wandb\]"):
