@@ -105,7 +105,7 @@ def _quickstart(args) -> dict:
 def _eval(args) -> dict:
     from arpo_jax.eval import runner
 
-    cfg = runner.load_eval_config(args.config_args)
+    cfg = runner.load_eval_config(args.config_args, no_tools=args.no_tools)
     opts = runner.EvalOptions(
         model=args.model, benchmarks=args.benchmarks, workdir=args.workdir, k=args.k, limit=args.limit,
         engine=args.engine, tokenizer=args.tokenizer, base_url=args.base_url, served_model=args.served_model,
@@ -125,7 +125,7 @@ def _compare(args) -> dict:
 def _chat(args) -> dict:
     from arpo_jax.eval import chat, runner
 
-    cfg = runner.load_eval_config(args.config_args)
+    cfg = runner.load_eval_config(args.config_args, no_tools=args.no_tools)
     return chat.chat(cfg, args.model, workdir=args.workdir, engine=args.engine, tokenizer=args.tokenizer,
                      base_url=args.base_url, served_model=args.served_model, api_key_env=args.api_key_env,
                      temperature=args.temperature, seed=args.seed)
@@ -144,6 +144,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model", default=None, help="openai engine: the served model name")
     p.add_argument("--api-key-env", default=None, help="openai engine: environment variable holding the API key")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the config's seed)")
+    p.add_argument("--no-tools", action="store_true", help="a baseline without tools: a system prompt that does not "
+                   "mention them (data.system_prompt=no_tools) and tools.call_limit=0")
 
 
 def _add_eval_commands(sub) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from arpo_jax import knobs
 from arpo_jax import train_step as ts
 from arpo_jax.data import toy
-from arpo_jax.prompts import REFERENCE_DATA_SYSTEM_PROMPT, SYSTEM_PROMPT
+from arpo_jax.prompts import REFERENCE_DATA_SYSTEM_PROMPT, SYSTEM_PROMPT, SYSTEM_PROMPTS
 from arpo_jax.rollout.agent_loop import RolloutConfig
 from arpo_jax.rollout.sampler import Sampler, SamplingSettings
 from arpo_jax.tools import ToolExecutor, make_executor
@@ -138,7 +138,10 @@ def update_config(cfg) -> ts.UpdateConfig:
 
 
 def system_prompt_for(cfg) -> str:
-    """The system prompt of a config's training data: the built-in toy tasks' (a real `\\boxed`) when every
-    training file is `builtin:toy`, else the reference data's bytes (the backspace artifact kept)."""
+    """The system prompt put before a question (eval, chat): the one `data.system_prompt` names, or with "auto" the
+    one of the config's training data: the built-in toy tasks' (a real `\\boxed`) when every training file is
+    `builtin:toy`, else the reference data's bytes (the backspace artifact kept)."""
+    if cfg.data.system_prompt != "auto":
+        return SYSTEM_PROMPTS[cfg.data.system_prompt]
     files = list(cfg.data.train_files)
     return SYSTEM_PROMPT if files and all(f == toy.BUILTIN for f in files) else REFERENCE_DATA_SYSTEM_PROMPT

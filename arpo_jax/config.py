@@ -102,7 +102,7 @@ def _allowed() -> dict[str, tuple]:
 @functools.cache
 def _direct_enums() -> dict[str, tuple]:
     """Enum fields read directly (not through a knob), with the allowed values of the modules that consume them."""
-    from arpo_jax import algos, components, memory_model, rewards, shaping, sharding, tools, train_step
+    from arpo_jax import algos, components, memory_model, prompts, rewards, shaping, sharding, tools, train_step
     from arpo_jax.data import rl_dataset
     from arpo_jax.models import transformer
 
@@ -115,6 +115,7 @@ def _direct_enums() -> dict[str, tuple]:
         "mesh.device": tuple(memory_model.DEVICES),
         "data.source": rl_dataset.SOURCES,
         "data.overlong_prompts": rl_dataset.OVERLONG_MODES,
+        "data.system_prompt": ("auto", *prompts.SYSTEM_PROMPTS),
         "rollout.engine": components.ROLLOUT_ENGINES,
         "rollout.vllm.dtype": ("auto", "bfloat16", "float16", "float32"),
         "tools.search.backend": tuple(tools._SEARCH_BACKENDS),

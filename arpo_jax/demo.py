@@ -139,6 +139,7 @@ def demo_config(model: str, size: DemoSize, algo: str, seed: int, engine: str):
         cfg.data.val_max_samples = 0
         cfg.data.max_prompt_length = 128  # the short system prompt + a question: ~105 SmolLM2 tokens
         cfg.data.max_response_length = size.response_length
+        cfg.data.system_prompt = "demo"  # what eval / chat of the demo's model put before a question
         cfg.tools.search.max_results = 2  # short results keep the contexts (and the CPU time) small
         cfg.data.train_batch_size = size.rl_prompts
         cfg.actor.ppo_mini_batch_size = size.rl_prompts  # one update a step

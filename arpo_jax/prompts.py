@@ -9,7 +9,8 @@ bytes: `REFERENCE_DATA_SYSTEM_PROMPT` reproduces them. The built-in toy tasks we
 (`SYSTEM_PROMPT`), and the demo uses a shorter prompt (`DEMO_SYSTEM_PROMPT`). `components.system_prompt_for(cfg)`
 picks the one that matches a config's training data, so an evaluation shows a model the prompt it learnt from (spec
 B17's fix) rather than a corrected prompt it never saw: this is a property of the trained weights, not a reference bug a
-default could repair.
+default could repair. `data.system_prompt` names one explicitly (`SYSTEM_PROMPTS`), e.g. `demo` for a demo-trained
+model or `no_tools` for a baseline without tools (`NO_TOOLS_SYSTEM_PROMPT`, with `tools.call_limit=0`).
 """
 
 from __future__ import annotations
@@ -38,9 +39,19 @@ DEMO_SYSTEM_PROMPT = (
     "output comes back inside <result> </result>. End with <answer> \\boxed{answer} </answer>."
 )
 
+# A baseline without tools (`arpo-jax eval --no-tools`): the same answer format, so the same reward scores it, and no
+# word about tools (a model told about tags it may not use would use them).
+NO_TOOLS_SYSTEM_PROMPT = (
+    "Solve the question step by step. Think inside <think> </think>. End with <answer> \\boxed{answer} </answer>."
+)
+
 # The system prompt of every reference RL parquet file (spec 2.3): SYSTEM_PROMPT with its two `\boxed` stored as the
 # backspace byte + "oxed".
 REFERENCE_DATA_SYSTEM_PROMPT = SYSTEM_PROMPT.replace("\\boxed", "\x08oxed")
+
+# `data.system_prompt`'s names ("auto": the training data's, `components.system_prompt_for`).
+SYSTEM_PROMPTS = {"reference": REFERENCE_DATA_SYSTEM_PROMPT, "toy": SYSTEM_PROMPT, "demo": DEMO_SYSTEM_PROMPT,
+                  "no_tools": NO_TOOLS_SYSTEM_PROMPT}
 
 
 def chat_messages(question: str, system_prompt: str = REFERENCE_DATA_SYSTEM_PROMPT) -> list[dict]:

@@ -219,6 +219,24 @@ def test_training_system_prompt_keeps_the_backspace_artifact():
     assert clean == [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}]
 
 
+def test_no_tools_baseline_prompt_and_config():
+    """`--no-tools`: a prompt without a word about tools (same answer format, so the same reward), call limit 0; an
+    unknown prompt name is refused naming the field and the allowed values."""
+    from arpo_jax import components, prompts
+    from arpo_jax import config as config_lib
+    from arpo_jax.eval import agent
+
+    cfg = agent.load_eval_config(["--config.tools.call_limit=3"], no_tools=True)
+    assert cfg.tools.call_limit == 0 and components.system_prompt_for(cfg) == prompts.NO_TOOLS_SYSTEM_PROMPT
+    for tag in ("<python>", "<search>", "tool"):
+        assert tag not in prompts.NO_TOOLS_SYSTEM_PROMPT
+    assert "\\boxed{answer}" in prompts.NO_TOOLS_SYSTEM_PROMPT and "<answer>" in prompts.NO_TOOLS_SYSTEM_PROMPT
+    assert agent.load_eval_config([]).data.system_prompt == "auto"
+    with pytest.raises(ValueError, match=r"data.system_prompt.*allowed: auto \| reference \| toy \| demo \| no_tools"):
+        config_lib.validate(agent.load_eval_config(["--config.data.system_prompt=chatty"]), command="eval",
+                            check_files=False)
+
+
 def test_the_eval_prompt_is_the_prompt_of_the_training_data():
     """A model trained on the built-in toy tasks saw a real \\boxed, one trained on the reference files the
     backspace artifact: `components.system_prompt_for` gives each its own (the eval agent's prompt_ids use it)."""
@@ -227,10 +245,12 @@ def test_the_eval_prompt_is_the_prompt_of_the_training_data():
     from arpo_jax import components, prompts
     from arpo_jax.data import toy
 
-    toy_cfg = ConfigDict({"data": {"train_files": [toy.BUILTIN]}})
+    toy_cfg = ConfigDict({"data": {"train_files": [toy.BUILTIN], "system_prompt": "auto"}})
     assert components.system_prompt_for(toy_cfg) == prompts.SYSTEM_PROMPT and "\\boxed{" in prompts.SYSTEM_PROMPT
     for files in (["/data/train_10k.parquet"], [toy.BUILTIN, "/data/more.parquet"], []):
-        cfg = ConfigDict({"data": {"train_files": files}})
+        cfg = ConfigDict({"data": {"train_files": files, "system_prompt": "auto"}})
         assert components.system_prompt_for(cfg) == B.TRAINING_SYSTEM_PROMPT
+    toy_cfg.data.system_prompt = "demo"  # named explicitly: whatever the training files
+    assert components.system_prompt_for(toy_cfg) == prompts.DEMO_SYSTEM_PROMPT
     row = toy.toy_rows("val", 1)[0]
     assert row["prompt"] == prompts.chat_messages(row["extra_info"]["question"], prompts.SYSTEM_PROMPT)

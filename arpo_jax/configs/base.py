@@ -49,6 +49,9 @@ def get_config() -> ConfigDict:
     c.data.train_files = ()  # parquet files in the reference schema (spec 2.1), or "builtin:toy" (generated)
     c.data.val_files = ()  # validation parquet files; () = no validation
     c.data.prompt_key = "prompt"  # column holding the chat messages
+    # The system prompt eval and chat put before a question (the RL data's prompts are the files'): auto (the training
+    # data's: toy when every train file is builtin:toy, else the reference's) | reference | toy | demo | no_tools
+    c.data.system_prompt = "auto"
     c.data.max_prompt_length = 1536  # P: prompt tokens after the chat template
     c.data.max_response_length = 4096  # R: response tokens kept (tool results included)
     c.data.overlong_prompts = "error"  # error (reference: truncation=error) | filter (drop them, counted in logs)

@@ -43,12 +43,18 @@ def base_config_path() -> Path:
     return config_lib.BUILTIN_CONFIGS / "base.py"
 
 
-def load_eval_config(config_args: Sequence[str]) -> ConfigDict:
-    """The experiment config of `--config=FILE --config.a.b=v ...`; without a file, builtin:base's values."""
+# `--no-tools`: a baseline without tools. The prompt says nothing about them, and a tool call the model makes anyway
+# ends its trajectory unexecuted (call_limit 0), as it would in training past the limit.
+NO_TOOLS_ARGS = ("--config.data.system_prompt=no_tools", "--config.tools.call_limit=0")
+
+
+def load_eval_config(config_args: Sequence[str], *, no_tools: bool = False) -> ConfigDict:
+    """The experiment config of `--config=FILE --config.a.b=v ...`; without a file, builtin:base's values.
+    `no_tools` adds `NO_TOOLS_ARGS` after the user's (they win over the user's own values of those two fields)."""
     args = list(config_args)
     if not any(re.match(r"^--?config(=|$)", a) for a in args):
         args = [f"--config={base_config_path()}", *args]
-    return config_lib.load_config(args)
+    return config_lib.load_config([*args, *(NO_TOOLS_ARGS if no_tools else ())])
 
 
 def _is_checkpoint_dir(path: Path) -> bool:
