@@ -45,6 +45,7 @@ from arpo_jax.models.transformer import CausalLM, Config, hf_keys
 IGNORED_KEYS = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
 MAX_SHARD_BYTES = 5 * 1024**3
 IO_THREADS = min(8, os.cpu_count() or 1)  # tensors read/placed (import) or fetched/written (export) concurrently
+HF_CONFIG_LAYOUT_VERSION = "5.0.0"  # config.json's `transformers_version`: the release whose layout it follows
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt", "added_tokens.json", "tokenizer.model")
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -316,7 +317,9 @@ def write_folder(path: Path, entries: list[tuple[str, tuple, np.dtype, Callable]
             index = {"metadata": {"total_size": total},
                      "weight_map": {e[0]: n for n, shard in zip(names, shards) for e in shard}}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        hf = hf_config | {"dtype": dtype, "torch_dtype": dtype}
+        # The layout written (`rope_parameters`, `dtype`) is transformers 5's. Without a version, transformers 5 takes
+        # a local folder's tokenizer for a possibly broken Mistral one and warns at every load (Qwen's regex).
+        hf = hf_config | {"dtype": dtype, "torch_dtype": dtype, "transformers_version": HF_CONFIG_LAYOUT_VERSION}
         (tmp / "config.json").write_text(json.dumps(hf, indent=2))
         gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
