@@ -214,3 +214,19 @@ def test_scored_outputs_aggregate_end_to_end():
     # n = 3, c = 1: pass@1 = 1/3, pass@2 = 1 - C(2,2)/C(3,2) = 2/3
     assert out["pass@1"] == pytest.approx(1 / 3) and out["pass@k"] == pytest.approx(2 / 3)
     assert out["python_calls"] == pytest.approx(1 / 3) and out["answer_rate"] == pytest.approx(2 / 3)
+
+
+def test_markdown_report_has_one_pass_column_for_k_1_and_two_otherwise():
+    """With k = 1, pass@k is pass@1: the table shows it once; with k > 1 both, under their names."""
+    from arpo_jax.eval.report import markdown_report
+
+    bench = {"n_samples": 4, "pass@1": 0.25, "pass@k": 0.5, "em": 0.25, "f1": 0.3, "tool_calls": 1.5, "failed": 0}
+    base = {"model": "m", "engine": "jax", "judge": None, "benchmarks": {"gsm8k": bench},
+            "macro_average": {"n_benchmarks": 1, "pass@1": 0.25, "pass@k": 0.5}}
+    one = markdown_report(base | {"k": 1}).splitlines()
+    assert one[4] == "| benchmark | questions | pass@1 (%) | em (%) | f1 (%) | tool calls | failed |"
+    assert one[6] == "| gsm8k | 4 | 25.0 | 25.0 | 30.0 | 1.50 | 0 |" and one[5].count("|") == one[4].count("|")
+    four = markdown_report(base | {"k": 4}).splitlines()
+    assert four[4] == "| benchmark | questions | pass@1 (%) | pass@4 (%) | em (%) | f1 (%) | tool calls | failed |"
+    assert four[6] == "| gsm8k | 4 | 25.0 | 50.0 | 25.0 | 30.0 | 1.50 | 0 |"
+    assert four[7].count("|") == four[4].count("|")  # the macro row has every column

@@ -69,17 +69,22 @@ def _pyplot():
 def markdown_report(report: dict) -> str:
     """The Markdown summary of one evaluation (percentages; tool calls per output; failed = outputs with an error)."""
     k = report["k"]
+    passes = ["pass@1", "pass@k"] if k > 1 else ["pass@1"]  # with k = 1 the two are one number: one column
+
+    def row(*cells) -> str:
+        return "| " + " | ".join(map(str, cells)) + " |"
+
+    macro = report["macro_average"]
     lines = [f"# Evaluation of `{report['model']}`", "",
              f"Engine `{report['engine']}`, k = {k}, "
-             f"judge: {report['judge']['model'] if report.get('judge') else 'none (rule-based correctness)'}.",
-             "", f"| benchmark | questions | pass@1 (%) | pass@{k} (%) | em (%) | f1 (%) | tool calls | failed |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, m in report["benchmarks"].items():
-        lines.append(f"| {name} | {m['n_samples']} | {pct(m['pass@1'])} | {pct(m['pass@k'])} | {pct(m['em'])} | "
-                     f"{pct(m['f1'])} | {m['tool_calls']:.2f} | {m['failed']} |")
-    macro = report["macro_average"]
-    lines.append(f"| **macro average** | {macro['n_benchmarks']} benchmarks | {pct(macro['pass@1'])} | "
-                 f"{pct(macro['pass@k'])} | | | | |")
+             f"judge: {report['judge']['model'] if report.get('judge') else 'none (rule-based correctness)'}.", "",
+             row("benchmark", "questions", *(f"{p.replace('@k', f'@{k}')} (%)" for p in passes), "em (%)", "f1 (%)",
+                 "tool calls", "failed"),
+             "|---|" + "---:|" * (len(passes) + 5)]
+    lines += [row(name, m["n_samples"], *(pct(m[p]) for p in passes), pct(m["em"]), pct(m["f1"]),
+                  f"{m['tool_calls']:.2f}", m["failed"]) for name, m in report["benchmarks"].items()]
+    lines.append(row("**macro average**", f"{macro['n_benchmarks']} benchmarks", *(pct(macro[p]) for p in passes),
+                     "", "", "", ""))
     return "\n".join(lines) + "\n"
 
 
