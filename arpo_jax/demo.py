@@ -175,6 +175,9 @@ def demo_config(model: str, size: DemoSize, algo: str, seed: int, engine: str):
         cfg.trainer.val_before_train = True
         cfg.trainer.save_freq = size.rl_steps
         cfg.trainer.keep_checkpoints = 1
+        # A background save's copy of params + optimizer state beside the next update: SmolLM2's SFT went 5.5 -> 8.4 GB
+        # at its epoch-end save, and Qwen2.5-0.5B's SFT was OOM-killed there at 22.5 GB (benchmarks/RESULTS.md).
+        cfg.trainer.async_save = False
         cfg.trainer.export_hf = True
         cfg.trainer.log_trajectories = 4
         cfg.trainer.experiment = f"demo_{algo}"

@@ -174,7 +174,8 @@ def _run_sft(cfg, workdir: Path, resuming: bool, stop: run_guard.StopSignals, t_
     batch_sh = NamedSharding(mesh, ts.batch_spec(mesh, policy.model_cfg.sharding_rules))
 
     # Resume, or start.
-    ckpts = skeleton.RunCheckpoints([Checkpointer(workdir / "checkpoints", max_to_keep=cfg.trainer.keep_checkpoints)])
+    ckpts = skeleton.RunCheckpoints([Checkpointer(workdir / "checkpoints", max_to_keep=cfg.trainer.keep_checkpoints,
+                                                  async_save=cfg.trainer.async_save)])
     latest, (state, position) = ckpts.resume_or_init(
         resuming, lambda s: ckpts.main.restore_state(s, policy.restore_target())[:2],
         lambda: (policy.init_state(params), rl_dataset.DataPosition()))

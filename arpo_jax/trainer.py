@@ -127,7 +127,8 @@ class Trainer:
 
         # Resume, or start: the policy's and the critic's newest intact step, with the data position.
         self.checkpoints = skeleton.RunCheckpoints(
-            [Checkpointer(self.workdir / "checkpoints", max_to_keep=cfg.trainer.keep_checkpoints)]
+            [Checkpointer(self.workdir / "checkpoints", max_to_keep=cfg.trainer.keep_checkpoints,
+                          async_save=cfg.trainer.async_save)]
             + ([self.critic.ckpt] if self.critic else []))
         self.step, self.position = 0, rl_dataset.DataPosition(0, 0)
         # LoRA: checkpoints hold the adapters and a pointer to the frozen base (`lora_io.base_pointer`), not the base.

@@ -233,6 +233,9 @@ def get_config() -> ConfigDict:
     c.trainer.test_freq = 5  # validate every N steps (and at the end); 0 = never
     c.trainer.val_before_train = False
     c.trainer.keep_checkpoints = 3  # newest checkpoints kept
+    # Save in the background while training goes on (RL and SFT). The background save holds a host copy of params and
+    # optimizer state: on a CPU that copy is in the same RAM as the next step's update (the demo turns it off).
+    c.trainer.async_save = True
     c.trainer.resume = True  # continue from the newest checkpoint in workdir
     # Resuming with another model, data, batch size, n, seed, algorithm or lr is refused (the changes are listed)
     # unless this is true; every start's config is kept (config.json, then config-2.json, ...).
