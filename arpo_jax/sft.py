@@ -32,7 +32,6 @@ from arpo_jax import config as config_lib
 from arpo_jax import distributed, hf, packing, paths, run_guard, runtime, skeleton
 from arpo_jax import metrics as metrics_lib
 from arpo_jax import train_step as ts
-from arpo_jax.checkpoint import Checkpointer
 from arpo_jax.data import rl_dataset, sft_data
 from arpo_jax.models.transformer import Config as ModelConfig
 
@@ -174,8 +173,7 @@ def _run_sft(cfg, workdir: Path, resuming: bool, stop: run_guard.StopSignals, t_
     batch_sh = NamedSharding(mesh, ts.batch_spec(mesh, policy.model_cfg.sharding_rules))
 
     # Resume, or start.
-    ckpts = skeleton.RunCheckpoints([Checkpointer(workdir / "checkpoints", max_to_keep=cfg.trainer.keep_checkpoints,
-                                                  async_save=cfg.trainer.async_save)])
+    ckpts = skeleton.RunCheckpoints([skeleton.policy_checkpointer(cfg, workdir)])
     latest, (state, position) = ckpts.resume_or_init(
         resuming, lambda s: ckpts.main.restore_state(s, policy.restore_target())[:2],
         lambda: (policy.init_state(params), rl_dataset.DataPosition()))

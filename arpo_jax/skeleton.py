@@ -72,6 +72,13 @@ def build_policy(model, update_cfg: ts.UpdateConfig, total_updates: int, mesh: M
     return Policy(graphdef, model.config, optimizer, schedule, abstract, shardings, step_fn), params
 
 
+def policy_checkpointer(cfg, workdir: Path) -> Checkpointer:
+    """`workdir/checkpoints`: the newest `trainer.keep_checkpoints` steps, saved in the background unless
+    `trainer.async_save` is off (RL and SFT alike)."""
+    return Checkpointer(Path(workdir) / "checkpoints", max_to_keep=cfg.trainer.keep_checkpoints,
+                        async_save=cfg.trainer.async_save)
+
+
 class RunCheckpoints:
     """The run's checkpoint folders (the policy's first, e.g. the critic's beside it), saved at the same steps."""
 

@@ -74,7 +74,6 @@ from arpo_jax import config as config_lib
 from arpo_jax import critic as critic_lib
 from arpo_jax import metrics as metrics_lib
 from arpo_jax import train_step as ts
-from arpo_jax.checkpoint import Checkpointer
 from arpo_jax.components import make_sampler, make_tool_executor, rollout_config, sampling_settings, update_config
 from arpo_jax.data import rl_dataset, toy
 from arpo_jax.experience import Trajectories
@@ -127,9 +126,7 @@ class Trainer:
 
         # Resume, or start: the policy's and the critic's newest intact step, with the data position.
         self.checkpoints = skeleton.RunCheckpoints(
-            [Checkpointer(self.workdir / "checkpoints", max_to_keep=cfg.trainer.keep_checkpoints,
-                          async_save=cfg.trainer.async_save)]
-            + ([self.critic.ckpt] if self.critic else []))
+            [skeleton.policy_checkpointer(cfg, self.workdir)] + ([self.critic.ckpt] if self.critic else []))
         self.step, self.position = 0, rl_dataset.DataPosition(0, 0)
         # LoRA: checkpoints hold the adapters and a pointer to the frozen base (`lora_io.base_pointer`), not the base.
         self.stored = lora_io.CheckpointView.for_run(cfg, self.model_folder, params, self.model_cfg)
