@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -77,9 +78,9 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def make_mesh(cfg) -> Mesh:
-    """The config's ('data', 'fsdp', 'tensor') mesh over every device of every process."""
-    return sharding.make_mesh(tuple(cfg.mesh.shape))
+def make_mesh(cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The config's ('data', 'fsdp', 'tensor') mesh over `devices` (default: every device of every process)."""
+    return sharding.make_mesh(tuple(cfg.mesh.shape), devices)
 
 
 def model_dir(cfg, workdir: str | os.PathLike) -> Path:

@@ -50,6 +50,7 @@ class Policy:
     abstract: Any  # the params as ShapeDtypeStruct leaves
     shardings: ts.TrainState  # of the train state
     step_fn: ts.MeshJit
+    mesh: Mesh  # the update's
 
     def init_state(self, params) -> ts.TrainState:
         return ts.init_train_state(params, self.optimizer, self.shardings)
@@ -69,7 +70,7 @@ def build_policy(model, update_cfg: ts.UpdateConfig, total_updates: int, mesh: M
     abstract = abstract_of(params)
     shardings = ts.state_shardings(optimizer, ts.param_shardings(model.config, mesh), abstract, mesh)
     step_fn = jit_step(graphdef, model.config, optimizer, mesh, shardings)
-    return Policy(graphdef, model.config, optimizer, schedule, abstract, shardings, step_fn), params
+    return Policy(graphdef, model.config, optimizer, schedule, abstract, shardings, step_fn, mesh), params
 
 
 def policy_checkpointer(cfg, workdir: Path) -> Checkpointer:

@@ -46,6 +46,7 @@ import logging
 import os
 import time
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -89,19 +90,20 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    """The RL run: `__init__` sets it up (or resumes it), `run()` is the loop, `train_step()` one step."""
+    """The RL run: `__init__` sets it up (or resumes it), `run()` is the loop, `train_step()` one step. `devices`:
+    the mesh's (default: all of every process'; a program embedding the trainer may give it a share of its own)."""
 
-    def __init__(self, cfg, workdir: str | os.PathLike):
+    def __init__(self, cfg, workdir: str | os.PathLike, devices: Sequence[jax.Device] | None = None):
         # Setup: the config, the work directory (its lock, the config's history and drift), mesh, model, data.
         runtime.initialize_distributed()
-        self.cfg = cfg = config_lib.validate(cfg, device_count=jax.device_count(), process_count=jax.process_count(),
-                                                   command="train")
+        self.cfg = cfg = config_lib.validate(cfg, device_count=len(devices) if devices else jax.device_count(),
+                                             process_count=jax.process_count(), command="train")
         self.workdir = paths.local_path(workdir)  # refuses gs:// (it would become $PWD/gs:/...)
         self.is_main = runtime.is_main_process()
         self.lock, resuming = run_guard.open_workdir(self.workdir, cfg, "train")
         if cfg.trainer.export_hf:
             hf.check_export_destination(self.workdir / "hf")
-        self.mesh = runtime.make_mesh(cfg)
+        self.mesh = runtime.make_mesh(cfg, devices)
         self.workers = num_workers(cfg)
         self.local_workers = local_workers(self.workers)
         model, self.tokenizer, self.model_folder = runtime.load_policy(cfg, self.workdir, self.mesh)
@@ -402,12 +404,13 @@ def run_summary(trainer: Trainer, last: dict, val: dict, export: str | None, wal
     return summary
 
 
-def train(cfg, workdir: str | os.PathLike) -> dict:
-    """`arpo-jax train`: builds the trainer, runs it to `total_steps`, returns the summary (also summary.json).
+def train(cfg, workdir: str | os.PathLike, devices: Sequence[jax.Device] | None = None) -> dict:
+    """`arpo-jax train`: builds the trainer (on `devices`, see `Trainer`), runs it to `total_steps`, returns the
+    summary (also summary.json).
 
     SIGTERM / SIGINT stop it at a step boundary with a checkpoint (`run_guard.Stopped`, exit 143 / 130)."""
     with run_guard.StopSignals("train") as stop:
-        trainer = Trainer(cfg, workdir)
+        trainer = Trainer(cfg, workdir, devices)
         try:
             return trainer.run(stop)
         finally:
@@ -528,9 +531,10 @@ def critic_config(cfg) -> critic_lib.CriticConfig:
     return knobs.from_config(critic_lib.CriticConfig, cfg)
 
 
-def sampler_mesh() -> Mesh:
-    """Rollouts are per process (each process generates for its own prompts): a mesh of its local devices."""
-    return sharding.make_mesh((1, -1, 1), devices=jax.local_devices())
+def sampler_mesh(mesh: Mesh) -> Mesh:
+    """Rollouts are per process (each process generates for its own prompts): a mesh of its devices in `mesh`."""
+    ours = set(mesh.devices.flat)
+    return sharding.make_mesh((1, -1, 1), devices=[d for d in jax.local_devices() if d in ours])
 
 
 def make_rollout_sampler(cfg, tokenizer, model_folder: Path, workdir: Path, policy: skeleton.Policy, params, *,
@@ -538,8 +542,8 @@ def make_rollout_sampler(cfg, tokenizer, model_folder: Path, workdir: Path, poli
     """The rollout engine (`rollout.engine`) with the policy's current params (`sync`: tell vLLM, which loaded
     `model_folder`, about params that differ from it: a resumed run or `model.init_checkpoint`)."""
     if cfg.rollout.engine == "jax":
-        model = nnx.merge(policy.graphdef, sampler_params(params, policy.model_cfg))
-        return make_sampler(cfg, tokenizer, model=model, mesh=sampler_mesh())
+        model = nnx.merge(policy.graphdef, sampler_params(params, policy))
+        return make_sampler(cfg, tokenizer, model=model, mesh=sampler_mesh(policy.mesh))
     # Without rollout.vllm.export_dir, several processes share the run's folder: process 0 writes, every node reads
     # (a shared file system); one process exports to /dev/shm.
     sampler = make_sampler(cfg, tokenizer, folder=model_folder, log_file=workdir / "vllm.log",
@@ -561,15 +565,16 @@ def sync_weights(sampler, cfg, policy: skeleton.Policy, params) -> float:
     """The weight-sync phase: the sampler gets `params` (the JAX sampler a copy of its own, vLLM the model to
     export). Returns the seconds it took."""
     if cfg.rollout.engine == "jax":
-        return sampler.update_weights(sampler_params(params, policy.model_cfg))
+        return sampler.update_weights(sampler_params(params, policy))
     return sampler.update_weights(nnx.merge(policy.graphdef, params))
 
 
-def sampler_params(params, model_cfg):
+def sampler_params(params, policy: skeleton.Policy):
     """A copy of the policy's params for the JAX sampler (the train step donates its own) in the compute dtype
     (`jax_sampler.decode_weights`: cast before any gather), on local devices: with several processes every one gets
     the whole model (it samples alone)."""
-    params = decode_weights(params, model_cfg.compute_dtype)
+    params = decode_weights(params, policy.model_cfg.compute_dtype)
     if jax.process_count() > 1:
-        return distributed.replicate_on_local_devices(params, ts.param_shardings(model_cfg, sampler_mesh()))
+        return distributed.replicate_on_local_devices(params, ts.param_shardings(policy.model_cfg,
+                                                                                 sampler_mesh(policy.mesh)))
     return params

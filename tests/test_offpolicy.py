@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from arpo_jax import config as config_lib
+from arpo_jax import testing
 from arpo_jax import trainer as trainer_lib
 from arpo_jax.experience import RolloutAhead
 from arpo_jax.trainer import sync_due
@@ -94,7 +95,7 @@ def test_jax_engine_schedule_and_a_resume_with_a_rollout_generated_ahead(tmp_pat
     cfg = config_lib.load_config([
         "--config=builtin:toy_cpu", f"--config.reward.custom_path={reward}", "--config.trainer.progress=false",
         "--config.trainer.loggers=('jsonl',)", "--config.trainer.max_steps=3", "--config.rollout.max_staleness=1"])
-    tr = trainer_lib.Trainer(cfg, tmp_path / "run")
+    tr = trainer_lib.Trainer(cfg, tmp_path / "run", testing.trainer_devices())
     try:
         calls, collect = [], tr._collect
         tr._collect = lambda step, pos: calls.append((step, pos.to_dict(), tr.weights_version)) or collect(step, pos)
@@ -109,7 +110,7 @@ def test_jax_engine_schedule_and_a_resume_with_a_rollout_generated_ahead(tmp_pat
     assert records[0]["rollout_corr/abs_logp_diff_max"] < 1e-5 and records[1]["rollout_corr/abs_logp_diff_mean"] > 1e-3
     assert all(r["rollout_corr/tokens"] > 0 and r["actor/grad_norm"] > 0 for r in records)
 
-    resumed = trainer_lib.Trainer(cfg, tmp_path / "run")
+    resumed = trainer_lib.Trainer(cfg, tmp_path / "run", testing.trainer_devices())
     try:
         assert (resumed.step, resumed.position.to_dict(), resumed.weights_version) == (2, calls[2][1], 2)
         assert resumed.ahead.take(2) is None  # so its first step generates the dropped batch now, with version 2

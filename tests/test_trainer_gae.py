@@ -1,4 +1,4 @@
-"""PPO with a critic (`algorithm.adv_estimator = gae`) inside the trainer, on the toy config (8 fake devices).
+"""PPO with a critic (`algorithm.adv_estimator = gae`) inside the trainer, on the toy config (2 fake devices).
 
 The packed path (one critic forward over the packed global batch, unpack, GAE per trajectory, whitening over the
 step, repack) must equal a direct computation: the value model run on each trajectory alone, GAE as a Python loop
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from arpo_jax import components, experience, metrics, packing
+from arpo_jax import components, experience, metrics, packing, testing
 from arpo_jax import config as config_lib
 from arpo_jax import critic as critic_lib
 from arpo_jax import trainer as trainer_lib
@@ -52,7 +52,7 @@ def _gae_loop(rewards: np.ndarray, values: np.ndarray) -> np.ndarray:
 @pytest.mark.slow  # a trainer and its rollouts
 def test_gae_packed_equals_direct(tmp_path):
     cfg = _config(tmp_path, "--config.trainer.max_steps=1")
-    tr = trainer_lib.Trainer(cfg, tmp_path / "run")
+    tr = trainer_lib.Trainer(cfg, tmp_path / "run", testing.trainer_devices())
     try:
         # A random value head, so the values (and their alignment) matter.
         head = tr.critic.state.params["value_head"]
@@ -108,7 +108,8 @@ def test_gae_packed_equals_direct(tmp_path):
 def test_gae_loop_warmup_checkpoint_resume(tmp_path):
     workdir = tmp_path / "run"
     args = ("--config.critic.warmup_steps=1", "--config.trainer.save_freq=1", "--config.trainer.keep_checkpoints=3")
-    summary = trainer_lib.train(_config(tmp_path, "--config.trainer.max_steps=2", *args), workdir)
+    summary = trainer_lib.train(_config(tmp_path, "--config.trainer.max_steps=2", *args), workdir,
+                                testing.trainer_devices())
     assert summary["steps"] == 2
     records = [r for r in metrics.read_jsonl(workdir / "metrics.jsonl") if r.get("step")]
     by_step = {r["step"]: r for r in records}
@@ -125,7 +126,7 @@ def test_gae_loop_warmup_checkpoint_resume(tmp_path):
     assert head1["updates"] == critic_updates(1)
     # The warm-up step left the policy at its initial weights; step 2 moved it.
     init = trainer_lib.Trainer(_config(tmp_path, "--config.trainer.max_steps=2", "--config.trainer.resume=false"),
-                               tmp_path / "fresh")
+                               tmp_path / "fresh", testing.trainer_devices())
     try:
         init_params = jax.device_get(init.state.params)
     finally:
@@ -135,7 +136,8 @@ def test_gae_loop_warmup_checkpoint_resume(tmp_path):
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(leaves(p1), leaves(init_params))) > 0.0
 
     # Resume at step 2: the critic state comes back exactly.
-    tr = trainer_lib.Trainer(_config(tmp_path, "--config.trainer.max_steps=3", *args), workdir)
+    tr = trainer_lib.Trainer(_config(tmp_path, "--config.trainer.max_steps=3", *args), workdir,
+                             testing.trainer_devices())
     try:
         assert tr.step == 2
         with Checkpointer(workdir / "critic_checkpoints", async_save=False) as ck:

@@ -1,4 +1,4 @@
-"""The trainer's rollout phase on the toy config (in-process, 8 fake devices): failure isolation and DAPO.
+"""The trainer's rollout phase on the toy config (in-process, 2 fake devices): failure isolation and DAPO.
 
 Failures are injected into a real run through real components: the real `ToolExecutor` runs a `python` tool that
 raises (a broken sandbox), and the real JAX sampler is wrapped so that one request per rollout is rejected (an
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from arpo_jax import config as config_lib
-from arpo_jax import experience, metrics, packing, shaping
+from arpo_jax import experience, metrics, packing, shaping, testing
 from arpo_jax import trainer as trainer_lib
 from arpo_jax.data import rl_dataset
 from arpo_jax.rollout.sampler import Sampler, SampleResult
@@ -83,7 +83,7 @@ def _leaves(tree):
 @pytest.mark.slow  # trainer runs
 def test_injected_tool_and_engine_failures_are_masked_and_counted(tmp_path):
     cfg = _config(tmp_path, TEXT_REWARD, "--config.trainer.max_steps=1", "--config.tools.retry_count=2")
-    tr = trainer_lib.Trainer(cfg, tmp_path / "run")
+    tr = trainer_lib.Trainer(cfg, tmp_path / "run", testing.trainer_devices())
     try:
         tr.executor.tools["python"].close()
         tr.executor.tools["python"] = broken = BrokenPython()
@@ -142,7 +142,7 @@ def test_dynamic_sampling_and_overlong_handling(tmp_path):
     cfg = _config(tmp_path, HALF_CONSTANT_REWARD, "--config.trainer.max_steps=1",
                   "--config.algorithm.dynamic_sampling=true", "--config.algorithm.max_extra_rounds=3",
                   "--config.algorithm.overlong=mask", "--config.rollout.workers=2")
-    tr = trainer_lib.Trainer(cfg, tmp_path / "run")
+    tr = trainer_lib.Trainer(cfg, tmp_path / "run", testing.trainer_devices())
     try:
         rollouts = []
         roll = tr._rollout

@@ -1,4 +1,4 @@
-"""Tree training inside the trainer (`actor.tree_training`, issue 34), on the toy config (8 fake devices).
+"""Tree training inside the trainer (`actor.tree_training`, issue 34), on the toy config (2 fake devices).
 
 The same seeded run with prefix-tree batches and with flat ones must train to the same parameters: the tree layout
 changes which tokens the forward computes (each group's shared prompt and branch prefixes once), never the loss or
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from arpo_jax import config as config_lib
-from arpo_jax import metrics
+from arpo_jax import metrics, testing
 from arpo_jax import trainer as trainer_lib
 from tests.test_trainer import _command, _env, _max_diff, _params, _run, _run_two_processes
 from tests.test_trainer_rollouts import HALF_CONSTANT_REWARD, InjectingSampler
@@ -36,7 +36,8 @@ def _config(tmp_path: Path, *overrides: str, reward: str = REWARD):
 def _train(tmp_path: Path, name: str, *overrides: str, reward: str = REWARD, wrap=None
            ) -> tuple[list[dict], list[np.ndarray]]:
     """Two steps of a fresh run: (each step's metrics, the final params' leaves)."""
-    tr = trainer_lib.Trainer(_config(tmp_path, *overrides, reward=reward), tmp_path / name)
+    tr = trainer_lib.Trainer(_config(tmp_path, *overrides, reward=reward), tmp_path / name,
+                             testing.trainer_devices())
     try:
         if wrap:
             wrap(tr)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from arpo_jax import config as config_lib
+from arpo_jax import testing
 from arpo_jax import trainer as trainer_lib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,7 +23,7 @@ def _trainer(tmp_path: Path, *overrides: str) -> trainer_lib.Trainer:
         "--config=builtin:toy_cpu", f"--config.reward.custom_path={reward}",
         "--config.trainer.progress=false", "--config.trainer.loggers=('jsonl',)", "--config.data.val_max_samples=6",
         "--config.data.max_response_length=24", "--config.trainer.max_steps=1", *overrides])
-    return trainer_lib.Trainer(cfg, tmp_path / "run")
+    return trainer_lib.Trainer(cfg, tmp_path / "run", testing.trainer_devices())
 
 
 @pytest.mark.slow  # trainer rollouts and steps
