@@ -73,6 +73,11 @@ FULL = DemoSize(sft_examples=96, sft_epochs=2, sft_batch=8, rl_steps=16, rl_prom
 QUICK = DemoSize(sft_examples=8, sft_epochs=1, sft_batch=4, rl_steps=1, rl_prompts=2, rl_n=4, train_prompts=16,
                  val_prompts=3, test_freq=1, response_length=32)
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# The demo's memory on a 24 GB machine: SmolLM2 (135M parameters) trains as set (~5.5 GB). Qwen2.5-Coder-0.5B (630M,
+# its untied 151,936 x 896 head included) needs 16.3 GiB for the same update by `arpo-jax plan`, and RL adds the vLLM
+# worker (~4.5 GB): above this size the demo recomputes each layer in the backward (model.remat=full) and computes
+# log-probs 128 tokens at a time (13.2 GiB by the plan), at the price of ~30% more update compute.
+MEMORY_SAVING_PARAMS = 300_000_000
 
 
 def _log(msg: str) -> None:
@@ -181,7 +186,16 @@ def demo_config(model: str, size: DemoSize, algo: str, seed: int, engine: str):
         cfg.trainer.export_hf = True
         cfg.trainer.log_trajectories = 4
         cfg.trainer.experiment = f"demo_{algo}"
+        if model_params(model) > MEMORY_SAVING_PARAMS:
+            cfg.model.remat, cfg.actor.logprob_chunk = "full", 128
     return cfg
+
+
+def model_params(model: str) -> int:
+    """`model`'s parameter count from its config (a named model or a .gguf file is fetched and converted first)."""
+    from arpo_jax import hf, models, named_models
+
+    return models.param_count(models.abstract_model(hf.read_config(named_models.model_folder(model))[0]))
 
 
 # ------------------------------------------------------------------------------------------------------------------
