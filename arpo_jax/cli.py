@@ -99,7 +99,7 @@ def _demo(args) -> dict:
 def _quickstart(args) -> dict:
     from arpo_jax import quickstart
 
-    return quickstart.run(args.workdir, seed=args.seed)
+    return quickstart.run(args.workdir, seed=args.seed, fit_steps=args.fit_steps)
 
 
 def _eval(args) -> dict:
@@ -291,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "2 CPU cores; nothing is downloaded.")
     qs.add_argument("--workdir", default="runs/quickstart")
     qs.add_argument("--seed", type=int, default=0)
+    qs.add_argument("--fit-steps", type=int, default=300, help="optimizer steps fitting the corpus (default 300)")
     qs.set_defaults(func=_quickstart)
     _add_eval_commands(sub)
     return parser
