@@ -89,6 +89,11 @@ class CorruptCheckpointError(ValueError):
         super().__init__(f"checkpoint {directory / str(step)} could not be restored: step {step}, {what}: {reason}")
 
 
+class CheckpointMismatchError(ValueError):
+    """An intact checkpoint step (its files match their integrity record) that does not fit what it is restored into:
+    another model, LoRA or optimizer config. Not damage: it is never moved aside, and older steps are not tried."""
+
+
 def _crc32(path: Path) -> int:
     crc = 0
     with open(path, "rb") as f:
@@ -400,7 +405,15 @@ class Checkpointer:
         items = {"params": ocp.args.StandardRestore(adapt(params_target))}
         if opt_state_target is not None:
             items["opt_state"] = ocp.args.StandardRestore(adapt(opt_state_target))
-        out = dict(self._restore(step, **items))
+        try:
+            out = dict(self._restore(step, **items))
+        except CorruptCheckpointError as e:
+            if not self.is_sealed(step):  # no integrity record: damage cannot be told from a mismatch
+                raise
+            raise CheckpointMismatchError(
+                f"checkpoint {self.step_dir(step)} does not fit this run: its files are intact (checked against "
+                f"{INTEGRITY_FILE}), but {e.reason}. Was it saved with another model, model.lora or optimizer "
+                "config? Use that config, or another --workdir") from e.__cause__
         if per_layer:
             out["params"] = _stack_layers(out["params"], params_target)
             if opt_state_target is not None:

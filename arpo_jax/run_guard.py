@@ -36,7 +36,7 @@ LOCK_FILE = "run.lock"
 
 # Per command, the leaves (or whole sections, ending in ".") whose change makes a resumed run another experiment.
 # The RL fields do not change an SFT run (the demo passes one config with its algorithm's fields to both).
-_SHARED = ("seed", "model.path", "model.init_checkpoint", "data.shuffle", "data.seed")
+_SHARED = ("seed", "model.path", "model.init_checkpoint", "model.lora.", "data.shuffle", "data.seed")
 MEANING_FIELDS = {
     "train": _SHARED + ("data.train_files", "data.train_batch_size", "data.prompt_key", "data.max_prompt_length",
                         "data.max_response_length", "actor.ppo_mini_batch_size", "actor.ppo_epochs", "actor.lr",

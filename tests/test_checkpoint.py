@@ -260,3 +260,26 @@ def test_per_layer_checkpoints_of_before_stacked_layers_restore_stacked(tmp_path
         again = ckpt.restore_model(4)  # no mesh, the stored config: as an export of an old run reads it
     for a, b in zip(_leaves(params), _leaves(ts.split_model(again)[1]), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_an_intact_step_of_another_config_is_a_mismatch_not_damage(tmp_path):
+    """Restoring an intact step into another tree (a LoRA config or the layer count changed) says so and names the
+    step; the step is not moved aside as damaged and no older step is tried (they would not fit either)."""
+    from arpo_jax import models
+    from arpo_jax import train_step as ts
+
+    cfg = models.Config(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                        num_heads=2, num_kv_heads=1, head_dim=16)
+    _, params = ts.split_model(models.init_model(cfg, seed=0))
+    with checkpoint.Checkpointer(tmp_path / "c") as ckpt:
+        ckpt.save(1, params, config=cfg)
+        ckpt.save(2, params, config=cfg)
+    ckpt = checkpoint.Checkpointer(tmp_path / "c")
+    other = cfg.replace(num_layers=2)
+    with pytest.raises(checkpoint.CheckpointMismatchError, match=r"c/2 does not fit this run: its files are intact"):
+        ckpt.restore(2, config=other)
+    with pytest.raises(checkpoint.CheckpointMismatchError):
+        ckpt.restore_newest_intact(lambda s: ckpt.restore(s, config=other))
+    assert ckpt.all_steps() == [1, 2] and not list((tmp_path / "c").glob("*.damaged-*"))
+    for a, b in zip(_leaves(ckpt.restore(2)[0]), _leaves(params), strict=True):  # the step's own config fits
+        np.testing.assert_array_equal(a, b)

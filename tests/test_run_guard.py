@@ -97,6 +97,11 @@ def test_resuming_with_another_meaning_is_refused_and_every_config_is_kept(tmp_p
     assert record(rl_change, command="sft").name == "config-4.json"
     with pytest.raises(ValueError, match=r"sft.lr: "):
         record(_toy_config("--config.trainer.save_freq=7", "--config.seed=5", "--config.sft.lr=0.5"), command="sft")
+    # LoRA changes what a checkpoint holds (adapters and a pointer to the base): either command's meaning.
+    for command in ("train", "sft"):
+        with pytest.raises(ValueError, match=r"model.lora.rank: 0 -> 16"):
+            record(_toy_config("--config.trainer.save_freq=7", "--config.seed=5", "--config.model.lora.rank=16"),
+                   command=command)
 
 
 def test_workdir_naming_a_file_is_a_clear_error(tmp_path, capsys):
