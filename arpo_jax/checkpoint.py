@@ -93,6 +93,11 @@ class CheckpointMismatchError(ValueError):
     """An intact checkpoint step (its files match their integrity record) that does not fit what it is restored into:
     another model, LoRA or optimizer config. Not damage: it is never moved aside, and older steps are not tried."""
 
+    def __init__(self, directory: Path, step: int, reason: str):
+        super().__init__(f"checkpoint {directory / str(step)} does not fit this run: its files are intact (checked "
+                         f"against {INTEGRITY_FILE}), but {reason}. Was it saved with another model, model.lora or "
+                         "optimizer config? Use that config, or another --workdir")
+
 
 def _crc32(path: Path) -> int:
     crc = 0
@@ -407,13 +412,10 @@ class Checkpointer:
             items["opt_state"] = ocp.args.StandardRestore(adapt(opt_state_target))
         try:
             out = dict(self._restore(step, **items))
-        except CorruptCheckpointError as e:
-            if not self.is_sealed(step):  # no integrity record: damage cannot be told from a mismatch
+        except CorruptCheckpointError as e:  # files verified against their record: not damage, another tree
+            if not self.is_sealed(step):
                 raise
-            raise CheckpointMismatchError(
-                f"checkpoint {self.step_dir(step)} does not fit this run: its files are intact (checked against "
-                f"{INTEGRITY_FILE}), but {e.reason}. Was it saved with another model, model.lora or optimizer "
-                "config? Use that config, or another --workdir") from e.__cause__
+            raise CheckpointMismatchError(self.directory, step, e.reason) from e.__cause__
         if per_layer:
             out["params"] = _stack_layers(out["params"], params_target)
             if opt_state_target is not None:

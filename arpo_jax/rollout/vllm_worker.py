@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -388,6 +389,10 @@ def pin_to_bound_cores() -> None:
 
 
 def _worker_main(address: str) -> None:
+    # Ctrl-C in a terminal signals the whole foreground process group, this worker too. The process that owns the
+    # engine decides what a signal means (the trainer finishes its step, the rollout included, saves, then closes
+    # the engine), so the engine must not die under it; `Worker.wait` kills a worker that does not close in time.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     pin_to_bound_cores()  # before torch starts its threads
     conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop("ARPO_VLLM_AUTHKEY")))
     cfg = conn.recv()
