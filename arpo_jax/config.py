@@ -397,8 +397,6 @@ def _check_actor(ck: _Checker) -> None:
     if p and r and budget and 0 < budget < p + r:
         ck.add("actor.max_token_len_per_device", f"{budget} cannot hold one full trajectory (P + R = {p + r})",
                f"0 (= 2 * (P + R)) or >= {p + r}")
-    if ck.get("actor.tree_training") and ck.get("algorithm.adv_estimator") == "gae":
-        ck.add("actor.tree_training", "true does not support a critic (algorithm.adv_estimator=gae) yet", "false")
     if ck.get("actor.tree_training") and not ck.get("actor.pack"):
         ck.add("actor.tree_training", "true packs trees into rows: it needs actor.pack=true", "false")
     if ck.get("actor.entropy_adv") and ck.get("actor.reference_compat") and not ck.get("actor.entropy_coef"):

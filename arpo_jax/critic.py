@@ -18,8 +18,13 @@ token); the advantages, returns and old values are then packed as token-aligned 
 One call of ``value_step(state, batch)`` is one critic optimizer step over a mini-batch of [M, B, T] arrays:
 ``input_ids``, ``positions``, ``segment_ids`` (int32), ``loss_weight``, ``old_values``, ``returns`` (float32).
 The loss weights are the policy's (``packing.loss_weights``), so the value loss aggregates like the policy loss
-and is independent of the micro-batch split. The state is a ``train_step.TrainState`` and everything around the
-step (optimizer, gradient accumulation, shardings, init, jit, the forward over a rollout) comes from ``train_step``.
+and is independent of the micro-batch split. With tree training (``tree_packing``) the mini-batch is a tree batch:
+the per-token arrays are per loss entry ([M, B, E]) and the values come from one forward over the shared prefixes
+(``ValueModel.tree_values``); the loss and its gradients equal the flat layout's. The old values for GAE still come
+from a flat forward (``Critic.values``, once per step).
+
+The state is a ``train_step.TrainState`` and everything around the step (optimizer, gradient accumulation,
+shardings, init, jit, the forward over a rollout) comes from ``train_step``.
 """
 
 from __future__ import annotations
@@ -98,13 +103,24 @@ class ValueModel(nnx.Module):
         """float32 values [B, T] (slot t: the value of the state after the token at t); 0 at padding (segment 0)."""
         hidden_btd = self.backbone.hidden_states(input_ids, positions, segment_ids=segment_ids)
         hidden_btd = sharding.constrain(hidden_btd, ("batch", "seq", "act_embed"), self.config.sharding_rules)
-        # float32 head: returns are O(1) and regress on small differences that bf16 (3 digits) would round away.
-        w_od = self.value_head["weight"][...].astype(jnp.float32)
-        values = jnp.einsum("btd,od->bto", hidden_btd.astype(jnp.float32), w_od)[..., 0]
-        values = values + self.value_head["bias"][...].astype(jnp.float32)[0]
+        values = self._head(hidden_btd)
         if segment_ids is not None:
             values = jnp.where(segment_ids != 0, values, 0.0)
         return values
+
+    def tree_values(self, mb: Batch) -> Array:
+        """float32 values [B, E] of a tree micro-batch's entries (``tree_packing``). A loss token's value sits in
+        the flat slot of its parent token (module docstring), i.e. at its head: one value per head, then each
+        trajectory's entries gathered from the heads, as the policy's log-probs are."""
+        values_bu = self._head(ts.tree_head_states(self.backbone, mb))
+        return jnp.take_along_axis(values_bu, mb["entry_index"], axis=1)
+
+    def _head(self, hidden: Array) -> Array:
+        """float32 values [...] of final hidden states [..., D]. A float32 head: returns are O(1) and regress on
+        small differences that bf16 (3 digits) would round away."""
+        w_od = self.value_head["weight"][...].astype(jnp.float32)
+        values = jnp.einsum("...d,od->...o", hidden.astype(jnp.float32), w_od)[..., 0]
+        return values + self.value_head["bias"][...].astype(jnp.float32)[0]
 
 
 def abstract_value_model(cfg: ModelConfig) -> ValueModel:
@@ -135,8 +151,11 @@ def value_param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict:
 
 
 def values_of(graphdef: nnx.GraphDef, params, mb: Batch) -> Array:
-    """float32 values [B, T] for one micro-batch of [B, T] arrays (only FORWARD_KEYS are read)."""
+    """float32 values [B, T] for one micro-batch of [B, T] arrays (only FORWARD_KEYS are read); a tree micro-batch
+    (recognised by its ``tree_end``): [B, E], one per loss entry (``ValueModel.tree_values``)."""
     model = nnx.merge(graphdef, params)
+    if "tree_end" in mb:
+        return model.tree_values(mb)
     return model(mb["input_ids"], mb["positions"], mb["segment_ids"])
 
 

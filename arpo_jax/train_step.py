@@ -219,15 +219,20 @@ def _tree_logprobs(model: CausalLM, mb: Batch, *, temperature: float, chunk: int
     """(log p, entropy) [B, E] of a tree micro-batch's entries (``tree_packing``): one forward over the tree tokens
     [B, T], the heads' hidden states (each loss token's parent slot) [B, U] scored against their tokens, then each
     trajectory's entries gathered from the heads. Per entry the values equal the flat layout's at that token."""
-    rules = model.config.sharding_rules
-    hidden_btd = model.hidden_states(mb["input_ids"], mb["positions"], tree_end=mb["tree_end"])
-    hidden_btd = sharding.constrain(hidden_btd, ("batch", "seq", "act_embed"), rules)
-    hidden_bud = jnp.take_along_axis(hidden_btd, mb["head_slot"][..., None], axis=1)
+    hidden_bud = tree_head_states(model, mb)
     logp_bu, ent_bu = logprobs.token_logprobs_and_entropy_from_hidden(
         hidden_bud, _unembed_dv(model, hidden_bud.dtype), mb["head_target"], temperature=temperature,
         chunk_size=chunk)
     take = lambda x: jnp.take_along_axis(x, mb["entry_index"], axis=1)  # [B, E]
     return take(logp_bu), take(ent_bu)
+
+
+def tree_head_states(model: CausalLM, mb: Batch) -> Array:
+    """Final hidden states [B, U, D] at a tree micro-batch's heads (``tree_packing``): one forward over the tree
+    tokens [B, T], then each loss token's parent slot, the state the flat layout predicts that token from."""
+    hidden_btd = model.hidden_states(mb["input_ids"], mb["positions"], tree_end=mb["tree_end"])
+    hidden_btd = sharding.constrain(hidden_btd, ("batch", "seq", "act_embed"), model.config.sharding_rules)
+    return jnp.take_along_axis(hidden_btd, mb["head_slot"][..., None], axis=1)
 
 
 def _entropy_stats(graphdef, params, batch: Batch, cfg: UpdateConfig) -> tuple[Array, Array]:

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 
+from arpo_jax import critic as critic_lib
 from arpo_jax import models, packing, sharding
 from arpo_jax import train_step as ts
 from arpo_jax import tree_packing as tp
@@ -293,16 +294,50 @@ def test_worker_blocks_pad_to_common_sizes():
     assert metrics["perf/tree_tokens_computed"] < metrics["perf/tree_tokens_flat"]
 
 
-@pytest.mark.parametrize("overrides, words", [(dict(tree_training=True, pack=False), "actor.pack=true"),
-                                              (dict(tree_training=True), "critic")])
-def test_tree_training_config_is_validated(overrides, words):
+def test_tree_training_config_is_validated():
     from arpo_jax import config
 
     cfg = config.load_config(["--config=builtin:toy_cpu"]).to_dict()
-    cfg["actor"].update(overrides)
-    if words == "critic":
-        cfg["algorithm"]["adv_estimator"] = "gae"
-    assert config.load_config(["--config=builtin:toy_cpu"]).actor.tree_training is False  # off until the loop uses it
+    assert cfg["actor"]["tree_training"] is True  # on by default
+    cfg["actor"]["pack"] = False
     with pytest.raises(config.ConfigError) as err:
         config.validate(ml_collections.ConfigDict(cfg, type_safe=False), check_files=False)
-    assert any(p.startswith("actor.tree_training:") and words in p for p in err.value.problems), err.value.problems
+    problems = err.value.problems
+    assert any(p.startswith("actor.tree_training:") and "actor.pack=true" in p for p in problems), problems
+    cfg["actor"]["tree_training"] = False
+    cfg["algorithm"]["adv_estimator"] = "gae"
+    config.validate(ml_collections.ConfigDict(cfg, type_safe=False), check_files=False)  # flat, unpacked: valid
+    cfg["actor"].update(pack=True, tree_training=True)  # a critic with tree training: valid too
+    config.validate(ml_collections.ConfigDict(cfg, type_safe=False), check_files=False)
+
+
+@pytest.mark.parametrize("agg", packing.AGG_MODES)
+def test_value_loss_and_gradients_equal_flat(agg):
+    """The critic's update on a tree batch (values per loss entry from the heads) equals the flat one: loss,
+    metrics and gradients, for every aggregation mode, with clipped values."""
+    model_cfg = _model_cfg()
+    graphdef = critic_lib.value_graphdef(model_cfg)
+    policy = ts.split_model(models.init_model(model_cfg, seed=4))[1]
+    params = critic_lib.value_params_from_policy(policy)
+    rng = np.random.RandomState(9)
+    params["value_head"] = {"weight": jnp.asarray(rng.randn(1, 64) * 0.1, jnp.float32),
+                            "bias": jnp.asarray([0.2], jnp.float32)}  # a non-zero head: the values depend on x
+    seqs, masks, group, adv = _rollout(21)
+    flat, flat_layout, tree, layout = _flat_and_tree(seqs, masks, group, adv, agg_mode=agg, norm_len=40)
+    assert layout.tokens_computed < layout.tokens_flat and layout.shape[1] > 1
+    values = [rng.randn(len(s)).astype(np.float32) * 0.3 for s in seqs]
+    for name, v in (("old_values", values), ("returns", [x + rng.randn(len(x)) * 0.5 for x in values])):
+        flat[name], tree[name] = packing.place(flat_layout, v), tp.place_entries(layout, v)
+    cfg = critic_lib.CriticConfig(cliprange_value=0.2, lr=1e-5, max_grad_norm=1.0, weight_decay=0.0,
+                                  reference_compat=False)
+    opt = _recorder()
+    step = critic_lib.jit_value_step(graphdef, model_cfg, cfg, opt)
+    results = []
+    for batch in (flat, tree):
+        state, metrics = step(ts.init_train_state(params, opt), {k: v[0] for k, v in batch.items()})
+        results.append((jax.device_get(state.opt_state), jax.device_get(metrics)))
+    (g_flat, m_flat), (g_tree, m_tree) = results
+    assert _rel(g_tree, g_flat) < 2e-6
+    assert m_flat["vf_clipfrac"] > 0 and abs(m_flat["vf_loss"]) > 1e-3  # the clip and the loss are exercised
+    for name in m_flat.keys() - {"micro_batches"}:
+        np.testing.assert_allclose(m_tree[name], m_flat[name], rtol=1e-5, atol=1e-7, err_msg=name)

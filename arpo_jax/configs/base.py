@@ -200,8 +200,9 @@ def get_config() -> ConfigDict:
     c.actor.max_token_len_per_device = 0  # tokens per device per micro-batch (packed); 0 = 2 * (P + R) (scripts)
     c.actor.pack = True  # pack several trajectories per row (segment ids) instead of one padded row each
     # Prefix-tree batches (arpo_jax.tree_packing): each group's shared prefixes (prompt, branch parents) computed once
-    # in the update and the log-prob forward, loss and gradients equal to the flat layout; needs pack, no critic.
-    c.actor.tree_training = False
+    # in the update (the critic's too) and the log-prob forward, loss and gradients equal to the flat layout's; the
+    # LM head only at loss tokens. Needs pack. false: the flat layout (every trajectory's every token).
+    c.actor.tree_training = True
     c.actor.logprob_chunk = 256  # positions per chunk of the [rows, chunk, vocab] logits
     # Rollout / trainer mismatch correction (verl's rollout correction): rho = pi_old / pi_rollout of each sampled
     # token, from the engine's log-prob of it. Its metrics (rollout_corr/*) are logged every step in every mode.
