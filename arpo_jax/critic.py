@@ -266,12 +266,12 @@ def jit_value_forward(graphdef: nnx.GraphDef, model_cfg: ModelConfig, mesh: Mesh
 class Critic:
     """The value model of one run: its optimizer, train state, jitted update and forward, and checkpoints.
 
-    Saved in step with the policy in its own folder (`directory`); `state` is None until `init_state` or
-    `restore` sets it.
+    Saved in step with the policy in its own folder (`directory`), in the background unless `async_save` is off
+    (`trainer.async_save`, as the policy's); `state` is None until `init_state` or `restore` sets it.
     """
 
     def __init__(self, cfg: CriticConfig, model_cfg: ModelConfig, mesh: Mesh, policy_abstract, total_updates: int,
-                 directory: str | os.PathLike, *, keep: int | None = 3):
+                 directory: str | os.PathLike, *, keep: int | None = 3, async_save: bool = True):
         self.model_cfg = model_cfg
         self.optimizer = make_optimizer(cfg, total_updates)
         self.param_shardings = value_param_shardings(model_cfg, mesh)
@@ -280,7 +280,7 @@ class Critic:
         graphdef = value_graphdef(model_cfg)
         self.step_fn = jit_value_step(graphdef, model_cfg, cfg, self.optimizer, mesh, self.shardings)
         self.value_fn = jit_value_forward(graphdef, model_cfg, mesh)
-        self.ckpt = Checkpointer(directory, max_to_keep=keep)
+        self.ckpt = Checkpointer(directory, max_to_keep=keep, async_save=async_save)
         self.state: ts.TrainState | None = None
 
     def init_state(self, policy_params) -> ts.TrainState:

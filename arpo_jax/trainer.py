@@ -124,7 +124,7 @@ class Trainer:
         self.ref_logprobs = reference_logprobs(params, cfg, self.model_cfg, self.logprob_fn, upd.temperature, self.mesh)
         self.critic = None if cfg.algorithm.adv_estimator != "gae" else critic_lib.Critic(
             critic_config(cfg), self.model_cfg, self.mesh, self.policy.abstract, updates,
-            self.workdir / "critic_checkpoints", keep=cfg.trainer.keep_checkpoints)
+            self.workdir / "critic_checkpoints", keep=cfg.trainer.keep_checkpoints, async_save=cfg.trainer.async_save)
 
         # Resume, or start: the policy's and the critic's newest intact step, with the data position.
         self.checkpoints = skeleton.RunCheckpoints(

@@ -125,10 +125,13 @@ def test_gae_loop_warmup_checkpoint_resume(tmp_path):
         head1 = ck.read_meta(1)["counters"]
     assert head1["updates"] == critic_updates(1)
     # The warm-up step left the policy at its initial weights; step 2 moved it.
-    init = trainer_lib.Trainer(_config(tmp_path, "--config.trainer.max_steps=2", "--config.trainer.resume=false"),
+    init = trainer_lib.Trainer(_config(tmp_path, "--config.trainer.max_steps=2", "--config.trainer.resume=false",
+                                       "--config.trainer.async_save=false"),
                                tmp_path / "fresh", testing.trainer_devices())
     try:
         init_params = jax.device_get(init.state.params)
+        # trainer.async_save=false reaches the critic's checkpoints too (orbax's option, read back).
+        assert init.critic.ckpt._manager._options.enable_async_checkpointing is False
     finally:
         init.close()
     leaves = lambda t: jax.tree.leaves(t)
