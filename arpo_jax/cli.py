@@ -93,7 +93,8 @@ def _demo(args) -> dict:
     from arpo_jax import demo
 
     return demo.run_demo(args.workdir, quick=args.quick, algo=args.algo, seed=args.seed, model=args.model,
-                         engine=args.engine, vllm=False if args.no_vllm else None, lora=args.lora)
+                         engine=args.engine, vllm=False if args.no_vllm else None, lora=args.lora,
+                         overrides=args.set)
 
 
 def _quickstart(args) -> dict:
@@ -282,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--no-vllm", action="store_true", help="skip the vLLM transcript even when vllm is installed")
     dm.add_argument("--lora", action="store_true", help="RL with LoRA adapters (rank 16, all projections, lr 1e-4) "
                     "over the frozen SFT model; results in <workdir>/<algo>_lora")
+    dm.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config field after the demo's own settings, for SFT and RL (repeatable; typed and "
+                    "checked like --config.KEY=VALUE), e.g. --set rollout.max_staleness=1; a run to compare with "
+                    "another wants its own --workdir")
     dm.set_defaults(func=_demo)
 
     qs = sub.add_parser("quickstart", help="tiny model end to end: build, convert, check parity, sample",

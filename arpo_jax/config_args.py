@@ -185,3 +185,16 @@ def load_config(argv: Sequence[str]) -> ConfigDict:
     if rest:
         raise ValueError(f"unrecognised arguments (not --config / --config.*): {' '.join(rest)}")
     return cfg
+
+
+def apply_overrides(cfg: ConfigDict, overrides: Sequence[str], base: str = "builtin:toy_cpu") -> None:
+    """`KEY=VALUE` strings set on an already built config (e.g. the demo's), each parsed and typed exactly as
+    `--config.KEY=VALUE` on `base` would be (its parser, its errors); `config.validate` checks the values later."""
+    for o in overrides:
+        if "=" not in o:
+            raise ValueError(f"{o!r}: expected KEY=VALUE, e.g. rollout.max_staleness=1")
+    parsed = load_config([f"--config={base}", *(f"--config.{o}" for o in overrides)])
+    with cfg.unlocked():
+        for o in overrides:
+            *parents, leaf = o.split("=", 1)[0].split(".")
+            get(cfg, ".".join(parents))[leaf] = get(parsed, o.split("=", 1)[0])

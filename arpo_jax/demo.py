@@ -32,6 +32,7 @@ import importlib.util
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -336,8 +337,8 @@ LORA_RANK, LORA_LR = 16, 1e-4
 
 
 def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "arpo", seed: int = 0,
-             model: str = DEFAULT_MODEL, vllm: bool | None = None, engine: str | None = None, lora: bool = False
-             ) -> dict:
+             model: str = DEFAULT_MODEL, vllm: bool | None = None, engine: str | None = None, lora: bool = False,
+             overrides: Sequence[str] = ()) -> dict:
     """The whole demo in `workdir` (module docstring); returns the summary (also `workdir/<algo>/summary.json`).
 
     The data, the model and the SFT live in `workdir` itself and every phase resumes, so running the demo again with
@@ -346,8 +347,9 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     folder or a .gguf file (`model.path`); `engine` the rollout engine (default: `rollout_engine()`); `vllm` whether
     the exported model also answers in vLLM (default: when installed, full runs only). `lora`: the RL phase trains
     LoRA adapters (`LORA_RANK` on every projection, lr `LORA_LR`) over the frozen SFT model, in `workdir/<algo>_lora/`.
+    `overrides`: `KEY=VALUE` config fields set after the demo's own (`arpo-jax demo --set`), for SFT and RL.
     """
-    from arpo_jax import metrics, trainer
+    from arpo_jax import config_args, metrics, trainer
 
     if algo not in ALGOS:
         raise ValueError(f"--algo={algo!r}; allowed: {', '.join(ALGOS)}")
@@ -362,6 +364,9 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     _log(f"1/6 data in {workdir}; model {model} ({'quick' if quick else 'full'} run, algo {algo}, seed {seed}, "
          f"rollouts in {engine})")
     cfg = demo_config(model, size, algo, seed, engine)
+    if overrides:
+        config_args.apply_overrides(cfg, overrides)
+        _log(f"config overrides: {' '.join(overrides)}")
     data = write_data(workdir / "data", size, seed, max_results=cfg.tools.search.max_results,
                       result_length=cfg.tools.search.result_length)
     with cfg.unlocked():
@@ -397,7 +402,8 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     plots = plot_curves(out / "rl" / "metrics.jsonl", out / "plots")
     times["total"] = time.perf_counter() - t0
 
-    header = {"model": model, "algo": algo, "seed": seed, "quick": quick, "rollout_engine": engine}
+    header = {"model": model, "algo": algo, "seed": seed, "quick": quick, "rollout_engine": engine,
+              "overrides": list(overrides)}
     outputs = {"workdir": str(workdir), "metrics": str(out / "rl" / "metrics.jsonl"),
                "trajectories": str(out / "rl" / "trajectories.jsonl"), "plots": plots[0],
                "hf_model": rl_summary["hf_export"], "transcript": str(out / "transcript.json")}

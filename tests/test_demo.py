@@ -242,3 +242,19 @@ def test_a_larger_model_trains_with_full_remat_and_short_logprob_chunks(tiny_hf_
         monkeypatch.setattr(demo, "MEMORY_SAVING_PARAMS", threshold)
         cfg = demo.demo_config(str(folder), demo.FULL, "arpo", 0, "jax")
         assert (cfg.model.remat, cfg.actor.logprob_chunk) == expected
+
+
+def test_set_overrides_the_demo_config_typed_and_checked():
+    """`arpo-jax demo --set KEY=VALUE`: after the demo's own settings, typed as --config.KEY=VALUE; a bad key or value
+    is refused with the field's name before anything runs."""
+    from arpo_jax import config_args, demo
+
+    cfg = demo.demo_config(demo.DEFAULT_MODEL, demo.FULL, "arpo", 0, "jax")
+    assert cfg.actor.logprob_chunk == 768  # the demo's own value
+    config_args.apply_overrides(cfg, ["rollout.max_staleness=1", "actor.tree_training=false",
+                                      "actor.logprob_chunk=128"])
+    assert (cfg.rollout.max_staleness, cfg.actor.tree_training, cfg.actor.logprob_chunk) == (1, False, 128)
+    assert cfg.data.max_prompt_length == 128  # the rest of the demo's settings stay
+    for bad, words in ((["actor.nope=1"], "actor.nope"), (["actor.lr=fast"], "actor.lr"), (["actor.lr"], "KEY=VALUE")):
+        with pytest.raises(ValueError, match=words):
+            config_args.apply_overrides(cfg, bad)
