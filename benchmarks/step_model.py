@@ -11,7 +11,9 @@ the device's published peak numbers, and applies stated efficiencies:
   generation   per engine (`rollout.vllm.tensor_parallel_size` devices) and decode step: max(the bf16 weights + the
                live sequences' KV cache read at `--hbm-eff` of the bandwidth, 2 N FLOPs per live sequence at
                `--decode-mfu`), over the R `--fill-max` steps the slowest trajectory takes (sequences leave as they
-               finish: the KV read uses the mean response); prompts prefilled once per group (prefix caching).
+               finish: the KV read uses the mean response); at most the sequences whose KV cache fits the engine's
+               memory (co-located: `rollout.vllm.gpu_memory_utilization` of each device, split: 0.9, less the
+               weights) decode together, the rest wait; prompts prefilled once per group (prefix caching).
   tools        `tools.call_limit` rounds x `--tool-latency` s during which the engine waits for the slowest call.
   weight sync  the bf16 weights exported and reloaded at the bandwidths measured on CPU for SmolLM2
                (RESULTS.md "LoRA vs full fine-tuning": 2.0 GB/s export to /dev/shm, 1.1 GB/s reload).
@@ -22,7 +24,8 @@ Placements and schedules (8 devices unless --devices):
                update: generate + max(tools, train) + sync.
   split k      k devices generate, the rest train. Synchronous: gen(k) + tools + train(8 - k) + sync; one step off:
                max(gen(k) + tools, train(8 - k)) + sync. The table shows the k with the shortest off-policy step.
-Idle fractions: trainer = 1 - its busy time / step, engine = 1 - its generating time / step (tool waits idle).
+Idle fractions: trainer = 1 - its busy time / step, engine = 1 - its generating time / step (tool waits idle),
+device = 1 - the devices' busy time / (devices x step) (co-located: a device busy generating is not idle).
 
 How it was checked: the same formulas on the toy run's measured phases (`benchmarks/offpolicy.py`, JSON given with
 --toy) predict the one-step-off step the CPU measured; the co-located rule (a shared device gains only its idle
@@ -84,7 +87,10 @@ def workload(cfg, fill: float, fill_max: float, prompt_fill: float) -> Workload:
 def phase_seconds(w: Workload, device: str, *, mfu: float, decode_mfu: float, hbm_eff: float,
                   tool_latency: float) -> dict:
     """Each phase's time on d devices (train, logprob, gen: functions of d) and the fixed ones (tools, sync)."""
+    from arpo_jax.memory_model import DEVICES, GB
+
     peak, hbm = PEAK[device]
+    hbm_bytes = DEVICES[device].hbm_gib * GB
     seqs = w.prompts * w.n
     ctx = w.prompt + w.response / 2  # mean context a token attends to
     tokens = seqs * (w.prompt + w.response)
@@ -94,33 +100,46 @@ def phase_seconds(w: Workload, device: str, *, mfu: float, decode_mfu: float, hb
     logprob_flops = trained * fwd_flops * (2 if w.ref_forward else 1)
     weights = 2 * w.matmul_params
 
-    def gen(d: int) -> float:
+    def gen(d: int, memory_fraction: float) -> float:
+        """Generation on d devices whose engines may use `memory_fraction` of each device."""
         engines = max(1, d // w.tp)
-        live = seqs / engines  # sequences per engine at the start; they leave as they finish
-        kv_read = live * w.kv_bytes_per_token * (w.prompt + w.response / 2) * (w.response / w.response_max)
-        step_mem = (weights / w.tp + kv_read / w.tp) / (hbm * hbm_eff)
-        step_flops = live * (w.response / w.response_max) * 2 * w.matmul_params / w.tp / (peak * decode_mfu)
+        live = seqs / engines  # sequences per engine; they leave as they finish
+        ctx_tokens = w.prompt + w.response  # a sequence's KV cache when it ends
+        kv_room = memory_fraction * hbm_bytes * w.tp - weights  # vLLM's KV cache per engine
+        if kv_room <= 0:
+            return float("inf")
+        # Sequences decoding together: on average live x R_mean / R_max (they finish at different lengths), at
+        # most what the KV cache holds; with fewer, the rest wait (continuous batching: more decode steps).
+        together = min(live * w.response / w.response_max, kv_room / (w.kv_bytes_per_token * ctx_tokens))
+        steps = max(w.response_max, live * w.response / together)
+        kv_read = together * w.kv_bytes_per_token * (w.prompt + w.response / 2)
+        step_mem = (weights + kv_read) / w.tp / (hbm * hbm_eff)
+        step_flops = together * 2 * w.matmul_params / w.tp / (peak * decode_mfu)
         prefill = 2 * w.matmul_params * w.prompts * w.prompt / (d * peak * mfu)
-        return w.response_max * max(step_mem, step_flops) + prefill
+        return steps * max(step_mem, step_flops) + prefill
 
     return {"train": lambda d: (update_flops + logprob_flops) / (d * peak * mfu), "gen": gen,
             "tools": w.tool_rounds * tool_latency, "sync": weights / EXPORT_BPS + weights / RELOAD_BPS,
             "tokens": tokens, "trained_tokens": trained}
 
 
-def schedules(ph: dict, devices: int, tp: int) -> dict:
-    """Step time and idle fractions per placement and schedule."""
-    def row(gen, train, step):
+def schedules(ph: dict, devices: int, tp: int, gpu_memory_utilization: float) -> dict:
+    """Step time and idle fractions per placement and schedule. Co-located engines get `gpu_memory_utilization` of
+    each device (the config's); split ones 0.9 of theirs."""
+    def row(gen, train, step, k):
+        """k: devices that generate (k == devices: co-located, every device does both)."""
+        busy = (gen + train) if k == devices else (k * gen + (devices - k) * train) / devices
         return {"step_s": round(step, 1), "gen_s": round(gen, 1), "train_s": round(train, 1),
-                "trainer_idle": round(1 - train / step, 3), "engine_idle": round(1 - gen / step, 3)}
+                "trainer_idle": round(1 - train / step, 3), "engine_idle": round(1 - gen / step, 3),
+                "device_idle": round(1 - busy / step, 3)}
 
-    gen, train, tools, sync = ph["gen"](devices), ph["train"](devices), ph["tools"], ph["sync"]
-    out = {"colocated_sync": row(gen, train, gen + tools + train + sync),
-           "colocated_off_policy": row(gen, train, gen + max(tools, train) + sync)}
-    best = min(range(tp, devices, tp), key=lambda k: max(ph["gen"](k) + tools, ph["train"](devices - k)))
-    g, t = ph["gen"](best), ph["train"](devices - best)
-    out[f"split_{best}_gen_sync"] = row(g, t, g + tools + t + sync)
-    out[f"split_{best}_gen_off_policy"] = row(g, t, max(g + tools, t) + sync)
+    gen, train, tools, sync = ph["gen"](devices, gpu_memory_utilization), ph["train"](devices), ph["tools"], ph["sync"]
+    out = {"colocated_sync": row(gen, train, gen + tools + train + sync, devices),
+           "colocated_off_policy": row(gen, train, gen + max(tools, train) + sync, devices)}
+    best = min(range(tp, devices, tp), key=lambda k: max(ph["gen"](k, 0.9) + tools, ph["train"](devices - k)))
+    g, t = ph["gen"](best, 0.9), ph["train"](devices - best)
+    out[f"split_{best}_gen_sync"] = row(g, t, g + tools + t + sync, best)
+    out[f"split_{best}_gen_off_policy"] = row(g, t, max(g + tools, t) + sync, best)
     return out
 
 
@@ -158,18 +177,19 @@ def main() -> None:
     w = workload(cfg, args.fill, args.fill_max, args.prompt_fill)
     ph = phase_seconds(w, cfg.mesh.device, mfu=args.mfu, decode_mfu=args.decode_mfu, hbm_eff=args.hbm_eff,
                        tool_latency=args.tool_latency)
+    util = cfg.rollout.vllm.gpu_memory_utilization
     result = {"config": args.config, "device": cfg.mesh.device, "devices": args.devices,
               "assumptions": {k: getattr(args, k) for k in ("fill", "fill_max", "prompt_fill", "mfu", "decode_mfu",
                                                             "hbm_eff", "tool_latency")},
               "tokens_per_step": round(ph["tokens"]), "trained_tokens": round(ph["trained_tokens"]),
-              "phases_s_on_all_devices": {"gen": round(ph["gen"](args.devices), 1),
+              "phases_s_on_all_devices": {"gen": round(ph["gen"](args.devices, util), 1),
                                           "train": round(ph["train"](args.devices), 1),
                                           "tools": ph["tools"], "sync": round(ph["sync"], 1)},
-              "schedules": schedules(ph, args.devices, w.tp)}
+              "schedules": schedules(ph, args.devices, w.tp, util)}
     result["toy_checks"] = [check_toy(json.loads(open(f).read().strip().splitlines()[-1])) for f in args.toy]
     for name, r in result["schedules"].items():
         print(f"{name:28s} step {r['step_s']:7.1f} s   trainer idle {r['trainer_idle']:.0%}   "
-              f"engine idle {r['engine_idle']:.0%}")
+              f"engine idle {r['engine_idle']:.0%}   devices idle {r['device_idle']:.0%}")
     print(json.dumps(result))
 
 
