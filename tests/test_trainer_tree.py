@@ -84,6 +84,30 @@ def test_tree_training_equals_flat_with_tool_branches_failures_and_dynamic_sampl
         assert out["rollout/branches_per_prompt"] > 0 and out["dynamic_sampling/extra_rounds"] >= 1
 
 
+@pytest.mark.slow  # two trainers with a critic
+def test_tree_training_with_a_critic_equals_flat(tmp_path):
+    """PPO with a critic (GAE): its update on tree batches (a value per loss entry, from the heads) trains the critic
+    and the policy to the flat run's parameters."""
+    def run(name: str, tree: str):
+        cfg = _config(tmp_path, "--config.algorithm.adv_estimator=gae", "--config.critic.lr=1e-3",
+                      f"--config.actor.tree_training={tree}")
+        tr = trainer_lib.Trainer(cfg, tmp_path / name, testing.trainer_devices())
+        try:
+            outs = [tr.train_step() for _ in range(2)]
+            leaves = lambda t: [np.asarray(x) for x in jax.tree.leaves(jax.device_get(t))]
+            return outs, leaves(tr.state.params), leaves(tr.critic.state.params)
+        finally:
+            tr.close()
+
+    flat, tree = run("flat", "false"), run("tree", "true")
+    for a, b in ((flat[1], tree[1]), (flat[2], tree[2])):  # the policy's, then the critic's params
+        assert max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True)) <= 1e-5
+    for f, t in zip(flat[0], tree[0], strict=True):
+        for key in ("critic/vf_loss", "critic/vpred_mean", "critic/grad_norm", "actor/pg_loss"):
+            assert f[key] == pytest.approx(t[key], rel=1e-4, abs=1e-6), key
+        assert t["critic/grad_norm"] > 0 and 0 < t["perf/tree_tokens_computed"] < t["perf/tree_tokens_flat"]
+
+
 @pytest.mark.slow  # `arpo-jax train` in 3 subprocesses, 2 of them one jax.distributed run
 def test_two_processes_with_tree_training_match_one_flat_process(tmp_path):
     """jax.distributed over 2 local processes (1 device each) with tree training == 1 process with 2 devices, 2

@@ -311,7 +311,8 @@ def test_tree_training_config_is_validated():
     config.validate(ml_collections.ConfigDict(cfg, type_safe=False), check_files=False)
 
 
-@pytest.mark.parametrize("agg", packing.AGG_MODES)
+@pytest.mark.parametrize("agg", [a if a == "token-mean" else pytest.param(a, marks=pytest.mark.slow)
+                                 for a in packing.AGG_MODES])
 def test_value_loss_and_gradients_equal_flat(agg):
     """The critic's update on a tree batch (values per loss entry from the heads) equals the flat one: loss,
     metrics and gradients, for every aggregation mode, with clipped values."""
