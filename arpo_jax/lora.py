@@ -107,14 +107,15 @@ def base_params(params: dict, cfg: Config) -> dict:
     return ts.partition(params, trainable_paths(cfg))[1] if cfg.lora_rank else params
 
 
-def jit_reference_logprobs(cfg: Config, *, temperature: float = 1.0, chunk: int = 256, mesh: Mesh | None = None):
+def jit_reference_logprobs(cfg: Config, *, temperature: float = 1.0, chunk: int = 256, mesh: Mesh | None = None,
+                           tree: bool = False):
     """`fn(params, batch) -> (logp, entropy)` of the reference policy = the base without adapters, from a LoRA
     model's params (`train_step.jit_forward_logprobs` on `base_graphdef`; the adapters are dropped before the call,
-    the base arrays are shared, never copied)."""
+    the base arrays are shared, never copied). `tree`: for `tree_packing` batches (tree training)."""
     from arpo_jax import train_step as ts
 
     fwd = ts.jit_forward_logprobs(base_graphdef(cfg), base_config(cfg), temperature=temperature, chunk=chunk,
-                                  mesh=mesh)
+                                  mesh=mesh, tree=tree)
     return lambda params, batch: fwd(base_params(params, cfg), batch)
 
 

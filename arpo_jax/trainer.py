@@ -502,7 +502,7 @@ def reference_logprobs(params, cfg, model_cfg, logprob_fn, temperature: float, m
         return None
     if model_cfg.lora_rank:
         base_fn = lora.jit_reference_logprobs(model_cfg, temperature=temperature, chunk=cfg.actor.logprob_chunk,
-                                              mesh=mesh)
+                                              mesh=mesh, tree=cfg.actor.tree_training)
         return lambda policy, batch: base_fn(policy, batch)[0]
     ref = jax.tree.map(jnp.copy, params)
     ref = jax.device_get(ref) if cfg.model.ref_on_host else ref

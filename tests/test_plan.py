@@ -144,8 +144,8 @@ def test_critic_config_plans_the_critic_update():
 def test_plan_names_the_attention_kernel_per_program_and_accounts_tree_packing():
     """Which kernel each program runs and whether it skips blocks; with tree training, the tree rule replaces the
     [T, T] mask and the micro-batches shrink by the saving the config guarantees (its prompt shared n ways)."""
-    flat = _analyse("arpo_qwen3_8b_deepsearch")
-    tree = _analyse("arpo_qwen3_8b_deepsearch", "--config.actor.tree_training=true")
+    flat = _analyse("arpo_qwen3_8b_deepsearch", "--config.actor.tree_training=false")
+    tree = _analyse("arpo_qwen3_8b_deepsearch")  # tree training is the default
     assert flat["attention_by_program"]["update"] == {"kernel": "blockwise", "skip_blocks": True, "block": 512,
                                                       "mask": "[T, T]"}
     assert tree["attention_by_program"]["logprob_forward"]["mask"] == "tree rule"

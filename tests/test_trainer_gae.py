@@ -51,7 +51,8 @@ def _gae_loop(rewards: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 @pytest.mark.slow  # a trainer and its rollouts
 def test_gae_packed_equals_direct(tmp_path):
-    cfg = _config(tmp_path, "--config.trainer.max_steps=1")
+    # The flat layout's packing of GAE's arrays (tree batches: test_tree, test_trainer_tree's critic test).
+    cfg = _config(tmp_path, "--config.trainer.max_steps=1", "--config.actor.tree_training=false")
     tr = trainer_lib.Trainer(cfg, tmp_path / "run", testing.trainer_devices())
     try:
         # A random value head, so the values (and their alignment) matter.
