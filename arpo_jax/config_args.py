@@ -195,6 +195,6 @@ def apply_overrides(cfg: ConfigDict, overrides: Sequence[str], base: str = "buil
             raise ValueError(f"{o!r}: expected KEY=VALUE, e.g. rollout.max_staleness=1")
     parsed = load_config([f"--config={base}", *(f"--config.{o}" for o in overrides)])
     with cfg.unlocked():
-        for o in overrides:
-            *parents, leaf = o.split("=", 1)[0].split(".")
-            get(cfg, ".".join(parents))[leaf] = get(parsed, o.split("=", 1)[0])
+        for path in (o.split("=", 1)[0] for o in overrides):
+            *parents, leaf = path.split(".")
+            get(cfg, ".".join(parents))[leaf] = get(parsed, path)
