@@ -15,7 +15,9 @@ Two parts:
   set beside the itemised model of the same reduced model. XLA's argument bytes are exact and match the model's
   state items. XLA's CPU temporaries are reported but not used for the fit: the CPU compiler upcasts bf16 dots to
   float32 and schedules the attention kernel's blocks differently (benchmarks/RESULTS.md measures how far apart
-  they are).
+  they are). The same two programs, compiled again with one layer less, give the communication per step
+  (`comm_per_step`): every collective of the partitioned programs (`collectives`), one layer's part scaled to the
+  model's depth, times the micro-batches a step runs.
 
 The activation model (per device, one row of T tokens per batch device, compute dtype c bytes, heads/MLP split
 over the tensor axis where the rules say so): remat "full" keeps each layer's input [T, D]; "dots" also the
@@ -58,7 +60,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from arpo_jax import lora, models, named_models, sharding
+from arpo_jax import collectives, lora, models, named_models, sharding
 from arpo_jax import train_step as ts
 from arpo_jax.memory_model import (  # noqa: F401  (plan.DEVICES, plan.GB, ... are its public names)
     CUDA_RESERVE,
@@ -362,16 +364,22 @@ def _memory(compiled) -> dict:
             - mem.alias_size_in_bytes}
 
 
+def _comm(hlo: str, per_host: int) -> dict:
+    items, exact = collectives.collectives(hlo, per_host)
+    return collectives.summary(items) | {"exact": exact}
+
+
 def plan(model_cfg: models.Config, mesh_shape, update_cfg: ts.UpdateConfig, *, micro: int, rows: int,
-         seq: int, forward: bool = False) -> dict:
+         seq: int, forward: bool = False, per_host: int = 0) -> dict:
     """Per-device bytes of one optimizer step of [micro, rows, seq] on `mesh_shape` (and, with `forward`, of the
-    log-prob forward over the same batch), compiled on this host's first devices with abstract inputs."""
+    log-prob forward over the same batch), compiled on this host's first devices with abstract inputs; and each
+    program's collectives (`collectives.summary`: bytes per device per run, `per_host` devices a host)."""
     mesh = sharding.make_mesh(mesh_shape, devices=jax.devices()[:math.prod(mesh_shape)])
     graphdef, abstract_state, opt, shardings, state = _abstract_state(model_cfg, mesh, update_cfg)
     batch = _abstract_batch(mesh, model_cfg, update_cfg, micro, rows, seq)
     step = ts.jit_train_step(graphdef, model_cfg, update_cfg, opt, mesh, shardings)
     t = time.perf_counter()
-    compiled = step.lower(state, batch).compile()
+    compiled, hlo = collectives.compile_partitioned(step.lower(state, batch))
     compile_s = time.perf_counter() - t
     n_dev = mesh.devices.size
     params_dev, opt_dev = device_bytes(state.params), device_bytes(state.opt_state)
@@ -386,13 +394,15 @@ def plan(model_cfg: models.Config, mesh_shape, update_cfg: ts.UpdateConfig, *, m
         **_memory(compiled),
         "ideal_state_per_device": total_state // n_dev,
         "state_vs_ideal": round((params_dev + opt_dev) / (total_state / n_dev), 4),
+        "comm": _comm(hlo, per_host),
     }
     if forward:
         fwd = ts.jit_forward_logprobs(graphdef, model_cfg, temperature=update_cfg.temperature,
                                       chunk=update_cfg.logprob_chunk, mesh=mesh)
         t = time.perf_counter()
-        compiled = fwd.lower(state.params, batch).compile()
-        out["forward"] = {"compile_s": round(time.perf_counter() - t, 1), **_memory(compiled)}
+        compiled, hlo = collectives.compile_partitioned(fwd.lower(state.params, batch))
+        out["forward"] = {"compile_s": round(time.perf_counter() - t, 1), **_memory(compiled),
+                          "comm": _comm(hlo, per_host)}
     return out
 
 
@@ -448,8 +458,10 @@ def compile_check(cfg, *, devices: int = 8, layers: int = 2, command: str | None
     rows = math.prod(dict(zip(sharding.MESH_AXES, mesh_shape))[a]
                      for a in sharding.get_rules(model_cfg.sharding_rules)["batch"])
     rows = max(1, round(rows * sh.rows))
+    # Hosts matter for a GPU cluster's network; a TPU slice is one ICI domain whatever its hosts.
+    per_host = DEVICES[cfg.mesh.device].per_host if DEVICES[cfg.mesh.device].kind == "gpu" else 0
     compiled = plan(model_cfg, mesh_shape, update_config(cfg), micro=1, rows=rows, seq=sh.seq,
-                    forward=sh.command == "train")
+                    forward=sh.command == "train", per_host=per_host)
     # The model of the same reduced program, for the same single micro-batch and on the CPU backend's attention.
     model = itemise(model_cfg, mesh_shape, dataclasses.replace(sh, micro_batches=1, engine="", critic=False,
                                                                ref_on_device=False), "cpu")["programs"]
@@ -468,6 +480,10 @@ def compile_check(cfg, *, devices: int = 8, layers: int = 2, command: str | None
                                   "xla_cpu_temp_gib": compiled["forward"]["temp_bytes"] / GB,
                                   "model_temp_gib": sum(v for k, v in fwd.items()
                                                         if k not in ("params", "optimizer_state", "batch")) / GB}
+    if layers >= 2:
+        fewer = plan(_model_config(cfg, layers - 1)[0], mesh_shape, update_config(cfg), micro=1, rows=rows,
+                     seq=sh.seq, forward=sh.command == "train", per_host=per_host)
+        out["comm_per_step_gib"] = comm_per_step(cfg, sh, compiled, fewer, layers)
     if sh.command == "train" and sh.engine == "jax":
         local = max(1, math.prod(mesh_shape) // sh.processes)
         smp = sampler_items(model_cfg, param_sizes(model_cfg, tuple(mesh_shape)), sh, local)
@@ -480,6 +496,31 @@ def compile_check(cfg, *, devices: int = 8, layers: int = 2, command: str | None
                          "model_temp_gib": sum(v for k, v in items.items()
                                                if k not in (*resident, "sampler_params", "kv_cache")) / GB}
     return jax.tree.map(lambda x: round(x, 3) if isinstance(x, float) else x, out)
+
+
+def comm_per_step(cfg, sh: Shapes, at_layers: dict, at_fewer: dict, layers: int) -> dict:
+    """Each device's collective traffic (GiB, by kind) in one training step of the full-depth model, from one
+    micro-batch's programs compiled at `layers` and `layers - 1` decoder layers (`plan`): the difference is one
+    layer's part, scaled to the model's depth; then times the micro-batches of a step (the update's: mini-batches x
+    ppo_epochs x micro-batches; the log-prob forward's: once for the old policy, once more for an on-device
+    reference). The few per-step scalars (loss sums, the gradient norm) count once per micro-batch too."""
+    depth = _model_config(cfg)[0].num_layers
+    if sh.command == "sft":
+        runs = {"update": sh.micro_batches}
+    else:
+        minis = max(1, cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size)
+        runs = {"update": sh.micro_batches * minis * cfg.actor.ppo_epochs,
+                "forward": sh.micro_batches * minis * (1 + sh.ref_on_device)}
+    total: dict[str, float] = {}
+    exact = True
+    for program, n in runs.items():
+        big, small = (at_layers, at_fewer) if program == "update" else (at_layers["forward"], at_fewer["forward"])
+        exact &= big["comm"]["exact"] and small["comm"]["exact"]
+        for k in big["comm"].keys() - {"exact"}:
+            per_layer = big["comm"].get(k, 0.0) - small["comm"].get(k, 0.0)
+            one = small["comm"].get(k, 0.0) + (depth - layers + 1) * per_layer
+            total[k] = total.get(k, 0.0) + n * one / GB
+    return total | {"micro_batches": runs, "exact": exact}
 
 
 def plan_config(cfg, *, devices: int = 8, compile_layers: int = 0, command: str | None = None) -> dict:
@@ -530,5 +571,14 @@ def format_plan(r: dict) -> str:
                      + "; ".join(f"{p}: XLA args {v['xla_arguments_gib']:.2f} GiB vs model "
                                  f"{v.get('model_state_gib', v.get('model_params_gib')):.2f}, CPU temps "
                                  f"{v['xla_cpu_temp_gib']:.2f} vs model {v['model_temp_gib']:.2f}"
-                                 for p, v in c.items() if isinstance(v, dict)))
+                                 for p, v in c.items() if isinstance(v, dict) and "xla_arguments_gib" in v))
+        if comm := c.get("comm_per_step_gib"):
+            dev = DEVICES[r["device"]]
+            cluster = dev.kind == "gpu" and math.prod(r["mesh"]) > dev.per_host  # hosts joined by a network
+            kinds = [k for k in collectives.KINDS if comm.get(k, 0) >= 0.05]
+            lines.append(f"communication per device per step ({'' if comm['exact'] else 'at least, '}compiled at "
+                         f"{c['layers'] - 1} and {c['layers']} layers, scaled to the model's depth and "
+                         f"{' + '.join(f'{n} {p}' for p, n in comm['micro_batches'].items())} micro-batches): "
+                         f"{comm['total']:.1f} GiB = " + " + ".join(f"{comm[k]:.1f} {k}" for k in kinds)
+                         + (f"; across hosts {comm['across_hosts']:.1f} GiB" if cluster else ""))
     return "\n".join(lines)

@@ -150,6 +150,16 @@ def constrain(x: jax.Array, axes: Sequence[str | None], rules_name: str) -> jax.
     return jax.lax.with_sharding_constraint(x, spec)
 
 
+def batch_shards(rows: int, rules_name: str | None) -> int:
+    """Devices the logical "batch" axis spans in the current mesh context (`jax.set_mesh`); 1 outside one, without
+    rules, or when it does not divide `rows`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if rules_name is None or mesh.empty:
+        return 1
+    n = math.prod(dict(mesh.shape)[a] for a in get_rules(rules_name)["batch"])
+    return n if rows % n == 0 else 1
+
+
 def describe(abstract_state, mesh: Mesh, rules: dict) -> dict[str, str]:
     """`{param path: 'shape -> PartitionSpec'}`, the reviewable golden dump of a sharding plan."""
     from flax import nnx

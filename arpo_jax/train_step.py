@@ -207,7 +207,7 @@ def token_logprobs(graphdef: nnx.GraphDef, params, mb: Batch, *, temperature: fl
     # the *whole* batch on every device.
     unembed_dv = sharding.constrain(unembed_dv, (None, "act_vocab"), rules)
     return logprobs.token_logprobs_and_entropy_from_hidden(hidden_btd, unembed_dv, mb["targets"],
-                                                        temperature=temperature, chunk_size=chunk)
+                                                        temperature=temperature, chunk_size=chunk, rules=rules)
 
 
 def _unembed_dv(model: CausalLM, dtype) -> Array:
@@ -222,7 +222,7 @@ def _tree_logprobs(model: CausalLM, mb: Batch, *, temperature: float, chunk: int
     hidden_bud = tree_head_states(model, mb)
     logp_bu, ent_bu = logprobs.token_logprobs_and_entropy_from_hidden(
         hidden_bud, _unembed_dv(model, hidden_bud.dtype), mb["head_target"], temperature=temperature,
-        chunk_size=chunk)
+        chunk_size=chunk, rules=model.config.sharding_rules)
     take = lambda x: jnp.take_along_axis(x, mb["entry_index"], axis=1)  # [B, E]
     return take(logp_bu), take(ent_bu)
 
