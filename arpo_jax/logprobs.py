@@ -110,10 +110,12 @@ def token_logprobs_and_entropy_from_hidden(hidden: Array, unembed: Array, target
       targets: [B, T] integer token ids.
       temperature: sampling temperature.
       chunk_size: positions per chunk along T (static); None = one chunk.
-      rules: the sharding rules preset, under a mesh (`jax.set_mesh`) whose "batch" axis splits B: the backward
-        then keeps one float32 unembedding-gradient partial per batch shard through the chunks and sums them once
-        at the end. Without it GSPMD keeps the loop's [V, D] gradient replicated and all-reduces it after every
-        chunk: 2 GiB per chunk for a 152k x 3584 vocabulary, ~30 TB a step for the 7B config (`arpo-jax plan`).
+      rules: the sharding rules preset, under a mesh (`jax.set_mesh`), for an ``unembed`` in its param shards
+        (FSDP: D split): the head gathers it over D (else GSPMD contracts over the split D and all-reduces the
+        [B, chunk, V] logits of the whole batch), and the backward keeps one float32 gradient partial per batch
+        shard through the chunks, summed once at the end straight into the param's shards (a reduce-scatter).
+        Without it GSPMD keeps the loop's [V, D] gradient replicated and all-reduces it after every chunk: 2 GiB a
+        chunk for a 152k x 3584 vocabulary, ~30 TB a step for the 7B config (`arpo-jax plan`).
 
     Returns:
       (logp [B, T], entropy [B, T]), float32.
@@ -140,6 +142,9 @@ def _fused_head(h_nbcd, w_vd, targets_nbc, temperature, rules):
 
 
 def _fused_head_fwd(h_nbcd, w_vd, targets_nbc, temperature, rules):
+    if rules:
+        w_vd = sharding.constrain(w_vd, ("act_vocab", None), rules)  # gathered over D (see the rules argument)
+
     def body(_, xs):
         h, tg = xs
         zs, lse_s, mean_s = _shifted_stats(_chunk_logits(h, w_vd, temperature))
@@ -176,7 +181,10 @@ def _fused_head_bwd(temperature, rules, residuals, cotangents):
 
     xs = (h_nbcd, targets_nbc, lse_s_nbc, mean_s_nbc, d_logp_nbc, d_ent_nbc)
     d_w, d_h = jax.lax.scan(body, keep_split(jnp.zeros((shards, *w_vd.shape), jnp.float32)), xs)
-    return d_h, d_w.sum(0).astype(w_vd.dtype), None
+    d_w = d_w.sum(0)
+    if rules:  # summed straight into the unembedding's param shards: a reduce-scatter, not an all-reduce
+        d_w = sharding.constrain(d_w, ("vocab", "embed"), rules)
+    return d_h, d_w.astype(w_vd.dtype), None
 
 
 _fused_head.defvjp(_fused_head_fwd, _fused_head_bwd)

@@ -201,18 +201,16 @@ def token_logprobs(graphdef: nnx.GraphDef, params, mb: Batch, *, temperature: fl
         return _tree_logprobs(model, mb, temperature=temperature, chunk=chunk)
     hidden_btd = model.hidden_states(mb["input_ids"], mb["positions"], segment_ids=mb["segment_ids"])
     hidden_btd = sharding.constrain(hidden_btd, ("batch", "seq", "act_embed"), rules)
-    unembed_dv = model.unembedding().astype(hidden_btd.dtype).T  # [V, D] -> [D, V]; XLA folds the transpose
-    # FSDP: gather the (compute-dtype) unembedding over its embed shards, as the model's own logits() does through
-    # its output constraint; otherwise GSPMD contracts over the sharded D and all-reduces [B, chunk, V] logits of
-    # the *whole* batch on every device.
-    unembed_dv = sharding.constrain(unembed_dv, (None, "act_vocab"), rules)
-    return logprobs.token_logprobs_and_entropy_from_hidden(hidden_btd, unembed_dv, mb["targets"],
-                                                        temperature=temperature, chunk_size=chunk, rules=rules)
+    return logprobs.token_logprobs_and_entropy_from_hidden(hidden_btd, _unembed_dv(model, hidden_btd.dtype),
+                                                        mb["targets"], temperature=temperature, chunk_size=chunk,
+                                                        rules=rules)
 
 
 def _unembed_dv(model: CausalLM, dtype) -> Array:
-    """The output projection [D, V] in the compute dtype, gathered over its FSDP shards (see ``token_logprobs``)."""
-    return sharding.constrain(model.unembedding().astype(dtype).T, (None, "act_vocab"), model.config.sharding_rules)
+    """The output projection [D, V] in the compute dtype, still in its param shards (cast there: the head's gather,
+    `rules`, then moves the compute dtype) and its gradient returned in them."""
+    unembed_vd = sharding.constrain(model.unembedding().astype(dtype), ("vocab", "embed"), model.config.sharding_rules)
+    return unembed_vd.T  # [V, D] -> [D, V]; XLA folds the transpose
 
 
 def _tree_logprobs(model: CausalLM, mb: Batch, *, temperature: float, chunk: int) -> tuple[Array, Array]:
