@@ -173,7 +173,9 @@ def _run_two_processes(cmd: list[str]) -> list[str]:
 
 
 def test_two_processes_match_one_process_with_two_workers(uninterrupted, shared):
-    """jax.distributed over 2 local processes (1 device each) == 1 process with 2 devices and 2 rollout workers."""
+    """jax.distributed over 2 local processes (1 device each) == 1 process with 2 devices and 2 rollout workers, with
+    tree training (the default): the tree sizes, loss totals and token counts are agreed over processes. (Tree ==
+    flat on one process: test_trainer_tree.py.)"""
     root, reward = shared
     single = uninterrupted[0]
     multi = root / "multi"
@@ -185,6 +187,9 @@ def test_two_processes_match_one_process_with_two_workers(uninterrupted, shared)
     for x, y in zip(ra, rb, strict=True):
         assert x["reward/mean"] == pytest.approx(y["reward/mean"], abs=1e-6)
         assert x["rollout/trajectories"] == y["rollout/trajectories"]
+        if "actor/pg_loss" in x:
+            assert x["actor/pg_loss"] == pytest.approx(y["actor/pg_loss"], rel=1e-4, abs=1e-6)
+            assert x["perf/tree_tokens_computed"] == y["perf/tree_tokens_computed"] < y["perf/tree_tokens_flat"]
 
 
 VLLM_PYTHON = os.environ.get("ARPO_VLLM_PYTHON") or None

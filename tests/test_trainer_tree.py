@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 
 from arpo_jax import config as config_lib
-from arpo_jax import metrics, testing
+from arpo_jax import testing
 from arpo_jax import trainer as trainer_lib
-from tests.test_trainer import _command, _env, _max_diff, _params, _run, _run_two_processes
 from tests.test_trainer_rollouts import HALF_CONSTANT_REWARD, InjectingSampler
 
 REWARD = '''
@@ -108,22 +107,3 @@ def test_tree_training_with_a_critic_equals_flat(tmp_path):
         assert t["critic/grad_norm"] > 0 and 0 < t["perf/tree_tokens_computed"] < t["perf/tree_tokens_flat"]
 
 
-@pytest.mark.slow  # `arpo-jax train` in 3 subprocesses, 2 of them one jax.distributed run
-def test_two_processes_with_tree_training_match_one_flat_process(tmp_path):
-    """jax.distributed over 2 local processes (1 device each) with tree training == 1 process with 2 devices, 2
-    rollout workers and flat batches: the tree sizes, loss totals and token counts are agreed over processes."""
-    reward = tmp_path / "reward.py"
-    reward.write_text(REWARD)
-    overrides = ("--config.rollout.workers=2", "--config.trainer.max_steps=2")
-    single = tmp_path / "single"
-    _run(_command(single, reward, *overrides, "--config.actor.tree_training=false"), _env(2))
-    multi = tmp_path / "multi"
-    _run_two_processes(_command(multi, reward, *overrides, "--config.actor.tree_training=true"))
-    assert _max_diff(_params(single, 2)[0], _params(multi, 2)[0]) <= 1e-5
-    ra, rb = (metrics.read_jsonl(d / "metrics.jsonl") for d in (single, multi))
-    for x, y in zip(ra, rb, strict=True):
-        assert x["reward/mean"] == pytest.approx(y["reward/mean"], abs=1e-6)
-        assert x["rollout/trajectories"] == y["rollout/trajectories"]
-        assert x["actor/pg_loss"] == pytest.approx(y["actor/pg_loss"], rel=1e-4, abs=1e-6)
-        assert 0 < y["perf/tree_tokens_computed"] < y["perf/tree_tokens_flat"]
-        assert "perf/tree_tokens_flat" not in x
