@@ -99,15 +99,16 @@ def test_itemised_state_is_what_xla_compiles():
     assert c["update"]["xla_arguments_gib"] == pytest.approx(c["update"]["model_state_gib"], rel=1e-3)
     assert c["logprob_forward"]["xla_arguments_gib"] >= c["logprob_forward"]["model_params_gib"]
     # Its communication per step (both programs at 1 and 2 layers, scaled to 28): FSDP over 8 devices receives
-    # 7/8 of the bf16 decoder layers per whole gather and sends as much per gradient reduce-scatter.
+    # 7/8 of the bf16 decoder layers per whole gather and sends as much per gradient reduce-scatter; the LM head's
+    # float32 [V, D] gradient is reduce-scattered once per micro-batch (not once per 256-token chunk: 4 here).
     comm, n = c["comm_per_step_gib"], c["comm_per_step_gib"]["micro_batches"]["update"]
     vocab, width = 152064, 3584
     layers_gib = (7_615_616_512 - 2 * vocab * width) * 2 / 2**30 * 7 / 8
+    head_gib = vocab * width * 4 / 2**30 * 7 / 8
     assert comm["exact"] and n == comm["micro_batches"]["forward"] > 1
-    assert comm["reduce-scatter"] / n == pytest.approx(layers_gib, rel=0.02)  # one per update micro-batch
+    assert comm["reduce-scatter"] / n == pytest.approx(layers_gib + head_gib, rel=0.02)  # per update micro-batch
     assert 2 * layers_gib < comm["all-gather"] / n < 4 * layers_gib  # forward once, update ~2x (+ the head)
-    # The head's float32 [V, D] gradient is reduced once per micro-batch, not once per 256-token chunk (4 here).
-    assert comm["all-reduce"] / n < 1.05 * 2 * 7 / 8 * vocab * width * 4 / 2**30
+    assert comm["all-reduce"] / n < 0.01  # scalars only (loss sums, the gradient norm)
 
 
 def test_default_attention_is_the_blockwise_kernel_with_bounded_blocks():
