@@ -77,24 +77,20 @@ def replica_groups(text: str) -> list[list[int]] | None:
         axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
         names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
         varying = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(4))]
-        ids = np.arange(math.prod(sizes))
-        if m.group(2):
-            ids = ids.reshape([int(x) for x in m.group(2).split(",")])
-            ids = ids.transpose([int(x) for x in m.group(3).split(",")]) if m.group(3) else ids
-        ids = ids.reshape(sizes)
+        ids = _iota(m.group(2) or ",".join(map(str, sizes)), m.group(3)).reshape(sizes)
         fixed = [i for i in range(len(sizes)) if i not in varying]
-        ids = ids.transpose(fixed + varying).reshape(-1, math.prod(sizes[i] for i in varying))
-        return ids.tolist()
+        return ids.transpose(fixed + varying).reshape(-1, math.prod(sizes[i] for i in varying)).tolist()
     if m := re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text):
-        out_shape = [int(x) for x in m.group(1).split(",")]
-        ids = np.arange(math.prod(int(x) for x in m.group(2).split(","))).reshape(
-            [int(x) for x in m.group(2).split(",")])
-        if m.group(3):
-            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-        return ids.reshape(out_shape[0], -1).tolist()
+        return _iota(m.group(2), m.group(3)).reshape(int(m.group(1).split(",")[0]), -1).tolist()
     if m := re.match(r"\{(\{[\d,{} ]*\})\}", text):
         return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
     return None
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    """HLO's iota device list `[dims]T(perm)`: 0..n-1 shaped `dims`, transposed by `perm` when given."""
+    ids = np.arange(math.prod(int(x) for x in dims.split(","))).reshape([int(x) for x in dims.split(",")])
+    return ids.transpose([int(x) for x in perm.split(",")]) if perm else ids
 
 
 def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
