@@ -17,7 +17,7 @@ Two parts:
   float32 and schedules the attention kernel's blocks differently (benchmarks/RESULTS.md measures how far apart
   they are). The same two programs, compiled again with one layer less, give the communication per step
   (`comm_per_step`): every collective of the partitioned programs (`collectives`), one layer's part scaled to the
-  model's depth, times the micro-batches a step runs.
+  model's depth, the micro-batch loop's part times the micro-batches a step runs, the rest times the program's runs.
 
 The activation model (per device, one row of T tokens per batch device, compute dtype c bytes, heads/MLP split
 over the tensor axis where the rules say so): remat "full" keeps each layer's input [T, D]; "dots" also the
@@ -365,8 +365,12 @@ def _memory(compiled) -> dict:
 
 
 def _comm(hlo: str, per_host: int) -> dict:
+    """A program's collectives (`collectives.summary`), split into those of its micro-batch loop (ops in
+    `train_step.MICRO_BATCH_SCOPE`: once per micro-batch) and the rest (once per run, e.g. HSDP's gradient sum)."""
     items, exact = collectives.collectives(hlo, per_host)
-    return collectives.summary(items) | {"exact": exact}
+    inside = [ts.MICRO_BATCH_SCOPE in c.op.split("/") for c in items]
+    return {"per_micro_batch": collectives.summary([c for c, i in zip(items, inside) if i]),
+            "per_run": collectives.summary([c for c, i in zip(items, inside) if not i]), "exact": exact}
 
 
 def plan(model_cfg: models.Config, mesh_shape, update_cfg: ts.UpdateConfig, *, micro: int, rows: int,
@@ -501,26 +505,28 @@ def compile_check(cfg, *, devices: int = 8, layers: int = 2, command: str | None
 def comm_per_step(cfg, sh: Shapes, at_layers: dict, at_fewer: dict, layers: int) -> dict:
     """Each device's collective traffic (GiB, by kind) in one training step of the full-depth model, from one
     micro-batch's programs compiled at `layers` and `layers - 1` decoder layers (`plan`): the difference is one
-    layer's part, scaled to the model's depth; then times the micro-batches of a step (the update's: mini-batches x
-    ppo_epochs x micro-batches; the log-prob forward's: once for the old policy, once more for an on-device
-    reference). The few per-step scalars (loss sums, the gradient norm) count once per micro-batch too."""
+    layer's part, scaled to the model's depth. A program's micro-batch part counts once per micro-batch, the rest
+    once per run (`_comm`): the update runs once per mini-batch and PPO epoch over its micro-batches, the log-prob
+    forward once over all of the rollout's (twice with an on-device reference)."""
     depth = _model_config(cfg)[0].num_layers
     if sh.command == "sft":
-        runs = {"update": sh.micro_batches}
+        runs = {"update": (1, sh.micro_batches)}  # program runs a step, micro-batches each
     else:
         minis = max(1, cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size)
-        runs = {"update": sh.micro_batches * minis * cfg.actor.ppo_epochs,
-                "forward": sh.micro_batches * minis * (1 + sh.ref_on_device)}
+        runs = {"update": (minis * cfg.actor.ppo_epochs, sh.micro_batches),
+                "forward": (1 + sh.ref_on_device, sh.micro_batches * minis)}
     total: dict[str, float] = {}
     exact = True
-    for program, n in runs.items():
+    for program, (n_runs, n_micro) in runs.items():
         big, small = (at_layers, at_fewer) if program == "update" else (at_layers["forward"], at_fewer["forward"])
         exact &= big["comm"]["exact"] and small["comm"]["exact"]
-        for k in big["comm"].keys() - {"exact"}:
-            per_layer = big["comm"].get(k, 0.0) - small["comm"].get(k, 0.0)
-            one = small["comm"].get(k, 0.0) + (depth - layers + 1) * per_layer
-            total[k] = total.get(k, 0.0) + n * one / GB
-    return total | {"micro_batches": runs, "exact": exact}
+        for part, times in (("per_run", n_runs), ("per_micro_batch", n_runs * n_micro)):
+            b, s = big["comm"][part], small["comm"][part]
+            for k in b.keys() | s.keys():
+                one = s.get(k, 0.0) + (depth - layers + 1) * (b.get(k, 0.0) - s.get(k, 0.0))
+                total[k] = total.get(k, 0.0) + times * one / GB
+    return total | {"micro_batches": {p: r * m for p, (r, m) in runs.items()},
+                    "program_runs": {p: r for p, (r, _) in runs.items()}, "exact": exact}
 
 
 def plan_config(cfg, *, devices: int = 8, compile_layers: int = 0, command: str | None = None) -> dict:

@@ -15,6 +15,8 @@ failing, because a real model's head counts rarely divide every mesh.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 from collections.abc import Sequence
@@ -36,6 +38,7 @@ RULES: dict[str, dict[str, tuple[str, ...]]] = {
         "mlp": (),
         "norm": (),
         "batch": ("data", "fsdp"),
+        "batch_replicas": ("data",),  # the batch over the param replicas only (rows gathered over fsdp)
         "seq": (),
         "act_embed": (),
         "act_heads": (),
@@ -53,6 +56,7 @@ RULES: dict[str, dict[str, tuple[str, ...]]] = {
         "mlp": ("tensor",),
         "norm": (),
         "batch": ("data", "fsdp"),
+        "batch_replicas": ("data",),  # the batch over the param replicas only (rows gathered over fsdp)
         "seq": (),
         "act_embed": (),
         "act_heads": ("tensor",),
@@ -146,7 +150,7 @@ def constrain(x: jax.Array, axes: Sequence[str | None], rules_name: str) -> jax.
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    spec = logical_to_spec(axes, x.shape, dict(mesh.shape), get_rules(rules_name))
+    spec = logical_to_spec(axes, x.shape, auto_axes(mesh), get_rules(rules_name))
     return jax.lax.with_sharding_constraint(x, spec)
 
 
@@ -156,8 +160,28 @@ def batch_shards(rows: int, rules_name: str | None) -> int:
     mesh = jax.sharding.get_abstract_mesh()
     if rules_name is None or mesh.empty:
         return 1
-    n = math.prod(dict(mesh.shape)[a] for a in get_rules(rules_name)["batch"])
+    n = math.prod(auto_axes(mesh).get(a, 1) for a in get_rules(rules_name)["batch"])
     return n if rows % n == 0 else 1
+
+
+_TAKEN: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("taken_mesh_axes", default=frozenset())
+
+
+@contextlib.contextmanager
+def axes_taken(*axes: str):
+    """Inside (while tracing), `constrain` and `batch_shards` leave `axes` alone: an enclosing `jax.vmap(...,
+    spmd_axis_name=axes)` splits its mapped dimension over them (e.g. the update's data-parallel groups)."""
+    token = _TAKEN.set(_TAKEN.get() | set(axes))
+    try:
+        yield
+    finally:
+        _TAKEN.reset(token)
+
+
+def auto_axes(mesh) -> dict[str, int]:
+    """The sizes of `mesh`'s axes that activation constraints may use: all but those `axes_taken` reserved."""
+    taken = _TAKEN.get()
+    return {a: n for a, n in dict(mesh.shape).items() if a not in taken}
 
 
 def describe(abstract_state, mesh: Mesh, rules: dict) -> dict[str, str]:

@@ -316,13 +316,30 @@ def _rollout_correction(batch: Batch, cfg: UpdateConfig) -> tuple[Batch, dict[st
 # --------------------------------------------------------------------------------------------------
 
 
+MICRO_BATCH_SCOPE = "micro_batch"  # the name scope of the work done once per micro-batch (`plan` counts by it)
+
+
+def micro_batch_scope(fn):
+    """`fn` traced inside the `MICRO_BATCH_SCOPE` name scope: its ops' HLO metadata say they run per micro-batch."""
+    def scoped(*args):
+        with jax.named_scope(MICRO_BATCH_SCOPE):
+            return fn(*args)
+    return scoped
+
+
 def accumulate_and_apply(state: TrainState, batch: Batch, micro_loss, optimizer: optax.GradientTransformation,
-                         grad_shardings=None) -> tuple[TrainState, dict[str, Array]]:
+                         grad_shardings=None, *, rows_separable: bool = True) -> tuple[TrainState, dict[str, Array]]:
     """One optimizer step over the [M, ...] micro-batches of ``batch``: the policy, SFT and critic updates all use it.
 
     ``micro_loss(params, mb) -> (loss, metrics)``'s gradients are summed over the micro-batches with ``lax.scan``
     (float32 accumulators), then ``optimizer`` is applied. An update whose summed loss or gradient norm is not finite
     is skipped: params and optimizer state are returned unchanged and ``skipped`` is counted.
+
+    On a mesh with a ``data`` axis (HSDP: params replicated over it), each data-parallel group sums the gradients of
+    its own rows over all micro-batches and the groups' sums are added once, after the loop: one reduction over
+    ``data`` (the axis that crosses hosts) a step instead of one per micro-batch. That needs ``micro_loss`` to be a
+    sum of per-row terms (``rows_separable``): every loss here is (its normalisers are in the loss weights), except
+    entropy-aware advantages with the micro-batch's own entropy statistics (``micro_norm="reference"``).
 
     Returns:
       (new state, metrics): each of ``micro_loss``'s metrics summed over the micro-batches, plus float32 scalars
@@ -332,11 +349,19 @@ def accumulate_and_apply(state: TrainState, batch: Batch, micro_loss, optimizer:
     # A PartialOptimizer (LoRA) trains some params only: differentiate those, pass the frozen rest through.
     params, frozen = partition(state.params, trainable_of(optimizer))
     grad_fn = jax.value_and_grad(lambda p, mb: micro_loss(combine(p, frozen), mb), has_aux=True)
+    groups = _data_groups(batch) if rows_separable else 1
+    if groups > 1:
+        # [M, B, ...] -> [M, groups, B / groups, ...], the groups split over `data`; each group's gradient is its own
+        # (vmap), summed into its own accumulator: nothing crosses `data` until the scan ends.
+        batch = jax.tree.map(lambda x: x.reshape(x.shape[0], groups, -1, *x.shape[2:]), batch)
+        batch = jax.lax.with_sharding_constraint(batch, jax.tree.map(lambda _: PartitionSpec(None, "data"), batch))
+        grad_fn = _per_data_group(grad_fn)
 
     def run(acc, mb):
         (loss, metrics), grads = grad_fn(params, mb)
         return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), (loss, metrics)
 
+    @micro_batch_scope
     def body(acc, mb):
         if "loss_weight" not in mb:
             acc, out = run(acc, mb)
@@ -349,11 +374,17 @@ def accumulate_and_apply(state: TrainState, batch: Batch, micro_loss, optimizer:
         acc, out = jax.lax.cond(has_weight, run, lambda a, _: (a, zeros), acc, mb)
         return acc, (out, has_weight.astype(jnp.float32))
 
-    acc = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    lead = (groups,) if groups > 1 else ()  # one accumulator per data group, split over `data`
+    acc = jax.tree.map(lambda p: jnp.zeros((*lead, *p.shape), jnp.float32), params)
     if grad_shardings is not None:
-        acc = jax.lax.with_sharding_constraint(acc, partition(grad_shardings, trainable_of(optimizer))[0])
+        specs = partition(grad_shardings, trainable_of(optimizer))[0]
+        specs = jax.tree.map(lambda s: PartitionSpec(*(("data",) if lead else ()), *s.spec), specs)
+        acc = jax.lax.with_sharding_constraint(acc, specs)
     # losses: [M]; micro_metrics: {name: [M]}; ran: [M] 1.0 where the micro-batch was computed
     grads, ((losses, micro_metrics), ran) = jax.lax.scan(body, acc, batch)
+    if lead:  # the one reduction over `data`; the groups' losses and metrics ([M, groups]) added
+        grads = jax.tree.map(lambda g: g.sum(0), grads)
+        losses, micro_metrics = jax.tree.map(lambda x: x.sum(1), (losses, micro_metrics))
     sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), micro_metrics) | {"micro_batches": jnp.sum(ran)}
 
     grad_norm = optax.tree.norm(grads)
@@ -370,6 +401,24 @@ def accumulate_and_apply(state: TrainState, batch: Batch, micro_loss, optimizer:
     skipped = 1 - ok.astype(jnp.int32)
     new_state = TrainState(combine(new_params, frozen), opt_state, state.step + 1, state.skipped + skipped)
     return new_state, sums | {"grad_norm": grad_norm, "skipped": skipped.astype(jnp.float32)}
+
+
+def _per_data_group(grad_fn):
+    """``grad_fn(params, mb)`` over a micro-batch's leading [groups] axis, the groups split over `data`."""
+    per_group = jax.vmap(grad_fn, in_axes=(None, 0), spmd_axis_name="data")
+
+    def grads(params, mb):
+        with sharding.axes_taken("data"):  # the model's constraints leave `data` to the vmap (spmd_axis_name)
+            return per_group(params, mb)
+    return grads
+
+
+def _data_groups(batch: Batch) -> int:
+    """The size of the current mesh's ``data`` axis when it splits ``batch``'s [M, B, ...] rows evenly, else 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    groups = 1 if mesh.empty else dict(mesh.shape).get("data", 1)
+    rows = jax.tree.leaves(batch)[0].shape[1]
+    return groups if groups > 1 and rows % groups == 0 else 1
 
 
 def weighted_means(sums: dict[str, Array], *, totals: tuple[str, ...]) -> dict[str, Array]:
@@ -407,7 +456,10 @@ def train_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef, cfg: 
     if cfg.uses_entropy_adv and cfg.micro_norm == "global_token_mean":
         h_stats = jax.lax.stop_gradient(_entropy_stats(graphdef, state.params, batch, cfg))
     micro_loss = lambda params, mb: _micro_loss(params, graphdef, mb, h_stats, cfg)
-    new_state, sums = accumulate_and_apply(state, batch, micro_loss, optimizer, grad_shardings)
+    # Entropy-aware advantages from the micro-batch's own statistics couple its rows (not a sum of row terms).
+    separable = not (cfg.uses_entropy_adv and h_stats is None)
+    new_state, sums = accumulate_and_apply(state, batch, micro_loss, optimizer, grad_shardings,
+                                           rows_separable=separable)
     return new_state, weighted_means(sums, totals=("loss", "pg_loss", "kl_loss")) | rc_metrics
 
 
@@ -533,7 +585,7 @@ def map_micro_batches(fn, batch: Batch, keys: tuple[str, ...]):
     reshaped back to the batch's leading axes. Only ``keys`` are read."""
     lead = batch[keys[0]].shape[:-2]
     flat = {k: batch[k].reshape((-1,) + batch[k].shape[-2:]) for k in keys}  # [prod(lead), B, T]
-    return jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), jax.lax.map(fn, flat))
+    return jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), jax.lax.map(micro_batch_scope(fn), flat))
 
 
 def jit_forward(forward, keys: tuple[str, ...], model_cfg: ModelConfig, mesh: Mesh | None = None) -> MeshJit:

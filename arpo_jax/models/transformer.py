@@ -631,9 +631,14 @@ class CausalLM(nnx.Module):
         return w[...]
 
     def embed(self, input_ids: jax.Array) -> jax.Array:
-        cfg = self.config
+        cfg, rules = self.config, self.config.sharding_rules
+        # The lookup where the table lies: each replica group's ids (a few KB) gathered over the devices that split
+        # the table's `embed` dimension, looked up there, then the rows handed out (all-to-all). Left to itself,
+        # GSPMD gathered the looked-up rows over every batch device, across hosts too (HSDP).
+        input_ids = constrain(input_ids, ("batch_replicas", "seq"), rules)
         x = jnp.take(self.model.embed_tokens.weight[...], input_ids, axis=0).astype(cfg.compute_dtype)
-        return constrain(x, ("batch", "seq", "act_embed"), cfg.sharding_rules)
+        x = constrain(x, ("batch_replicas", "seq", "embed"), rules)
+        return constrain(x, ("batch", "seq", "act_embed"), rules)
 
     def hidden_states(self, input_ids, positions=None, attention_mask=None, segment_ids=None,
                       tree_end=None) -> jax.Array:
