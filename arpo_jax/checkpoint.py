@@ -3,7 +3,7 @@
 Layout of `directory/<step>/`: `params/` (the model's params as a pure dict of arrays), `opt_state/` (optional,
 any pytree of arrays), `meta/` (JSON: the model config, so a checkpoint can be exported without its run's config,
 plus whatever the caller stores). Items are separate so that exporting or evaluating a checkpoint restores the params
-alone. A training state (`train_step.TrainState`: the policy's, the critic's or SFT's) is saved and restored with
+alone. A training state (`accumulate.TrainState`: the policy's, the critic's or SFT's) is saved and restored with
 `save_state` / `restore_state`, which own its metadata: `counters` (optimizer updates and skipped updates) and, for
 a run that reads data, `data_position`.
 
@@ -48,10 +48,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from arpo_jax import distributed, models, sharding
+from arpo_jax.accumulate import TrainState
 from arpo_jax.data.rl_dataset import DataPosition
 from arpo_jax.models.transformer import Config, RopeScaling
 from arpo_jax.paths import local_path
-from arpo_jax.train_step import TrainState
 
 log = logging.getLogger(__name__)
 

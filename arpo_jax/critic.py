@@ -23,7 +23,7 @@ the per-token arrays are per loss entry ([M, B, E]) and the values come from one
 (``ValueModel.tree_values``); the loss and its gradients equal the flat layout's. The old values for GAE still come
 from a flat forward (``Critic.values``, once per step).
 
-The state is a ``train_step.TrainState`` and everything around the step (optimizer, gradient accumulation,
+The state is a ``TrainState`` and everything around the step (optimizer, gradient accumulation,
 shardings, init, jit, the forward over a rollout) comes from ``train_step``.
 """
 
@@ -38,8 +38,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from arpo_jax import algos, knobs, sharding
+from arpo_jax import accumulate, algos, knobs, sharding
 from arpo_jax import train_step as ts
+from arpo_jax.accumulate import TrainState
 from arpo_jax.checkpoint import Checkpointer
 from arpo_jax.models.transformer import CausalLM
 from arpo_jax.models.transformer import Config as ModelConfig
@@ -217,23 +218,23 @@ def _micro_value_loss(params, graphdef, mb: Batch, cfg: CriticConfig) -> tuple[A
 # --------------------------------------------------------------------------------------------------
 
 
-def value_step(state: ts.TrainState, batch: Batch, *, graphdef: nnx.GraphDef, cfg: CriticConfig,
-               optimizer: optax.GradientTransformation, grad_shardings=None) -> tuple[ts.TrainState, dict[str, Array]]:
+def value_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef, cfg: CriticConfig,
+               optimizer: optax.GradientTransformation, grad_shardings=None) -> tuple[TrainState, dict[str, Array]]:
     """One critic optimizer step over a mini-batch of [M, B, T] arrays (module docstring) with
-    ``train_step.accumulate_and_apply``; jit with ``jit_value_step``.
+    ``accumulate.accumulate_and_apply``; jit with ``jit_value_step``.
 
     Returns:
       (new state, metrics): float32 scalars ``vf_loss`` (the mini-batch loss), ``vf_clipfrac``, ``vpred_mean``
       (loss-weighted means), ``grad_norm`` (before clipping), ``skipped`` (0 or 1).
     """
     micro = lambda params, mb: _micro_value_loss(params, graphdef, mb, cfg)
-    new_state, sums = ts.accumulate_and_apply(state, batch, micro, optimizer, grad_shardings)
-    return new_state, ts.weighted_means(sums, totals=("vf_loss",))
+    new_state, sums = accumulate.accumulate_and_apply(state, batch, micro, optimizer, grad_shardings)
+    return new_state, accumulate.weighted_means(sums, totals=("vf_loss",))
 
 
 def jit_value_step(graphdef: nnx.GraphDef, model_cfg: ModelConfig, cfg: CriticConfig,
                    optimizer: optax.GradientTransformation, mesh: Mesh | None = None,
-                   shardings: ts.TrainState | None = None) -> ts.MeshJit:
+                   shardings: TrainState | None = None) -> ts.MeshJit:
     """``value_step`` jitted once with ``train_step.jit_step`` (shardings: ``train_step.state_shardings`` over
     ``value_param_shardings``)."""
     fn = lambda state, batch, grad_sh: value_step(state, batch, graphdef=graphdef, cfg=cfg, optimizer=optimizer,
@@ -281,15 +282,15 @@ class Critic:
         self.step_fn = jit_value_step(graphdef, model_cfg, cfg, self.optimizer, mesh, self.shardings)
         self.value_fn = jit_value_forward(graphdef, model_cfg, mesh)
         self.ckpt = Checkpointer(directory, max_to_keep=keep, async_save=async_save)
-        self.state: ts.TrainState | None = None
+        self.state: TrainState | None = None
 
-    def init_state(self, policy_params) -> ts.TrainState:
+    def init_state(self, policy_params) -> TrainState:
         """A fresh state: the backbone copied from the policy's params, a zero head."""
         params = value_params_from_policy(policy_params)
         params["value_head"] = jax.tree.map(jax.device_put, params["value_head"], self.param_shardings["value_head"])
         return ts.init_train_state(params, self.optimizer, self.shardings)
 
-    def restore(self, step: int) -> ts.TrainState:
+    def restore(self, step: int) -> TrainState:
         target = ts.abstract_train_state(self.optimizer, self.abstract, self.shardings)
         return self.ckpt.restore_state(step, target).state
 

@@ -8,7 +8,7 @@ them like any other param. What is LoRA-specific lives here:
 
 - `attach` (called by `CausalLM.__init__`) and `with_adapters` (adds fresh adapters to a loaded base model);
 - `trainable_paths` / `freeze_base`: the update differentiates and optimises the adapters only
-  (`train_step.PartialOptimizer`: the base gets no gradient and no optimizer state);
+  (`accumulate.PartialOptimizer`: the base gets no gradient and no optimizer state);
 - `base_graphdef` / `base_params` / `jit_reference_logprobs`: the reference policy is the same params with the
   adapters left out (the base model's own graph), so no second copy of the weights exists;
 - `merged_state`: `W + scale * B A` in the HF layout (`hf.save_pretrained` exports a LoRA model merged, which is
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from arpo_jax import models, sharding
+from arpo_jax import accumulate, models, sharding
 from arpo_jax.models.transformer import (  # noqa: F401  (lora.LoRAParam, lora.attach: the public names)
     LORA_TARGETS,
     CausalLM,
@@ -85,10 +85,8 @@ def trainable_paths(cfg: Config) -> frozenset[tuple]:
 
 def freeze_base(optimizer, cfg: Config):
     """The optimizer to use for `cfg`'s policy: with adapters, `optimizer` over the adapters only (the base gets no
-    gradient and no optimizer state, see `train_step.PartialOptimizer`); without, `optimizer` itself."""
-    from arpo_jax import train_step as ts
-
-    return ts.PartialOptimizer(optimizer, trainable_paths(cfg)) if cfg.lora_rank else optimizer
+    gradient and no optimizer state, see `accumulate.PartialOptimizer`); without, `optimizer` itself."""
+    return accumulate.PartialOptimizer(optimizer, trainable_paths(cfg)) if cfg.lora_rank else optimizer
 
 
 def base_config(cfg: Config) -> Config:
@@ -102,9 +100,7 @@ def base_graphdef(cfg: Config) -> nnx.GraphDef:
 
 def base_params(params: dict, cfg: Config) -> dict:
     """The base weights of a LoRA model's params (pure dict): the same arrays, without the adapters."""
-    from arpo_jax import train_step as ts
-
-    return ts.partition(params, trainable_paths(cfg))[1] if cfg.lora_rank else params
+    return accumulate.partition(params, trainable_paths(cfg))[1] if cfg.lora_rank else params
 
 
 def jit_reference_logprobs(cfg: Config, *, temperature: float = 1.0, chunk: int = 256, mesh: Mesh | None = None,

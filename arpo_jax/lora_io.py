@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx, traverse_util
 from jax.sharding import Mesh
 
-from arpo_jax import hf, lora, models, sharding
+from arpo_jax import accumulate, hf, lora, models, sharding
 from arpo_jax.lora import (
     LoRAParam,
     base_state,
@@ -93,25 +93,23 @@ def base_pointer(cfg, folder, params: dict, model_cfg: Config) -> dict:
 
 def adapters_only(tree, cfg: Config):
     """The adapters of a params-shaped tree (a TrainState: its params): what a LoRA checkpoint saves."""
-    from arpo_jax import train_step as ts
 
     if hasattr(tree, "params"):
         return tree._replace(params=adapters_only(tree.params, cfg))
-    return ts.partition(tree, lora.trainable_paths(cfg))[0]
+    return accumulate.partition(tree, lora.trainable_paths(cfg))[0]
 
 
 def with_base(state, base: dict, pointer: dict, cfg: Config, shardings=None):
     """A restored adapters-only TrainState with the frozen `base` params (pure dict, loaded from the pointer's
     source) put back, copied into `shardings` (a TrainState's: the train step donates its state, `base` stays the
     caller's); raises when `base` is not the one the checkpoint was trained on (its hash)."""
-    from arpo_jax import train_step as ts
 
     got = base_fingerprint(base, cfg)
     if got != pointer["hash"]:
         raise ValueError(f"the LoRA checkpoint's base (model.path={pointer['model_path']!r}, init_checkpoint="
                          f"{pointer['init_checkpoint']!r}) has hash {pointer['hash']}, the loaded base {got}: the "
                          "base weights changed since the checkpoint was written; restore them or start a new run")
-    params = ts.combine(state.params, lora.base_params(base, cfg))
+    params = accumulate.combine(state.params, lora.base_params(base, cfg))
     copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=None if shardings is None else shardings.params)
     return state._replace(params=copy(params))
 

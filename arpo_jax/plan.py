@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from arpo_jax import collectives, lora, models, named_models, sharding
+from arpo_jax import accumulate, collectives, lora, models, named_models, sharding
 from arpo_jax import train_step as ts
 from arpo_jax.memory_model import (  # noqa: F401  (plan.DEVICES, plan.GB, ... are its public names)
     CUDA_RESERVE,
@@ -342,7 +342,7 @@ def _abstract_state(model_cfg, mesh, update_cfg):
     abstract_params = nnx.to_pure_dict(abstract_state)
     opt = lora.freeze_base(ts.make_optimizer(update_cfg, 1000), model_cfg)  # LoRA: no moments for the base
     shardings = ts.state_shardings(opt, ts.param_shardings(model_cfg, mesh), abstract_params, mesh)
-    abstract_train_state = jax.eval_shape(lambda p: ts.TrainState(p, opt.init(p), jnp.zeros((), jnp.int32),
+    abstract_train_state = jax.eval_shape(lambda p: accumulate.TrainState(p, opt.init(p), jnp.zeros((), jnp.int32),
                                                                   jnp.zeros((), jnp.int32)), abstract_params)
     return graphdef, abstract_state, opt, shardings, _with_shardings(abstract_train_state, shardings)
 
@@ -368,7 +368,7 @@ def _comm(hlo: str, per_host: int) -> dict:
     """A program's collectives (`collectives.summary`), split into those of its micro-batch loop (ops in
     `train_step.MICRO_BATCH_SCOPE`: once per micro-batch) and the rest (once per run, e.g. HSDP's gradient sum)."""
     items, exact = collectives.collectives(hlo, per_host)
-    inside = [ts.MICRO_BATCH_SCOPE in c.op.split("/") for c in items]
+    inside = [accumulate.MICRO_BATCH_SCOPE in c.op.split("/") for c in items]
     return {"per_micro_batch": collectives.summary([c for c, i in zip(items, inside) if i]),
             "per_run": collectives.summary([c for c, i in zip(items, inside) if not i]), "exact": exact}
 

@@ -28,10 +28,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from arpo_jax import accumulate, distributed, hf, packing, paths, run_guard, runtime, skeleton
 from arpo_jax import config as config_lib
-from arpo_jax import distributed, hf, packing, paths, run_guard, runtime, skeleton
 from arpo_jax import metrics as metrics_lib
 from arpo_jax import train_step as ts
+from arpo_jax.accumulate import TrainState
 from arpo_jax.data import rl_dataset, sft_data
 from arpo_jax.models.transformer import Config as ModelConfig
 
@@ -53,9 +54,9 @@ def sft_loss(params, graphdef: nnx.GraphDef, mb: Batch, *, chunk: int = 256) -> 
     return -jnp.sum(mb["loss_weight"].astype(jnp.float32) * logp)
 
 
-def sft_step(state: ts.TrainState, batch: Batch, *, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-             chunk: int = 256, grad_shardings=None) -> tuple[ts.TrainState, dict[str, jax.Array]]:
-    """One optimizer step over [M, B, T] arrays (`BATCH_KEYS`) with `train_step.accumulate_and_apply` (gradients
+def sft_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
+             chunk: int = 256, grad_shardings=None) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step over [M, B, T] arrays (`BATCH_KEYS`) with `accumulate.accumulate_and_apply` (gradients
     summed over the micro-batches, global-norm clip + AdamW, a non-finite update skipped).
 
     Returns:
@@ -65,11 +66,11 @@ def sft_step(state: ts.TrainState, batch: Batch, *, graphdef: nnx.GraphDef, opti
         loss = sft_loss(params, graphdef, mb, chunk=chunk)
         return loss, {"loss": jax.lax.stop_gradient(loss)}
 
-    return ts.accumulate_and_apply(state, batch, micro_loss, optimizer, grad_shardings)
+    return accumulate.accumulate_and_apply(state, batch, micro_loss, optimizer, grad_shardings)
 
 
 def jit_sft_step(graphdef: nnx.GraphDef, model_cfg: ModelConfig, optimizer: optax.GradientTransformation,
-                 mesh: Mesh | None = None, shardings: ts.TrainState | None = None, *, chunk: int = 256) -> ts.MeshJit:
+                 mesh: Mesh | None = None, shardings: TrainState | None = None, *, chunk: int = 256) -> ts.MeshJit:
     """`sft_step` jitted once with `train_step.jit_step` (state donated, explicit shardings with a mesh)."""
     fn = lambda state, batch, grad_sh: sft_step(state, batch, graphdef=graphdef, optimizer=optimizer, chunk=chunk,
                                                 grad_shardings=grad_sh)

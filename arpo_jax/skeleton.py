@@ -23,15 +23,15 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from arpo_jax import accumulate, lora
 from arpo_jax import config as config_lib
-from arpo_jax import lora
 from arpo_jax import metrics as metrics_lib
 from arpo_jax import train_step as ts
 from arpo_jax.checkpoint import Checkpointer
 from arpo_jax.models.transformer import Config as ModelConfig
 
 # (graphdef, model config, optimizer, mesh, state shardings) -> the jitted step(state, batch) -> (state, metrics)
-JitStep = Callable[[nnx.GraphDef, ModelConfig, optax.GradientTransformation, Mesh, ts.TrainState], ts.MeshJit]
+JitStep = Callable[[nnx.GraphDef, ModelConfig, optax.GradientTransformation, Mesh, accumulate.TrainState], ts.MeshJit]
 
 
 def abstract_of(tree):
@@ -48,14 +48,14 @@ class Policy:
     optimizer: optax.GradientTransformation
     schedule: optax.Schedule
     abstract: Any  # the params as ShapeDtypeStruct leaves
-    shardings: ts.TrainState  # of the train state
+    shardings: accumulate.TrainState  # of the train state
     step_fn: ts.MeshJit
     mesh: Mesh  # the update's
 
-    def init_state(self, params) -> ts.TrainState:
+    def init_state(self, params) -> accumulate.TrainState:
         return ts.init_train_state(params, self.optimizer, self.shardings)
 
-    def restore_target(self) -> ts.TrainState:
+    def restore_target(self) -> accumulate.TrainState:
         """The abstract train state a checkpoint restores into (shapes, dtypes, shardings)."""
         return ts.abstract_train_state(self.optimizer, self.abstract, self.shardings)
 

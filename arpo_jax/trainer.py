@@ -75,6 +75,7 @@ from arpo_jax import config as config_lib
 from arpo_jax import critic as critic_lib
 from arpo_jax import metrics as metrics_lib
 from arpo_jax import train_step as ts
+from arpo_jax.accumulate import TrainState
 from arpo_jax.components import make_sampler, make_tool_executor, rollout_config, sampling_settings, update_config
 from arpo_jax.data import rl_dataset, toy
 from arpo_jax.experience import Trajectories
@@ -359,7 +360,7 @@ class Trainer:
                                                     width=len(self.val_data) * n)
         return experience.validation_metrics(scores, sources, n) | {"time/validation": time.perf_counter() - t0}
 
-    def _restore(self, step: int) -> ts.TrainState:
+    def _restore(self, step: int) -> TrainState:
         """The policy's state at `step`; sets the step and data position the run continues from."""
         restored = self.checkpoints.main.restore_state(step, self.stored.target(self.policy.restore_target()))
         self.step, self.position = int(restored.meta["step"]), restored.position

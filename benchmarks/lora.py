@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 import arpo_jax
-from arpo_jax import hf, lora, lora_io, named_models, packing
+from arpo_jax import accumulate, hf, lora, lora_io, named_models, packing
 from arpo_jax import train_step as ts
 
 
@@ -64,8 +64,8 @@ def measure(model, args, batch) -> dict:
     mem = step.lower(state, batch).compile().memory_analysis()
     out = {"params_mb": _tree_bytes(state.params) / 2**20, "opt_state_mb": _tree_bytes(state.opt_state) / 2**20,
            "temp_mb": mem.temp_size_in_bytes / 2**20,
-           "trainable_params": sum(x.size for x in
-                                   jax.tree.leaves(ts.partition(state.params, ts.trainable_of(opt))[0]))}
+           "trainable_params": sum(x.size for x in jax.tree.leaves(
+               accumulate.partition(state.params, accumulate.trainable_of(opt))[0]))}
     t0 = time.perf_counter()
     state, metrics = step(state, batch)
     jax.block_until_ready(metrics)

@@ -179,7 +179,7 @@ def test_save_state_round_trip_and_sft_checkpoints_of_the_old_metadata_format(tm
     """A TrainState comes back with its counters and data position, in the target's shardings; an SFT checkpoint of
     the metadata format before `save_state` (skips as `skipped_updates`, one update per step) restores the same
     counters; a state saved without a data position (the critic's) has none."""
-    from arpo_jax import models
+    from arpo_jax import accumulate, models
     from arpo_jax import train_step as ts
     from arpo_jax.data.rl_dataset import DataPosition
 
@@ -188,7 +188,7 @@ def test_save_state_round_trip_and_sft_checkpoints_of_the_old_metadata_format(tm
     _, params = ts.split_model(models.init_model(cfg, seed=0))
     opt = optax.adamw(1e-3)
     grads = jax.tree.map(lambda p: 0.01 * jax.numpy.ones_like(p), params)
-    state = ts.TrainState(params, opt.update(grads, opt.init(params), params)[1], jax.numpy.asarray(5),
+    state = accumulate.TrainState(params, opt.update(grads, opt.init(params), params)[1], jax.numpy.asarray(5),
                           jax.numpy.asarray(2))
     with checkpoint.Checkpointer(tmp_path / "c") as ckpt:
         ckpt.save_state(7, state, config=cfg, position=DataPosition(1, 3), meta={"seed": 4})

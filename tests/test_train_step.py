@@ -169,7 +169,7 @@ def test_hsdp_groups_sum_their_gradients_once_a_step(tiny, micro_norm):
     meet once after the loop: the gradients and metrics equal one device's, and nothing of the gradients crosses
     `data` (the hosts, 2 devices each here) inside the micro-batch loop. Entropy-aware advantages from a micro-batch's
     own statistics couple its rows ("reference"): that case reduces per micro-batch, as before, and still agrees."""
-    from arpo_jax import collectives
+    from arpo_jax import accumulate, collectives
 
     path, _, model_cfg, graphdef, params = tiny
     cfg = ts.UpdateConfig(loss="aepo", kl_coef=0.1, entropy_coef=0.01, entropy_adv=True, micro_norm=micro_norm)
@@ -191,8 +191,9 @@ def test_hsdp_groups_sum_their_gradients_once_a_step(tiny, micro_norm):
 
     _, hlo = collectives.compile_partitioned(step.lower(ts.init_train_state(sharded_params, SGD, shardings), mini))
     items, _ = collectives.collectives(hlo, per_host=2)
-    in_loop = sum(c.bytes_per_device for c in items if c.crosses_hosts and ts.MICRO_BATCH_SCOPE in c.op.split("/"))
-    after = sum(c.bytes_per_device for c in items if c.crosses_hosts and ts.MICRO_BATCH_SCOPE not in c.op.split("/"))
+    in_loop = [accumulate.MICRO_BATCH_SCOPE in c.op.split("/") for c in items]
+    across = lambda inside: sum(c.bytes_per_device for c, i in zip(items, in_loop) if c.crosses_hosts and i == inside)
+    in_loop, after = across(True), across(False)
     grad_bytes = 4 * sum(x.size for x in jax.tree.leaves(params)) / 2  # float32, split over fsdp=2
     if micro_norm == "global_token_mean":
         assert in_loop < 64 * layout.shape[1]  # a few flags a micro-batch (is there any loss weight?)
