@@ -366,7 +366,7 @@ def _memory(compiled) -> dict:
 
 def _comm(hlo: str, per_host: int) -> dict:
     """A program's collectives (`collectives.summary`), split into those of its micro-batch loop (ops in
-    `train_step.MICRO_BATCH_SCOPE`: once per micro-batch) and the rest (once per run, e.g. HSDP's gradient sum)."""
+    `accumulate.MICRO_BATCH_SCOPE`: once per micro-batch) and the rest (once per run, e.g. HSDP's gradient sum)."""
     items, exact = collectives.collectives(hlo, per_host)
     inside = [accumulate.MICRO_BATCH_SCOPE in c.op.split("/") for c in items]
     return {"per_micro_batch": collectives.summary([c for c, i in zip(items, inside) if i]),
