@@ -54,9 +54,14 @@ class Collective:
 
 
 def compile_partitioned(lowered) -> tuple[jax.stages.Compiled, str]:
-    """`lowered.compile()`, and the program's HLO text right after SPMD partitioning ("" on one device: none)."""
+    """`lowered.compile()`, and the program's HLO text right after SPMD partitioning ("" on one device: none).
+
+    JAX's persistent compilation cache leaves the dump options out of its key, so a program already compiled (and
+    cached) without them would come back from the cache without a dump: `xla_dump_large_constants`, which the key
+    keeps, makes this compile a different entry (the same program dumped twice with the cache on still hits it)."""
+    options = {"xla_dump_hlo_pass_re": "spmd-partitioning", "xla_dump_large_constants": True}
     with tempfile.TemporaryDirectory() as d:
-        compiled = lowered.compile(compiler_options={"xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        compiled = lowered.compile(compiler_options={"xla_dump_to": d, **options})
         files = sorted(Path(d).glob("*after_spmd-partitioning*.txt"))
         return compiled, files[-1].read_text() if files else ""
 

@@ -151,15 +151,7 @@ class VllmSampler:
     # Process management
 
     def _start(self, python: str, timeout: float, extra_env: dict[str, str]) -> None:
-        env = dict(os.environ)
-        env.setdefault("VLLM_HOST_IP", "127.0.0.1")  # otherwise vLLM binds a real interface
-        env.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), f"arpo_jax_vllm_cache_{os.getuid()}"))
-        # The engine core runs inside the worker (one process, one pid to watch), not in yet another child.
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        for key in ("XLA_FLAGS", "JAX_PLATFORMS"):  # the trainer's JAX settings mean nothing to the worker
-            env.pop(key, None)
-        env.update(extra_env)
+        env = worker_env(extra_env)
         deadline = time.monotonic() + timeout
         cores = _split_cores(len(self.devices)) if "VLLM_CPU_OMP_THREADS_BIND" not in env else None
         try:
@@ -399,6 +391,19 @@ class VllmSampler:
             return
         freed = self._call("release", {"weights": not self.config.lora_rank}, "releasing the KV cache and weights")
         self.last_sleep = {k: sum(f[k] for f in freed) for k in ("kv_cache", "weights")}
+
+def worker_env(extra: dict[str, str]) -> dict[str, str]:
+    """The engine processes' environment: this one's, for vLLM, plus `extra`."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_HOST_IP", "127.0.0.1")  # otherwise vLLM binds a real interface
+    env.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), f"arpo_jax_vllm_cache_{os.getuid()}"))
+    # The engine core runs inside the worker (one process, one pid to watch), not in yet another child.
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for key in ("XLA_FLAGS", "JAX_PLATFORMS"):  # the trainer's JAX settings mean nothing to the worker
+        env.pop(key, None)
+    return env | extra
+
 
 def host_gpus() -> list[str]:
     """This host's GPUs as CUDA_VISIBLE_DEVICES entries: that variable's own list where it is set, else one per
