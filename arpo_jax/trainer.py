@@ -148,7 +148,6 @@ class Trainer:
         self.sampler = make_rollout_sampler(cfg, self.tokenizer, self.model_folder, self.workdir, self.policy,
                                             self.state.params, sync=self.step > 0 or bool(cfg.model.init_checkpoint))
         self.logger = skeleton.open_logger(cfg, self.workdir, resume_step=latest, enabled=self.is_main)
-        self.timers = metrics_lib.PhaseTimer()
         self.failures = experience.FailureBudget(cfg.rollout.failures.max_fraction,  # skips steps of failures
                                                  cfg.rollout.failures.max_skipped_steps)
         self.rollout_states = {w: RolloutState() for w in self.local_workers}  # B1 compat, see `_rollout`
@@ -186,9 +185,10 @@ class Trainer:
                                    f"{self.checkpoints.save_for_stop(self.step, self.save)}") from None
             stopping = stop is not None and stop.requested()  # no validation: its engine may have had the signal too
             if tr.test_freq and (self.step % tr.test_freq == 0 or self._done()) and not stopping:
-                val = self.validate()
-                last |= val
+                last |= (val := self.validate())
             self.logger.log(self.step, last)
+            if self._done() and self.ahead.idle():  # the engine's work is over: its memory goes back before the
+                self.sampler.sleep()  # final save and export (a CPU host's RAM is shared)
             if (tr.save_freq and self.step % tr.save_freq == 0) or self._done():
                 self.save()
             bar.update(1)
@@ -204,8 +204,7 @@ class Trainer:
     def train_step(self) -> dict:
         """One RL step, phase by phase (each timed under its name: `time/<phase>`). Returns its metrics. With
         `rollout.max_staleness` > 0 the next step's rollout runs in the background from its start to the sync."""
-        cfg, timers = self.cfg, self.timers
-        timers.reset()
+        cfg, timers = self.cfg, metrics_lib.PhaseTimer()
         t0 = time.perf_counter()
         with timers("rollout_wait"):  # 0 when it was generated ahead and is already done
             got = self.ahead.take(self.step) or self._collect(self.step, self.position)
@@ -215,7 +214,7 @@ class Trainer:
         trajs = got.trajs
         failed = distributed.gather(np.concatenate([t.failed for t in trajs.values()]).astype(np.float32))
         skip = self.failures.skip(failed, self.step + 1)
-        minis, pack_metrics, slept = [], {}, False
+        minis, pack_metrics = [], {}
         if not skip:
             with timers("advantages"):
                 token_arrays = self._advantages(trajs)
@@ -225,13 +224,11 @@ class Trainer:
                 # The sampler gets new weights after the update: free its copy and cache meanwhile (the JAX engine's
                 # rollout ahead has already run; vLLM's may still be generating: then it keeps them).
                 self.sampler.sleep()
-                slept = True
             with timers("old_logprob"):
                 minis = [self._old_logprobs(batch) for batch in minis]
         with timers("update"):
             step_metrics, critic_metrics = self._update(minis)
-            if slept:  # a CPU engine reloads next, beside this process: not beside the update's freed temporaries
-                runtime.trim_host_memory()
+            runtime.trim_host_memory()  # the update's freed temporaries: a CPU engine runs (or reloads) beside us
         with timers("rollout_wait"):
             self.ahead.wait()  # the next step's rollout ends before the engine's weights change
         with timers("weight_sync"):
