@@ -10,7 +10,11 @@ hits every variant alike. Per variant: median CPU seconds (`time.process_time`, 
 step; (M-step - 1-step) / (M - 1) is one micro-batch, the rest of the 1-step the optimizer's share.
 
   python benchmarks/update_packed.py [--micro 3] [--repeats 3] [--variant actor.logprob_chunk=128 ...]
-                                     [--no-scan]
+                                     [--no-scan] [--hugepages]
+
+A variant's `+trim` hands the freed heap back after each of its steps, inside the timing (`runtime.trim_host_memory`,
+what the trainer does after every update), so its next step faults its temporaries in again. `--hugepages`: large
+allocations on transparent huge pages, as `arpo-jax` commands run (`hugepages.reexec_with_hugepages`).
 """
 
 from __future__ import annotations
@@ -60,8 +64,15 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=None,
                     help="comma-separated config overrides, e.g. actor.logprob_chunk=768 (repeatable)")
     ap.add_argument("--no-scan", action="store_true", help="the layers unrolled (models.Config.scan_layers=False)")
+    ap.add_argument("--hugepages", action="store_true", help="re-executes with glibc.malloc.hugetlb=1")
     args = ap.parse_args()
-    variants = [[s for s in v.split(",") if s] for v in (args.variant or [""])]
+    if args.hugepages:
+        from arpo_jax import hugepages
+
+        hugepages.reexec_with_hugepages()
+    names = [[s for s in v.split(",") if s] for v in (args.variant or [""])]
+    variants = [[s for s in v if s != "+trim"] for v in names]
+    trims = ["+trim" in v for v in names]
     base = load_config(args.model, [])
     mesh = runtime.make_mesh(base)
     model = pretrained.from_pretrained(named_models.model_folder(args.model), mesh=mesh, scan_layers=not args.no_scan,
@@ -87,12 +98,14 @@ def main() -> None:
             c, w = time.process_time(), time.perf_counter()
             state, metrics = steps[i](state, batches[m])
             jax.block_until_ready(metrics)
+            if trims[i]:
+                runtime.trim_host_memory()
             if r:
                 runs.append((time.process_time() - c, time.perf_counter() - w))
-    for i, overrides in enumerate(variants):
+    for i in range(len(variants)):
         one, many = (statistics.median(x[0] for x in times[(i, m)]) for m in (1, args.micro))
         micro = (many - one) / (args.micro - 1)
-        print(json.dumps({"variant": overrides, "scan_layers": not args.no_scan,
+        print(json.dumps({"variant": names[i], "scan_layers": not args.no_scan, "hugepages": args.hugepages,
                           "step_cpu_s": {m: [round(x[0], 2) for x in times[(i, m)]] for m in batches},
                           "step_wall_s": {m: [round(x[1], 2) for x in times[(i, m)]] for m in batches},
                           "micro_cpu_s": round(micro, 3), "optimizer_cpu_s": round(one - micro, 3),

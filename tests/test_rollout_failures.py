@@ -182,3 +182,39 @@ def test_export_folders_of_killed_processes_are_removed(tmp_path):
     kept = [f"arpo_jax_vllm_{alive}", f"arpo_jax_vllm_{os.getpid()}", f"arpo_jax_vllm_{dead}.log",
             "arpo_jax_vllm_cache_0"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
+
+
+def test_an_engine_process_ends_with_the_process_that_started_it():
+    """A trainer or eval killed without closing its vLLM engine (SIGKILL here) must not leave the engine running as
+    an orphan: the worker script's watcher ends it within about a second. (Without it the stand-in worker below
+    would sleep on for a minute.)"""
+    import os
+    import subprocess
+    import sys
+
+    from arpo_jax.rollout import vllm_worker
+
+    worker = (f"import sys, time; sys.path.insert(0, {os.path.dirname(vllm_worker.__file__)!r}); "
+              "import vllm_worker as w; w.exit_with_parent(0.1); print('ready', flush=True); time.sleep(60)")
+    parent = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {worker!r}]); "
+              "print(p.pid, flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+
+    def alive(pid: int) -> bool:  # a zombie counts as gone (a container's pid 1 may never reap it)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    try:
+        pid = int(proc.stdout.readline())
+        assert proc.stdout.readline().strip() == "ready" and alive(pid)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(pid), "the engine process outlived the process that started it"
+    finally:
+        proc.kill()

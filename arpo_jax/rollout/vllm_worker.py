@@ -476,11 +476,28 @@ def pin_to_bound_cores() -> None:
     os.sched_setaffinity(0, cores)
 
 
+def exit_with_parent(interval: float = 1.0) -> None:
+    """Ends this process (`os._exit`) as soon as the one that started it is gone: a trainer or `arpo-jax eval`
+    killed without closing its engine (SIGKILL, the OOM killer, a SIGTERM it does not handle) must not leave an
+    orphan generating on for minutes with its memory (on a GPU, the device's share that the next run needs). A
+    watching thread, not PR_SET_PDEATHSIG: that fires when the parent's *thread* ends, and engines may be started
+    from a rollout's background thread."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def _worker_main(address: str) -> None:
     # Ctrl-C in a terminal signals the whole foreground process group, this worker too. The process that owns the
     # engine decides what a signal means (the trainer finishes its step, the rollout included, saves, then closes
     # the engine), so the engine must not die under it; `Worker.wait` kills a worker that does not close in time.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent()
     pin_to_bound_cores()  # before torch starts its threads
     conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop("ARPO_VLLM_AUTHKEY")))
     cfg = conn.recv()
