@@ -234,14 +234,15 @@ def test_release_memory_returns_the_freed_heap_and_the_compiled_programs():
 
 
 def test_a_larger_model_trains_with_full_remat_and_short_logprob_chunks(tiny_hf_dir, monkeypatch):
-    """Above demo.MEMORY_SAVING_PARAMS (Qwen2.5-0.5B is, SmolLM2 is not) the demo recomputes layers in the backward
-    and computes log-probs in 128-token chunks, so the update fits beside the vLLM worker on a 24 GB machine."""
+    """Above demo.MEMORY_SAVING_PARAMS (Qwen2.5-0.5B is, SmolLM2 is not) the demo recomputes whole layers in the
+    backward (below it, the elementwise ops only) and computes log-probs in 128-token chunks, so the update fits
+    beside the vLLM worker on a 24 GB machine."""
     from arpo_jax import demo
 
     folder, torch_model = tiny_hf_dir("qwen2")
     params = sum(p.numel() for p in torch_model.parameters())
     assert demo.model_params(str(folder)) == params
-    for threshold, expected in ((params, ("none", 768)), (params - 1, ("full", 128))):
+    for threshold, expected in ((params, ("dots_no_batch", 768)), (params - 1, ("full", 128))):
         monkeypatch.setattr(demo, "MEMORY_SAVING_PARAMS", threshold)
         cfg = demo.demo_config(str(folder), demo.FULL, "arpo", 0, "jax")
         assert (cfg.model.remat, cfg.actor.logprob_chunk) == expected
