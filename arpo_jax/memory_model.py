@@ -155,11 +155,14 @@ def attention_workspace(model_cfg: models.Config, impl: str, t: int, rows: float
     """Bytes of one layer's attention at its peak: float32 score-sized arrays (3 in the backward, 2 forward-only)
     of the largest block (skipping: one [N, block, block] pair; unskipped: [N, block, T]), the [T, T] boolean
     mask the model builds (none for the blockwise kernel under the tree rule: one int per key) and, in the blockwise
-    backward, its float32 gradient accumulators [N + 2K, T, H]."""
+    backward, its float32 gradient accumulators [N + 2K, T, H]. cuDNN (flash: no scores) is given the mask as a
+    [T, T] bias in the compute dtype, counted beside the boolean mask."""
     heads = model_cfg.num_heads // tensor
     k = attention_kernel(impl, t, backend, tree=tree)
     keys = k["block"] if k["skip_blocks"] else t
     mask = 4 * t if k["mask"] == "tree rule" else t * t
+    if impl == "cudnn":
+        mask += t * t * jnp.dtype(model_cfg.dtype).itemsize
     # The blockwise backward's float32 dq, dk, dv accumulators (whole T; the inputs are in the layer's items).
     grads = 4 * t * model_cfg.head_dim * (heads + 2 * max(1, model_cfg.num_kv_heads // tensor)) \
         if backward and impl == "blockwise" else 0
@@ -254,7 +257,7 @@ def sampler_items(c: models.Config, s: Sizes, sh: Shapes, local_devices: int) ->
 def itemise(c: models.Config, mesh_shape: tuple[int, int, int], sh: Shapes, backend: str) -> dict:
     """{program: {item: bytes per device}} for every program the run executes (module docstring)."""
     s = param_sizes(c, tuple(mesh_shape))
-    impl = resolve_attention(c.attention_impl)
+    impl = resolve_attention(c.attention_impl, backend, c.dtype)
     n_dev = math.prod(mesh_shape)
     local = max(1, n_dev // sh.processes)
     pb = jnp.dtype(c.param_dtype).itemsize

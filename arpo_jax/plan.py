@@ -392,7 +392,7 @@ def plan(model_cfg: models.Config, mesh_shape, update_cfg: ts.UpdateConfig, *, m
         "mesh": list(mesh.devices.shape), "rules": model_cfg.sharding_rules, "devices": n_dev,
         "backend": jax.default_backend(), "params": models.param_count(abstract_state), "layers": model_cfg.num_layers,
         "param_dtype": model_cfg.param_dtype, "compute_dtype": model_cfg.dtype, "remat": model_cfg.remat,
-        "attention": resolve_attention(model_cfg.attention_impl),
+        "attention": resolve_attention(model_cfg.attention_impl, dtype=model_cfg.dtype),
         "micro_batches": micro, "rows": rows, "seq": seq, "compile_s": round(compile_s, 1),
         "params_per_device": params_dev, "opt_state_per_device": opt_dev, "batch_per_device": device_bytes(batch),
         **_memory(compiled),
@@ -540,7 +540,7 @@ def plan_config(cfg, *, devices: int = 8, compile_layers: int = 0, command: str 
 def _kernel_words(a: dict) -> str:
     """"blockwise (skip, 512x512 blocks, tree rule)" from `memory_model.attention_kernel`'s dict."""
     if a["kernel"] != "blockwise":
-        return a["kernel"]
+        return f"{a['kernel']} ({a['mask']} mask)" if "mask" in a else a["kernel"]
     b = a["block"]
     return (f"blockwise (skip, {b}x{b} blocks" if a["skip_blocks"] else f"blockwise (no skip, {b}-query blocks") + \
         f", {a['mask']})"

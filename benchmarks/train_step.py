@@ -108,7 +108,8 @@ def _rollout(args, vocab: int):
 def setup_jax(path: Path, args):
     """Returns (timed update-step closure, its compile + first step seconds, timed forward-log-probs closure, its
     compile + first call seconds)."""
-    model = arpo_jax.from_pretrained(path, dtype=args.dtype, remat=args.remat, scan_layers=not args.no_scan)
+    model = arpo_jax.from_pretrained(path, dtype=args.dtype, remat=args.remat, scan_layers=not args.no_scan,
+                                     attention_impl=args.attention or None)
     graphdef, params = ts.split_model(model)
     seqs, masks, adv = _rollout(args, model.config.vocab_size)
     batch, _ = packing.pack_batch(seqs, masks, adv, mini_batch_size=len(seqs), row_len=args.seq,
@@ -205,6 +206,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--remat", default="none")
     ap.add_argument("--no-scan", action="store_true", help="unrolled layers (scan_layers=False)")
+    ap.add_argument("--attention", default="", help="model.attention_impl (default blockwise; cudnn on a GPU)")
+    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch side")
     args = ap.parse_args()
     real = args.model != "random"
     args.seq = args.seq or (256 if real else 1024)
@@ -249,7 +252,7 @@ def main() -> None:
                 t[name] = [_timed(fn) for _ in range(args.steps)]
                 print(f"[train_step] {name} seconds: {[round(x, 2) for x in t[name]]}", flush=True)
 
-        if ref is not None and device is not None:
+        if ref is not None and device is not None and not args.no_torch:
             torch_step, torch_fwd = setup_torch(ref, args, device)
             time_calls({"torch_step": torch_step, "torch_fwd": torch_fwd})
             del torch_step, torch_fwd
@@ -275,6 +278,7 @@ def main() -> None:
     result = {"benchmark": "train_step", "model": args.model, "params_m": round(n_params / 1e6, 1),
               "dtype": args.dtype, "seq": args.seq, "tokens_per_step": tokens, "threads": threads, **mach,
               "peak_gflops": round(peak / 1e9, 1), "scan_layers": not args.no_scan, "remat": args.remat,
+              "attention": args.attention or "blockwise",
               "tokens_s": round(tokens / best["step"], 1), "mfu": round(flops["step"] / best["step"] / peak, 3),
               "fwd_tokens_s": round(tokens / best["fwd"], 1),
               "fwd_mfu": round(flops["fwd"] / best["fwd"] / peak, 3),
@@ -288,7 +292,8 @@ def main() -> None:
             "ratio": round(best["torch_step"] / best["step"], 2),
             "fwd_ratio": round(best["torch_fwd"] / best["fwd"], 2)})
     else:
-        why = "torch is not installed" if torch is None else "no CUDA build of torch here"
+        why = ("--no-torch" if args.no_torch else "torch is not installed" if torch is None
+               else "no CUDA build of torch here")
         result["torch"] = f"skipped: {why}"
     print(json.dumps(result))
 

@@ -259,6 +259,27 @@ def test_cpu_training_forward_uses_blockwise_attention(tiny_hf_dir):
     np.testing.assert_allclose(default(ids), xla(ids), atol=1e-5, rtol=1e-5)
 
 
+def test_gpu_default_cudnn_attention_falls_back_to_blockwise_when_refused(tiny_hf_dir, monkeypatch):
+    """On a GPU in bfloat16 the default is cuDNN; a GPU or shape cuDNN refuses (here: a CPU told it is a GPU, where
+    jax raises "cuDNN is not detected" while tracing) runs the blockwise kernel with one warning and the same
+    logits. An explicit attention_impl="cudnn" is never replaced."""
+    from arpo_jax.models import transformer
+
+    path, _ = tiny_hf_dir("qwen2")
+    ids = jnp.asarray(_ids((2, 12), seed=4))
+    blockwise = arpo_jax.from_pretrained(path, dtype="bfloat16", attention_impl="blockwise")
+    default = arpo_jax.from_pretrained(path, dtype="bfloat16")
+    explicit = arpo_jax.from_pretrained(path, dtype="bfloat16", attention_impl="cudnn")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(transformer, "_CUDNN_FALLBACK_WARNED", [])
+    assert transformer.resolve_attention(None, dtype="bfloat16") == "cudnn"
+    with pytest.warns(RuntimeWarning, match="cuDNN attention is not available"):
+        got = default(ids)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(blockwise(ids), np.float32))
+    with pytest.raises(RuntimeError, match="cuDNN"):
+        explicit(ids)
+
+
 @pytest.mark.parametrize("remat", ["none", "full"])
 @pytest.mark.slow  # > 10 s (compile-bound)
 def test_scanned_layers_equal_unrolled(tiny_hf_dir, remat):

@@ -85,8 +85,9 @@ def test_shipped_config_passes_the_cli():
                         "--compile-layers=0"], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    assert r["fits"] and r["headroom"] >= 0.1 and r["attention_by_program"]["update"]["kernel"] == "blockwise"
-    assert "attention: update=blockwise" in p.stdout
+    # A GPU config in bfloat16: cuDNN's flash attention (resolve_attention), given the [T, T] mask.
+    assert r["fits"] and r["headroom"] >= 0.1 and r["attention_by_program"]["update"]["kernel"] == "cudnn"
+    assert "attention: update=cudnn ([T, T] (TreeMask.dense) mask)" in p.stdout
 
 
 @pytest.mark.slow
@@ -111,8 +112,11 @@ def test_itemised_state_is_what_xla_compiles():
     assert comm["all-reduce"] / n < 0.01  # scalars only (loss sums, the gradient norm)
 
 
-def test_default_attention_is_the_blockwise_kernel_with_bounded_blocks():
-    assert resolve_attention(None) == "blockwise" and resolve_attention("cudnn") == "cudnn"
+def test_default_attention_per_backend_and_the_blockwise_kernel_with_bounded_blocks():
+    assert resolve_attention(None, "gpu", "bfloat16") == resolve_attention(None, "gpu", "float16") == "cudnn"
+    assert resolve_attention(None, "gpu", "float32") == "blockwise"  # cuDNN's fused kernels take no float32
+    assert resolve_attention(None, "tpu", "bfloat16") == resolve_attention(None, "cpu", "bfloat16") == "blockwise"
+    assert resolve_attention("xla", "gpu", "bfloat16") == "xla" and resolve_attention("cudnn", "cpu") == "cudnn"
     assert blockwise_blocks(24000, "tpu") == {"block_size": 512, "skip_blocks": True}  # 512 x 512 whatever T
     # The accelerator blocks compute the same attention (3 x 3 blocks of 512 here) as the full-scores reference.
     b, t, n, k, h = 1, 1100, 4, 2, 16
@@ -155,8 +159,9 @@ def test_critic_config_plans_the_critic_update():
 def test_plan_names_the_attention_kernel_per_program_and_accounts_tree_packing():
     """Which kernel each program runs and whether it skips blocks; with tree training, the tree rule replaces the
     [T, T] mask and the micro-batches shrink by the saving the config guarantees (its prompt shared n ways)."""
-    flat = _analyse("arpo_qwen3_8b_deepsearch", "--config.actor.tree_training=false")
-    tree = _analyse("arpo_qwen3_8b_deepsearch")  # tree training is the default
+    blockwise = "--config.model.attention_impl=blockwise"  # the GPU default is cuDNN (given a [T, T] mask)
+    flat = _analyse("arpo_qwen3_8b_deepsearch", "--config.actor.tree_training=false", blockwise)
+    tree = _analyse("arpo_qwen3_8b_deepsearch", blockwise)  # tree training is the default
     assert flat["attention_by_program"]["update"] == {"kernel": "blockwise", "skip_blocks": True, "block": 512,
                                                       "mask": "[T, T]"}
     assert tree["attention_by_program"]["logprob_forward"]["mask"] == "tree rule"

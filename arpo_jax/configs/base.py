@@ -22,7 +22,8 @@ def get_config() -> ConfigDict:
     c.model.dtype = "bfloat16"  # compute dtype: float32 | bfloat16 | float16
     c.model.param_dtype = "float32"  # master weights / optimizer dtype
     c.model.remat = "full"  # activation checkpointing: none | full | dots | dots_no_batch (reference: grad-ckpt on)
-    # "" = blockwise (every backend: never [T, T] scores) | blockwise | cudnn (GPU flash) | xla (full scores)
+    # "" = cudnn on a GPU in bfloat16/float16, else blockwise (never [T, T] scores) | blockwise | cudnn | xla (full
+    # [T, T] scores)
     c.model.attention_impl = ""
     c.model.ref_on_host = False  # keep the reference model's params in host memory (reference: param_offload)
     # LoRA (arpo_jax.lora): train low-rank adapters on the projections, the base frozen (no gradients, no optimizer

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -79,10 +80,10 @@ class Config:
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"  # storage dtype of params (and of their gradients / optimizer moments)
     remat: str = "none"  # one of REMAT_POLICIES
-    # None: the blockwise kernel (`attention.blockwise_causal_attention`) on every backend (`resolve_attention`);
-    # "blockwise" the same; "xla" (jax.nn.dot_product_attention's XLA path: full [B, N, T, T] float32 scores);
-    # "cudnn" (cuDNN flash attention, GPU only). This is the training-time self-attention; the KV-cache path always
-    # uses `cached_attention`.
+    # None: per backend (`resolve_attention`): cuDNN flash attention on a GPU in bfloat16/float16, else the blockwise
+    # kernel (`attention.blockwise_causal_attention`); "blockwise", "cudnn" (GPU only), "xla"
+    # (jax.nn.dot_product_attention's XLA path: full [B, N, T, T] float32 scores) force one. This is the
+    # training-time self-attention; the KV-cache path always uses `cached_attention`.
     attention_impl: str | None = None
     sharding_rules: str = "fsdp_tp"  # name of a table in arpo_jax.sharding.RULES
     # Run the layers as one `lax.scan` over their stacked params (compiled once, whatever the depth) instead of a
@@ -360,19 +361,19 @@ class Attention(nnx.Module):
         heads. `causal_self`: S == T and the mask is causal (the training forward), where the blockwise kernel may be
         used. `cached`: k, v are one layer of a KVCache ([B, K, S, H]), attended in place by `cached_attention`."""
         scale = self.cfg.head_dim ** -0.5
-        impl = resolve_attention(self.cfg.attention_impl)
+        impl = resolve_attention(self.cfg.attention_impl, dtype=self.cfg.dtype)
         if cached:
             out = cached_attention(q, k, v, mask, scale=scale)
         elif causal_self and impl == "blockwise":
-            blocks = blockwise_blocks(q.shape[1])
-            if isinstance(mask, TreeMask):  # the rule is evaluated per block inside the kernel
-                out = blockwise_causal_attention(q, k, v, key_end=mask.key_end, scale=scale, **blocks)
-            else:
-                out = blockwise_causal_attention(q, k, v, mask, scale=scale, **blocks)
+            out = _blockwise(q, k, v, mask, scale)
+        elif causal_self and impl == "cudnn" and self.cfg.attention_impl is None:
+            try:  # the GPU default; cuDNN refuses some shapes and versions when the program is traced
+                out = _dense_attention(q, k, v, mask, scale, "cudnn")
+            except (NotImplementedError, RuntimeError, ValueError) as e:
+                _warn_cudnn_fallback(e)
+                out = _blockwise(q, k, v, mask, scale)
         else:
-            mask = mask.dense() if isinstance(mask, TreeMask) else mask
-            impl = None if impl == "blockwise" else impl
-            out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=impl)
+            out = _dense_attention(q, k, v, mask, scale, None if impl == "blockwise" else impl)
         return self.o_proj(out)  # [B, T, D]
 
     def __call__(self, x, positions, mask):
@@ -380,13 +381,46 @@ class Attention(nnx.Module):
         return self.attend(q, k, v, mask, causal_self=True)
 
 
-def resolve_attention(impl: str | None) -> str:
-    """The training self-attention `Attention.attend` runs for `Config.attention_impl`: None means "blockwise" on
-    every backend. jax 0.10's `dot_product_attention(implementation=None)` takes the XLA path for these inputs (a
-    boolean mask, packed segments) on GPU and TPU too, i.e. [B, N, T, T] float32 scores per layer: 13 GiB per row
-    at T = 11k (review B2). The blockwise kernel keeps one query block's scores at a time; "cudnn" stays an explicit
-    choice for GPUs (flash attention)."""
-    return "blockwise" if impl is None else impl
+def resolve_attention(impl: str | None, backend: str | None = None, dtype: str = "bfloat16") -> str:
+    """The training self-attention `Attention.attend` runs for `Config.attention_impl` on `backend` (default: JAX's)
+    in compute `dtype`. None: "cudnn" on a GPU in bfloat16/float16 (cuDNN's fused kernels take no float32), else
+    "blockwise". On an H100 (benchmarks/RESULTS.md, "On an H100") cuDNN ran a 517M model's update step 1.6x faster
+    than the blockwise kernel (48.8% vs 30.2% MFU), with gradients equal to a float32 reference within bfloat16
+    noise on packed rows; jax's `dot_product_attention(implementation=None)` would take the XLA path for these
+    inputs (a boolean mask, packed segments), i.e. [B, N, T, T] float32 scores per layer: 13 GiB per row at
+    T = 11k (review B2). The blockwise kernel keeps one block pair's scores at a time."""
+    if impl is not None:
+        return impl
+    gpu_dtype = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if (backend or jax.default_backend()) == "gpu" and gpu_dtype else "blockwise"
+
+
+def _blockwise(q, k, v, mask, scale):
+    blocks = blockwise_blocks(q.shape[1])
+    if isinstance(mask, TreeMask):  # the rule is evaluated per block inside the kernel
+        return blockwise_causal_attention(q, k, v, key_end=mask.key_end, scale=scale, **blocks)
+    return blockwise_causal_attention(q, k, v, mask, scale=scale, **blocks)
+
+
+def _dense_attention(q, k, v, mask, scale, implementation):
+    """`jax.nn.dot_product_attention` under a [B, 1, T, S] boolean mask (a `TreeMask` made dense). cuDNN's output
+    and gradients at a query that sees no key (padding) are not the XLA path's, and do not matter: the loss gives
+    those positions a zero cotangent (benchmarks/plan_vs_device.py checks both cases)."""
+    mask = mask.dense() if isinstance(mask, TreeMask) else mask
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
+
+
+_CUDNN_FALLBACK_WARNED: list[str] = []
+
+
+def _warn_cudnn_fallback(error: Exception) -> None:
+    """Once per process: the default attention on this GPU is the blockwise kernel, and why."""
+    if not _CUDNN_FALLBACK_WARNED:
+        _CUDNN_FALLBACK_WARNED.append(str(error))
+        warnings.warn(f"cuDNN attention is not available for this model or this GPU ({type(error).__name__}: "
+                      f"{str(error).splitlines()[0][:200]}); using the blockwise kernel. Set "
+                      "model.attention_impl=blockwise to choose it without this message.", RuntimeWarning,
+                      stacklevel=3)
 
 
 def blockwise_blocks(t: int, backend: str | None = None) -> dict:
