@@ -259,6 +259,7 @@ def test_cpu_training_forward_uses_blockwise_attention(tiny_hf_dir):
     np.testing.assert_allclose(default(ids), xla(ids), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="a real GPU does not refuse cuDNN")
 def test_gpu_default_cudnn_attention_falls_back_to_blockwise_when_refused(tiny_hf_dir, monkeypatch):
     """On a GPU in bfloat16 the default is cuDNN; a GPU or shape cuDNN refuses (here: a CPU told it is a GPU, where
     jax raises "cuDNN is not detected" while tracing) runs the blockwise kernel with one warning and the same
