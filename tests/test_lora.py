@@ -13,7 +13,7 @@ import torch
 from flax import nnx, traverse_util
 
 import arpo_jax
-from arpo_jax import convert, hf, lora, lora_io, packing, sharding
+from arpo_jax import convert, hf, lora, lora_io, packing, sharding, testing
 from arpo_jax import train_step as ts
 from arpo_jax.models.transformer import LORA_TARGETS
 
@@ -49,14 +49,14 @@ def test_zero_b_is_the_base_model_exactly(tiny):
     model = lora.with_adapters(base, RANK, ALPHA)
     ids = _ids()
     base_logits, logits = np.asarray(_logits(base, ids)), np.asarray(_logits(model, ids))
-    np.testing.assert_array_equal(logits, base_logits)
+    testing.assert_equal_on_cpu(logits, base_logits)
     batch = {"input_ids": ids[None], "targets": jnp.roll(ids, -1, 1)[None],
              "positions": jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)[None],
              "segment_ids": jnp.ones_like(ids)[None]}
     lp_base = ts.jit_forward_logprobs(*ts.split_model(base)[:1], base.config)(ts.split_model(base)[1], batch)[0]
     graphdef, params = ts.split_model(model)
     lp = ts.jit_forward_logprobs(graphdef, model.config)(params, batch)[0]
-    np.testing.assert_array_equal(np.asarray(lp), np.asarray(lp_base))
+    testing.assert_equal_on_cpu(lp, lp_base)
     # Adapters on every target, float32 over the base, A [r, in...] / B [out..., r], B zero.
     q = model.layer(0).self_attn.q_proj
     assert q.lora_a.shape == (RANK, base.config.hidden_size) and q.lora_a.dtype == jnp.float32
