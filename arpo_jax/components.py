@@ -24,6 +24,7 @@ from arpo_jax.rollout.sampler import Sampler, SamplingSettings
 from arpo_jax.tools import ToolExecutor, make_executor
 
 ROLLOUT_ENGINES = ("jax", "vllm")  # rollout.engine (training); eval and demo also take the others
+LORA_SYNCS = ("adapters", "merged")  # rollout.vllm.lora_sync
 ENGINES = (*ROLLOUT_ENGINES, "openai", "transformers")
 
 
@@ -104,7 +105,8 @@ def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=
                            dtype=v.dtype, max_model_len=max_len, seed=cfg.seed, enforce_eager=v.enforce_eager,
                            gpu_memory_utilization=v.gpu_memory_utilization, cpu_kv_cache_gb=v.cpu_kv_cache_gb,
                            engines=v.engines or None, tensor_parallel_size=v.tensor_parallel_size,
-                           lora_rank=cfg.model.lora.rank)  # > 0: weight syncs send the adapters only
+                           # > 0: an engine with LoRA layers, and weight syncs send the adapters only
+                           lora_rank=cfg.model.lora.rank if v.lora_sync == "adapters" else 0)
     if engine == "transformers":
         import torch
         from transformers import AutoModelForCausalLM

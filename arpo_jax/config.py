@@ -118,6 +118,7 @@ def _direct_enums() -> dict[str, tuple]:
         "data.system_prompt": ("auto", *prompts.SYSTEM_PROMPTS),
         "rollout.engine": components.ROLLOUT_ENGINES,
         "rollout.vllm.dtype": ("auto", "bfloat16", "float16", "float32"),
+        "rollout.vllm.lora_sync": components.LORA_SYNCS,
         "tools.search.backend": tuple(tools._SEARCH_BACKENDS),
         "reward.name": (*rewards.REWARDS, "auto"),
         "algorithm.adv_estimator": (*algos.ADVANTAGE_ESTIMATORS, "gae"),  # gae: PPO with a critic

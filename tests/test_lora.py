@@ -355,11 +355,14 @@ def test_plan_has_no_optimizer_state_for_the_frozen_base(tiny):
 
 def test_sync_kind_falls_back_to_merged_weights_with_the_reason_logged_once(caplog):
     """Where the engine cannot take adapters, a LoRA policy syncs merged full weights: the reason is logged once."""
-    from arpo_jax.rollout.vllm_sampler import VllmSampler
+    from arpo_jax.rollout.vllm_sampler import VllmEngineConfig, VllmSampler
     from arpo_jax.rollout.vllm_worker import _lora_engine_kwargs
 
     sampler = VllmSampler.__new__(VllmSampler)  # no engine: only the decision
-    sampler._lora_fallback, sampler.info = "", {"lora": True, "max_lora_rank": 8, "lora_error": ""}
+    sampler.config, sampler._lora_fallback, sampler.info = VllmEngineConfig("m", lora_rank=0), "", {"lora": False}
+    assert sampler.sync_kind(8) == "full" and not caplog.text  # no LoRA layers by choice (lora_sync=merged): quiet
+    sampler.config = VllmEngineConfig("m", lora_rank=8)
+    sampler.info = {"lora": True, "max_lora_rank": 8, "lora_error": ""}
     assert sampler.sync_kind(0) == "full" and sampler.sync_kind(8) == "adapters"
     assert sampler.sync_kind(16) == "full" and "rank 16 > the engine's max_lora_rank 8" in caplog.text
     sampler.info = {"lora": False, "lora_error": "vLLM could not start the engine with LoRA (X)"}

