@@ -236,7 +236,8 @@ def _random_model(args, work_dir: Path, max_len: int):
     tok = _tokenizer(args.vocab, model_dir)
     ref = testing.make_tiny_hf_model(model_dir, "qwen2", vocab_size=args.vocab, hidden_size=args.hidden,
                                      num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                                     intermediate_size=args.intermediate or 3 * args.hidden, max_position_embeddings=max_len + 64)
+                                     intermediate_size=args.intermediate or 3 * args.hidden,
+                                     max_position_embeddings=max_len + 64)
     with torch.no_grad():  # EOS practically impossible (see the module docstring)
         ref.lm_head.weight.mul_(8.0)
         ref.lm_head.weight[tok.eos_token_id] = 0.0
