@@ -90,7 +90,7 @@ def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=
 
         return JaxSampler(model, tokenizer, max_len=max_len, mesh=mesh, decode_chunk=cfg.rollout.jax.decode_chunk,
                           prefill_chunk=cfg.rollout.jax.prefill_chunk,
-                          max_tokens_per_call=cfg.rollout.jax.max_tokens_per_call)
+                          max_tokens_per_call=cfg.rollout.jax.max_tokens_per_call, layout=cfg.rollout.jax.layout)
     if engine == "vllm":
         from arpo_jax.rollout.vllm_sampler import VllmSampler, engine_devices, host_gpus
 

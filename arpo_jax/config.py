@@ -105,6 +105,7 @@ def _direct_enums() -> dict[str, tuple]:
     from arpo_jax import algos, components, memory_model, prompts, rewards, shaping, sharding, tools, train_step
     from arpo_jax.data import rl_dataset
     from arpo_jax.models import transformer
+    from arpo_jax.rollout import jax_decode
 
     return {
         "model.dtype": transformer.DTYPES,
@@ -119,6 +120,7 @@ def _direct_enums() -> dict[str, tuple]:
         "rollout.engine": components.ROLLOUT_ENGINES,
         "rollout.vllm.dtype": ("auto", "bfloat16", "float16", "float32"),
         "rollout.vllm.lora_sync": components.LORA_SYNCS,
+        "rollout.jax.layout": jax_decode.LAYOUTS,
         "tools.search.backend": tuple(tools._SEARCH_BACKENDS),
         "reward.name": (*rewards.REWARDS, "auto"),
         "algorithm.adv_estimator": (*algos.ADVANTAGE_ESTIMATORS, "gae"),  # gae: PPO with a critic

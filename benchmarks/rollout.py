@@ -27,6 +27,7 @@ there: `first_call_s`); vLLM's prefix cache is reset before each timed run. vLLM
 
   python benchmarks/rollout.py [--model smollm2-135m-instruct|PATH|random] [--batch 32 --prompt 150 --new 100]
                                [--dtype float32|bfloat16] [--engines jax,vllm,transformers] [--repeats 1]
+                               [--jax-layout auto|unrolled|scanned]
 
 Prints a table, then a final JSON line with the ratios.
 """
@@ -267,6 +268,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--engines", default="jax,vllm,transformers")
+    ap.add_argument("--jax-layout", default="auto", choices=("auto", "unrolled", "scanned"),
+                    help="the JAX sampler's decode layout (rollout.jax.layout)")
     ap.add_argument("--measure", default="gen,rounds,branches", help="which of the three measurements to run")
     ap.add_argument("--dir", default="/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir())
     args = ap.parse_args()
@@ -319,10 +322,11 @@ def main() -> None:
             from arpo_jax.rollout.jax_sampler import TRACE_COUNTS, JaxSampler
 
             sampler = JaxSampler(arpo_jax.from_pretrained(model_dir, dtype=args.dtype), tok, max_len=max_len,
-                                 restrict_to_tokenizer=filled, logprobs_mode="raw")
+                                 restrict_to_tokenizer=filled, logprobs_mode="raw", layout=args.jax_layout)
             rows["jax"] = _measure("jax", sampler, work, args)
             extra["jax_compiles"] = dict(TRACE_COUNTS)
             extra["jax_device"] = jax.devices()[0].device_kind
+            extra["jax_layout"] = "unrolled" if sampler._cpu else "scanned"
             del sampler
         if "vllm" in engines:
             from arpo_jax.rollout.vllm_sampler import VllmSampler

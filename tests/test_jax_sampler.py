@@ -451,3 +451,25 @@ def test_sleep_frees_the_weights_until_the_next_update(tiny_hf_dir, tokenizer):
         sampler.generate(req, GREEDY)
     sampler.update_weights(arpo_jax.from_pretrained(path))
     _assert_same_results(sampler.generate(req, GREEDY), before)
+
+
+def test_scanned_layout_samples_as_the_unrolled_one(tiny_hf_dir, tokenizer):
+    """`layout="scanned"` (one lax.scan over the stacked layers and cache: what GPUs and TPUs run by default) draws the
+    same seeded samples and log-probs as the unrolled CPU layout, in a first call and in a continuation after a tool
+    result (the cache regathered), so the accelerators' decode path is checked on CPU too."""
+    path, _ = tiny_hf_dir("qwen2")
+    sampled = SamplingSettings(temperature=1.0, stop=(), logprobs=5, logprob_positions=8, seed=11)
+    tool = tokenizer.encode(" <result>\n42\n</result>")
+    runs = []
+    for layout in ("unrolled", "scanned"):
+        sampler = _sampler(path, tokenizer, layout=layout, decode_chunk=4)
+        assert sampler._cpu == (layout == "unrolled")
+        prompts = _prompts([7, 12], seed=5)
+        first = sampler.generate([SampleRequest(p, 10, slot_id=i) for i, p in enumerate(prompts)], sampled)
+        ctx = [p + r.token_ids + tool for p, r in zip(prompts, first)]
+        runs.append(first + sampler.generate([SampleRequest(c, 8, slot_id=i) for i, c in enumerate(ctx)], sampled))
+        assert sampler.last_stats["reused_tokens"] > 0
+    _assert_same_results(*runs)
+    assert len({tuple(r.token_ids) for r in runs[0]}) == 4  # not degenerate: four different samples
+    with pytest.raises(ValueError, match="layout='stacked'; allowed: auto, unrolled, scanned"):
+        _sampler(path, tokenizer, layout="stacked")

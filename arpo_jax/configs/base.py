@@ -113,6 +113,10 @@ def get_config() -> ConfigDict:
     # in chunks of the largest batch bucket that fits, one after another (same samples: per-request seeds). Bounds
     # the cache `arpo-jax plan` counts for the sampler. 0 = no limit (the whole call in one cache).
     c.rollout.jax.max_tokens_per_call = 0
+    # The decode program's layout: "unrolled" (per-layer weights and cache buffers, what XLA's CPU matmuls want),
+    # "scanned" (one lax.scan over the stacked layers: compiles in one layer's time at any depth), "auto" = unrolled
+    # on CPU, scanned on accelerators. Same samples either way.
+    c.rollout.jax.layout = "auto"
     c.rollout.vllm = ConfigDict()
     c.rollout.vllm.python = ""  # interpreter of a virtualenv with vllm; "" = this one
     c.rollout.vllm.dtype = "auto"  # auto = the exported weights' dtype

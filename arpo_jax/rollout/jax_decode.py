@@ -175,6 +175,9 @@ def _counted(name, fn):
     return traced
 
 
+LAYOUTS = ("auto", "unrolled", "scanned")  # JaxSampler(layout=...), rollout.jax.layout
+
+
 def cpu_layout() -> bool:
     """Whether to lay the sampler out for XLA's CPU backend, which copies what its matmuls read unless it is laid out
     as they want: Linear weights inputs first and per layer (`input_major_linears`, which also unstacks the stored
@@ -182,7 +185,8 @@ def cpu_layout() -> bool:
     cache's layout from allocation on), instead of a copy of every weight (HF layout, or a slice of the stacked
     layers) and of every layer's cache at every step. At batch 32 on SmolLM2 that was about a third of
     a decode step's CPU time (benchmarks/RESULTS.md, issue 20). The price is compiles that grow with depth;
-    accelerators' matmuls read either layout, so they keep the scan."""
+    accelerators' matmuls read either layout, so they keep the scan (on a GPU the unrolled layout is unmeasured:
+    `rollout.jax.layout=unrolled` tries it)."""
     return jax.default_backend() == "cpu"
 
 

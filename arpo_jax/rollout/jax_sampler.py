@@ -56,6 +56,7 @@ from jax.sharding import Mesh
 
 from arpo_jax.models.transformer import KVCache
 from arpo_jax.rollout.jax_decode import (  # noqa: F401 - process_logits, sample_categorical: importable from here too
+    LAYOUTS,
     TRACE_COUNTS,
     cpu_layout,
     decode_weights,
@@ -162,15 +163,22 @@ class JaxSampler(Sampler):
       restrict_to_tokenizer: sample only ids the tokenizer knows (the reference's allowed_token_ids).
       max_tokens_per_call: KV-cache slots (rows bucket x cache length, the whole process) one program may hold;
         a call with more runs in chunks (module docstring). 0 = no limit.
+      layout: "unrolled" (the layers unrolled over per-layer weights laid out inputs first and per-layer cache
+        buffers), "scanned" (one `lax.scan` over the stored stacked layers and a stacked cache), or "auto":
+        unrolled on CPU, scanned on accelerators (`jax_decode.cpu_layout`). Same samples either way.
     """
 
     def __init__(self, model, tokenizer, *, max_len: int, mesh: Mesh | None = None,
                  eos_ids: Sequence[int] | None = None, decode_chunk: int = 16, prefill_chunk: int = 512,
                  batch_buckets: Sequence[int] | None = None, length_buckets: Sequence[int] | None = None,
-                 logprobs_mode: str = "processed", restrict_to_tokenizer: bool = True, max_tokens_per_call: int = 0):
+                 logprobs_mode: str = "processed", restrict_to_tokenizer: bool = True, max_tokens_per_call: int = 0,
+                 layout: str = "auto"):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout={layout!r}; allowed: {', '.join(LAYOUTS)}")
         graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
         self.config = cfg = nnx.merge(graphdef, state).config
-        self._model_graphdef, self._cpu = graphdef, cpu_layout()
+        self._model_graphdef = graphdef
+        self._cpu = layout == "unrolled" or (layout == "auto" and cpu_layout())  # the unrolled layout
         # What update_weights takes: the model's state (HF layout), shapes only.
         self._model_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
         if self._cpu:  # the sampler keeps its own copy of the weights, laid out for the CPU's matmuls
