@@ -326,7 +326,7 @@ def main() -> None:
             rows["jax"] = _measure("jax", sampler, work, args)
             extra["jax_compiles"] = dict(TRACE_COUNTS)
             extra["jax_device"] = jax.devices()[0].device_kind
-            extra["jax_layout"] = "unrolled" if sampler._cpu else "scanned"
+            extra["jax_layout"] = "unrolled" if sampler._unrolled else "scanned"
             del sampler
         if "vllm" in engines:
             from arpo_jax.rollout.vllm_sampler import VllmSampler

@@ -463,7 +463,7 @@ def test_scanned_layout_samples_as_the_unrolled_one(tiny_hf_dir, tokenizer):
     runs = []
     for layout in ("unrolled", "scanned"):
         sampler = _sampler(path, tokenizer, layout=layout, decode_chunk=4)
-        assert sampler._cpu == (layout == "unrolled")
+        assert sampler._unrolled == (layout == "unrolled")
         prompts = _prompts([7, 12], seed=5)
         first = sampler.generate([SampleRequest(p, 10, slot_id=i) for i, p in enumerate(prompts)], sampled)
         ctx = [p + r.token_ids + tool for p, r in zip(prompts, first)]

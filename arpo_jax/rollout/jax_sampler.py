@@ -178,10 +178,10 @@ class JaxSampler(Sampler):
         graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
         self.config = cfg = nnx.merge(graphdef, state).config
         self._model_graphdef = graphdef
-        self._cpu = layout == "unrolled" or (layout == "auto" and cpu_layout())  # the unrolled layout
+        self._unrolled = layout == "unrolled" or (layout == "auto" and cpu_layout())
         # What update_weights takes: the model's state (HF layout), shapes only.
         self._model_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-        if self._cpu:  # the sampler keeps its own copy of the weights, laid out for the CPU's matmuls
+        if self._unrolled:  # the sampler keeps its own copy of the weights, laid out for the CPU's matmuls
             graphdef = input_major_graphdef(graphdef, state)
         self._graphdef = graphdef
         self._set_state(state)
@@ -214,7 +214,7 @@ class JaxSampler(Sampler):
         allowed[ids] = True
         self._allowed = jnp.asarray(allowed) if restrict_to_tokenizer and not allowed.all() else None
         self.trace_counts = TRACE_COUNTS
-        self._fns = jitted(graphdef, cfg, self._cpu)
+        self._fns = jitted(graphdef, cfg, self._unrolled)
         self._cache: KVCache | None = None
         self._slots: dict[int, _Slot] = {}
         self.last_stats: dict[str, int] = {}
@@ -224,7 +224,7 @@ class JaxSampler(Sampler):
         on CPU laid out for its matmuls."""
         self._state = None  # the old weights go before the new copy is made
         state = decode_weights(state, self.config.compute_dtype)
-        if self._cpu:
+        if self._unrolled:
             state = to_input_major(self._model_graphdef)(state)
         self._state = jax.block_until_ready(state)
 
