@@ -190,6 +190,15 @@ def cpu_layout() -> bool:
     return jax.default_backend() == "cpu"
 
 
+def unrolled_layout(layout: str) -> bool:
+    """Whether a sampler with `layout` runs the unrolled layout: "unrolled" (per-layer weights laid out inputs first
+    and per-layer cache buffers, `cpu_layout`), "scanned" (one `lax.scan` over the stored stacked layers and a
+    stacked cache), or "auto" (unrolled on CPU, scanned on accelerators)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}; allowed: {', '.join(LAYOUTS)}")
+    return layout == "unrolled" or (layout == "auto" and cpu_layout())
+
+
 @functools.lru_cache(maxsize=8)
 def jitted(graphdef, cfg, per_layer_cache: bool = False) -> SimpleNamespace:
     """The jitted prefill / decode / regather / init functions of one model architecture (cache donated)."""

@@ -56,15 +56,14 @@ from jax.sharding import Mesh
 
 from arpo_jax.models.transformer import KVCache
 from arpo_jax.rollout.jax_decode import (  # noqa: F401 - process_logits, sample_categorical: importable from here too
-    LAYOUTS,
     TRACE_COUNTS,
-    cpu_layout,
     decode_weights,
     input_major_graphdef,
     jitted,
     process_logits,
     sample_categorical,
     to_input_major,
+    unrolled_layout,
 )
 from arpo_jax.rollout.sampler import Sampler, SampleRequest, SampleResult, SamplingSettings, find_stop, request_seed
 from arpo_jax.sharding import get_rules
@@ -163,9 +162,7 @@ class JaxSampler(Sampler):
       restrict_to_tokenizer: sample only ids the tokenizer knows (the reference's allowed_token_ids).
       max_tokens_per_call: KV-cache slots (rows bucket x cache length, the whole process) one program may hold;
         a call with more runs in chunks (module docstring). 0 = no limit.
-      layout: "unrolled" (the layers unrolled over per-layer weights laid out inputs first and per-layer cache
-        buffers), "scanned" (one `lax.scan` over the stored stacked layers and a stacked cache), or "auto":
-        unrolled on CPU, scanned on accelerators (`jax_decode.cpu_layout`). Same samples either way.
+      layout: "unrolled", "scanned" or "auto" (`jax_decode.unrolled_layout`); the same samples either way.
     """
 
     def __init__(self, model, tokenizer, *, max_len: int, mesh: Mesh | None = None,
@@ -173,14 +170,10 @@ class JaxSampler(Sampler):
                  batch_buckets: Sequence[int] | None = None, length_buckets: Sequence[int] | None = None,
                  logprobs_mode: str = "processed", restrict_to_tokenizer: bool = True, max_tokens_per_call: int = 0,
                  layout: str = "auto"):
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout={layout!r}; allowed: {', '.join(LAYOUTS)}")
         graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
         self.config = cfg = nnx.merge(graphdef, state).config
-        self._model_graphdef = graphdef
-        self._unrolled = layout == "unrolled" or (layout == "auto" and cpu_layout())
-        # What update_weights takes: the model's state (HF layout), shapes only.
-        self._model_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+        self._model_graphdef, self._unrolled = graphdef, unrolled_layout(layout)
+        self._model_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)  # update_weights
         if self._unrolled:  # the sampler keeps its own copy of the weights, laid out for the CPU's matmuls
             graphdef = input_major_graphdef(graphdef, state)
         self._graphdef = graphdef
@@ -220,8 +213,7 @@ class JaxSampler(Sampler):
         self.last_stats: dict[str, int] = {}
 
     def _set_state(self, state) -> None:
-        """The weights to sample with, from the model's state (HF layout): in the compute dtype (`decode_weights`),
-        on CPU laid out for its matmuls."""
+        """The weights to sample with: the model's state (HF layout) in the compute dtype and the decode's layout."""
         self._state = None  # the old weights go before the new copy is made
         state = decode_weights(state, self.config.compute_dtype)
         if self._unrolled:
