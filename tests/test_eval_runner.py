@@ -117,13 +117,32 @@ def judge_server(verdict):
         yield url, prompts
 
 
-def _judged(shared, tiny_model, name: str, verdict, limit: int = 2) -> tuple[Path, dict, list[str]]:
+JUDGED_QUESTIONS = 4  # hotpotqa's first four: the judge fails on the first, says "Correct" to the second, mixes
+
+
+def _verdict(questions: list[str]):
+    """The judge's reply by question: 500 for the first, "Correct" for the second, and for the others a verdict that
+    depends on the prediction only (deterministic whatever the order of the concurrent requests)."""
+    def verdict(prompt):
+        if f"Question: {questions[0]}\n" in prompt:
+            return 500, "server error"
+        if f"Question: {questions[1]}\n" in prompt:
+            return 200, "Correct"
+        return 200, "Correct" if zlib.crc32(prompt.encode()) % 2 else "Incorrect"
+    return verdict
+
+
+@pytest.fixture(scope="module")
+def judged(shared, tiny_model):
+    """One evaluation with an LLM judge on loopback: (workdir, summary, prompts the judge received, questions)."""
     root, env = shared
-    workdir = root / name
-    with judge_server(verdict) as (url, prompts):
+    workdir = root / "judged"
+    questions = [s.question for s in load_benchmark("hotpotqa", limit=JUDGED_QUESTIONS)]
+    with judge_server(_verdict(questions)) as (url, prompts):
         summary = _run(_eval_cmd(workdir, tiny_model, "--judge-url", url, "--judge-model", "judge",
-                                 "--config.data.max_response_length=16", benchmarks=("hotpotqa",), limit=limit), env)
-    return workdir, summary, prompts
+                                 "--config.data.max_response_length=16", benchmarks=("hotpotqa",),
+                                 limit=JUDGED_QUESTIONS), env)
+    return workdir, summary, prompts, questions
 
 
 # ------------------------------------------------------------------------------------------------------- tests
@@ -212,43 +231,34 @@ def test_sigkill_and_a_torn_write_resume_to_the_uninterrupted_report(evaluated, 
     assert again["benchmarks"] == resumed["benchmarks"] == evaluated[1]["benchmarks"]
 
 
-def test_a_judge_that_says_correct_decides(shared, tiny_model):
-    workdir, summary, prompts = _judged(shared, tiny_model, "judge_correct", lambda prompt: (200, "Correct"))
+def test_the_judge_decides_a_failing_judge_falls_back_and_pass_at_k_is_the_samples(judged):
+    workdir, summary, prompts, questions = judged
     records = _samples(workdir, "hotpotqa")
-    assert len(records) == 2 * K and len(prompts) == 2 * K
-    assert all(r["correct"] and r["llm_equal"] == 1.0 and r["judge_source"] == "judge" for r in records)
-    assert summary["benchmarks"]["hotpotqa"]["pass@1"] == 1.0
-    assert json.loads((workdir / "report.json").read_text())["judge"] == {"model": "judge"}
-
-
-def test_mixed_judge_verdicts_give_the_pass_at_k_of_the_samples(shared, tiny_model):
-    # Deterministic verdicts that depend on the prediction only (not on the order of concurrent requests).
-    verdict = lambda prompt: (200, "Correct" if zlib.crc32(prompt.encode()) % 2 else "Incorrect")
-    workdir, summary, _ = _judged(shared, tiny_model, "judge_mixed", verdict, limit=4)
-    records = _samples(workdir, "hotpotqa")
-    assert 0 < sum(r["correct"] for r in records) < len(records)
+    assert len(records) == JUDGED_QUESTIONS * K and summary["chunks"]["failed"] == 0
+    by_question = [[r for r in records if r["question_index"] == q] for q in range(JUDGED_QUESTIONS)]
+    failing, correct, mixed = by_question[0], by_question[1], by_question[2] + by_question[3]
+    # The failing judge was retried, then the rule decided (a random model's prediction is wrong by the rule).
+    assert sum(f"Question: {questions[0]}\n" in p for p in prompts) > K
+    assert all(r["judge_source"] == "fallback" and r["judge_error"] and not r["correct"] for r in failing)
+    # A judge that says correct decides, whatever the rule says.
+    assert all(r["correct"] and r["llm_equal"] == 1.0 and r["judge_source"] == "judge" for r in correct)
+    # Mixed verdicts: pass@1 and pass@k are those of the samples.
+    assert 0 < sum(r["correct"] for r in mixed) < len(mixed)
+    assert all(r["judge_source"] == "judge" and r["judge_error"] is None for r in mixed)
     p1, pk = _by_hand(records, K)
     assert summary["benchmarks"]["hotpotqa"]["pass@1"] == pytest.approx(p1)
     assert summary["benchmarks"]["hotpotqa"]["pass@k"] == pytest.approx(pk)
+    assert json.loads((workdir / "report.json").read_text())["judge"] == {"model": "judge"}
 
 
-def test_a_failing_judge_falls_back_and_the_run_finishes(shared, tiny_model):
-    workdir, summary, prompts = _judged(shared, tiny_model, "judge_500", lambda prompt: (500, "server error"))
-    records = _samples(workdir, "hotpotqa")
-    assert len(records) == 2 * K and len(prompts) > len(records)  # retried
-    assert all(r["judge_source"] == "fallback" and r["judge_error"] and not r["correct"] for r in records)
-    assert summary["chunks"]["failed"] == 0
-
-
-def test_compare_puts_eval_and_training_runs_side_by_side(evaluated, shared, capsys):
+def test_compare_puts_eval_and_training_runs_side_by_side(evaluated, judged, shared, capsys):
     root, _ = shared
     train = root / "train_run"
     with metrics.MetricsLogger(train, loggers=("jsonl",)) as logger:
         for step in (1, 2, 3):
             logger.log(step, {"reward/mean": 0.125 * step, "tools/calls_per_trajectory/mean": 0.5 + step})
         logger.log(3, {"val/accuracy": 0.375})
-    judged = root / "judge_correct"
-    runs = [str(evaluated[0]), str(judged), str(train)] if judged.is_dir() else [str(evaluated[0]), str(train)]
+    runs = [str(evaluated[0]), str(judged[0]), str(train)]
     out = root / "compare"
     assert cli.main(["compare", *runs, "--out", str(out)]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -262,8 +272,9 @@ def test_compare_puts_eval_and_training_runs_side_by_side(evaluated, shared, cap
     rep = json.loads((evaluated[0] / "report.json").read_text())
     for name, m in rep["benchmarks"].items():
         assert f"| {name} | {report_lib.pct(m['pass@1'])} / {report_lib.pct(m['pass@k'])} |" in md
-    if judged.is_dir():
-        assert "| hotpotqa | 0.0 / 0.0 | 100.0 / 100.0 | – |" in md
+    untrained, with_judge = rep["benchmarks"]["hotpotqa"], judged[1]["benchmarks"]["hotpotqa"]
+    assert (f"| hotpotqa | {report_lib.pct(untrained['pass@1'])} / {report_lib.pct(untrained['pass@k'])} | "
+            f"{report_lib.pct(with_judge['pass@1'])} / {report_lib.pct(with_judge['pass@k'])} | – |") in md
     assert (out / report_lib.COMPARE_PNG).is_file() == HAS_MATPLOTLIB
 
 
