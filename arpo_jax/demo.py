@@ -348,7 +348,8 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     the exported model also answers in vLLM (default: when installed, full runs only). `lora`: the RL phase trains
     LoRA adapters (`LORA_RANK` on every projection, lr `LORA_LR`) over the frozen SFT model, in `workdir/<algo>_lora/`;
     on a host without GPUs vLLM gets the merged weights each step (`rollout.vllm.lora_sync=merged`).
-    `overrides`: `KEY=VALUE` config fields set after the demo's own (`arpo-jax demo --set`), for SFT and RL.
+    `overrides`: `KEY=VALUE` config fields set after the demo's own (`arpo-jax demo --set`), for SFT and RL (after
+    the `lora` settings too, so `--set actor.lr=2e-4 --set model.lora.rank=64` sweeps the LoRA run).
     """
     from arpo_jax import config_args, metrics, trainer
     from arpo_jax.rollout.vllm_sampler import host_gpus
@@ -386,11 +387,7 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     _log(f"3/6 {algo.upper()} from the SFT model: {size.rl_steps} steps of {cfg.data.train_batch_size} prompts x "
          f"n={cfg.rollout.n}; greedy validation on {size.val_prompts} held-out questions before the first step (the "
          f"SFT baseline) and every {size.test_freq} steps")
-    with cfg.unlocked():
-        cfg.model.init_checkpoint = sft_summary["checkpoint_dir"]
-        if lora:  # the RL phase only (set after SFT): the SFT model, shared by every algorithm here, is the base
-            cfg.model.lora.rank, cfg.model.lora.alpha, cfg.actor.lr = LORA_RANK, 2.0 * LORA_RANK, LORA_LR
-            cfg.trainer.experiment += "_lora"
+    rl_phase_config(cfg, sft_summary["checkpoint_dir"], lora=lora, overrides=overrides)
     rl_summary = trainer.train(cfg, out / "rl")
     release_memory()
     times["rl"] = time.perf_counter() - t
@@ -415,6 +412,21 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     _log_outcome(summary, size.rl_steps, out)
     return summary
+
+
+def rl_phase_config(cfg, sft_checkpoint: str, *, lora: bool, overrides: Sequence[str] = ()) -> None:
+    """Step 3's settings on `cfg` (after SFT): start from the SFT checkpoint; with `lora`, adapters (`LORA_RANK`,
+    alpha 2 x rank, lr `LORA_LR`) over it as the frozen base, and then the `--set` overrides again, so that the
+    user's values win (`--set actor.lr=2e-4 --set model.lora.rank=64` sweeps the LoRA run)."""
+    from arpo_jax import config_args
+
+    with cfg.unlocked():
+        cfg.model.init_checkpoint = sft_checkpoint
+        if lora:  # the RL phase only: the SFT model, shared by every algorithm in the work dir, is the base
+            cfg.model.lora.rank, cfg.model.lora.alpha, cfg.actor.lr = LORA_RANK, 2.0 * LORA_RANK, LORA_LR
+            cfg.trainer.experiment += "_lora"
+    if lora and overrides:
+        config_args.apply_overrides(cfg, overrides)
 
 
 def cold_start_sft(cfg, sft_dir: Path, size: DemoSize, model: str) -> dict:

@@ -262,6 +262,12 @@ def test_set_overrides_the_demo_config_typed_and_checked():
                                       "actor.logprob_chunk=128"])
     assert (cfg.rollout.max_staleness, cfg.actor.tree_training, cfg.actor.logprob_chunk) == (1, False, 128)
     assert cfg.data.max_prompt_length == 128  # the rest of the demo's settings stay
+    # `--lora` sets the RL phase's rank and lr after SFT; the user's --set still wins there.
+    sweep = demo.demo_config(demo.DEFAULT_MODEL, demo.FULL, "arpo", 0, "jax")
+    demo.rl_phase_config(sweep, "/sft/checkpoints", lora=True, overrides=["actor.lr=2e-4"])
+    assert (sweep.model.lora.rank, sweep.actor.lr, sweep.model.init_checkpoint) == (16, 2e-4, "/sft/checkpoints")
+    demo.rl_phase_config(cfg, "/sft/checkpoints", lora=True)
+    assert (cfg.model.lora.rank, cfg.model.lora.alpha, cfg.actor.lr) == (16, 32.0, demo.LORA_LR)
     for bad, words in ((["actor.nope=1"], "actor.nope"), (["actor.lr=fast"], "actor.lr"), (["actor.lr"], "KEY=VALUE")):
         with pytest.raises(ValueError, match=words):
             config_args.apply_overrides(cfg, bad)
