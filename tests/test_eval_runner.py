@@ -35,6 +35,9 @@ TOY = str(REPO / "arpo_jax" / "configs" / "toy_cpu.py")
 BENCHMARKS = ("gsm8k", "hotpotqa", "aime24")
 LIMIT, K, BATCH = 3, 2, 2
 OVERRIDES = ("--config.data.max_prompt_length=512", "--config.data.max_response_length=32")
+# One worker runs the module (`--dist loadgroup`): its tests share the `evaluated` run (a subprocess evaluation),
+# which each worker would otherwise run again.
+pytestmark = pytest.mark.xdist_group("eval_runner")
 HAS_MATPLOTLIB = bool(__import__("importlib").util.find_spec("matplotlib"))
 VOLATILE = ("seconds",)  # wall time: the only record field that may differ between two runs
 
