@@ -55,6 +55,7 @@ def test_missing_input_is_a_clear_error(tmp_path, capsys):
     assert "no checkpoint found" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a quickstart run (~35 s)
 def test_quickstart_runs_end_to_end(tmp_path, capsys):
     # 60 steps, not the command's 300: the loss is already 0.85 of 5.72 (at 100: 0.72; the fit is most of the time)
     assert cli.main(["quickstart", "--workdir", str(tmp_path / "qs"), "--fit-steps=60"]) == 0

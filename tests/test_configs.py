@@ -249,6 +249,7 @@ def test_enum_values_come_from_the_code():
     assert allowed["actor.loss"] == tuple(algos.POLICY_LOSSES) and allowed["mesh.rules"] == tuple(sharding.RULES)
 
 
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_configs_load_from_another_directory(tmp_path):
     """config_flags imports a file by path: `from arpo_jax.configs.base import ...` must work wherever the run starts,
     and `builtin:NAME` names the shipped file from any directory."""

@@ -197,6 +197,7 @@ def test_sharded_value_step_equals_single_device(tiny, mesh_shape):
         np.testing.assert_allclose(got[1][k], ref[1][k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_micro_batch_split_does_not_change_the_step(tiny):
     graphdef, params = tiny
     cfg = critic.CriticConfig()

@@ -234,6 +234,7 @@ def test_sigkill_and_a_torn_write_resume_to_the_uninterrupted_report(evaluated, 
     assert again["benchmarks"] == resumed["benchmarks"] == evaluated[1]["benchmarks"]
 
 
+@pytest.mark.slow  # `arpo-jax eval` subprocess run (with a judge)
 def test_the_judge_decides_a_failing_judge_falls_back_and_pass_at_k_is_the_samples(judged):
     workdir, summary, prompts, questions = judged
     records = _samples(workdir, "hotpotqa")

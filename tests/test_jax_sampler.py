@@ -175,6 +175,7 @@ def test_stop_strings_multi_token_and_straddling(tokenizer):
     assert (row.finish, row.text, row.gen[-1]) == ("eos", text, EOS)
 
 
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_stop_strings_end_to_end(tiny_hf_dir, tokenizer):
     path, _ = tiny_hf_dir("qwen2")
     sampler = _sampler(path, tokenizer, restrict_to_tokenizer=True)
@@ -285,6 +286,7 @@ def test_top_k_and_top_p_restrict_the_support(tiny_hf_dir, tokenizer):
     assert not set(draws.tolist()) <= nucleus | set(top3.tolist())
 
 
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_sampling_is_restricted_to_tokenizer_ids(tiny_hf_dir, tokenizer):
     path, _ = tiny_hf_dir("qwen2")
     prompt = _prompts([6], seed=10)[0]
@@ -416,6 +418,7 @@ def test_a_budget_below_one_row_is_refused(tiny_hf_dir, tokenizer):
         sampler.generate([SampleRequest(_prompts([5])[0], 8)], GREEDY)
 
 
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_weights_are_kept_in_the_compute_dtype(tiny_hf_dir, tokenizer, monkeypatch):
     """float32 master weights, bfloat16 compute: the sampler holds a bfloat16 copy (half the bytes) and samples what
     it did from the float32 weights: the same greedy tokens up to a near-tie, log-probs within bfloat16 rounding
@@ -453,6 +456,7 @@ def test_sleep_frees_the_weights_until_the_next_update(tiny_hf_dir, tokenizer):
     _assert_same_results(sampler.generate(req, GREEDY), before)
 
 
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_scanned_layout_samples_as_the_unrolled_one(tiny_hf_dir, tokenizer):
     """`layout="scanned"` (one lax.scan over the stacked layers and cache: what GPUs and TPUs run by default) draws the
     same seeded samples and log-probs as the unrolled CPU layout, in a first call and in a continuation after a tool

@@ -44,6 +44,7 @@ def tiny(tiny_hf_dir):
     return path, torch_model, arpo_jax.from_pretrained(path)
 
 
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_zero_b_is_the_base_model_exactly(tiny):
     _, _, base = tiny
     model = lora.with_adapters(base, RANK, ALPHA)

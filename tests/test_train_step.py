@@ -120,6 +120,7 @@ def test_micro_batch_split_invariance(tiny):
     assert _max_diff(results[1, "reference"][0], results[4, "reference"][0]) > 1e-4
 
 
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_packed_equals_padded(tiny):
     _, _, model_cfg, graphdef, params = tiny
     cfg = ts.UpdateConfig(kl_coef=0.05, entropy_adv=True)
@@ -223,6 +224,7 @@ def test_nonfinite_update_is_skipped_and_counted(tiny):
     assert _max_diff(state.params, before.params) > 0
 
 
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_twenty_steps_raise_positive_and_lower_negative_logprobs(tiny):
     """Fixed synthetic advantages (+1 / -1 per sequence), on-policy old log-probs each step, AdamW lr 1e-3."""
     _, _, model_cfg, graphdef, params = tiny
@@ -249,6 +251,7 @@ def test_twenty_steps_raise_positive_and_lower_negative_logprobs(tiny):
     assert (delta[adv < 0] < -0.05).all(), delta
 
 
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_reference_compat_reproduces_b2_noop(tiny):
     _, _, model_cfg, graphdef, params = tiny
     batch, _ = _batch(graphdef, params, model_cfg, seed=5)
@@ -312,6 +315,7 @@ def test_rollout_correction_truncate_weights_the_token_losses(tiny):
     assert m_nan["rollout_corr/tokens"] == 0
 
 
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_rollout_correction_mask_drops_tokens_from_the_token_mean(tiny):
     """Rejection in the step: tokens with rho outside [1/2, 2] leave the loss and its token-mean normaliser, exactly as
     if their loss mask had been 0."""
@@ -376,6 +380,7 @@ def test_update_config_validates():
     assert hash(ts.UpdateConfig()) == hash(ts.UpdateConfig())
 
 
+@pytest.mark.slow  # > 10 s (compile-bound)
 def test_empty_padding_micro_batches_are_skipped(tiny):
     """A micro-batch without loss weight (padding to the largest micro-batch count) is not computed: the update and
     its metrics equal those of the mini-batch without it, and `micro_batches` counts only the computed ones. The
