@@ -17,6 +17,7 @@ or hoist a loop-invariant one out of its loop, which changes their time, not (ex
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.experimental.compilation_cache import compilation_cache
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
@@ -56,14 +58,27 @@ class Collective:
 def compile_partitioned(lowered) -> tuple[jax.stages.Compiled, str]:
     """`lowered.compile()`, and the program's HLO text right after SPMD partitioning ("" on one device: none).
 
-    JAX's persistent compilation cache leaves the dump options out of its key, so a program already compiled (and
-    cached) without them would come back from the cache without a dump: `xla_dump_large_constants`, which the key
-    keeps, makes this compile a different entry (the same program dumped twice with the cache on still hits it)."""
-    options = {"xla_dump_hlo_pass_re": "spmd-partitioning", "xla_dump_large_constants": True}
-    with tempfile.TemporaryDirectory() as d:
-        compiled = lowered.compile(compiler_options={"xla_dump_to": d, **options})
+    JAX's persistent compilation cache leaves the dump options out of its key: with the cache on (a run's, the
+    tests', `JAX_COMPILATION_CACHE_DIR`), a program compiled before came back from it without a dump, and its
+    collectives were silently missing. So this compile bypasses the cache (neither read nor written)."""
+    with tempfile.TemporaryDirectory() as d, _without_persistent_cache():
+        compiled = lowered.compile(compiler_options={"xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"})
         files = sorted(Path(d).glob("*after_spmd-partitioning*.txt"))
         return compiled, files[-1].read_text() if files else ""
+
+
+@contextlib.contextmanager
+def _without_persistent_cache():
+    """JAX's persistent compilation cache off inside, as configured before after. JAX decides once per process
+    whether the cache is used (`reset_cache` makes it decide again, from `jax_enable_compilation_cache`)."""
+    before = jax.config.jax_enable_compilation_cache
+    compilation_cache.reset_cache()
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+        compilation_cache.reset_cache()
 
 
 def _array_bytes(shape: str) -> int:

@@ -41,6 +41,10 @@ def test_bytes_per_device_and_loop_iterations_by_hand():
         return jax.lax.with_sharding_constraint(w.sum(0), whole)
 
     w = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=split)
+    # Twice, with the suite's persistent compilation cache on (conftest), as a repeated `arpo-jax plan` with
+    # JAX_COMPILATION_CACHE_DIR set: the second compile must not come back from the cache without its dump.
+    jax.jit(f).lower(w).compile()
+    assert collectives.compile_partitioned(jax.jit(f).lower(w))[1]
     _, hlo = collectives.compile_partitioned(jax.jit(f).lower(w))
     items, exact = collectives.collectives(hlo, per_host=2)
     assert exact
