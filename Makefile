@@ -56,8 +56,9 @@ test: setup-vllm
 # whole training runs); every module still runs at least once, on tiny models. No vLLM needed. Most of its time is
 # XLA compiling, so it keeps the compiled programs between runs in TEST_JIT_CACHE (JAX's persistent cache: an entry is
 # keyed by the program, the XLA flags and the jax/jaxlib versions, so a changed program compiles again). The folder
-# only grows (~30 MB per run's worth of new programs): delete it whenever you like. No size limit on purpose: JAX's
-# size-limited cache made each compile ~0.05 s slower, the cold run 44% slower. `make test` (CI) starts empty.
+# only grows (~20 MB per run's worth of new programs): delete it whenever you like. No size limit on purpose: JAX's
+# size-limited cache (eviction bookkeeping at every write) made the first run twice as slow. `make test` (CI) starts
+# empty, as a clean clone does.
 TEST_JIT_CACHE ?= $(HOME)/.cache/arpo-jax/test-jit
 test-fast: setup
 	JAX_COMPILATION_CACHE_DIR=$(TEST_JIT_CACHE) JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
