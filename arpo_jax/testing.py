@@ -181,10 +181,11 @@ def assert_same_samples(a, b, atol: float = 1e-4) -> float:
 
 
 def assert_equal_on_cpu(actual, desired) -> None:
-    """Two programs that compute the same maths: bit-equal on CPU; within float32 rounding (1e-6) on a GPU or TPU,
-    whose compiler fuses (and so rounds) two different programs' equal arithmetic differently."""
+    """Two programs that compute the same maths: bit-equal on CPU; within float32 rounding (1e-5) on a GPU or TPU,
+    whose compiler fuses (and so rounds) two different programs' equal arithmetic differently (LoRA with B = 0 vs
+    the base model's logits: 2.3e-6 apart on an H100 in full float32)."""
     import jax
 
-    tol = 0.0 if jax.default_backend() == "cpu" else 1e-6
+    tol = 0.0 if jax.default_backend() == "cpu" else 1e-5
     for a, d in zip(jax.tree.leaves(actual), jax.tree.leaves(desired), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(d), atol=tol, rtol=tol)

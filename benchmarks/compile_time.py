@@ -57,7 +57,7 @@ def programs(cfg, args) -> dict[str, tuple[float, float]]:
     out["update_step"] = _compile(ts.jit_train_step(graphdef, cfg, ucfg, opt), state, mini)
     # The sampler: its prefill and decode programs, on the shapes of the workload.
     sgraph, sstate = nnx.split(models.abstract_model(cfg))
-    cpu = jd.cpu_layout()  # as JaxSampler lays itself out on this backend
+    cpu = jd.unrolled_by_default()  # as JaxSampler lays itself out on this backend (layout auto)
     if cpu:
         sgraph, sstate = jd.input_major_graphdef(sgraph, sstate), jax.eval_shape(jd.to_input_major(sgraph), sstate)
     fns = jd.jitted(sgraph, cfg, cpu)

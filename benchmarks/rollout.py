@@ -27,7 +27,7 @@ there: `first_call_s`); vLLM's prefix cache is reset before each timed run. vLLM
 
   python benchmarks/rollout.py [--model smollm2-135m-instruct|PATH|random] [--batch 32 --prompt 150 --new 100]
                                [--dtype float32|bfloat16] [--engines jax,vllm,transformers] [--repeats 1]
-                               [--jax-layout auto|unrolled|scanned]
+                               [--jax-layout auto|unrolled|scanned[,...]] [--decode-chunk 16] [--profile DIR]
 
 Prints a table, then a final JSON line with the ratios.
 """
@@ -268,8 +268,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--engines", default="jax,vllm,transformers")
-    ap.add_argument("--jax-layout", default="auto", choices=("auto", "unrolled", "scanned"),
-                    help="the JAX sampler's decode layout (rollout.jax.layout)")
+    ap.add_argument("--jax-layout", default="auto",
+                    help="the JAX sampler's decode layout (rollout.jax.layout): auto, unrolled or scanned; several "
+                         "comma-separated run one after another on the same model (rows jax-<layout>)")
+    ap.add_argument("--decode-chunk", type=int, default=16, help="the JAX sampler's decode steps per jitted call")
+    ap.add_argument("--profile", default="", help="a folder: one more JAX generation call traced there per layout "
+                                                    "(benchmarks/trace_summary.py), its summary printed")
     ap.add_argument("--measure", default="gen,rounds,branches", help="which of the three measurements to run")
     ap.add_argument("--dir", default="/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir())
     args = ap.parse_args()
@@ -283,6 +287,9 @@ def main() -> None:
         ap.error("--new must be a multiple of --rounds")
     skipped = {e: why for e in engines if (why := _skip_reason(e))}
     engines = [e for e in engines if e not in skipped]
+    layouts = [x.strip() for x in args.jax_layout.split(",") if x.strip()]
+    if bad := set(layouts) - {"auto", "unrolled", "scanned"}:
+        ap.error(f"--jax-layout {sorted(bad)}: allowed auto, unrolled, scanned")
 
     t_setup = time.perf_counter()
     work_dir = Path(tempfile.mkdtemp(prefix="rollout_bench_", dir=args.dir))
@@ -321,13 +328,24 @@ def main() -> None:
             import arpo_jax
             from arpo_jax.rollout.jax_sampler import TRACE_COUNTS, JaxSampler
 
-            sampler = JaxSampler(arpo_jax.from_pretrained(model_dir, dtype=args.dtype), tok, max_len=max_len,
-                                 restrict_to_tokenizer=filled, logprobs_mode="raw", layout=args.jax_layout)
-            rows["jax"] = _measure("jax", sampler, work, args)
-            extra["jax_compiles"] = dict(TRACE_COUNTS)
+            for layout in layouts:
+                name = "jax" if len(layouts) == 1 else f"jax-{layout}"
+                sampler = JaxSampler(arpo_jax.from_pretrained(model_dir, dtype=args.dtype), tok, max_len=max_len,
+                                     restrict_to_tokenizer=filled, logprobs_mode="raw", layout=layout,
+                                     decode_chunk=args.decode_chunk)
+                rows[name] = _measure(name, sampler, work, args)
+                extra[f"{name}_compiles"] = dict(TRACE_COUNTS)
+                extra[f"{name}_layout"] = "unrolled" if sampler._unrolled else "scanned"
+                if args.profile:
+                    from trace_summary import summarise, traced
+
+                    with traced(Path(args.profile) / name):
+                        work.one_round(sampler)
+                    extra[f"{name}_profile"] = summarise(Path(args.profile) / name, top=12)
+                    print(f"[rollout] {name} profile: {json.dumps(extra[f'{name}_profile'])}", flush=True)
+                del sampler
             extra["jax_device"] = jax.devices()[0].device_kind
-            extra["jax_layout"] = "unrolled" if sampler._unrolled else "scanned"
-            del sampler
+            extra["decode_chunk"] = args.decode_chunk
         if "vllm" in engines:
             from arpo_jax.rollout.vllm_sampler import VllmSampler
 

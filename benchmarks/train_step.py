@@ -16,7 +16,7 @@ counts it). Compile seconds = first call (compile + one run) minus a timed run; 
 on CPU its first call also carries the switch (~2-3 s, see main()): `benchmarks/compile_time.py` times compiles alone.
 
   python benchmarks/train_step.py [--model smollm2-135m-instruct|PATH|random] [--seq 256 --batch 4 --micro 2]
-                                  [--steps 3] [--dtype float32|bfloat16] [--remat none] [--no-scan]
+                                  [--steps 3] [--dtype float32|bfloat16] [--remat none] [--no-scan] [--profile DIR]
 
 The script restarts itself with glibc's huge-page tunable as `arpo-jax train` does (arpo_jax/hugepages.py), which
 speeds up arpo_jax and slows PyTorch down on CPU; `GLIBC_TUNABLES=glibc.malloc.hugetlb=0` measures both on glibc's
@@ -208,6 +208,8 @@ def main() -> None:
     ap.add_argument("--no-scan", action="store_true", help="unrolled layers (scan_layers=False)")
     ap.add_argument("--attention", default="", help="model.attention_impl (default blockwise; cudnn on a GPU)")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch side")
+    ap.add_argument("--profile", default="", help="a folder: one more arpo_jax update step traced there "
+                                                  "(benchmarks/trace_summary.py), its summary printed")
     args = ap.parse_args()
     real = args.model != "random"
     args.seq = args.seq or (256 if real else 1024)
@@ -259,6 +261,12 @@ def main() -> None:
         ours_step, step_first, ours_fwd, fwd_first = setup_jax(path, args)
         print(f"[train_step] arpo_jax first forward {fwd_first:.1f} s, first step {step_first:.1f} s", flush=True)
         time_calls({"step": ours_step, "fwd": ours_fwd})
+        if args.profile:
+            from trace_summary import summarise, traced
+
+            with traced(args.profile):
+                ours_step()
+            print(f"[train_step] profile: {json.dumps(summarise(args.profile, top=15))}", flush=True)
         best = {k: min(v) for k, v in t.items()}
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -11,9 +11,11 @@ os.environ.setdefault(_testing.TEST_XLA_FLAGS_ENV, _testing.FAST_COMPILE_XLA_FLA
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), os.environ[_testing.TEST_XLA_FLAGS_ENV],
                                     "--xla_force_host_platform_device_count=8"]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if any(gpu in os.environ["JAX_PLATFORMS"] for gpu in ("cuda", "gpu", "rocm")):
+GPU_RUN = any(gpu in os.environ["JAX_PLATFORMS"] for gpu in ("cuda", "gpu", "rocm"))
+if GPU_RUN:
     # JAX multiplies float32 matrices in TF32 on NVIDIA GPUs by default (~1e-3 relative error): the tests' float32
-    # tolerances are float32's (parity with transformers at 1e-4), so a GPU run asks for full float32 matmuls.
+    # tolerances are float32's (parity with transformers at 1e-4), so a GPU run asks for full float32 matmuls: the
+    # variable for the tests' subprocesses, `jax.config` below for this one (JAX read its variables at import).
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -42,6 +44,14 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from arpo_jax import named_models, testing  # noqa: E402
+
+# JAX read its variables when `arpo_jax` imported it above: what this process set since (the pytest-xdist workers
+# inherit them from the controller before they import JAX) is applied here.
+if GPU_RUN:
+    jax.config.update("jax_default_matmul_precision", os.environ["JAX_DEFAULT_MATMUL_PRECISION"])
+if "SESSION_JIT_CACHE" in globals():
+    jax.config.update("jax_compilation_cache_dir", SESSION_JIT_CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 @pytest.fixture(scope="session")

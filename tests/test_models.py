@@ -371,9 +371,10 @@ def test_fresh_chunk_attends_to_itself_like_the_cache(tiny_hf_dir, per_layer):
 
 @pytest.mark.parametrize("variant", ["qwen2", "llama31"])
 @pytest.mark.slow  # > 10 s (compile-bound)
-def test_sampler_cpu_layout_equals_the_model(tiny_hf_dir, variant):
-    """The JAX sampler's CPU layout: Linear weights stored inputs first (`input_major_linears`, einsums rewritten)
-    and the layers unrolled over per-layer cache buffers (`KVCache.per_layer`) give the model's logits and cache."""
+def test_sampler_unrolled_layout_equals_the_model(tiny_hf_dir, variant):
+    """The JAX sampler's unrolled layout (the CPU and GPU default): Linear weights stored inputs first
+    (`input_major_linears`, einsums rewritten) and the layers unrolled over per-layer cache buffers
+    (`KVCache.per_layer`) give the model's logits and cache."""
     path, _ = tiny_hf_dir(variant)
     model = arpo_jax.from_pretrained(path)
     graphdef, state = nnx.split(model)

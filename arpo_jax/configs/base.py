@@ -113,9 +113,9 @@ def get_config() -> ConfigDict:
     # in chunks of the largest batch bucket that fits, one after another (same samples: per-request seeds). Bounds
     # the cache `arpo-jax plan` counts for the sampler. 0 = no limit (the whole call in one cache).
     c.rollout.jax.max_tokens_per_call = 0
-    # The decode program's layout: "unrolled" (per-layer weights and cache buffers, what XLA's CPU matmuls want),
-    # "scanned" (one lax.scan over the stacked layers: compiles in one layer's time at any depth), "auto" = unrolled
-    # on CPU, scanned on accelerators. Same samples either way.
+    # The decode program's layout: "unrolled" (per-layer weights and cache buffers: no per-step copies of each
+    # layer's slices; 1.76x the scan's tokens/s on an H100), "scanned" (one lax.scan over the stacked layers: compiles
+    # in one layer's time at any depth), "auto" = unrolled on CPU and GPU, scanned on TPU. Same samples either way.
     c.rollout.jax.layout = "auto"
     c.rollout.vllm = ConfigDict()
     c.rollout.vllm.python = ""  # interpreter of a virtualenv with vllm; "" = this one

@@ -92,7 +92,7 @@ def _decode_chunk(graphdef, state, cache, h, active, ngen, row_ids, ctx_lens, li
     row's limit), so a row holds context + its generated tokens but the last. Per-row PRNG key of generated
     position t: fold_in(fold_in(fold_in(key(seed), row_ids = the request's seed), context length), t), independent
     of batching.
-    A per-layer cache (`KVCache.per_layer`, `cpu_layout`) runs the layers unrolled over it, each step reading and
+    A per-layer cache (`KVCache.per_layer`, `unrolled_layout`) runs the layers unrolled over it, each step reading and
     writing every layer's buffer in place; a stacked one runs them as the model's config says.
     """
     model = nnx.merge(graphdef, state)
@@ -178,25 +178,26 @@ def _counted(name, fn):
 LAYOUTS = ("auto", "unrolled", "scanned")  # JaxSampler(layout=...), rollout.jax.layout
 
 
-def cpu_layout() -> bool:
-    """Whether to lay the sampler out for XLA's CPU backend, which copies what its matmuls read unless it is laid out
-    as they want: Linear weights inputs first and per layer (`input_major_linears`, which also unstacks the stored
-    stacked layers; once per weights) and the layers unrolled over per-layer cache buffers (`KVCache.per_layer`, the
-    cache's layout from allocation on), instead of a copy of every weight (HF layout, or a slice of the stacked
-    layers) and of every layer's cache at every step. At batch 32 on SmolLM2 that was about a third of
-    a decode step's CPU time (benchmarks/RESULTS.md, issue 20). The price is compiles that grow with depth;
-    accelerators' matmuls read either layout, so they keep the scan (on a GPU the unrolled layout is unmeasured:
-    `rollout.jax.layout=unrolled` tries it)."""
-    return jax.default_backend() == "cpu"
+def unrolled_by_default() -> bool:
+    """Whether `layout="auto"` unrolls: on CPU and GPU, not on TPU. The unrolled layout lays Linear weights out
+    inputs first and per layer (`input_major_linears`, which also unstacks the stored stacked layers; once per
+    weights) and runs the layers unrolled over per-layer cache buffers (`KVCache.per_layer`, the cache's layout from
+    allocation on). The scan instead copies a slice of every stacked weight and of every layer's cache at every
+    step: on CPU about a third of a decode step at batch 32 on SmolLM2 (XLA's CPU matmuls also copy weights not laid
+    out inputs first); on an H100 43% of the decode's GPU time (memcpy + dynamic-slice kernels), and unrolled the
+    sampler ran 1.76x faster at Qwen2.5-1.5B's shape (benchmarks/RESULTS.md, "Decode layouts on an H100"). The price
+    is compiles that grow with depth (21 s instead of 12 s at 28 layers on the H100). TPUs keep the scan
+    (unmeasured there; `rollout.jax.layout=unrolled` tries it)."""
+    return jax.default_backend() in ("cpu", "gpu", "cuda", "rocm")
 
 
 def unrolled_layout(layout: str) -> bool:
     """Whether a sampler with `layout` runs the unrolled layout: "unrolled" (per-layer weights laid out inputs first
-    and per-layer cache buffers, `cpu_layout`), "scanned" (one `lax.scan` over the stored stacked layers and a
-    stacked cache), or "auto" (unrolled on CPU, scanned on accelerators)."""
+    and per-layer cache buffers), "scanned" (one `lax.scan` over the stored stacked layers and a stacked cache), or
+    "auto" (`unrolled_by_default`: unrolled on CPU and GPU, scanned on TPU)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}; allowed: {', '.join(LAYOUTS)}")
-    return layout == "unrolled" or (layout == "auto" and cpu_layout())
+    return layout == "unrolled" or (layout == "auto" and unrolled_by_default())
 
 
 @functools.lru_cache(maxsize=8)
@@ -240,7 +241,7 @@ def decode_weights(state, dtype):
 
 @functools.lru_cache(maxsize=8)
 def to_input_major(graphdef):
-    """jitted: the model's state -> the state of its `input_major_linears` copy (see `cpu_layout`)."""
+    """jitted: the model's state -> the state of its `input_major_linears` copy (see `unrolled_by_default`)."""
     return jax.jit(lambda state: nnx.state(input_major_linears(nnx.merge(graphdef, state))))
 
 

@@ -1,0 +1,91 @@
+"""Where a program's time goes: a `jax.profiler` trace of it, summed by kernel and by host activity.
+
+`traced(dir)` records what runs inside it (Python's own tracer off: it would slow the host side it measures) into
+`dir/plugins/profile/<time>/perfetto_trace.json.gz`; `summarise(dir)` reads the newest such file and returns
+
+  * span_ms: first to last event of the trace;
+  * device_busy_ms: the union of the device's kernel intervals (accelerator streams; on the CPU backend, XLA's own
+    threads), so span - busy is the time the device waited for the host;
+  * kernels: the `top` kernel names by summed time, with counts (per-step kernels show as count = steps x layers);
+  * host: the same for the host's threads (jitted calls, transfers, the runtime's own work).
+
+  python benchmarks/trace_summary.py DIR [--top 25]      # prints the summary as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import json
+from collections import defaultdict
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def traced(log_dir: str | Path):
+    import jax
+
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # Python's tracer records every call: it would slow the host side it measures
+    with jax.profiler.trace(str(log_dir), create_perfetto_trace=True, profiler_options=options):
+        yield
+
+
+def _union_ms(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 1e3
+
+
+def _top(events: list[dict], top: int) -> list[dict]:
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in events:
+        s = by_name[e["name"]]
+        s[0] += e["dur"]
+        s[1] += 1
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"name": n[:160], "ms": round(ms / 1e3, 3), "count": c} for n, (ms, c) in ranked]
+
+
+def summarise(log_dir: str | Path, top: int = 25) -> dict:
+    files = sorted(Path(log_dir).glob("plugins/profile/*/perfetto_trace.json.gz"))
+    if not files:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {log_dir}/plugins/profile")
+    with gzip.open(files[-1]) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    process = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    thread = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+              if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    accelerator = {p for p, name in process.items() if "/device:" in name and "CPU" not in name}
+
+    def on_device(e: dict) -> bool:
+        if accelerator:
+            return e["pid"] in accelerator
+        return "XLAEigen" in thread.get((e["pid"], e.get("tid")), "")  # the CPU backend's compute threads
+
+    device = [e for e in spans if on_device(e)]
+    host = [e for e in spans if not on_device(e)]
+    t0 = min((e["ts"] for e in spans), default=0.0)
+    t1 = max((e["ts"] + e["dur"] for e in spans), default=0.0)
+    return {"trace": str(files[-1]), "span_ms": round((t1 - t0) / 1e3, 3),
+            "device_busy_ms": round(_union_ms([(e["ts"], e["ts"] + e["dur"]) for e in device]), 3),
+            "device_kernels": len(device), "devices": sorted(process[p] for p in accelerator),
+            "kernels": _top(device, top), "host": _top(host, top)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dir")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    print(json.dumps(summarise(args.dir, args.top), indent=1))
+
+
+if __name__ == "__main__":
+    main()
