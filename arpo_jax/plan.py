@@ -412,8 +412,9 @@ def plan(model_cfg: models.Config, mesh_shape, update_cfg: ts.UpdateConfig, *, m
 
 def compile_sampler(model_cfg: models.Config, sh: Shapes, local_devices: int) -> dict:
     """The JAX sampler's prefill chunk and decode chunk (`jax_decode._prefill_chunk` / `_decode_chunk`, stacked
-    cache and scanned layers as on an accelerator) compiled for one call of B x S rows on a process's local
-    devices, abstract inputs: {program: XLA bytes per device}."""
+    cache and scanned layers as on a TPU; a GPU's default unrolled layout holds the same weight and cache bytes,
+    per layer) compiled for one call of B x S rows on a process's local devices, abstract inputs: {program: XLA
+    bytes per device}."""
     from arpo_jax.models.transformer import KVCache
     from arpo_jax.rollout import jax_decode as jd
 
