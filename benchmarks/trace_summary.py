@@ -67,7 +67,8 @@ def summarise(log_dir: str | Path, top: int = 25) -> dict:
     def on_device(e: dict) -> bool:
         if accelerator:
             return e["pid"] in accelerator
-        return "XLAEigen" in thread.get((e["pid"], e.get("tid")), "")  # the CPU backend's compute threads
+        name = thread.get((e["pid"], e.get("tid")), "")  # the CPU backend: its client's and Eigen's threads
+        return ("XLAEigen" in name or "XLAPjRtCpuClient" in name) and not e["name"].startswith("ThreadpoolListener")
 
     device = [e for e in spans if on_device(e)]
     host = [e for e in spans if not on_device(e)]
