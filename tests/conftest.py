@@ -47,11 +47,13 @@ from arpo_jax import named_models, testing  # noqa: E402
 
 # JAX read its variables when `arpo_jax` imported it above: what this process set since (the pytest-xdist workers
 # inherit them from the controller before they import JAX) is applied here.
+jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])  # before any backend starts
 if GPU_RUN:
     jax.config.update("jax_default_matmul_precision", os.environ["JAX_DEFAULT_MATMUL_PRECISION"])
 if "SESSION_JIT_CACHE" in globals():
     jax.config.update("jax_compilation_cache_dir", SESSION_JIT_CACHE)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 
 @pytest.fixture(scope="session")
