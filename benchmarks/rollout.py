@@ -54,6 +54,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import numpy as np  # noqa: E402
 
 from arpo_jax import hf, hugepages, named_models, testing  # noqa: E402
+from arpo_jax.rollout.jax_decode import LAYOUTS  # noqa: E402
 from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -288,8 +289,8 @@ def main() -> None:
     skipped = {e: why for e in engines if (why := _skip_reason(e))}
     engines = [e for e in engines if e not in skipped]
     layouts = [x.strip() for x in args.jax_layout.split(",") if x.strip()]
-    if bad := set(layouts) - {"auto", "unrolled", "scanned"}:
-        ap.error(f"--jax-layout {sorted(bad)}: allowed auto, unrolled, scanned")
+    if bad := set(layouts) - set(LAYOUTS):
+        ap.error(f"--jax-layout {sorted(bad)}: allowed {', '.join(LAYOUTS)}")
 
     t_setup = time.perf_counter()
     work_dir = Path(tempfile.mkdtemp(prefix="rollout_bench_", dir=args.dir))
@@ -333,8 +334,9 @@ def main() -> None:
                 sampler = JaxSampler(arpo_jax.from_pretrained(model_dir, dtype=args.dtype), tok, max_len=max_len,
                                      restrict_to_tokenizer=filled, logprobs_mode="raw", layout=layout,
                                      decode_chunk=args.decode_chunk)
+                before = dict(TRACE_COUNTS)
                 rows[name] = _measure(name, sampler, work, args)
-                extra[f"{name}_compiles"] = dict(TRACE_COUNTS)
+                extra[f"{name}_compiles"] = {k: v - before.get(k, 0) for k, v in TRACE_COUNTS.items()}
                 extra[f"{name}_layout"] = "unrolled" if sampler._unrolled else "scanned"
                 if args.profile:
                     from trace_summary import summarise, traced
