@@ -10,7 +10,8 @@ from flax import nnx
 import arpo_jax
 from arpo_jax import hf, models, testing
 from arpo_jax.models import KVCache
-from arpo_jax.models.transformer import input_major_linears
+from arpo_jax.models import transformer
+from arpo_jax.models.transformer import KeyStream, input_major_linears
 
 VARIANTS = list(testing.TINY_VARIANTS)
 # bf16 tolerance on logits of magnitude ~4 (documented in README; measured: max 0.04-0.06, mean 0.008-0.009, less than
@@ -398,3 +399,31 @@ def test_sampler_unrolled_layout_equals_the_model(tiny_hf_dir, variant):
         results.append((pre, dec, cache.stacked()))
     for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+
+
+def test_models_draw_the_keys_of_nnx_rngs_and_continue_its_stream():
+    """The model's init draws `rngs.params()`'s keys in order through `KeyStream` (one count update instead of one a
+    key: inside a trace each update cost time linear in the trace), so its weights and adapters are what nnx.Rngs
+    drawing key by key gives, and the stream continues after the model as if nnx had drawn them."""
+
+    rngs, reference = nnx.Rngs(3), nnx.Rngs(3)
+    keys = KeyStream(rngs)
+    drawn = [keys.params() for _ in range(5)]
+    keys.close()
+    for key in drawn:
+        np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(reference.params()))
+    np.testing.assert_array_equal(jax.random.key_data(rngs.params()), jax.random.key_data(reference.params()))
+
+    cfg = models.config_from_hf(testing.tiny_hf_config_dict("qwen2"))
+    model = models.CausalLM(cfg, rngs=nnx.Rngs(0))
+    reference = nnx.Rngs(0)  # nnx drawing key by key: the decoder's modules take an nnx.Rngs as well
+    decoder = transformer.Decoder(cfg, rngs=reference)
+    head = transformer.Linear(cfg, "btd,vd->btv", model.lm_head.weight.shape, ("vocab", "embed"),
+                              model.lm_head.weight.shape, rngs=reference)
+    for (path, x), (_, y) in zip(nnx.to_flat_state(nnx.state(model)),
+                                 nnx.to_flat_state(nnx.state(nnx.Dict(model=decoder, lm_head=head))), strict=True):
+        np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]), err_msg=str(path))
+    abstract = models.abstract_model(cfg.replace(lora_rank=4, lora_alpha=8.0))  # shapes only, nothing allocated
+    with_adapters = models.CausalLM(cfg.replace(lora_rank=4, lora_alpha=8.0), rngs=nnx.Rngs(0))
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(abstract)) == \
+        jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(with_adapters))

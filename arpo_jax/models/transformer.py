@@ -121,7 +121,29 @@ class Config:
         return jnp.dtype(self.dtype)
 
 
-def _param(rngs: nnx.Rngs, cfg: Config, shape, axes, hf_shape=None, init="normal") -> nnx.Param:
+class KeyStream:
+    """The keys `rngs.params()` draws, in the same order, with the stream's count advanced once (`close`) instead of
+    once per key: under a trace (`abstract_model`'s eval_shape, a jitted init) each `rngs.params()` call costs time
+    linear in the trace so far (nnx writes its count Variable, and the write's check of the tracer's `sharding`
+    builds JAX's error message, which walks every equation traced), so a 30-layer model with adapters took seconds
+    to build abstractly, over and over in a run's setup."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self._stream = rngs.params
+        self._key, self._start = self._stream.key[...], self._stream.count[...]
+        self._drawn = 0
+
+    def params(self) -> jax.Array:
+        key = jax.random.fold_in(self._key, self._start + self._drawn)
+        self._drawn += 1
+        return key
+
+    def close(self) -> None:
+        """Advances the nnx stream past the keys drawn, so a later `rngs.params()` continues the sequence."""
+        self._stream.count[...] = self._start + self._drawn
+
+
+def _param(rngs: KeyStream, cfg: Config, shape, axes, hf_shape=None, init="normal") -> nnx.Param:
     dtype = jnp.dtype(cfg.param_dtype)
     if init == "normal":
         value = 0.02 * jax.random.normal(rngs.params(), shape, dtype)
@@ -133,7 +155,7 @@ def _param(rngs: nnx.Rngs, cfg: Config, shape, axes, hf_shape=None, init="normal
 class Linear(nnx.Module):
     """`y = einsum(x, W) (+ b)` with W in HF layout `[out..., in...]`; `spec` is the einsum, e.g. 'btd,nhd->btnh'."""
 
-    def __init__(self, cfg: Config, spec: str, shape, axes, hf_shape, *, bias: bool = False, rngs: nnx.Rngs):
+    def __init__(self, cfg: Config, spec: str, shape, axes, hf_shape, *, bias: bool = False, rngs: KeyStream):
         self.spec = spec
         self.cfg = cfg
         self.weight = _param(rngs, cfg, shape, axes, hf_shape)
@@ -209,7 +231,7 @@ def input_major_linears(model: nnx.Module) -> nnx.Module:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, cfg: Config, dim: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: Config, dim: int, *, rngs: KeyStream):
         self.eps = cfg.rms_norm_eps
         self.weight = _param(rngs, cfg, (dim,), ("norm",), init="ones")
 
@@ -330,7 +352,7 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: Config, *, rngs: KeyStream):
         self.cfg = cfg
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = Linear(cfg, "btd,nhd->btnh", (n, h, d), ("q_heads", "head_dim", "embed"), (n * h, d),
@@ -438,7 +460,7 @@ ACCELERATOR_ATTENTION_BLOCK = 512
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: Config, *, rngs: KeyStream):
         self.cfg = cfg
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = Linear(cfg, "btd,fd->btf", (f, d), ("mlp", "embed"), (f, d), rngs=rngs)
@@ -452,7 +474,7 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: Config, *, rngs: KeyStream):
         self.cfg = cfg
         self.input_layernorm = RMSNorm(cfg, cfg.hidden_size, rngs=rngs)
         self.self_attn = Attention(cfg, rngs=rngs)
@@ -483,12 +505,12 @@ class DecoderLayer(nnx.Module):
 
 
 class Embed(nnx.Module):
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: Config, *, rngs: KeyStream):
         self.weight = _param(rngs, cfg, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"))
 
 
 class Decoder(nnx.Module):
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: Config, *, rngs: KeyStream):
         self.embed_tokens = Embed(cfg, rngs=rngs)
         # Initialised layer by layer (the same random draws as per-layer storage), stored stacked.
         self.layers = stack_layers([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
@@ -621,6 +643,12 @@ def attach_lora(model: CausalLM, rngs: nnx.Rngs) -> None:
     """Gives each targeted Linear of `model` its adapters (in place): A ~ U(-1/sqrt(in), 1/sqrt(in)) as PEFT's
     default (kaiming-uniform with a = sqrt(5)), B = 0. A stacked Linear (the layers') gets stacked adapters
     [L, r, in...] / [L, out..., r], drawn layer by layer as per-layer storage drew them."""
+    keys = KeyStream(rngs)
+    _attach_lora(model, keys)
+    keys.close()
+
+
+def _attach_lora(model: CausalLM, rngs: KeyStream) -> None:
     cfg = model.config
     r = cfg.lora_rank
     linears = [lin for _, lin in lora_linears(model, cfg)]
@@ -652,12 +680,14 @@ class CausalLM(nnx.Module):
 
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
         self.config = cfg
-        self.model = Decoder(cfg, rngs=rngs)
+        keys = KeyStream(rngs)
+        self.model = Decoder(cfg, rngs=keys)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg, "btd,vd->btv", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
-                                  (cfg.vocab_size, cfg.hidden_size), rngs=rngs)
+                                  (cfg.vocab_size, cfg.hidden_size), rngs=keys)
         if cfg.lora_rank:
-            attach_lora(self, rngs)
+            _attach_lora(self, keys)
+        keys.close()
 
     def unembedding(self) -> jax.Array:
         """The output projection `[V, D]` (the embedding itself when tied)."""
