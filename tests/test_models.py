@@ -9,8 +9,7 @@ from flax import nnx
 
 import arpo_jax
 from arpo_jax import hf, models, testing
-from arpo_jax.models import KVCache
-from arpo_jax.models import transformer
+from arpo_jax.models import KVCache, transformer
 from arpo_jax.models.transformer import KeyStream, input_major_linears
 
 VARIANTS = list(testing.TINY_VARIANTS)
