@@ -403,7 +403,8 @@ def test_sampler_unrolled_layout_equals_the_model(tiny_hf_dir, variant):
 def test_models_draw_the_keys_of_nnx_rngs_and_continue_its_stream():
     """The model's init draws `rngs.params()`'s keys in order through `KeyStream` (one count update instead of one a
     key: inside a trace each update cost time linear in the trace), so its weights and adapters are what nnx.Rngs
-    drawing key by key gives, and the stream continues after the model as if nnx had drawn them."""
+    drawing key by key gives, and the stream continues after the model as if nnx had drawn them. `abstract_model`
+    (merged from a cached split per config) gives the same shapes, with new Variables each call."""
 
     rngs, reference = nnx.Rngs(3), nnx.Rngs(3)
     keys = KeyStream(rngs)
@@ -426,3 +427,6 @@ def test_models_draw_the_keys_of_nnx_rngs_and_continue_its_stream():
     with_adapters = models.CausalLM(cfg.replace(lora_rank=4, lora_alpha=8.0), rngs=nnx.Rngs(0))
     assert jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(abstract)) == \
         jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(with_adapters))
+    again = models.abstract_model(cfg.replace(lora_rank=4, lora_alpha=8.0))  # the cached split: new Variables
+    assert again.model.norm.weight is not abstract.model.norm.weight
+    assert nnx.graphdef(again) == nnx.graphdef(abstract)
