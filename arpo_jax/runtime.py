@@ -9,8 +9,11 @@ run's `checkpoints/`) replaces the folder's weights with the newest checkpoint's
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -100,7 +103,7 @@ def model_dir(cfg, workdir: str | os.PathLike) -> Path:
     if cfg.model.path == BUILTIN_TINY:
         dest = Path(workdir) / "builtin_tiny"
         if is_main_process() and not (dest / "config.json").exists():
-            build_tiny_model(dest, seed=cfg.seed)
+            shutil.copytree(_tiny_model_of_this_process(cfg.seed), dest, dirs_exist_ok=True)
         barrier("builtin_tiny")
         return dest
     return named_models.model_folder(cfg.model.path)  # a named model / .gguf is converted once into the cache
@@ -142,6 +145,20 @@ def _load_base_policy(cfg, workdir: str | os.PathLike, mesh: Mesh) -> tuple[Caus
         model = ckpt.restore_model(step, mesh=mesh, **runtime_options(cfg))
     log.info("policy weights from %s step %d", cfg.model.init_checkpoint, step)
     return model, load_tokenizer(cfg, folder), folder
+
+
+_TINY_MODELS: dict[int, Path] = {}  # seed -> this process's build of builtin:tiny
+
+
+def _tiny_model_of_this_process(seed: int) -> Path:
+    """builtin:tiny built once per process and seed into a temporary folder that each run's work dir copies: the
+    BPE training and the model init took ~4 s per run (tests, sweeps and notebooks start many runs in a process)."""
+    folder = _TINY_MODELS.get(seed)
+    if folder is None or not (folder / "config.json").is_file():  # first use, or the temporary folder was removed
+        root = Path(tempfile.mkdtemp(prefix="arpo_jax_builtin_tiny_"))
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        folder = _TINY_MODELS[seed] = build_tiny_model(root / "model", seed=seed)
+    return folder
 
 
 def build_tiny_model(dest: str | os.PathLike, *, seed: int = 0, vocab_size: int = 1024, hidden_size: int = 128,

@@ -15,6 +15,7 @@ from it with `model.init_checkpoint`), `hf/` (an HF folder with the tokenizer, f
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -150,9 +151,34 @@ def run_sft(cfg, workdir: str | os.PathLike) -> dict:
         lock, resuming = run_guard.open_workdir(workdir, cfg, "sft")
         try:
             hf.check_export_destination(workdir / "hf")
+            if resuming and (done := finished_run(cfg, workdir)) is not None:
+                log.info("SFT in %s finished at step %d with this config: its summary, nothing rebuilt", workdir,
+                         done["steps"])
+                return done | {"start_step": done["steps"], "wall_time_s": time.perf_counter() - t_start}
             return _run_sft(cfg, workdir, resuming, stop, t_start)
         finally:
             lock.release()
+
+
+def finished_run(cfg, workdir: Path) -> dict | None:
+    """The summary (`summary.json`, written at the end) of the SFT finished in `workdir` when `cfg` would only
+    repeat it: nothing that changes its meaning (`run_guard.MEANING_FIELDS`) nor its step count differs, and its
+    last checkpoint and its export are in place. Rebuilding the model and the optimizer state and exporting again
+    took 25 s for SmolLM2 (the demo's second algorithm), minutes for a 7B model. Single-process runs only: the other
+    processes of a multi-host run might not see the same files."""
+    try:
+        done = json.loads((workdir / "summary.json").read_text())
+        config = done.pop("config")
+    except (OSError, ValueError, KeyError):
+        return None
+    current = json.loads(json.dumps(config_lib.redact(cfg), default=str))
+    if jax.process_count() > 1 or run_guard.meaning_changes(config, current, "sft") or \
+            config["sft"]["max_steps"] != current["sft"]["max_steps"]:
+        return None
+    if not (Path(done["checkpoint_dir"]) / str(done["steps"])).is_dir() or \
+            not (Path(done["hf_dir"]) / hf.EXPORT_MARKER).is_file():
+        return None
+    return done
 
 
 def _run_sft(cfg, workdir: Path, resuming: bool, stop: run_guard.StopSignals, t_start: float) -> dict:
@@ -228,10 +254,22 @@ def _run_sft(cfg, workdir: Path, resuming: bool, stop: run_guard.StopSignals, t_
     finally:
         ckpts.close()
         logger.close()
-    return {"final_loss": loss, "steps": step, "start_step": start_step, "total_steps": plan.total_steps,
-            "examples": len(data), "skipped": len(data.skipped), "truncated": data.truncated, "dropped": data.dropped,
-            "skipped_updates": int(state.skipped), "wall_time_s": time.perf_counter() - t_start,
-            "workdir": str(workdir), "checkpoint_dir": str(ckpts.main.directory), "hf_dir": str(hf_dir)}
+    summary = {"final_loss": loss, "steps": step, "start_step": start_step, "total_steps": plan.total_steps,
+               "examples": len(data), "skipped": len(data.skipped), "truncated": data.truncated,
+               "dropped": data.dropped, "skipped_updates": int(state.skipped),
+               "wall_time_s": time.perf_counter() - t_start, "workdir": str(workdir),
+               "checkpoint_dir": str(ckpts.main.directory), "hf_dir": str(hf_dir)}
+    return _record_if_finished(cfg, workdir, summary, write=is_main)
+
+
+def _record_if_finished(cfg, workdir: Path, summary: dict, *, write: bool) -> dict:
+    """`summary` (returned); a finished run's is written to `summary.json` with the config it finished under
+    (`finished_run` reads both) by the process that `write`s."""
+    if write and summary["steps"] == summary["total_steps"]:
+        tmp = workdir / f".summary.json.tmp{os.getpid()}"
+        tmp.write_text(json.dumps(summary | {"config": config_lib.redact(cfg)}, indent=2, default=str))
+        os.replace(tmp, workdir / "summary.json")
+    return summary
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ module fixture and is freed before the JAX model (one more copy) and the vLLM en
 """
 
 import gc
+import json
 import os
 
 import jax.numpy as jnp
@@ -101,10 +102,13 @@ def transformers_run(qwen, tok, prompt_ids):
     before returning."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     folder, gguf_path = qwen
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    # The converted folder's config (its values are pinned to the file's in the first test), so transformers parses
+    # the 491 MB file once, for its tensors, not a second time for its config (~15 s).
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32,
+                                                 config=AutoConfig.from_pretrained(folder))
     theirs = {k: v.numpy() for k, v in model.state_dict().items()}
     ours = hf.folder_tensors(folder)
     unequal = {}
@@ -163,7 +167,7 @@ def _expected_results(reference, prompt_ids, engine_results) -> list[SampleResul
 
 
 # ------------------------------------------------------------------------------------------------- the file
-def test_config_and_every_tensor_equal_the_gguf_packages_dequantisation(reader, transformers_run):
+def test_config_and_every_tensor_equal_the_gguf_packages_dequantisation(qwen, reader, transformers_run):
     """Every tensor of the converted folder equals, bit for bit, the parameter of the same name in transformers
     loaded from the same file, whose GGUF loader dequantises each tensor with `gguf.dequantize` and maps its name
     with its own table (transformers.modeling_gguf_pytorch_utils; no processing for qwen2), for every quantisation
@@ -175,6 +179,14 @@ def test_config_and_every_tensor_equal_the_gguf_packages_dequantisation(reader, 
     assert (cfg["model_type"], cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
             cfg["num_key_value_heads"], cfg["vocab_size"], cfg["tie_word_embeddings"], cfg["attention_bias"]) == \
         ("qwen2", 24, 896, 14, 2, 151936, False, True)
+    # Every value that changes the logits, pinned to the file's (transformers computes the references with the
+    # converted folder's config, `transformers_run`).
+    folder_cfg = json.loads((qwen[0] / "config.json").read_text())
+    assert (folder_cfg["intermediate_size"], folder_cfg["head_dim"], folder_cfg["rope_theta"],
+            folder_cfg["rope_scaling"], folder_cfg["hidden_act"], folder_cfg["max_position_embeddings"]) == \
+        (4864, 64, 1e6, None, "silu", 32768)
+    assert folder_cfg["rms_norm_eps"] == pytest.approx(1e-6, rel=1e-6)  # the file's float32 1e-6
+    assert {k: folder_cfg[k] for k in cfg if k in folder_cfg} == {k: cfg[k] for k in cfg if k in folder_cfg}
     tensors = transformers_run["tensors"]
     assert tensors["only_ours"] == tensors["only_theirs"] == [] and tensors["unequal"] == {}, tensors
     assert tensors["compared"] == len(reader.tensors) == 24 * 12 + 3

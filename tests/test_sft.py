@@ -12,7 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
-from arpo_jax import models, sharding, testing
+from arpo_jax import hf, models, sharding, testing
 from arpo_jax import sft as sft_lib
 from arpo_jax import train_step as ts
 from arpo_jax.data import sft_data
@@ -269,6 +269,22 @@ def test_run_sft_on_toy_data_learns_checkpoints_exports_and_resumes(tmp_path):
     ckpt.close()
     exported = pretrained.from_pretrained(tmp_path / "hf")
     assert exported.config.vocab_size > 0 and (tmp_path / "hf" / "tokenizer.json").is_file()
+
+    # The same config again (the demo's second algorithm): the finished run's summary, no model built.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sft_lib.runtime, "load_policy", lambda *a: pytest.fail("a finished SFT was rebuilt"))
+        same = sft_lib.run_sft(_toy_config(8), tmp_path)
+    assert same == out | {"start_step": 8, "wall_time_s": same["wall_time_s"]}
+    assert [r["step"] for r in metrics.read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 9))
+    marker = tmp_path / "hf" / hf.EXPORT_MARKER
+    marker.rename(tmp_path / "marker")  # an export that is not known complete: no shortcut
+    assert sft_lib.finished_run(_toy_config(8), tmp_path) is None
+    (tmp_path / "marker").rename(marker)
+    assert sft_lib.finished_run(_toy_config(8), tmp_path) is not None
+    assert sft_lib.finished_run(_toy_config(9), tmp_path) is None  # more steps asked for
+    changed = _toy_config(8)
+    changed.sft.lr = 1e-3
+    assert sft_lib.finished_run(changed, tmp_path) is None  # another meaning (refused or allowed by open_workdir)
 
     # A restart picks up at the newest checkpoint (one more step, so the test stays short).
     again = sft_lib.run_sft(_toy_config(9), tmp_path)

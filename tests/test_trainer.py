@@ -44,8 +44,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trainer")]
 _env = testing.subprocess_env  # (devices, **extra): the compilation cache is the session's (conftest)
 
 
-def _command(workdir: Path, reward: Path, *overrides: str, python: str = sys.executable) -> list[str]:
+def _command(workdir: Path, reward: Path, *overrides: str, python: str = sys.executable,
+             model: Path | None = None) -> list[str]:
+    """`model`: an HF folder instead of the toy config's builtin:tiny, which every run would build again (~4 s)."""
     return [python, "-m", "arpo_jax.cli", "train", f"--config={TOY}", f"--workdir={workdir}",
+            *([f"--config.model.path={model}"] if model else []),
             f"--config.reward.custom_path={reward}", f"--config.trainer.max_steps={STEPS}",
             "--config.trainer.save_freq=1", "--config.trainer.keep_checkpoints=5", "--config.trainer.progress=false",
             # 64 response tokens, not the toy config's 128: the random model never stops early, so its decode steps
@@ -74,18 +77,21 @@ def _max_diff(a: dict, b: dict) -> float:
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
+    """(folder, custom reward file, the builtin tiny model built once for the module's runs)."""
+    from arpo_jax import runtime
+
     root = tmp_path_factory.mktemp("trainer")
     reward = root / "reward.py"
     reward.write_text(REWARD)
-    return root, reward
+    return root, reward, runtime.build_tiny_model(root / "tiny", seed=0)  # the toy config's seed
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(shared):
     """A 3-step run start to finish (`RUN`): (workdir, stdout)."""
-    root, reward = shared
+    root, reward, tiny = shared
     workdir = root / "uninterrupted"
-    out = _run(_command(workdir, reward, *RUN), _env(2))
+    out = _run(_command(workdir, reward, *RUN, model=tiny), _env(2))
     return workdir, out
 
 
@@ -132,9 +138,9 @@ def test_train_moves_params(uninterrupted):
 
 
 def test_sigkill_at_a_random_moment_resumes_to_the_same_params(uninterrupted, shared):
-    root, reward = shared
+    root, reward, tiny = shared
     workdir = root / "killed"
-    cmd, env = _command(workdir, reward, *RUN), _env(2)
+    cmd, env = _command(workdir, reward, *RUN, model=tiny), _env(2)
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.time() + 300
@@ -178,10 +184,10 @@ def test_two_processes_match_one_process_with_two_workers(uninterrupted, shared)
     """jax.distributed over 2 local processes (1 device each) == 1 process with 2 devices and 2 rollout workers, with
     tree training (the default): the tree sizes, loss totals and token counts are agreed over processes. (Tree ==
     flat on one process: test_trainer_tree.py.)"""
-    root, reward = shared
+    root, reward, tiny = shared
     single = uninterrupted[0]
     multi = root / "multi"
-    _run_two_processes(_command(multi, reward, *RUN))
+    _run_two_processes(_command(multi, reward, *RUN, model=tiny))
     a, _ = _params(single, STEPS)
     b, _ = _params(multi, STEPS)
     assert _max_diff(a, b) <= 1e-5
@@ -198,7 +204,7 @@ VLLM_PYTHON = os.environ.get("ARPO_VLLM_PYTHON") or None
 
 
 def test_plan_reports_per_device_memory_of_the_7b_config(shared):
-    root, _ = shared
+    root, _, _ = shared
     cmd = [sys.executable, "-m", "arpo_jax.cli", "plan", "--config=builtin:arpo_qwen25_7b_reasoning"]
     out = _run(cmd, _env(1), timeout=900)
     result = json.loads(out.strip().splitlines()[-1])
@@ -232,10 +238,10 @@ def test_sigterm_during_a_step_and_sigint_during_a_save_lose_nothing(uninterrupt
     exit 143, one line. SIGINT while a checkpoint is being written: exit 130. A damaged newest checkpoint: the
     resume falls back to the step before. Each resume continues where it should, and the final params equal an
     uninterrupted run's."""
-    root, reward = shared
+    root, reward, tiny = shared
     workdir = root / "signalled"
     env = _env(2)
-    cmd = _command(workdir, reward, *RUN, "--config.trainer.save_freq=0")
+    cmd = _command(workdir, reward, *RUN, "--config.trainer.save_freq=0", model=tiny)
 
     proc = _popen(cmd, env)
     _wait_for(lambda: _logged_steps(workdir) == [1], proc, "step 1")  # step 2 is running now
@@ -250,7 +256,7 @@ def test_sigterm_during_a_step_and_sigint_during_a_save_lose_nothing(uninterrupt
         assert ckpt.all_steps() == [done[-1]]  # the finished step was saved although save_freq=0
 
     # Resume, and interrupt while a checkpoint is being written (save_freq=1: every step saves).
-    cmd = _command(workdir, reward, *RUN)
+    cmd = _command(workdir, reward, *RUN, model=tiny)
     proc = _popen(cmd, env)
     saving = lambda: any(".orbax-checkpoint-tmp" in p.name for p in (workdir / "checkpoints").iterdir()) or \
         len(_logged_steps(workdir)) > len(done)
@@ -292,11 +298,11 @@ def test_vllm_engine_one_step_off_policy_then_ctrl_c_to_the_process_group(shared
     it too, and ignores it (the trainer owns the stop): the step in progress, its rollout running in the engine
     during the update included, is finished and saved, the run ends with exit 130 and one line, no traceback. (One
     run for both: a vLLM run costs an engine start and its compiles.)"""
-    root, reward = shared
+    root, reward, tiny = shared
     workdir = root / "vllm"
     cmd = _command(workdir, reward, "--config.rollout.engine=vllm", "--config.trainer.max_steps=4",
                    "--config.trainer.save_freq=0", "--config.trainer.test_freq=0", "--config.rollout.max_staleness=1",
-                   python=VLLM_PYTHON or sys.executable)
+                   python=VLLM_PYTHON or sys.executable, model=tiny)
     proc = subprocess.Popen(cmd, env=_env(2), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)  # its own group, as a terminal's foreground job
     _wait_for(lambda: _logged_steps(workdir)[:2] == [1, 2], proc, "step 2", poll=0.05)

@@ -516,11 +516,17 @@ def _worker_main(address: str) -> None:
         except EOFError:  # the trainer went away
             return
         if command == "close":
-            return
+            break
         try:
             conn.send(("ok", handlers[command](payload)))
         except Exception:  # noqa: BLE001 - any failure goes back to the trainer with its traceback
             conn.send(("error", traceback.format_exc()))
+    # Closed: the engine's core (and on GPUs its tensor-parallel processes) shut down, then the process ends without
+    # Python's own teardown of torch and vLLM, which took ~3 s an engine after everything was released.
+    engine.llm.llm_engine.engine_core.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
