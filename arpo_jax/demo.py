@@ -71,7 +71,7 @@ FULL = DemoSize(sft_examples=96, sft_epochs=2, sft_batch=8, rl_steps=16, rl_prom
 # QUICK: every phase on the same model, as small as it goes (2 SFT steps teach nothing, so the responses run to the
 # length limit: a short one keeps the smoke run within minutes). 32 tokens, not 64, and one RL step: generation was
 # most of the smoke run's time in the test suite. Two SFT steps of 2 conversations (one 768-token micro-batch each,
-# not two): the first step's learning rate is 0 (warmup), the second trains; 4 examples of 8 halved the SFT phase.
+# not two; the first step's learning rate is 0, warmup): the second step 17.5 -> 10 s, the SFT phase 60 -> 53 s.
 QUICK = DemoSize(sft_examples=4, sft_epochs=1, sft_batch=2, rl_steps=1, rl_prompts=2, rl_n=4, train_prompts=16,
                  val_prompts=3, test_freq=1, response_length=32)
 DEFAULT_MODEL = "smollm2-135m-instruct"
