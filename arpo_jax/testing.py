@@ -39,6 +39,29 @@ def subprocess_env(devices: int | None = None, **extra: str) -> dict:
     return env | extra
 
 
+# Memory of the suite's pytest-xdist workers, with their subprocesses (`ps` of a whole `make test`, benchmarks/
+# RESULTS.md): the worker of the real-model group (`xdist_group("smollm2")`: Qwen2.5 in transformers, JAX and a vLLM
+# engine) peaked at 12.3 GB, every other worker under 3 GB.
+REAL_MODEL_WORKER_GB = 13
+TEST_WORKER_GB = 3
+
+
+def xdist_workers(cores: int, memory_gb: float) -> int:
+    """pytest-xdist workers for `-n auto`: one per core, as many as the memory holds (the real-model worker and
+    `TEST_WORKER_GB` for each other), at least one."""
+    return max(1, min(cores, 1 + int((memory_gb - REAL_MODEL_WORKER_GB) // TEST_WORKER_GB)))
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity, lowered by a cgroup v2 CPU quota (a container's limit)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+    except (OSError, ValueError):
+        return cores
+    return cores if quota == "max" else max(1, min(cores, int(quota) // int(period)))
+
+
 def trainer_devices(n: int = 2) -> list:
     """The first `n` of this process's devices, for a `Trainer` inside the test process: the toy model samples 2-3x
     faster on 2 of the suite's fake devices than on all 8 (tiny programs: per-device overhead, not FLOPs; the

@@ -92,6 +92,16 @@ def _release_compiled_programs():
     gc.collect()
 
 
+@pytest.hookimpl(optionalhook=True)  # known only where pytest-xdist is loaded
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (`make test`): a worker per usable core, as many as the machine's memory holds
+    (`testing.xdist_workers`); $PYTEST_XDIST_AUTO_NUM_WORKERS overrides, as in pytest-xdist."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").isdigit():
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    memory_gb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    return testing.xdist_workers(testing.usable_cores(), memory_gb)
+
+
 def pytest_configure(config):
     """`--dist loadgroup` puts each `xdist_group` (the SmolLM2 tests: a model and a vLLM engine each, the demo a whole
     run) on one worker by suffixing node ids with `@group`; pytest 9.2's structured node ids make pytest-xdist <= 3.8
