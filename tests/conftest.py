@@ -83,6 +83,18 @@ def smollm2(tmp_path_factory):
     return named_models.model_folder("smollm2-135m-instruct")
 
 
+@pytest.fixture(scope="session")
+def eval_data_dir():
+    """The 13 benchmarks' folder (`eval.benchmarks.default_data_dir`: $ARPO_EVAL_DATA or ../shared/data/eval beside
+    the repo): the reference data, never committed. A clone without it skips the tests that read it, with the reason."""
+    from arpo_jax.eval import benchmarks
+
+    try:
+        return benchmarks.default_data_dir()
+    except FileNotFoundError as e:
+        pytest.skip(f"evaluation data not available ({e})")
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drops JAX's compiled programs after each test module: a worker runs many modules, each with its own models,

@@ -20,16 +20,8 @@ EXPECTED_TASK = {"aime24": "math", "aime25": "math", "math500": "math", "gsm8k":
 
 
 @pytest.fixture(scope="module")
-def data_dir() -> Path:
-    try:
-        return B.default_data_dir()
-    except FileNotFoundError as e:
-        pytest.skip(f"evaluation data not available ({e})")
-
-
-@pytest.fixture(scope="module")
-def loaded(data_dir) -> dict[str, B.BenchmarkSamples]:
-    return {name: B.load_benchmark(name, data_dir) for name in B.BENCHMARKS}
+def loaded(eval_data_dir) -> dict[str, B.BenchmarkSamples]:
+    return {name: B.load_benchmark(name, eval_data_dir) for name in B.BENCHMARKS}
 
 
 def rows_in(path: Path) -> int:
@@ -47,9 +39,9 @@ def test_registry_has_the_13_benchmarks_with_their_tasks():
 
 
 @pytest.mark.parametrize("name", list(EXPECTED_TASK))
-def test_loader_reads_every_row_of_the_real_file(name, data_dir, loaded):
+def test_loader_reads_every_row_of_the_real_file(name, eval_data_dir, loaded):
     samples = loaded[name]
-    path = data_dir / name / "test.jsonl"
+    path = eval_data_dir / name / "test.jsonl"
     assert samples.path == path
     assert len(samples) == rows_in(path) > 0
     assert samples.skipped == []
@@ -98,13 +90,13 @@ def test_chinese_benchmarks(loaded):
     assert languages == {"zh", "en"}
 
 
-def test_limit_takes_the_first_n(data_dir, loaded):
-    first = B.load_benchmark("gsm8k", data_dir, limit=5)
+def test_limit_takes_the_first_n(eval_data_dir, loaded):
+    first = B.load_benchmark("gsm8k", eval_data_dir, limit=5)
     assert first == loaded["gsm8k"][:5]
-    assert B.load_benchmark("gsm8k", data_dir, limit=0) == []
-    assert B.load_benchmark("aime25", data_dir, limit=10_000) == loaded["aime25"]
+    assert B.load_benchmark("gsm8k", eval_data_dir, limit=0) == []
+    assert B.load_benchmark("aime25", eval_data_dir, limit=10_000) == loaded["aime25"]
     with pytest.raises(ValueError, match="limit"):
-        B.load_benchmark("gsm8k", data_dir, limit=-1)
+        B.load_benchmark("gsm8k", eval_data_dir, limit=-1)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -84,7 +84,7 @@ def shared(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def evaluated(shared):
+def evaluated(shared, eval_data_dir):  # the command reads the benchmarks from eval_data_dir (skips without them)
     """An uninterrupted evaluation of builtin:tiny: (workdir, summary)."""
     root, env = shared
     workdir = root / "uninterrupted"
