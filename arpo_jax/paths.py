@@ -24,3 +24,10 @@ def local_path(path: str | os.PathLike, what: str = "workdir") -> Path:
             f"gcsfuse (e.g. `gcsfuse --implicit-dirs BUCKET /gcs/BUCKET`, then {what} /gcs/BUCKET/...); on a single "
             "host, a local folder.")
     return Path(text).absolute()
+
+
+CACHE_ENV = "ARPO_CACHE"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "arpo-jax").expanduser()
