@@ -1,4 +1,5 @@
-"""Host-side data across processes: the multi-host helpers of the training loops (one process: plain numpy).
+"""Processes and host data across them: start-up (`initialize_distributed`, the compilation cache, the mesh of a
+config), barriers, and the multi-host helpers of the training loops (one process: plain numpy).
 
 Every process holds its own rows (its rollout workers' blocks, its SFT shard). The loops need three moves:
   `global_array` / `host_local`  this process's rows <-> a global jax.Array split along the batch axis;
@@ -82,8 +83,6 @@ def agree(value):
 
 # Explicit multi-process start-up (tests, hand-made launches); SLURM and Cloud TPU VMs are auto-detected by JAX.
 COORDINATOR_ENV = ("ARPO_COORDINATOR", "ARPO_NUM_PROCESSES", "ARPO_PROCESS_ID")
-
-
 COMPILATION_CACHE_ENV = "ARPO_COMPILATION_CACHE"
 
 

@@ -1,4 +1,5 @@
-"""Where runs write: POSIX folders only (a leaf module: the run guard, checkpoints and the metrics logger use it)."""
+"""Where runs write: POSIX folders only (a leaf module: the run guard, checkpoints and the metrics logger use it),
+and the cache folder (`$ARPO_CACHE`, default ~/.cache/arpo-jax: named models, the compilation cache)."""
 
 from __future__ import annotations
 
@@ -30,4 +31,5 @@ CACHE_ENV = "ARPO_CACHE"
 
 
 def cache_dir() -> Path:
+    """The folder the named models are converted into and the compilation cache lives in."""
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "arpo-jax").expanduser()

@@ -1,4 +1,4 @@
-"""Device mesh and the one logical-axis rules table.
+"""Device mesh, the one logical-axis rules table, and the devices a config can name (`mesh.device`).
 
 Mesh axes (always these three, in this order):
   data    pure data parallelism: the batch is split, params are replicated across it.

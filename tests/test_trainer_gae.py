@@ -21,6 +21,7 @@ from arpo_jax.experience import advantages, global_batch, packing
 from arpo_jax.experience import trajectories as experience
 from arpo_jax.train import components, metrics
 from arpo_jax.train import trainer as trainer_lib
+from arpo_jax.train.components import pack_config
 from arpo_jax.update import value as critic_lib
 from arpo_jax.weights.checkpoint import Checkpointer
 
@@ -67,7 +68,7 @@ def test_gae_packed_equals_direct(tmp_path):
                  trainer_lib.batch_examples(tr.train_data, cfg.data, tr.position, tr.workers, tr.local_workers).items()}
         arrays = tr._advantages(trajs)
         layouts = tr.batches.layouts(trajs)
-        packed = {w: global_batch.worker_batch(trajs[w], arrays[w], layouts[w], cfg) for w in trajs}
+        packed = {w: global_batch.worker_batch(trajs[w], arrays[w], layouts[w], pack_config(cfg)) for w in trajs}
 
         model = critic_lib.ValueModel(tr.model_cfg, rngs=nnx.Rngs(0))
         state = nnx.state(model, nnx.Param)
@@ -173,9 +174,9 @@ def test_seq_mean_token_sum_norm_divides_by_the_configured_response_length(tmp_p
     out = SimpleNamespace(failed=np.array([""] * 4, dtype=object))  # what the packing reads of the rollout
     traj = experience.Trajectories(seqs, np.full(4, 4), masks, np.array([0.0, 1.0, 1.0, 0.5], np.float32),
                                    np.array([0, 0, 1, 1]), [], [], out, [np.zeros(len(s)) for s in seqs])
-    layout = global_batch.layout(traj, cfg, mini_prompts=2, rows=2, row_len=32)
+    layout = global_batch.layout(traj, pack_config(cfg), mini_prompts=2, rows=2, row_len=32)
     adv = advantages.outcome_advantages(traj, cfg.algorithm.adv_estimator)
-    batch = global_batch.worker_batch(traj, {"advantages": adv}, layout, cfg)
+    batch = global_batch.worker_batch(traj, {"advantages": adv}, layout, pack_config(cfg))
     r = cfg.data.max_response_length
     assert r > 8  # longer than every response here: the old divisor (8) differs
     for w, m in zip(packing.unpack(layout, batch["loss_weight"]), masks):

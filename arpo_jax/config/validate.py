@@ -80,11 +80,14 @@ def _schema() -> dict[str, Any] | None:
 def _components() -> tuple[type, ...]:
     """The settings dataclasses built from the config (``knobs.from_config``): their knob fields' rules are checked
     here by config field (imported lazily: they pull JAX)."""
+    from arpo_jax.experience import packing, reward
     from arpo_jax.rollout import agent_loop, sampler
+    from arpo_jax.train import schedule
     from arpo_jax.update import train_step
     from arpo_jax.update import value as critic
 
-    return train_step.UpdateConfig, agent_loop.RolloutConfig, sampler.SamplingSettings, critic.CriticConfig
+    return (train_step.UpdateConfig, agent_loop.RolloutConfig, sampler.SamplingSettings, critic.CriticConfig,
+            packing.PackConfig, reward.ShapingConfig, schedule.ScheduleConfig)
 
 
 @functools.cache
@@ -100,7 +103,6 @@ def _direct_enums() -> dict[str, tuple]:
     """Enum fields read directly (not through a knob), with the allowed values of the modules that consume them."""
     from arpo_jax import rewards, sharding, tools
     from arpo_jax.data import prompts, rl_dataset
-    from arpo_jax.experience import reward as reward_lib
     from arpo_jax.models import transformer
     from arpo_jax.rollout import jax_decode, sampler
     from arpo_jax.update import algos, train_step
@@ -122,7 +124,6 @@ def _direct_enums() -> dict[str, tuple]:
         "tools.search.backend": tuple(tools.SEARCH_BACKENDS),
         "reward.name": (*rewards.REWARDS, "auto"),
         "algorithm.adv_estimator": (*algos.ADVANTAGE_ESTIMATORS, "gae"),  # gae: PPO with a critic
-        "algorithm.overlong": reward_lib.OVERLONG_MODES,
         "actor.rollout_correction.mode": ("auto", *algos.ROLLOUT_CORRECTION_MODES),  # auto: components
         "sft.schedule": train_step.SCHEDULES,
     }
@@ -316,7 +317,6 @@ def _check_rollout(ck: _Checker, command: str, process_count: int | None) -> Non
                                                   f"data.max_response_length = {p + r})", f"0 (no limit) or >= {p + r}")
     else:
         ck.require("rollout.jax.max_tokens_per_call", at_least(0, "0 (no limit) or a token count"))
-    ck.require("rollout.max_staleness", at_least(0, "0 (synchronous) | 1 (one step off-policy) | 2 | ..."))
     if (ck.get("rollout.max_staleness") or 0) > 0 and (process_count or 1) > 1 and ck.get("algorithm.dynamic_sampling"):
         # Dynamic sampling agrees on its extra draws across processes (collectives); from the rollout thread they
         # would interleave with the update's own collectives.
@@ -340,7 +340,6 @@ def _check_rollout(ck: _Checker, command: str, process_count: int | None) -> Non
 def _check_shaping_and_failures(ck: _Checker) -> None:
     """DAPO dynamic sampling / overlong handling (algorithm.*) and failure isolation (rollout.failures.*)."""
     ck.require("algorithm.max_extra_rounds", at_least(0, ">= 0 (extra batches rolled out per step)"))
-    ck.require("algorithm.overlong_penalty_factor", NONNEG)
     r, buffer = ck.get("data.max_response_length"), ck.get("algorithm.overlong_buffer_len")
     if ck.get("algorithm.overlong") == "penalty" and r and buffer is not None and not 0 < buffer <= r:
         ck.add("algorithm.overlong_buffer_len", f"{buffer} with algorithm.overlong=penalty",

@@ -24,15 +24,14 @@ class GlobalBatch:
     [K, M, B, T], heads [K, M, B, U], loss entries [K, M, B, E]). The rest of the step does not care which:
     the log-prob forward and the train step recognise a tree batch by its `tree_end`."""
 
-    def __init__(self, cfg, mesh: Mesh, model_cfg, workers: int, local: range):
-        self.cfg, self.mesh, self.workers, self.local_workers = cfg, mesh, workers, local
+    def __init__(self, pack: packing.PackConfig, mesh: Mesh, model_cfg, workers: int, local: range):
+        self.pack, self.mesh, self.workers, self.local_workers = pack, mesh, workers, local
         self.sharding = NamedSharding(mesh, jit.batch_spec(mesh, model_cfg.sharding_rules))  # [M, B, T]
         self.sharding4 = NamedSharding(mesh, PartitionSpec(None, *self.sharding.spec))  # [K, M, B, T]
         rules = sharding.get_rules(model_cfg.sharding_rules)
         self.rows_per_worker = max(1, math.prod(mesh.shape[a] for a in rules["batch"]) // workers)
-        self.row_len = cfg.actor.max_token_len_per_device or 2 * (cfg.data.max_prompt_length +
-                                                                  cfg.data.max_response_length)
-        self.tree = bool(cfg.actor.tree_training)
+        self.row_len = pack.row_len
+        self.tree = bool(pack.tree)
 
     def layouts(self, trajs: dict[int, Trajectories], tree: bool | None = None) -> dict:
         """Each worker's layout (`packing.Layout`, or with `tree` (default: `actor.tree_training`) a
@@ -40,8 +39,8 @@ class GlobalBatch:
         also heads and entries per row), so that every worker's block has one global shape."""
         tree = self.tree if tree is None else tree
         plan = _LAYOUTS[tree][0]
-        mini_prompts = self.cfg.actor.ppo_mini_batch_size // self.workers
-        layouts = {w: plan(t, self.cfg, mini_prompts=mini_prompts, rows=self.rows_per_worker, row_len=self.row_len)
+        mini_prompts = self.pack.mini_batch_prompts // self.workers
+        layouts = {w: plan(t, self.pack, mini_prompts=mini_prompts, rows=self.rows_per_worker, row_len=self.row_len)
                    for w, t in trajs.items()}
         if tree:
             sizes = distributed.gather(np.array([layouts[w].sizes for w in self.local_workers])).max(0)  # (M, U, E)
@@ -58,7 +57,7 @@ class GlobalBatch:
         layouts = self.layouts(trajs)
         totals = distributed.gather(np.stack([loss_totals(layouts[w], trajs[w].loss_masks)
                                               for w in self.local_workers])).sum(0)  # [K, 2]
-        blocks = [worker_batch(trajs[w], token_arrays[w], layouts[w], self.cfg, totals=totals, workers=self.workers)
+        blocks = [worker_batch(trajs[w], token_arrays[w], layouts[w], self.pack, totals=totals, workers=self.workers)
                   for w in self.local_workers]
         local = self._side_by_side(blocks, blocks[0])  # [K, M, B_local, *]
         minis = [{name: distributed.global_array(v[k], self.sharding) for name, v in local.items()}
@@ -91,15 +90,17 @@ class GlobalBatch:
         return {k: np.concatenate([b[k] for b in blocks], axis=-2) for k in keys}
 
 
-def layout(traj: Trajectories, cfg, *, mini_prompts: int, rows: int, row_len: int) -> packing.Layout:
+def layout(traj: Trajectories, pack: packing.PackConfig, *, mini_prompts: int, rows: int,
+           row_len: int) -> packing.Layout:
     """Where the worker's sequences sit in its [K, M, rows, row_len] block: `mini_prompts` prompts (x n rows) per
     optimizer step, `rows` rows per micro-batch."""
-    return packing.plan_layout([len(s) for s in traj.sequences], mini_batch_size=mini_prompts * cfg.rollout.n,
-                               row_len=row_len, rows_per_micro=rows, pack=cfg.actor.pack)
+    return packing.plan_layout([len(s) for s in traj.sequences], mini_batch_size=mini_prompts * pack.group_size,
+                               row_len=row_len, rows_per_micro=rows, pack=pack.pack)
 
 
-def worker_batch(traj: Trajectories, token_arrays: dict[str, list[np.ndarray]], placed: packing.Layout, cfg, *,
-                 totals: np.ndarray | None = None, workers: int = 1) -> dict[str, np.ndarray]:
+def worker_batch(traj: Trajectories, token_arrays: dict[str, list[np.ndarray]], placed: packing.Layout,
+                 pack: packing.PackConfig, *, totals: np.ndarray | None = None,
+                 workers: int = 1) -> dict[str, np.ndarray]:
     """One worker's [K, M, rows, T] block of the global batch (numpy).
 
     Args:
@@ -107,14 +108,13 @@ def worker_batch(traj: Trajectories, token_arrays: dict[str, list[np.ndarray]], 
       token_arrays: token-aligned arrays per sequence: `advantages` and any others to place (`returns`,
         `old_values` with a critic).
       placed: its layout (`layout`, with the micro-batch count of the largest worker).
-      cfg: the run's config (`actor.agg_mode`, `actor.micro_norm`, `data.max_response_length`).
+      pack: the aggregation mode, micro-batch normalisation and normalising length.
       totals, workers: loss tokens and sequences per mini-batch over every worker, and the worker count
         (`packing.loss_weights`); defaults: this worker alone.
     """
     extra = {"rollout_logp": traj.rollout_logps} | {k: v for k, v in token_arrays.items() if k != "advantages"}
     return packing.assemble(placed, traj.sequences, traj.loss_masks, token_arrays["advantages"],
-                            agg_mode=cfg.actor.agg_mode, micro_norm=cfg.actor.micro_norm,
-                            norm_len=cfg.data.max_response_length,  # seq-mean-token-sum-norm's divisor
+                            agg_mode=pack.agg_mode, micro_norm=pack.micro_norm, norm_len=pack.norm_len,
                             totals=totals, workers=workers, extra=extra)
 
 

@@ -35,7 +35,25 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from arpo_jax import knobs
 from arpo_jax.update.train_step import AGG_MODES, MICRO_NORMS
+
+
+@dataclasses.dataclass(frozen=True)
+class PackConfig:
+    """How a step's trajectories become the update's batches (the knobs: configs/base.py)."""
+
+    group_size: int = knobs.knob("rollout.n", knobs.POSITIVE)  # trajectories per prompt
+    mini_batch_prompts: int = knobs.knob("actor.ppo_mini_batch_size", knobs.POSITIVE)  # prompts per optimizer step
+    pack: bool = knobs.knob("actor.pack")  # several sequences per row
+    tree: bool = knobs.knob("actor.tree_training")  # shared prefixes once (`tree_packing`)
+    agg_mode: str = knobs.knob("actor.agg_mode", knobs.one_of(AGG_MODES))
+    micro_norm: str = knobs.knob("actor.micro_norm", knobs.one_of(MICRO_NORMS))
+    norm_len: int = knobs.knob("data.max_response_length", knobs.POSITIVE)  # seq-mean-token-sum-norm's divisor
+    row_len: int = knobs.knob("actor.max_token_len_per_device", knobs.NONNEG)  # tokens per row; 0: 2 x (P + R)
+
+    def __post_init__(self):
+        knobs.validate(self)
 
 
 @dataclasses.dataclass(frozen=True)

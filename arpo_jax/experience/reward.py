@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from arpo_jax import rewards
+from arpo_jax import knobs, rewards
 from arpo_jax.experience.trajectories import Trajectories
 from arpo_jax.rollout.output import RolloutOutput
 
@@ -94,15 +94,26 @@ def score_rollout(out: RolloutOutput, examples, tokenizer, reward_fn) -> Traject
                         out, rollout_logps)
 
 
-def shape_rollout(traj: Trajectories, cfg) -> Trajectories:
-    """The training signal of a scored rollout: failed trajectories (and with `algorithm.overlong = mask` the
-    truncated ones) masked out of the loss, the DAPO overlong penalty added to the scores (`shaping`)."""
-    a = cfg.algorithm
+@dataclasses.dataclass(frozen=True)
+class ShapingConfig:
+    """The overlong handling of `shape_rollout` (the knobs: configs/base.py, `algorithm.overlong*`)."""
+
+    overlong: str = knobs.knob("algorithm.overlong", knobs.one_of(OVERLONG_MODES))
+    buffer_len: int = knobs.knob("algorithm.overlong_buffer_len")  # L_cache (checked against L_max by the loader)
+    penalty_factor: float = knobs.knob("algorithm.overlong_penalty_factor", knobs.NONNEG)
+    max_response_length: int = knobs.knob("data.max_response_length", knobs.POSITIVE)  # L_max
+
+    def __post_init__(self):
+        knobs.validate(self)
+
+
+def shape_rollout(traj: Trajectories, shaping: ShapingConfig) -> Trajectories:
+    """The training signal of a scored rollout: failed trajectories (and with `overlong = mask` the truncated ones)
+    masked out of the loss, the DAPO overlong penalty added to the scores (module docstring)."""
     scores = traj.scores
-    if a.overlong == "penalty":
-        scores = scores + overlong_penalty(traj.out.response_length, max_length=cfg.data.max_response_length,
-                                                   buffer_length=a.overlong_buffer_len,
-                                                   factor=a.overlong_penalty_factor)
-    drop = traj.failed | ((traj.out.finish_reason == "length") if a.overlong == "mask" else False)
+    if shaping.overlong == "penalty":
+        scores = scores + overlong_penalty(traj.out.response_length, max_length=shaping.max_response_length,
+                                           buffer_length=shaping.buffer_len, factor=shaping.penalty_factor)
+    drop = traj.failed | ((traj.out.finish_reason == "length") if shaping.overlong == "mask" else False)
     masks = [np.zeros_like(m) if d else m for m, d in zip(traj.loss_masks, drop)]
     return dataclasses.replace(traj, scores=np.asarray(scores, np.float32), loss_masks=masks)

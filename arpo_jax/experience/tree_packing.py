@@ -318,19 +318,19 @@ def tree_metrics(layouts: Sequence[TreeLayout]) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def worker_tree_layout(traj, cfg, *, mini_prompts: int, rows: int, row_len: int) -> TreeLayout:
+def worker_tree_layout(traj, pack, *, mini_prompts: int, rows: int, row_len: int) -> TreeLayout:
     """``global_batch.layout`` for tree training: the worker's trajectories (``experience.Trajectories``: sequences,
     group, loss_masks) as trees in its [K, M, rows, row_len] block."""
-    return plan_tree_layout(traj.sequences, traj.group, traj.loss_masks, mini_batch_size=mini_prompts * cfg.rollout.n,
+    return plan_tree_layout(traj.sequences, traj.group, traj.loss_masks, mini_batch_size=mini_prompts * pack.group_size,
                             row_len=row_len, rows_per_micro=rows)
 
 
-def worker_tree_batch(traj, token_arrays: dict[str, list[np.ndarray]], layout: TreeLayout, cfg, *,
+def worker_tree_batch(traj, token_arrays: dict[str, list[np.ndarray]], layout: TreeLayout, pack, *,
                       totals: np.ndarray | None = None, workers: int = 1) -> dict[str, np.ndarray]:
     """``global_batch.worker_batch`` for tree training: one worker's [K, M, rows, *] block (numpy). ``layout`` comes
     from ``worker_tree_layout(...).with_sizes(*global sizes)``; ``totals`` is the sum over workers of
     ``loss_totals``."""
     extra = {"rollout_logp": traj.rollout_logps} | {k: v for k, v in token_arrays.items() if k != "advantages"}
-    return assemble_tree(layout, traj.loss_masks, token_arrays["advantages"], agg_mode=cfg.actor.agg_mode,
-                         micro_norm=cfg.actor.micro_norm, norm_len=cfg.data.max_response_length, totals=totals,
+    return assemble_tree(layout, traj.loss_masks, token_arrays["advantages"], agg_mode=pack.agg_mode,
+                         micro_norm=pack.micro_norm, norm_len=pack.norm_len, totals=totals,
                          workers=workers, extra=extra)

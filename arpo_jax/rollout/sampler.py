@@ -148,13 +148,10 @@ def request_seed(base: int, index: int, token_ids: Sequence[int]) -> int:
                .generate_state(1)[0])
 
 
+# The engines behind this interface, by the names the configs and commands use.
 ROLLOUT_ENGINES = ("jax", "vllm")  # rollout.engine (training); eval and demo also take the others
-
-
-LORA_SYNCS = ("adapters", "merged")  # rollout.vllm.lora_sync
-
-
 ENGINES = (*ROLLOUT_ENGINES, "openai", "transformers")
+LORA_SYNCS = ("adapters", "merged")  # rollout.vllm.lora_sync
 
 
 def worker_seed(seed: int, step: int, worker: int, salt: str = "") -> int:

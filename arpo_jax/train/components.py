@@ -1,8 +1,9 @@
-"""Config -> components: the rollout engine, the tool executor, the sampling settings, the rollout config and the
-update step's settings.
+"""Config -> components: the rollout engine, the tool executor, the sampling settings, the rollout config, the
+packing and shaping settings and the update step's; and the training run's engine with the policy's weights
+(`make_rollout_sampler`, `sync_weights`).
 
-Training (`trainer.py`), evaluation and chat (`eval/runner.py`), the demo's transcript (`demo.py`) and the memory
-plan (`plan.py`) build these from an experiment config in one way, here, so a setting (a vLLM option, a tool
+Training (`train/trainer.py`), evaluation and chat (`eval/`), the demo's transcript (`demo.py`) and the memory
+plan (`plan/`) build these from an experiment config in one way, here, so a setting (a vLLM option, a tool
 limit, a sampling parameter) means the same in every command.
 
     sampler = components.make_sampler(cfg, tokenizer, model=policy, mesh=mesh)   # cfg.rollout.engine = "jax"
@@ -22,6 +23,8 @@ from jax.sharding import Mesh
 from arpo_jax import distributed, knobs, sharding
 from arpo_jax.data import toy
 from arpo_jax.data.prompts import REFERENCE_DATA_SYSTEM_PROMPT, SYSTEM_PROMPT, SYSTEM_PROMPTS
+from arpo_jax.experience.packing import PackConfig
+from arpo_jax.experience.reward import ShapingConfig
 from arpo_jax.rollout.agent_loop import RolloutConfig
 from arpo_jax.rollout.jax_decode import decode_weights
 from arpo_jax.rollout.sampler import ENGINES, Sampler, SamplingSettings
@@ -135,6 +138,18 @@ def rollout_correction_mode(cfg) -> str:
     return mode
 
 
+def pack_config(cfg) -> PackConfig:
+    """How the step's trajectories are packed: its knobs, the row length resolved (`actor.max_token_len_per_device`,
+    0: twice the longest trajectory, P + R)."""
+    d = cfg.data
+    row_len = cfg.actor.max_token_len_per_device or 2 * (d.max_prompt_length + d.max_response_length)
+    return knobs.from_config(PackConfig, cfg, row_len=row_len)
+
+
+def shaping_config(cfg) -> ShapingConfig:
+    return knobs.from_config(ShapingConfig, cfg)
+
+
 def update_config(cfg) -> ts.UpdateConfig:
     """The jitted update step's settings: its knobs (`actor.*`, the rollout temperature of the log-probs) and the
     resolved rollout correction mode."""
@@ -150,6 +165,11 @@ def system_prompt_for(cfg) -> str:
         return SYSTEM_PROMPTS[cfg.data.system_prompt]
     files = list(cfg.data.train_files)
     return SYSTEM_PROMPT if files and all(f == toy.BUILTIN for f in files) else REFERENCE_DATA_SYSTEM_PROMPT
+
+
+# --------------------------------------------------------------------------------------------------
+# The training run's engine and its weights
+# --------------------------------------------------------------------------------------------------
 
 
 def sampler_mesh(mesh: Mesh) -> Mesh:

@@ -23,12 +23,10 @@ One training step (`Trainer.train_step`), phase by phase, each timed as `time/<p
                ahead during this step, has ended: `rollout_wait`);
   metrics      then a checkpoint every `save_freq` steps and validation (greedy, n = 1, per data_source) every
                `test_freq` steps (`run`).
-The host-side maths of reward, advantages and pack are pure functions in `experience`.
+The host-side maths of reward, advantages and pack are pure functions in `experience/`.
 
-Off-policy rollouts (`rollout.max_staleness` = S > 0): as soon as a step has its batch, the next step's rollout
-(and reward) starts in a background thread (`collection.RolloutAhead`) with the weights the engine holds, and runs
-while this step's advantages, old log-probs and update run; the weight sync waits for it (`time/rollout_wait`), so
-an engine never reloads in the middle of a rollout. Step k thus trains on a rollout generated with the weights of
+Off-policy rollouts (`rollout.max_staleness` = S > 0): the next step's rollout runs while this step updates, with
+the weights the engine holds (`schedule.EngineSchedule`); step k trains on a rollout generated with the weights of
 step k-1 (`rollout/weights_version`, `rollout/staleness`), corrected by the engine's log-probs
 (`actor.rollout_correction`). S = 0 is the synchronous loop.
 
@@ -40,7 +38,6 @@ would have.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import os
@@ -54,7 +51,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from arpo_jax import distributed, paths, rewards
+from arpo_jax import distributed, knobs, paths, rewards
 from arpo_jax.config import validate as config_lib
 from arpo_jax.data import rl_dataset, toy
 from arpo_jax.experience import advantages, collection, global_batch, reward
@@ -63,17 +60,20 @@ from arpo_jax.experience.trajectories import Trajectories
 from arpo_jax.rollout.agent_loop import RolloutState, greedy_settings, rollout
 from arpo_jax.rollout.output import RolloutOutput
 from arpo_jax.rollout.sampler import worker_seed
-from arpo_jax.train import critic, run_guard, skeleton
+from arpo_jax.train import critic, run_guard, schedule, skeleton
 from arpo_jax.train import metrics as metrics_lib
 from arpo_jax.train.components import (
     make_rollout_sampler,
     make_tool_executor,
+    pack_config,
     rollout_config,
     sampling_settings,
+    shaping_config,
     sync_weights,
     update_config,
 )
 from arpo_jax.train.critic import critic_advantages, critic_config
+from arpo_jax.train.schedule import EngineSchedule, ScheduleConfig
 from arpo_jax.update import lora
 from arpo_jax.update import train_step as ts
 from arpo_jax.update.accumulate import TrainState
@@ -119,7 +119,9 @@ class Trainer:
         self.logprob_fn = ts.jit_forward_logprobs(self.policy.graphdef, self.model_cfg, chunk=cfg.actor.logprob_chunk,
                                                   temperature=upd.temperature, mesh=self.mesh,
                                                   tree=cfg.actor.tree_training)
-        self.batches = global_batch.GlobalBatch(cfg, self.mesh, self.model_cfg, self.workers, self.local_workers)
+        self.batches = global_batch.GlobalBatch(pack_config(cfg), self.mesh, self.model_cfg, self.workers,
+                                                self.local_workers)
+        self.shaping = shaping_config(cfg)
         self.ref_logprobs = reference_logprobs(params, cfg, self.model_cfg, self.logprob_fn, upd.temperature, self.mesh)
         self.critic = None if cfg.algorithm.adv_estimator != "gae" else critic.Critic(
             critic_config(cfg), self.model_cfg, self.mesh, self.policy.abstract, updates,
@@ -150,8 +152,11 @@ class Trainer:
                                                  cfg.rollout.failures.max_skipped_steps)
         self.rollout_states = {w: RolloutState() for w in self.local_workers}  # B1 compat, see `_rollout`
         # Off-policy rollouts (rollout.max_staleness): the next step's rollout runs while this step updates.
-        self.max_staleness, self.weights_version = cfg.rollout.max_staleness, self.step  # engine: step's weights
-        self.ahead, self.stop = rollout_ahead(cfg, upd.rollout_correction), None  # stop: `run`'s StopSignals
+        schedule_cfg = knobs.from_config(ScheduleConfig, cfg)
+        schedule.describe(schedule_cfg, cfg.rollout.engine, upd.rollout_correction)
+        self.engine = EngineSchedule(schedule_cfg, overlap=cfg.rollout.engine != "jax", weights_version=self.step,
+                                     sleep=self.sampler.sleep, sync=self._sync)
+        self.stop = None  # `run`'s StopSignals
 
     def run(self, stop: run_guard.StopSignals | None = None) -> dict:
         """Trains to `total_steps`: each step, then validation every `test_freq` steps, metrics, a checkpoint every
@@ -185,7 +190,7 @@ class Trainer:
             if tr.test_freq and (self.step % tr.test_freq == 0 or self._done()) and not stopping:
                 last |= (val := self.validate())
             self.logger.log(self.step, last)
-            if self._done() and self.ahead.idle():  # the engine's work is over: its memory goes back before the
+            if self._done() and self.engine.ahead.idle():  # the engine's work is over: its memory goes back before the
                 self.sampler.sleep()  # final save and export (a CPU host's RAM is shared)
             if (tr.save_freq and self.step % tr.save_freq == 0) or self._done():
                 self.save()
@@ -202,13 +207,8 @@ class Trainer:
     def train_step(self) -> dict:
         """One RL step, phase by phase (each timed under its name: `time/<phase>`). Returns its metrics. With
         `rollout.max_staleness` > 0 the next step's rollout runs in the background from its start to the sync."""
-        cfg, timers = self.cfg, metrics_lib.PhaseTimer()
-        t0 = time.perf_counter()
-        with timers("rollout_wait"):  # 0 when it was generated ahead and is already done
-            got = self.ahead.take(self.step) or self._collect(self.step, self.position)
-        if self.max_staleness and not self._done(self.step + 1, got.position):  # the next rollout, in the background
-            with timers("rollout_ahead"):  # ~0 s; the JAX engine's whole rollout (it runs here, without overlap)
-                self.ahead.start(self.step + 1, functools.partial(self._collect, self.step + 1, got.position))
+        timers, t0 = metrics_lib.PhaseTimer(), time.perf_counter()
+        got = self.engine.take_rollout(self.step, self.position, self._collect, self._more, timers)
         trajs = got.trajs
         failed = distributed.gather(np.concatenate([t.failed for t in trajs.values()]).astype(np.float32))
         skip = self.failures.skip(failed, self.step + 1)
@@ -218,49 +218,50 @@ class Trainer:
                 token_arrays = self._advantages(trajs)
             with timers("pack"):
                 minis, pack_metrics = self.batches.pack(trajs, token_arrays)
-            if minis and sync_due(self.weights_version, self.step, self.max_staleness) and self.ahead.idle():
-                # The sampler gets new weights after the update: free its copy and cache meanwhile (the JAX engine's
-                # rollout ahead has already run; vLLM's may still be generating: then it keeps them).
-                self.sampler.sleep()
+            if minis:
+                self.engine.before_update(self.step)
             with timers("old_logprob"):
                 minis = [self._old_logprobs(batch) for batch in minis]
         with timers("update"):
             step_metrics, critic_metrics = self._update(minis)
             distributed.trim_host_memory()  # the update's freed temporaries: a CPU engine runs (or reloads) beside us
-        with timers("rollout_wait"):
-            self.ahead.wait()  # the next step's rollout ends before the engine's weights change
-        with timers("weight_sync"):
-            if not minis and self.weights_version == self.step:
-                self.weights_version += 1  # no update: the engine's weights are the next step's too
-            elif sync_due(self.weights_version, self.step, self.max_staleness):
-                self._sync(self.step + 1)
+        self.engine.after_update(self.step, updated=bool(minis), timers=timers)
         self.step, self.position = self.step + 1, got.position
         with timers("metrics"):
-            overlong_mask = cfg.algorithm.overlong == "mask"
-            out = (step_metrics_lib.rollout_metrics(list(trajs.values()), overlong_mask=overlong_mask,
-                                                    gather=distributed.gather)
-                   | got.metrics  # tools/<tag>/<name>, dynamic_sampling/*
-                   | step_metrics_lib.update_metrics(step_metrics)
-                   | step_metrics_lib.update_metrics(critic_metrics, prefix="critic/") | pack_metrics
-                   | {"rollout/step_skipped": float(skip), "rollout/weights_version": float(got.weights_version),
-                      "rollout/staleness": float(self.step - 1 - got.weights_version)})
-            out |= step_metrics_lib.weight_sync_metrics(self.sampler)
-            if cfg.trainer.log_trajectories and self.is_main:
-                self.logger.log_jsonl("trajectories", step_metrics_lib.trajectory_records(
-                    trajs[self.local_workers[0]], cfg.trainer.log_trajectories, self.step))
-        tokens = sum(len(s) for t in trajs.values() for s in t.sequences)
+            out = self._step_metrics(got, step_metrics, critic_metrics, pack_metrics, skip)
         elapsed = time.perf_counter() - t0
         timers.seconds |= got.seconds  # the rollout's phases (rollout, reward), wherever it ran
+        tokens = sum(len(s) for t in trajs.values() for s in t.sequences)
         return out | timers.as_metrics(prefix="time/") | {
             "time/step": elapsed, "perf/tokens_per_s": tokens * jax.process_count() / elapsed,
             "train/epoch": self.position.epoch, "train/lr": float(self.policy.schedule(int(self.state.step)))}
+
+    def _step_metrics(self, got: collection.Collected, step_metrics: list[dict], critic_metrics: list[dict],
+                      pack_metrics: dict, skip: bool) -> dict:
+        """The step's rollout, update, packing and weight-sync metrics (and its trajectories' records)."""
+        trajs = list(got.trajs.values())
+        overlong_mask = self.shaping.overlong == "mask"
+        out = step_metrics_lib.rollout_metrics(trajs, overlong_mask=overlong_mask, gather=distributed.gather)
+        out |= got.metrics  # tools/<tag>/<name>, dynamic_sampling/*
+        out |= step_metrics_lib.update_metrics(step_metrics)
+        out |= step_metrics_lib.update_metrics(critic_metrics, prefix="critic/")
+        out |= pack_metrics
+        out["rollout/step_skipped"] = float(skip)
+        out["rollout/weights_version"] = float(got.weights_version)
+        out["rollout/staleness"] = float(self.step - 1 - got.weights_version)
+        out |= step_metrics_lib.weight_sync_metrics(self.sampler)
+        if self.cfg.trainer.log_trajectories and self.is_main:
+            records = step_metrics_lib.trajectory_records(got.trajs[self.local_workers[0]],
+                                                          self.cfg.trainer.log_trajectories, self.step)
+            self.logger.log_jsonl("trajectories", records)
+        return out
 
     # -- rollout and reward --------------------------------------------------------------------------------------
 
     def _collect(self, step: int, position: rl_dataset.DataPosition) -> collection.Collected:
         """Step `step`'s rollout -> reward from `position`, per draw (dynamic sampling needs the rewards to decide
         whether to draw again). Thread-safe against the update: it may run in the background (`RolloutAhead`)."""
-        cfg, timers, version = self.cfg, metrics_lib.PhaseTimer(), self.weights_version
+        cfg, timers, version = self.cfg, metrics_lib.PhaseTimer(), self.engine.weights_version
 
         def rollout_and_reward(examples, worker: int, extra_round: int) -> Trajectories:
             with timers("rollout"):
@@ -298,7 +299,7 @@ class Trainer:
     def _reward(self, out: RolloutOutput, examples, *, shape: bool = True) -> Trajectories:
         """The scored trajectories of a rollout; `shape`: with the training signal's masks and penalties."""
         traj = reward.score_rollout(out, examples, self.tokenizer, self.reward_fn)
-        return reward.shape_rollout(traj, self.cfg) if shape else traj
+        return reward.shape_rollout(traj, self.shaping) if shape else traj
 
     # -- advantages, old log-probs, update, weight sync ----------------------------------------------------------
 
@@ -329,14 +330,17 @@ class Trainer:
                 step_metrics.append(m)
         return jax.device_get(step_metrics), jax.device_get(critic_metrics)
 
-    def _sync(self, version: int) -> None:  # the (idle) engine gets the current weights, those of step `version`
-        try:  # a stop's signal may have reached the engine too (a Ctrl-C goes to the process group): then the step
-            sync_weights(self.sampler, self.cfg, self.policy, self.state.params)  # ends and is saved without a sync
-            self.weights_version = version
+    def _sync(self) -> bool:
+        """The (idle) engine gets the current weights; False when a stop's signal reached the engine too (a Ctrl-C
+        goes to the process group): then the step ends and is saved without a sync."""
+        try:
+            sync_weights(self.sampler, self.cfg, self.policy, self.state.params)
+            return True
         except Exception as e:
             if self.stop is None or not self.stop.requested():
                 raise
             log.warning("weight sync skipped, the run is stopping: %s", f"{type(e).__name__}: {e}"[:300])
+            return False
 
     # -- metrics, validation, checkpoints ------------------------------------------------------------------------
 
@@ -345,8 +349,8 @@ class Trainer:
         and accuracy over all samples, and the mean reward per data_source (`mean@n`)."""
         if self.val_data is None:
             return {}
-        if self.weights_version < self.step:  # max_staleness >= 2 may have left the engine on older weights
-            self._sync(self.step)
+        if self.engine.weights_version < self.step:  # max_staleness >= 2 may have left the engine on older weights
+            self.engine.sync_to(self.step)
         t0 = time.perf_counter()
         n, bs = self.cfg.rollout.val_kwargs.n, self.cfg.data.val_batch_size
         scores, sources = [], []
@@ -373,6 +377,10 @@ class Trainer:
         if self.critic:
             self.critic.save(self.step)
 
+    def _more(self, step: int, position: rl_dataset.DataPosition) -> bool:
+        """Whether a run at `step` and `position` has steps left."""
+        return not self._done(step, position)
+
     def _done(self, step: int | None = None, position: rl_dataset.DataPosition | None = None) -> bool:
         """`total_steps` trained, or (without trainer.max_steps) `total_epochs` of data used (dynamic sampling can end
         an epoch early), at this step and position or those given."""
@@ -382,7 +390,7 @@ class Trainer:
 
     def close(self) -> None:
         try:
-            self.ahead.close()  # a rollout still in flight (the step failed) ends before its engine closes
+            self.engine.close()
             self.checkpoints.close()
         finally:
             self.logger.close()
@@ -420,18 +428,6 @@ def train(cfg, workdir: str | os.PathLike, devices: Sequence[jax.Device] | None 
 # ------------------------------------------------------------------------------------------------------------------
 # Setup: data, workers, seeds, the reference policy, the critic's config
 # ------------------------------------------------------------------------------------------------------------------
-
-
-def rollout_ahead(cfg, correction: str) -> collection.RolloutAhead:
-    """Where the next step's rollout runs (`rollout.max_staleness` > 0): a background thread for vLLM (its own
-    process), before the update for the JAX engine (the same devices as the update). Says so once."""
-    s = cfg.rollout.max_staleness
-    if s:
-        log.info("rollout.max_staleness=%d: step k trains on a rollout generated with the weights of step k-1 (at "
-                 "most k-%d), %s; rollout correction: %s", s, s, "generated during the update of step k-1"
-                 if cfg.rollout.engine != "jax" else "generated before the update of step k-1 (the JAX engine "
-                 "shares the devices with the update: the same schedule without the overlap)", correction)
-    return collection.RolloutAhead(overlap=cfg.rollout.engine != "jax")
 
 
 def resolve_files(files, workdir: Path, split: str, seed: int) -> list[str]:
@@ -502,13 +498,5 @@ def reference_logprobs(params, cfg, model_cfg, logprob_fn, temperature: float, m
     ref = jax.tree.map(jnp.copy, params)
     ref = jax.device_get(ref) if cfg.model.ref_on_host else ref
     return lambda policy, batch: logprob_fn(ref, batch)[0]
-
-
-def sync_due(weights_version: int, step: int, max_staleness: int) -> bool:
-    """Whether the engine, holding the weights of step `weights_version`, needs those of step + 1 after step `step`'s
-    update: the next rollout it generates (step + 2's with one generated ahead, else step + 1's) may be at most
-    `max_staleness` steps stale. Every step for 0 and 1; every other step for 2 (k syncs out of k for k+1 ...)."""
-    next_rollout = step + 1 + (1 if max_staleness else 0)
-    return weights_version < next_rollout - max_staleness
 
 

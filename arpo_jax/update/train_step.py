@@ -6,7 +6,8 @@ are accumulated over the micro-batches with ``lax.scan`` (float32 accumulators),
 1.0 and applied with AdamW. An update whose loss or gradient norm is not finite is skipped: params and
 optimizer state are returned unchanged and ``skipped`` is counted (the reference zeroes the gradients). That
 skeleton, ``accumulate.accumulate_and_apply``, is shared with the SFT and critic steps, and the forward-only pass
-over a whole rollout, ``jit_forward``, with the critic's old values.
+over a whole rollout, ``jit.jit_forward``, with the critic's old values (the jit and sharding plumbing:
+``update/jit.py``).
 
 The loss of a micro-batch is ``sum_t w_t * (pg_t + kl_coef * kl_t - entropy_coef * H_t)`` where ``w`` is the
 ``loss_weight`` array the packer computed; the weights implement the aggregation mode and the micro-batch

@@ -1,4 +1,4 @@
-"""What the RL trainer and the SFT loop share: distributed start-up, the mesh, and loading the policy from a config.
+"""The policy of a config, as the RL trainer, the SFT loop and evaluation load it: model, tokenizer, folder.
 
 `model.path` is an HF folder, a model name or a `.gguf` file (both converted once into a cached HF folder by
 named_models), or `builtin:tiny`: a tiny Qwen2-architecture model (random weights) with a BPE tokenizer trained on
