@@ -25,7 +25,7 @@ class GlobalBatch:
     the log-prob forward and the train step recognise a tree batch by its `tree_end`."""
 
     def __init__(self, pack: packing.PackConfig, mesh: Mesh, model_cfg, workers: int, local: range):
-        self.pack, self.mesh, self.workers, self.local_workers = pack, mesh, workers, local
+        self.pack_config, self.mesh, self.workers, self.local_workers = pack, mesh, workers, local
         self.sharding = NamedSharding(mesh, jit.batch_spec(mesh, model_cfg.sharding_rules))  # [M, B, T]
         self.sharding4 = NamedSharding(mesh, PartitionSpec(None, *self.sharding.spec))  # [K, M, B, T]
         rules = sharding.get_rules(model_cfg.sharding_rules)
@@ -39,9 +39,9 @@ class GlobalBatch:
         also heads and entries per row), so that every worker's block has one global shape."""
         tree = self.tree if tree is None else tree
         plan = _LAYOUTS[tree][0]
-        mini_prompts = self.pack.mini_batch_prompts // self.workers
-        layouts = {w: plan(t, self.pack, mini_prompts=mini_prompts, rows=self.rows_per_worker, row_len=self.row_len)
-                   for w, t in trajs.items()}
+        mini_prompts = self.pack_config.mini_batch_prompts // self.workers
+        layouts = {w: plan(t, self.pack_config, mini_prompts=mini_prompts, rows=self.rows_per_worker,
+                           row_len=self.row_len) for w, t in trajs.items()}
         if tree:
             sizes = distributed.gather(np.array([layouts[w].sizes for w in self.local_workers])).max(0)  # (M, U, E)
             return {w: lay.with_sizes(*map(int, sizes)) for w, lay in layouts.items()}
@@ -57,8 +57,8 @@ class GlobalBatch:
         layouts = self.layouts(trajs)
         totals = distributed.gather(np.stack([loss_totals(layouts[w], trajs[w].loss_masks)
                                               for w in self.local_workers])).sum(0)  # [K, 2]
-        blocks = [worker_batch(trajs[w], token_arrays[w], layouts[w], self.pack, totals=totals, workers=self.workers)
-                  for w in self.local_workers]
+        blocks = [worker_batch(trajs[w], token_arrays[w], layouts[w], self.pack_config, totals=totals,
+                               workers=self.workers) for w in self.local_workers]
         local = self._side_by_side(blocks, blocks[0])  # [K, M, B_local, *]
         minis = [{name: distributed.global_array(v[k], self.sharding) for name, v in local.items()}
                  for k in range(local["input_ids"].shape[0])]

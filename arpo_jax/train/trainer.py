@@ -228,33 +228,18 @@ class Trainer:
         self.engine.after_update(self.step, updated=bool(minis), timers=timers)
         self.step, self.position = self.step + 1, got.position
         with timers("metrics"):
-            out = self._step_metrics(got, step_metrics, critic_metrics, pack_metrics, skip)
+            out = step_record(got, self.step, step_metrics, critic_metrics, pack_metrics, skip,
+                              overlong_mask=self.shaping.overlong == "mask", sampler=self.sampler)
+            if self.cfg.trainer.log_trajectories and self.is_main:
+                records = step_metrics_lib.trajectory_records(got.trajs[self.local_workers[0]],
+                                                              self.cfg.trainer.log_trajectories, self.step)
+                self.logger.log_jsonl("trajectories", records)
         elapsed = time.perf_counter() - t0
         timers.seconds |= got.seconds  # the rollout's phases (rollout, reward), wherever it ran
         tokens = sum(len(s) for t in trajs.values() for s in t.sequences)
         return out | timers.as_metrics(prefix="time/") | {
             "time/step": elapsed, "perf/tokens_per_s": tokens * jax.process_count() / elapsed,
             "train/epoch": self.position.epoch, "train/lr": float(self.policy.schedule(int(self.state.step)))}
-
-    def _step_metrics(self, got: collection.Collected, step_metrics: list[dict], critic_metrics: list[dict],
-                      pack_metrics: dict, skip: bool) -> dict:
-        """The step's rollout, update, packing and weight-sync metrics (and its trajectories' records)."""
-        trajs = list(got.trajs.values())
-        overlong_mask = self.shaping.overlong == "mask"
-        out = step_metrics_lib.rollout_metrics(trajs, overlong_mask=overlong_mask, gather=distributed.gather)
-        out |= got.metrics  # tools/<tag>/<name>, dynamic_sampling/*
-        out |= step_metrics_lib.update_metrics(step_metrics)
-        out |= step_metrics_lib.update_metrics(critic_metrics, prefix="critic/")
-        out |= pack_metrics
-        out["rollout/step_skipped"] = float(skip)
-        out["rollout/weights_version"] = float(got.weights_version)
-        out["rollout/staleness"] = float(self.step - 1 - got.weights_version)
-        out |= step_metrics_lib.weight_sync_metrics(self.sampler)
-        if self.cfg.trainer.log_trajectories and self.is_main:
-            records = step_metrics_lib.trajectory_records(got.trajs[self.local_workers[0]],
-                                                          self.cfg.trainer.log_trajectories, self.step)
-            self.logger.log_jsonl("trajectories", records)
-        return out
 
     # -- rollout and reward --------------------------------------------------------------------------------------
 
@@ -397,6 +382,23 @@ class Trainer:
             self.executor.close()
             self.sampler.close()
             self.lock.release()
+
+
+def step_record(got: collection.Collected, step: int, step_metrics: list[dict], critic_metrics: list[dict],
+                pack_metrics: dict, skip: bool, *, overlong_mask: bool, sampler) -> dict:
+    """The metrics of the step that trained on `got` and ended at `step`: its rollout, update, packing and weight
+    sync."""
+    out = step_metrics_lib.rollout_metrics(list(got.trajs.values()), overlong_mask=overlong_mask,
+                                           gather=distributed.gather)
+    out |= got.metrics  # tools/<tag>/<name>, dynamic_sampling/*
+    out |= step_metrics_lib.update_metrics(step_metrics)
+    out |= step_metrics_lib.update_metrics(critic_metrics, prefix="critic/")
+    out |= pack_metrics
+    out["rollout/step_skipped"] = float(skip)
+    out["rollout/weights_version"] = float(got.weights_version)
+    out["rollout/staleness"] = float(step - 1 - got.weights_version)
+    out |= step_metrics_lib.weight_sync_metrics(sampler)
+    return out
 
 
 def run_summary(trainer: Trainer, last: dict, val: dict, export: str | None, wall_s: float) -> dict:
