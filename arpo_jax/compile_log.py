@@ -67,7 +67,8 @@ def phase(name: str):
 
 
 def counts() -> dict[str, dict[str, int]]:
-    """{phase: {kind: events}} since the process started counting."""
+    """{phase: {kind: events}} since the process started counting (the first call starts it)."""
+    install()
     with _lock:
         items = list(_counts.items())
     out: dict[str, dict[str, int]] = {}
