@@ -45,7 +45,7 @@ import concurrent.futures
 import os
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -320,7 +320,12 @@ class JaxSampler(Sampler):
             self._stops[stop] = (arr, on)
         return self._stops[stop]
 
-    def generate(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[SampleResult]:
+    reports_each = True  # `generate(..., on_result=...)` reports each request as it finishes (`generate_each`)
+
+    def generate(self, requests: Sequence[SampleRequest], settings: SamplingSettings,
+                 on_result: Callable[[int, SampleResult], None] | None = None) -> list[SampleResult]:
+        """One result per request, in order; `on_result(i, result)` is called as each request finishes (while the
+        others go on decoding)."""
         if not requests:
             self.table.begin(set())
             return []
@@ -334,7 +339,7 @@ class JaxSampler(Sampler):
             with self._mesh_ctx():
                 self.warm_up()
                 self._device_state()
-                call = _Call(self, requests, settings)
+                call = _Call(self, requests, settings, on_result)
                 results = call.run()
         except BaseException:
             # The cache may be half written (or donated to a program that failed): forget and reallocate it.
@@ -350,8 +355,9 @@ class _Call:
     row lacks), decode in calls dispatched one ahead of the host's reading, and give their row back when they
     finish, to the next waiting request."""
 
-    def __init__(self, engine: JaxSampler, requests: Sequence[SampleRequest], settings: SamplingSettings):
-        self.e, self.reqs, self.settings = engine, requests, settings
+    def __init__(self, engine: JaxSampler, requests: Sequence[SampleRequest], settings: SamplingSettings,
+                 on_result: Callable[[int, SampleResult], None] | None = None):
+        self.e, self.reqs, self.settings, self.on_result = engine, requests, settings, on_result
         self.ctx = [np.asarray(r.token_ids, np.int32) for r in requests]
         self.limits = [_limit(i, r, c, engine.max_len) for i, (r, c) in enumerate(zip(requests, self.ctx))]
         self.seeds = [request_seed(settings.seed, i, c) for i, c in enumerate(self.ctx)]
@@ -499,6 +505,8 @@ class _Call:
         self.live.discard(row)
         self.stop[row] = True
         self.e.table.release(row)
+        if self.on_result is not None:
+            self.on_result(i, self.results[i])
 
 
 def _limit(i: int, r: SampleRequest, ctx: np.ndarray, max_len: int) -> int:
