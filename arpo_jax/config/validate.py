@@ -310,6 +310,7 @@ def _check_rollout(ck: _Checker, command: str, process_count: int | None) -> Non
         ck.add("rollout.val_kwargs.n", f"{ck.get('rollout.val_kwargs.n')} greedy samples would all be the same",
                "1, or val_kwargs.do_sample=True")
     ck.require("rollout.workers", at_least(0, "0 (one per process) or a positive count"))
+    ck.require("rollout.jax.slots", at_least(0, "0 (one worker's trajectories) or a row count"))
     budget, p, r = (ck.get(k) for k in ("rollout.jax.max_tokens_per_call", "data.max_prompt_length",
                                         "data.max_response_length"))
     if budget and p and r and budget < p + r:  # one trajectory's row must fit (the sampler checks its buckets)

@@ -92,11 +92,11 @@ def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=
         what = {"jax": "model", "vllm": "folder", "transformers": "folder", "openai": "server"}[engine]
         raise ValueError(f"make_sampler(engine={engine!r}) needs `{what}`")
     if engine == "jax":
-        from arpo_jax.rollout.jax_sampler import JaxSampler
+        import jax
 
-        return JaxSampler(model, tokenizer, max_len=max_len, mesh=mesh, decode_chunk=cfg.rollout.jax.decode_chunk,
-                          prefill_chunk=cfg.rollout.jax.prefill_chunk,
-                          max_tokens_per_call=cfg.rollout.jax.max_tokens_per_call, layout=cfg.rollout.jax.layout)
+        from arpo_jax.rollout.jax_sampler import JaxSampler, engine_kwargs
+
+        return JaxSampler(model, tokenizer, max_len=max_len, mesh=mesh, **engine_kwargs(cfg, jax.process_count()))
     if engine == "vllm":
         from arpo_jax.rollout.vllm_sampler import VllmSampler, engine_devices, host_gpus
 
