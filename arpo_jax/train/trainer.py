@@ -51,7 +51,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from arpo_jax import distributed, knobs, paths, rewards
+from arpo_jax import compile_log, distributed, knobs, paths, rewards
 from arpo_jax.config import validate as config_lib
 from arpo_jax.data import rl_dataset, toy
 from arpo_jax.experience import advantages, collection, global_batch, reward
@@ -60,7 +60,7 @@ from arpo_jax.experience.trajectories import Trajectories
 from arpo_jax.rollout.agent_loop import RolloutState, greedy_settings, rollout
 from arpo_jax.rollout.output import RolloutOutput
 from arpo_jax.rollout.sampler import worker_seed
-from arpo_jax.train import critic, run_guard, schedule, skeleton
+from arpo_jax.train import critic, run_guard, schedule, skeleton, warmup
 from arpo_jax.train import metrics as metrics_lib
 from arpo_jax.train.components import (
     make_rollout_sampler,
@@ -165,6 +165,7 @@ class Trainer:
         tr, self.stop = self.cfg.trainer, stop
         t_start = time.perf_counter()
         val, last = {}, {}
+        compiles = warmup.CompileWatch()  # each step's compiles, its validation's included
         if tr.val_before_train and self.step == 0:
             val = self.validate()
             self.logger.log(0, val)
@@ -189,6 +190,7 @@ class Trainer:
             stopping = stop is not None and stop.requested()  # no validation: its engine may have had the signal too
             if tr.test_freq and (self.step % tr.test_freq == 0 or self._done()) and not stopping:
                 last |= (val := self.validate())
+            last |= compiles.take()
             self.logger.log(self.step, last)
             if self._done() and self.engine.ahead.idle():  # the engine's work is over: its memory goes back before the
                 self.sampler.sleep()  # final save and export (a CPU host's RAM is shared)
@@ -207,7 +209,7 @@ class Trainer:
     def train_step(self) -> dict:
         """One RL step, phase by phase (each timed under its name: `time/<phase>`). Returns its metrics. With
         `rollout.max_staleness` > 0 the next step's rollout runs in the background from its start to the sync."""
-        timers, t0 = metrics_lib.PhaseTimer(), time.perf_counter()
+        timers, t0 = metrics_lib.PhaseTimer(compile_log.phase), time.perf_counter()
         got = self.engine.take_rollout(self.step, self.position, self._collect, self._more, timers)
         trajs = got.trajs
         failed = distributed.gather(np.concatenate([t.failed for t in trajs.values()]).astype(np.float32))
@@ -246,7 +248,7 @@ class Trainer:
     def _collect(self, step: int, position: rl_dataset.DataPosition) -> collection.Collected:
         """Step `step`'s rollout -> reward from `position`, per draw (dynamic sampling needs the rewards to decide
         whether to draw again). Thread-safe against the update: it may run in the background (`RolloutAhead`)."""
-        cfg, timers, version = self.cfg, metrics_lib.PhaseTimer(), self.engine.weights_version
+        cfg, timers, version = self.cfg, metrics_lib.PhaseTimer(compile_log.phase), self.engine.weights_version
 
         def rollout_and_reward(examples, worker: int, extra_round: int) -> Trajectories:
             with timers("rollout"):
