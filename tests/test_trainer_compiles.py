@@ -1,5 +1,5 @@
 """A run compiles its programs before its first step and nothing after it (issue 54): `perf/compiles` in
-metrics.jsonl is 0 from the second step on.
+metrics.jsonl is 0 from the second step on, and the update side's phases compile nothing in any step.
 
 A real `Trainer` (in-process, 2 fake devices) with the JAX engine on a tiny model that has half learnt the toy tasks'
 tool-using solutions, so at temperature 1 it writes real `<python>` and `<search>` calls of its own, which the real
@@ -31,7 +31,7 @@ REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return {"score": (sum(map(ord, solution_str)) % 97) / 97.0}
 '''
-STEPS = 4
+STEPS = 5
 SEARCH = dict(max_results=2, result_length=200)
 
 
@@ -50,7 +50,7 @@ def agent(tmp_path_factory) -> tuple[Path, tuple[str, str]]:
                             tok.encode(toy.solution_text(t), add_special_tokens=False), [tok.eos_token_id]])
             for t in tasks]
     width = max(map(len, rows))
-    quickstart.fit(model, np.asarray([np.pad(r, (0, width - len(r))) for r in rows], np.int32), steps=150)
+    quickstart.fit(model, np.asarray([np.pad(r, (0, width - len(r))) for r in rows], np.int32), steps=60)
     fitted = hf.save_pretrained(model, root / "fitted", tokenizer=tok)
     files = toy.write_toy_parquet(str(root / "data"), n_train=32, n_val=6, seed=0, system_prompt=DEMO_SYSTEM_PROMPT)
     return fitted, files
@@ -62,7 +62,7 @@ def _config(tmp_path: Path, model: Path, data: tuple[str, str], *overrides: str)
     return args.load_config([
         "--config=builtin:toy_cpu", f"--config.model.path={model}", f"--config.reward.custom_path={reward}",
         f"--config.data.train_files=('{data[0]}',)", f"--config.data.val_files=('{data[1]}',)",
-        "--config.data.max_prompt_length=128", "--config.data.max_response_length=96",
+        "--config.data.max_prompt_length=192", "--config.data.max_response_length=96",
         f"--config.tools.search.max_results={SEARCH['max_results']}",
         f"--config.tools.search.result_length={SEARCH['result_length']}",
         "--config.rollout.branch_probability=1.0", "--config.rollout.entropy_weight=0.0",
@@ -73,7 +73,8 @@ def _config(tmp_path: Path, model: Path, data: tuple[str, str], *overrides: str)
 def test_no_compiles_after_the_first_step_with_tools_and_branches(agent, tmp_path):
     model, data = agent
     workdir = tmp_path / "run"
-    tr = trainer_lib.Trainer(_config(tmp_path, model, data), workdir, testing.trainer_devices())
+    # One device: a micro-batch is one row, so the micro-batch count follows every step's rows.
+    tr = trainer_lib.Trainer(_config(tmp_path, model, data), workdir, testing.trainer_devices(1))
     try:
         tr.run()
     finally:
@@ -85,4 +86,9 @@ def test_no_compiles_after_the_first_step_with_tools_and_branches(agent, tmp_pat
     assert sum(r["tools/calls_per_trajectory/mean"] for r in records) > 0
     assert sum(r["rollout/branches_per_prompt"] for r in records) > 0
     assert "val/accuracy" in records[1] or any(k.startswith("val/") for k in records[1])
+    # The update side's programs were all compiled by the warm-up (`time/warmup`): none in any step, the first too.
+    assert records[0]["time/warmup"] > 0 and records[0]["perf/warmup/compiles"] > 0
+    update_side = ("advantages", "pack", "old_logprob", "update", "weight_sync", "metrics")
+    assert [{p: r[f"perf/compiles/{p}"] for p in update_side if f"perf/compiles/{p}" in r} for r in records] == \
+        [{}] * STEPS
     assert compiles[1:] == [0] * (STEPS - 1), compiles

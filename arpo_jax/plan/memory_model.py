@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from arpo_jax import models, sharding
+from arpo_jax.experience import tree_packing
 from arpo_jax.models.transformer import blockwise_blocks, resolve_attention
 from arpo_jax.sharding import DEVICES
 
@@ -96,7 +97,7 @@ class Shapes:
     command: str  # "train" | "sft"
     rows: float  # rows of one micro-batch per batch device
     seq: int  # T, tokens per row
-    micro_batches: int  # upper bound of M in one mini-batch (sizes the batch arrays only)
+    micro_batches: int  # micro-batches a mini-batch computes (an estimate: one trajectory a row, the tree saving)
     logprob_chunk: int
     engine: str  # "vllm" | "jax" | "" (sft)
     gpu_memory_utilization: float
@@ -108,9 +109,10 @@ class Shapes:
     prefill_chunk: int
     min_seq: int = 1  # the smallest token budget a row may have (one whole trajectory / SFT example)
     # Tree training (`actor.tree_training`, `tree_packing`): rows of T tree tokens, attention by the tree rule (no
-    # [T, T] mask), and per row up to `tree_saving` x T loss entries; `micro_batches` is then the tree layout's.
+    # [T, T] mask), per row T heads and 8T loss entries (`tree_packing.max_entries_per_row`).
     tree: bool = False
     tree_saving: float = 1.0  # flat tokens / tree tokens: a lower bound from the config (`plan.tree_saving`)
+    fixed_micro_batches: int = 0  # M of the batch arrays, as the run fixes it (`global_batch.micro_batches`); 0: above
 
 
 def attention_kernel(impl: str, t: int, backend: str, *, tree: bool = False) -> dict:
@@ -151,10 +153,15 @@ def attention_workspace(model_cfg: models.Config, impl: str, t: int, rows: float
 
 def batch_bytes(sh: Shapes, arrays: int) -> float:
     """The micro-batches' arrays on one device: `arrays` int32/float32 [M, rows, T] arrays flat; with tree training
-    the token arrays (ids, positions, tree_end), the heads (<= T: slot, target) and the loss entries (<= saving x T
-    per row: index, segment and `arrays - 3` float arrays)."""
-    per_row = arrays * sh.seq if not sh.tree else (5 + (arrays - 1) * sh.tree_saving) * sh.seq
-    return sh.micro_batches * sh.rows * per_row * 4
+    the token arrays (ids, positions, tree_end), the heads (U: slot, target) and the loss entries (E per row: index,
+    segment and `arrays - 3` float arrays), U and E as the run fixes them (`tree_packing.max_heads_per_row`,
+    `max_entries_per_row`)."""
+    micro = sh.fixed_micro_batches or sh.micro_batches
+    if not sh.tree:
+        return micro * sh.rows * arrays * sh.seq * 4
+    per_row = 3 * sh.seq + 2 * tree_packing.max_heads_per_row(sh.seq) + \
+        (arrays - 1) * tree_packing.max_entries_per_row(sh.seq)
+    return micro * sh.rows * per_row * 4
 
 
 def _per_layer_widths(c: models.Config, tensor: int) -> tuple[int, int, int]:

@@ -32,10 +32,12 @@ buffer assignment keeps alive at once; RESULTS.md records how they compare with 
 saves time, not memory beyond the block size: the plan counts one block pair whatever is skipped.
 
 Tree training (`actor.tree_training`): rows keep T tokens, now tree tokens, so the per-row activations are the
-flat ones; what changes is the mask (the tree rule, no [T, T] array), the batch arrays (token, head and loss-entry
-arrays: a row's entries are its trajectories' loss tokens, at most `tree_saving` x T) and the number of
-micro-batches (divided by `tree_saving`). `tree_saving` is the lower bound the config guarantees (the prompt shared
-by the n trajectories of a group); ARPO's mid-response branches save more, which only lowers the real figures.
+flat ones; what changes is the mask (the tree rule, no [T, T] array) and the batch arrays (T heads and 8T loss
+entries a row). `tree_saving` is the saving the config guarantees (the prompt shared by the n trajectories of a
+group); ARPO's mid-response branches save more. The micro-batch count the run compiles holds the worst case
+(`global_batch.micro_batches`; `micro_batches` here): it sizes the batch arrays. Empty micro-batches are skipped, so
+the communication per step counts those the trajectories fill, estimated (`tree_training.micro_batches`: one
+trajectory a row, fewer by the tree saving). `programs`: every program the run compiles before its first step.
 
 Fit: JAX's budget per device is what the device gives it: the whole HBM on TPU; on a GPU beside a co-located
 vLLM engine (which takes `rollout.vllm.gpu_memory_utilization` of GPU 0) `1 - gpu_memory_utilization - 0.05`
@@ -61,9 +63,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from arpo_jax import models, sharding
+from arpo_jax.experience import global_batch
 from arpo_jax.models.published import REAL_CONFIGS
 from arpo_jax.models.transformer import resolve_attention
-from arpo_jax.plan import collectives
+from arpo_jax.plan import collectives, programs
 from arpo_jax.plan.memory_model import (
     CUDA_RESERVE,
     GB,
@@ -126,6 +129,7 @@ def _pow2_at_least(n: int, multiple: int) -> int:
 def shapes_of(cfg, mesh_shape: tuple[int, int, int], rules_name: str, command: str | None = None) -> Shapes:
     """The sizes a config's run gives its programs (as the trainer / SFT and the sampler compute them)."""
     from arpo_jax.rollout.jax_sampler import bucket, pow2_buckets
+    from arpo_jax.train.components import pack_config
 
     command = command or ("sft" if is_sft(cfg) else "train")
     mesh = dict(zip(sharding.MESH_AXES, mesh_shape))
@@ -140,11 +144,13 @@ def shapes_of(cfg, mesh_shape: tuple[int, int, int], rules_name: str, command: s
     workers = cfg.rollout.workers or processes
     rows_per_worker = max(1, batch_devices // workers)
     rows = workers * rows_per_worker / batch_devices
-    seq = cfg.actor.max_token_len_per_device or 2 * (p + r)
+    pack = pack_config(cfg)
+    seq = pack.row_len
     micro = max(1, -(-cfg.actor.ppo_mini_batch_size * cfg.rollout.n // (workers * rows_per_worker)))
     tree = bool(cfg.actor.tree_training)
     saving = tree_saving(p, r, cfg.rollout.n) if tree else 1.0
     micro = max(1, math.ceil(micro / saving))  # the same tokens in fewer rows
+    fixed = global_batch.micro_batches(pack, workers, rows_per_worker, tree=tree)  # the run's M, room for the worst
     local = max(1, math.prod(mesh_shape) // processes)
     # One sampler call carries one worker's prompts, at most n live trajectories each (branching fills up to n).
     trajectories = cfg.data.train_batch_size // workers * cfg.rollout.n
@@ -153,7 +159,7 @@ def shapes_of(cfg, mesh_shape: tuple[int, int, int], rules_name: str, command: s
                   cfg.rollout.vllm.gpu_memory_utilization, cfg.algorithm.adv_estimator == "gae",
                   bool(cfg.actor.kl_coef) and not cfg.model.ref_on_host, processes,
                   sampler_chunk(_pow2_at_least(trajectories, local), s_len, local, cfg.rollout.jax.max_tokens_per_call),
-                  s_len, cfg.rollout.jax.prefill_chunk, p + r, tree, saving)
+                  s_len, cfg.rollout.jax.prefill_chunk, p + r, tree, saving, fixed)
 
 
 def sampler_chunk(batch: int, s_len: int, local: int, budget: int) -> int:
@@ -265,7 +271,10 @@ def analyse(cfg, *, devices: int = 8, command: str | None = None) -> dict:
                             "micro_batches": sh.micro_batches} if sh.command == "train" else None,
           "sampler_batch": sh.sampler_batch, "sampler_len": sh.sampler_len,
           "programs_gib": {p: {k: round(v / GB, 3) for k, v in items.items()}
-                           for p, items in plan["programs"].items()}}
+                           for p, items in plan["programs"].items()},
+          "micro_batches": sh.fixed_micro_batches or sh.micro_batches,
+          "programs": programs.run_programs(cfg, sh, model_cfg, mesh_shape,
+                                            {p: sum(items.values()) for p, items in plan["programs"].items()})}
     if not r["fits"]:
         r["fitting_settings"] = _fitting_settings(model_cfg, mesh_shape, sh, backend, device)
         r["fixes"] = fixes(r)
@@ -465,8 +474,8 @@ def compile_check(cfg, *, devices: int = 8, layers: int = 2, command: str | None
     compiled = plan(model_cfg, mesh_shape, update_config(cfg), micro=1, rows=rows, seq=sh.seq,
                     forward=sh.command == "train", per_host=per_host)
     # The model of the same reduced program, for the same single micro-batch and on the CPU backend's attention.
-    model = itemise(model_cfg, mesh_shape, dataclasses.replace(sh, micro_batches=1, engine="", critic=False,
-                                                               ref_on_device=False), "cpu")["programs"]
+    one = dataclasses.replace(sh, micro_batches=1, fixed_micro_batches=1, engine="", critic=False, ref_on_device=False)
+    model = itemise(model_cfg, mesh_shape, one, "cpu")["programs"]
     state_keys = ("params", "optimizer_state", "batch")
     upd = model["update"]
     out = {"layers": layers, "compile_s": compiled["compile_s"],
@@ -569,6 +578,7 @@ def format_plan(r: dict) -> str:
                     if "engine_fraction_max" in r else ""))
     for fix in r.get("fixes", []):
         lines.append(f"  fix: {fix}")
+    lines += programs.format_programs(r.get("programs", []))
     if "compiled" in r:
         c = r["compiled"]
         lines.append(f"compiled check ({c['layers']} layers, fake CPU devices, {c['compile_s']} s): "

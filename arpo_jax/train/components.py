@@ -140,10 +140,11 @@ def rollout_correction_mode(cfg) -> str:
 
 def pack_config(cfg) -> PackConfig:
     """How the step's trajectories are packed: its knobs, the row length resolved (`actor.max_token_len_per_device`,
-    0: twice the longest trajectory, P + R)."""
+    0: twice the longest trajectory, P + R) and the longest trajectory (which fixes the batch's shapes)."""
     d = cfg.data
-    row_len = cfg.actor.max_token_len_per_device or 2 * (d.max_prompt_length + d.max_response_length)
-    return knobs.from_config(PackConfig, cfg, row_len=row_len)
+    max_len = d.max_prompt_length + d.max_response_length
+    return knobs.from_config(PackConfig, cfg, row_len=cfg.actor.max_token_len_per_device or 2 * max_len,
+                             max_len=max_len)
 
 
 def shaping_config(cfg) -> ShapingConfig:

@@ -165,7 +165,8 @@ class Trainer:
         tr, self.stop = self.cfg.trainer, stop
         t_start = time.perf_counter()
         val, last = {}, {}
-        compiles = warmup.CompileWatch()  # each step's compiles, its validation's included
+        # Every program compiled before the first step; then each step's compiles, its validation's included.
+        compiles = warmup.warm_up(self) if not self._done() else warmup.CompileWatch()
         if tr.val_before_train and self.step == 0:
             val = self.validate()
             self.logger.log(0, val)
@@ -341,10 +342,11 @@ class Trainer:
         t0 = time.perf_counter()
         n, bs = self.cfg.rollout.val_kwargs.n, self.cfg.data.val_batch_size
         scores, sources = [], []
-        for w, chunk in validation_chunks(self.val_data, self.workers, self.local_workers, bs):
-            t = self._reward(self._rollout(chunk, w, validation=True), chunk, shape=False)
-            scores += list(t.scores)
-            sources += [chunk[int(p)].data_source for p in t.group]
+        with compile_log.phase("validation"):
+            for w, chunk in validation_chunks(self.val_data, self.workers, self.local_workers, bs):
+                t = self._reward(self._rollout(chunk, w, validation=True), chunk, shape=False)
+                scores += list(t.scores)
+                sources += [chunk[int(p)].data_source for p in t.group]
         scores, sources = distributed.gather_ragged(np.asarray(scores, np.float32), sources,
                                                     sorted(set(self.val_data.data_sources)),
                                                     width=len(self.val_data) * n)
@@ -380,6 +382,7 @@ class Trainer:
             self.engine.close()
             self.checkpoints.close()
         finally:
+            compile_log.arm(False)  # the run is over: later compiles (another run's warm-up) are not late
             self.logger.close()
             self.executor.close()
             self.sampler.close()
@@ -498,9 +501,23 @@ def reference_logprobs(params, cfg, model_cfg, logprob_fn, temperature: float, m
     if model_cfg.lora_rank:
         base_fn = lora.jit_reference_logprobs(model_cfg, temperature=temperature, chunk=cfg.actor.logprob_chunk,
                                               mesh=mesh, tree=cfg.actor.tree_training)
-        return lambda policy, batch: base_fn(policy, batch)[0]
+        return ReferenceLogprobs(base_fn, None)
     ref = jax.tree.map(jnp.copy, params)
-    ref = jax.device_get(ref) if cfg.model.ref_on_host else ref
-    return lambda policy, batch: logprob_fn(ref, batch)[0]
+    return ReferenceLogprobs(logprob_fn, jax.device_get(ref) if cfg.model.ref_on_host else ref)
+
+
+class ReferenceLogprobs:
+    """`(policy params, batch) -> reference log-probs`: `fn` (a jitted log-prob forward) on the reference's own
+    params `ref`, or (None, LoRA) on the policy's, whose base it reads with the adapters off. `lower` lowers the
+    program a call runs (the warm-up compiles it)."""
+
+    def __init__(self, fn, ref):
+        self.fn, self.ref = fn, ref
+
+    def __call__(self, policy, batch):
+        return self.fn(policy if self.ref is None else self.ref, batch)[0]
+
+    def lower(self, policy, batch):
+        return self.fn.lower(policy if self.ref is None else self.ref, batch)
 
 
