@@ -69,8 +69,9 @@ def warm_up(trainer) -> CompileWatch:
     compile_log.arm()  # from now on a compiled program is a late one: named in the log with its shapes
     counts = watch.take()
     total = time.perf_counter() - t0
-    log.info("warm-up: %d programs compiled in %.1f s (%s; %d persistent-cache hits)", counts["perf/compiles"], total,
-             ", ".join(f"{k} {v} s" for k, v in seconds.items()), counts["perf/compile_cache_hits"])
+    log.info("warm-up in %.1f s: %s; %d compiles (%d from the persistent cache)", total,
+             ", ".join(f"{k} {v} s" for k, v in seconds.items()), counts["perf/compiles"],
+             counts["perf/compile_cache_hits"])
     watch.first = {"time/warmup": total} | {k.replace("perf/", "perf/warmup/", 1): v for k, v in counts.items()
                                             if not k.startswith("perf/compiles/")}
     return watch
