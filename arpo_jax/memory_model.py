@@ -231,23 +231,25 @@ def kv_cache_bytes(c: models.Config, sh: Shapes, local_devices: int) -> float:
 
 
 def sampler_items(c: models.Config, s: Sizes, sh: Shapes, local_devices: int) -> dict[str, dict[str, float]]:
-    """Bytes per device of the JAX sampler's programs (prefill, regather, decode) for one chunk of `sampler_batch`
-    rows (`rollout.jax.max_tokens_per_call` bounds it), train state resident.
+    """Bytes per device of the JAX engine's programs (prefill, decode; `jax_decode.engine_programs`) for an engine
+    of `sampler_batch` rows (`rollout.jax.max_tokens_per_call` bounds it), train state resident.
 
-    The sampler holds a copy of the weights in the compute dtype (`jax_sampler.decode_weights`: the whole model over
-    each process's local devices; the layers stored stacked, so no per-call copy) and its cache between calls; a
-    prefill chunk attends over the whole cache (`cached_attention`): float32 scores [B, N, chunk, S]; the regather
-    builds the new cache beside the old one."""
+    The engine holds a copy of the weights in the compute dtype (`jax_sampler.decode_weights`: the whole model over
+    each process's local devices; the layers stored stacked, so no per-call copy) and its cache between calls. A
+    prefill call takes `prefill_chunk` tokens (G rows x T, G at most `prefill_chunk / 32`, the shortest length's),
+    written into the cache in place; each layer reads its G rows ([G, K, S, H], one layer at a time) and attends over
+    them: float32 scores [G, N, T, S]."""
     pb, cb = jnp.dtype(c.param_dtype).itemsize, jnp.dtype(c.dtype).itemsize
     resident = {"params": s.params * pb, "optimizer_state": 2 * s.params * pb,
                 "sampler_params": s.total_params * cb / local_devices}
     kv = kv_cache_bytes(c, sh, local_devices)
+    rows = min(sh.sampler_batch, max(1, sh.prefill_chunk // 32))  # the most rows one prefill call gathers
     b_dev = sh.sampler_batch / local_devices
     return {
         "sampler_prefill": resident | {
             "kv_cache": kv,
-            "prefill_scores": 2 * 4 * b_dev * c.num_heads * sh.prefill_chunk * sh.sampler_len},
-        "sampler_regather": resident | {"kv_cache": kv, "kv_cache_new": kv},
+            "kv_rows_gathered": kv / c.num_layers / max(b_dev, 1.0) * rows,
+            "prefill_scores": 2 * 4 * c.num_heads * sh.prefill_chunk * sh.sampler_len},
         "sampler_decode": resident | {
             "kv_cache": kv,
             "decode_logits": 3 * 4 * b_dev * c.vocab_size},

@@ -42,14 +42,14 @@ def test_every_shipped_config_fits_its_device(name):
 
 
 def test_the_14b_v4_config_without_its_token_budget_is_refused_for_its_sampler():
-    """The sampler's programs run at the chunk the budget allows (16 of a worker's 192 trajectories, 256 rows as a
-    bucket); without the budget its KV cache alone is 80 GiB a chip, and the plan finds the budget that fits."""
+    """The engine has the rows the budget allows (16 of a worker's 192 trajectories); without the budget (a row per
+    trajectory) its KV cache alone is 60 GiB a chip, and the plan finds the budget that fits."""
     fits = _analyse("arpo_qwen3_14b_tpu_v4_32")
     assert fits["sampler_batch"] == 16 and fits["programs_gib"]["sampler_prefill"]["kv_cache"] == 5.0
     r = _analyse("arpo_qwen3_14b_tpu_v4_32", "--config.rollout.jax.max_tokens_per_call=0")
-    assert not r["fits"] and r["peak_program"].startswith("sampler") and r["sampler_batch"] == 256
-    assert list(r["items_gib"])[0] == "kv_cache" and r["items_gib"]["kv_cache"] == 80.0
-    assert r["fitting_settings"]["rollout.jax.max_tokens_per_call"] == 16 * 8192
+    assert not r["fits"] and r["peak_program"].startswith("sampler") and r["sampler_batch"] == 192
+    assert list(r["items_gib"])[0] == "kv_cache" and r["items_gib"]["kv_cache"] == 60.0
+    assert r["fitting_settings"]["rollout.jax.max_tokens_per_call"] == 24 * 8192  # of 192, 96, 48, 24 rows
     assert any("kv_cache" in f and "rollout.jax.max_tokens_per_call" in f for f in r["fixes"])
 
 

@@ -235,46 +235,41 @@ def _decode(graphdef, params, ds: DecodeState, admit, stop_host, limits, ctx_len
     return DecodeState(_constrain_cache(cache, rules), h, active, ngen, recent), outs | {"active": active}
 
 
-def _take_rows(cache: KVCache, rows) -> KVCache:
-    """Rows `rows` [G] of the cache (an index past the end gives an empty row)."""
-    take = lambda x, axis, fill: jnp.take(x, rows, axis=axis, mode="fill", fill_value=fill)  # noqa: E731
-    if isinstance(cache.k, tuple):  # per layer [B, K, S, H]
-        k, v = (tuple(take(x, 0, 0) for x in xs) for xs in (cache.k, cache.v))
-    else:  # stacked [L, B, K, S, H]
-        k, v = take(cache.k, 1, 0), take(cache.v, 1, 0)
-    return KVCache(k, v, take(cache.positions, 0, -1), take(cache.lengths, 0, 0))
-
-
-def _put_rows(cache: KVCache, rows, sub: KVCache) -> KVCache:
-    """The cache with rows `rows` [G] set from `sub` in place (an index past the end is dropped)."""
-    put0 = lambda x, y: x.at[rows].set(y, mode="drop")  # noqa: E731
-    if isinstance(cache.k, tuple):
-        k, v = (tuple(map(put0, xs, ys)) for xs, ys in ((cache.k, sub.k), (cache.v, sub.v)))
-    else:
-        k, v = (x.at[:, rows].set(y, mode="drop") for x, y in ((cache.k, sub.k), (cache.v, sub.v)))
-    return KVCache(k, v, put0(cache.positions, sub.positions), put0(cache.lengths, sub.lengths))
-
-
 def _prefill(graphdef, params, ds: DecodeState, rows, ids, positions, valid, last, keep, *, rules):
-    """Appends one right-padded chunk ids [G, T] to rows `rows` [G]; keeps the hidden state of a row's last context
-    token when the chunk holds it (`last` >= 0: its index). A row with keep >= 0 (its first chunk) is first cut to
-    its first `keep` slots: what the host knows it shares with the request."""
+    """Appends one right-padded chunk ids [G, T] to rows `rows` [G] of the cache, in place (a row past the end is
+    padding); keeps the hidden state of a row's last context token when the chunk holds it (`last` >= 0: its index).
+    A row with keep >= 0 (its first chunk) is first cut to its first `keep` slots: what the host knows it shares with
+    the request."""
     model = nnx.merge(graphdef, params)
-    sub = _take_rows(ds.cache, rows)
-    s = sub.positions.shape[1]
+    cache = ds.cache
+    s = cache.positions.shape[1]
+    pos = jnp.take(cache.positions, rows, axis=0, mode="fill", fill_value=-1)
+    lengths = jnp.take(cache.lengths, rows, axis=0, mode="fill", fill_value=0)
     cut = keep >= 0
-    pos = jnp.where(cut[:, None] & (jnp.arange(s)[None] >= keep[:, None]), -1, sub.positions)
-    sub = sub._replace(positions=pos, lengths=jnp.where(cut, keep, sub.lengths))
-    hidden, sub = model.extend_hidden(ids, positions, sub, valid)
+    pos = jnp.where(cut[:, None] & (jnp.arange(s)[None] >= keep[:, None]), -1, pos)
+    cache = cache._replace(positions=cache.positions.at[rows].set(pos, mode="drop"),
+                           lengths=cache.lengths.at[rows].set(jnp.where(cut, keep, lengths), mode="drop"))
+    hidden, cache = model.extend_hidden(ids, positions, cache, valid, rows=rows)
     sel = jnp.take_along_axis(hidden, jnp.maximum(last, 0)[:, None, None], axis=1)[:, 0]  # [G, D]
     old = jnp.take(ds.h, rows, axis=0, mode="fill", fill_value=0)
     h = ds.h.at[rows].set(jnp.where((last >= 0)[:, None], sel.astype(ds.h.dtype), old), mode="drop")
-    return ds._replace(cache=_constrain_cache(_put_rows(ds.cache, rows, sub), rules), h=h)
+    return ds._replace(cache=_constrain_cache(cache, rules), h=h)
 
 
 def _copy(ds: DecodeState, src, dst, *, rules):
-    """Cache rows dst [W] <- rows src [W], in place (a dst past the end is dropped): a branch's parent's row."""
-    return ds._replace(cache=_constrain_cache(_put_rows(ds.cache, dst, _take_rows(ds.cache, src)), rules))
+    """Cache rows dst [W] <- rows src [W], in place, one layer at a time (a dst past the end is dropped): a branch
+    starts from its parent's row."""
+    move = lambda x: x.at[dst].set(x[src], mode="drop")  # noqa: E731  [B, ...] -> [B, ...]
+    cache = ds.cache
+    if isinstance(cache.k, tuple):  # per layer [B, K, S, H]
+        k, v = tuple(map(move, cache.k)), tuple(map(move, cache.v))
+    else:  # stacked [L, B, K, S, H]: a loop over the layers, so that one layer's rows are in flight at a time
+        def layer(i, kv):
+            return tuple(jax.lax.dynamic_update_index_in_dim(x, move(x[i]), i, 0) for x in kv)
+
+        k, v = jax.lax.fori_loop(0, cache.k.shape[0], layer, (cache.k, cache.v))
+    cache = KVCache(k, v, move(cache.positions), move(cache.lengths))
+    return ds._replace(cache=_constrain_cache(cache, rules))
 
 
 def _init(cfg, shape: EngineShape, per_layer: bool) -> DecodeState:
