@@ -475,3 +475,26 @@ def test_scanned_layout_samples_as_the_unrolled_one(tiny_hf_dir, tokenizer):
     assert len({tuple(r.token_ids) for r in runs[0]}) == 4  # not degenerate: four different samples
     with pytest.raises(ValueError, match="layout='stacked'; allowed: auto, unrolled, scanned"):
         _sampler(path, tokenizer, layout="stacked")
+
+
+def test_the_slot_table_keeps_rows_the_next_requests_need():
+    """Rows of trajectories a call does not name are forgotten; a free row is an empty one first, then one whose
+    trajectory no waiting request continues or branches from, least recently used first; a trajectory that moves
+    leaves its old row."""
+    from arpo_jax.rollout.jax_slots import SlotTable
+
+    t = SlotTable(4)
+    t.begin(set())
+    for row, slot in enumerate((10, 11, 12, 13)):
+        t.take(row, slot)
+        t.held[row] = np.arange(row + 1, dtype=np.int32)
+        t.release(row)
+    t.begin({10, 11, 13})  # 12 is over: its row is empty now
+    assert (t.lookup(12), t.lookup(13), len(t.held[2])) == (None, 3, 0)
+    assert t.free_row(protect={10, 11, 13}) == 2
+    t.take(2, 20)
+    assert t.free_row(protect={10, 13}) == 1  # 11 is needed by no waiting request
+    t.take(1, 21)
+    assert t.free_row(protect={13}) == 0  # least recently used of the rest
+    t.take(0, 13)  # trajectory 13 moves to row 0: row 3 no longer holds it
+    assert (t.lookup(13), t.slot[3], t.free_row(protect=set())) == (0, None, 3)
