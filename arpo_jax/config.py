@@ -121,6 +121,7 @@ def _direct_enums() -> dict[str, tuple]:
         "rollout.vllm.dtype": ("auto", "bfloat16", "float16", "float32"),
         "rollout.vllm.lora_sync": components.LORA_SYNCS,
         "rollout.jax.layout": jax_decode.LAYOUTS,
+        "rollout.jax.decode_rows": jax_decode.DECODE_ROWS,
         "tools.search.backend": tuple(tools._SEARCH_BACKENDS),
         "reward.name": (*rewards.REWARDS, "auto"),
         "algorithm.adv_estimator": (*algos.ADVANTAGE_ESTIMATORS, "gae"),  # gae: PPO with a critic

@@ -146,7 +146,8 @@ def shapes_of(cfg, mesh_shape: tuple[int, int, int], rules_name: str, command: s
     # The JAX engine's rows (`rollout.jax.slots`; default one worker's trajectories) and cache length, as it sizes them.
     kw = engine_kwargs(cfg, processes)
     engine = engine_shape(max_len=p + r, slots=kw["slots"], prefill_chunk=kw["prefill_chunk"],
-                          decode_chunk=kw["decode_chunk"], batch_multiple=local, max_tokens_per_call=0)
+                          decode_chunk=kw["decode_chunk"], batch_multiple=local, max_tokens_per_call=0,
+                          decode_rows="all")
     return Shapes("train", rows, seq, micro, cfg.actor.logprob_chunk, cfg.rollout.engine,
                   cfg.rollout.vllm.gpu_memory_utilization, cfg.algorithm.adv_estimator == "gae",
                   bool(cfg.actor.kl_coef) and not cfg.model.ref_on_host, processes,
@@ -415,7 +416,7 @@ def compile_sampler(model_cfg: models.Config, sh: Shapes, local_devices: int) ->
     abstract = jax.eval_shape(lambda a: jd.decode_weights(a, model_cfg.compute_dtype), abstract)  # the sampler's copy
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, p_sh)
     shape = jd.engine_shape(max_len=sh.sampler_len, slots=sh.sampler_batch, prefill_chunk=sh.prefill_chunk,
-                            decode_chunk=16)
+                            decode_chunk=16, decode_rows="all")  # the decode over every row: the most memory
     b, s = shape.slots, shape.cache_len
 
     def rows(*tail, dtype=jnp.int32):  # [B, ...] split over the local devices
@@ -432,7 +433,7 @@ def compile_sampler(model_cfg: models.Config, sh: Shapes, local_devices: int) ->
     longest = max((n for n in programs if n.startswith("prefill")), key=lambda n: int(n.rsplit("x", 1)[1]))
     out = {}
     with jax.set_mesh(mesh):
-        for name, program in (("sampler_prefill", longest), ("sampler_decode", "decode")):
+        for name, program in (("sampler_prefill", longest), ("sampler_decode", f"decode_{shape.slots}")):
             fn, args = programs[program]
             t0 = time.perf_counter()
             c = fn.lower(*args).compile()

@@ -303,7 +303,7 @@ def test_no_call_compiles_after_the_warm_up(tiny_hf_dir, tokenizer):
     batch (more requests than rows included), prompt lengths, continuations, branches and sampling settings."""
     path, _ = tiny_hf_dir("qwen2")
     sampler = _sampler(path, tokenizer, max_len=64, slots=4, decode_chunk=4, prefill_chunk=64)
-    assert sorted(sampler.programs()) == ["copy", "decode", "init", "prefill_1x64", "prefill_2x32"]
+    assert sorted(sampler.programs()) == ["copy", "decode_1", "decode_4", "init", "prefill_1x64", "prefill_2x32"]
     assert sampler.warm_up() > 0 and sampler.warm_up() == 0
     rng = np.random.RandomState(11)
     settings = [GREEDY, SamplingSettings(temperature=0.7, top_k=5, seed=1, stop=("zz",), token_logprobs=True),

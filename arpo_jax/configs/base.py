@@ -112,6 +112,10 @@ def get_config() -> ConfigDict:
     # trajectories (data.train_batch_size / workers x rollout.n), rounded up to the mesh's batch devices.
     c.rollout.jax.slots = 0
     c.rollout.jax.decode_chunk = 16  # sampling steps per decode call (the host reads one call behind the device)
+    # Decode programs: "all" (one, over every row), "quarters" (also over 1/4 and 1/16 of the rows: a round's tail of a
+    # few live rows costs a few rows' matmuls, which a CPU's compute-bound decode wants), "auto" = quarters on CPU,
+    # all on accelerators (their decode reads the weights whatever the rows; each program is one more compile).
+    c.rollout.jax.decode_rows = "auto"
     c.rollout.jax.prefill_chunk = 512  # tokens (rows x length) per prefill call, and the longest prefill length
     # KV-cache slots (rows x cache length, the whole process) the engine may hold: `slots` is cut to fit. Bounds the
     # cache `arpo-jax plan` counts for the sampler. 0 = no limit.
