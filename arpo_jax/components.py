@@ -25,6 +25,8 @@ from arpo_jax.tools import ToolExecutor, make_executor
 
 ROLLOUT_ENGINES = ("jax", "vllm")  # rollout.engine (training); eval and demo also take the others
 LORA_SYNCS = ("adapters", "merged")  # rollout.vllm.lora_sync
+# rollout.vllm.cuda_graphs -> vLLM's enforce_eager (None: the worker picks by platform, graphs on a GPU only)
+CUDA_GRAPHS = {"auto": None, "on": False, "off": True}
 ENGINES = (*ROLLOUT_ENGINES, "openai", "transformers")
 
 
@@ -100,9 +102,11 @@ def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=
         except ValueError as e:
             raise ValueError(f"rollout.vllm.engines={v.engines}, rollout.vllm.tensor_parallel_size="
                              f"{v.tensor_parallel_size}: {e}") from None
-        return VllmSampler(folder, python=v.python or None, log_file=None if log_file is None else str(log_file),
+        log = None if log_file is None else str(process_log(log_file))
+        return VllmSampler(folder, python=v.python or None, log_file=log,
                            export_dir=Path(os.path.expandvars(v.export_dir)) if v.export_dir else export_dir,
-                           dtype=v.dtype, max_model_len=max_len, seed=cfg.seed, enforce_eager=v.enforce_eager,
+                           dtype=v.dtype, max_model_len=max_len, seed=cfg.seed,
+                           enforce_eager=CUDA_GRAPHS[v.cuda_graphs],
                            gpu_memory_utilization=v.gpu_memory_utilization, cpu_kv_cache_gb=v.cpu_kv_cache_gb,
                            engines=v.engines or None, tensor_parallel_size=v.tensor_parallel_size,
                            # > 0: an engine with LoRA layers, and weight syncs send the adapters only
@@ -118,6 +122,17 @@ def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=
 
     server = dict(server)
     return OpenAISampler(server.pop("base_url"), server.pop("model"), tokenizer, **server)
+
+
+def process_log(path: str | os.PathLike) -> Path:
+    """`path` for this process's engines: `vllm.log` in a one-process run, `vllm.p<i>.log` with several (each node's
+    engines write their own log on the shared workdir, and errors quote the right node's lines)."""
+    import jax
+
+    path = Path(path)
+    if jax.process_count() == 1:
+        return path
+    return path.with_name(f"{path.stem}.p{jax.process_index()}{path.suffix}")
 
 
 def rollout_correction_mode(cfg) -> str:

