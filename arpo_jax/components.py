@@ -102,8 +102,7 @@ def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=
         except ValueError as e:
             raise ValueError(f"rollout.vllm.engines={v.engines}, rollout.vllm.tensor_parallel_size="
                              f"{v.tensor_parallel_size}: {e}") from None
-        log = None if log_file is None else str(process_log(log_file))
-        return VllmSampler(folder, python=v.python or None, log_file=log,
+        return VllmSampler(folder, python=v.python or None, log_file=None if log_file is None else str(log_file),
                            export_dir=Path(os.path.expandvars(v.export_dir)) if v.export_dir else export_dir,
                            dtype=v.dtype, max_model_len=max_len, seed=cfg.seed,
                            enforce_eager=CUDA_GRAPHS[v.cuda_graphs],
@@ -124,15 +123,13 @@ def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=
     return OpenAISampler(server.pop("base_url"), server.pop("model"), tokenizer, **server)
 
 
-def process_log(path: str | os.PathLike) -> Path:
-    """`path` for this process's engines: `vllm.log` in a one-process run, `vllm.p<i>.log` with several (each node's
+def process_log(path: str | os.PathLike, process_index: int, process_count: int) -> Path:
+    """`path` for one process's engines: `vllm.log` in a one-process run, `vllm.p<i>.log` with several (each node's
     engines write their own log on the shared workdir, and errors quote the right node's lines)."""
-    import jax
-
     path = Path(path)
-    if jax.process_count() == 1:
+    if process_count == 1:
         return path
-    return path.with_name(f"{path.stem}.p{jax.process_index()}{path.suffix}")
+    return path.with_name(f"{path.stem}.p{process_index}{path.suffix}")
 
 
 def rollout_correction_mode(cfg) -> str:

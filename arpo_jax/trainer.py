@@ -76,7 +76,14 @@ from arpo_jax import critic as critic_lib
 from arpo_jax import metrics as metrics_lib
 from arpo_jax import train_step as ts
 from arpo_jax.accumulate import TrainState
-from arpo_jax.components import make_sampler, make_tool_executor, rollout_config, sampling_settings, update_config
+from arpo_jax.components import (
+    make_sampler,
+    make_tool_executor,
+    process_log,
+    rollout_config,
+    sampling_settings,
+    update_config,
+)
 from arpo_jax.data import rl_dataset, toy
 from arpo_jax.experience import Trajectories
 from arpo_jax.rollout.agent_loop import RolloutOutput, RolloutState, greedy_settings, rollout
@@ -547,7 +554,8 @@ def make_rollout_sampler(cfg, tokenizer, model_folder: Path, workdir: Path, poli
         return make_sampler(cfg, tokenizer, model=model, mesh=sampler_mesh(policy.mesh))
     # Without rollout.vllm.export_dir, several processes share the run's folder: process 0 writes, every node reads
     # (a shared file system); one process exports to /dev/shm.
-    sampler = make_sampler(cfg, tokenizer, folder=model_folder, log_file=workdir / "vllm.log",
+    log = process_log(workdir / "vllm.log", jax.process_index(), jax.process_count())  # vllm.p<i>.log with several
+    sampler = make_sampler(cfg, tokenizer, folder=model_folder, log_file=log,
                            export_dir=workdir / "weight_sync" if jax.process_count() > 1 else None)
     if sync:  # with LoRA, model.init_checkpoint's base may differ from `model_folder`: it is sent once, in full
         sampler.update_weights(nnx.merge(policy.graphdef, params), base=bool(cfg.model.init_checkpoint))

@@ -84,13 +84,10 @@ def test_gpus_are_the_jobs_visible_ones(tmp_path, monkeypatch):
     assert host_gpus(tmp_path / "none", dev) == []
 
 
-def test_each_process_logs_its_engines_to_its_own_file(monkeypatch):
-    import jax
-
-    assert components.process_log("/w/vllm.log") == Path("/w/vllm.log")
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    monkeypatch.setattr(jax, "process_index", lambda: 1)
-    assert str(components.process_log("/w/vllm.log")) == "/w/vllm.p1.log"
+def test_each_process_logs_its_engines_to_its_own_file():
+    assert components.process_log("/w/vllm.log", 0, 1) == Path("/w/vllm.log")
+    assert components.process_log("/w/vllm.log", 1, 2) == Path("/w/vllm.p1.log")
+    assert components.process_log("/w/run/vllm.log", 0, 2) == Path("/w/run/vllm.p0.log")
 
 
 def test_cuda_graphs_setting_maps_onto_enforce_eager():
