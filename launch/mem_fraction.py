@@ -15,10 +15,12 @@ import sys
 if __name__ == "__main__":
     # The plan is arithmetic: keep this short-lived process off the GPUs (JAX would preallocate them).
     os.environ["JAX_PLATFORMS"] = "cpu"
-    from arpo_jax import config, plan
-    from arpo_jax.memory_model import DEVICES, nvls_on
+    from arpo_jax.config import args
+    from arpo_jax.plan import plan
+    from arpo_jax.plan.memory_model import nvls_on
+    from arpo_jax.sharding import DEVICES
 
-    cfg, _ = config.parse_config_args(sys.argv[1:])
+    cfg, _ = args.parse_config_args(sys.argv[1:])
     fraction = plan.jax_mem_fraction(cfg)
     try:
         r = plan.memory_split(cfg) if DEVICES[cfg.mesh.device].kind == "gpu" else None

@@ -52,8 +52,8 @@ def save_seconds(params: int, param_dtype: str, nodes: int, write_gbps: float) -
 
 
 def margin(cfg, write_gbps: float) -> dict:
-    from arpo_jax import plan
-    from arpo_jax.memory_model import DEVICES
+    from arpo_jax.plan import plan
+    from arpo_jax.sharding import DEVICES
 
     shape = tuple(cfg.mesh.shape)
     per_host = DEVICES[cfg.mesh.device].per_host
@@ -68,7 +68,7 @@ def margin(cfg, write_gbps: float) -> dict:
 
 if __name__ == "__main__":
     os.environ["JAX_PLATFORMS"] = "cpu"  # arithmetic only: keep this process off the GPUs
-    from arpo_jax import config
+    from arpo_jax.config import args as config
 
     gbps = 1.0  # GB/s each node writes to the shared file system: a conservative NFS / Lustre client figure
     args = []

@@ -77,9 +77,10 @@ def test_sbatch_script_runs_from_anywhere_with_its_cpus_and_planned_memory(fake_
     assert task["argv"] == ["-m", "arpo_jax.cli", "train", "--config=builtin:arpo_qwen25_7b_reasoning",
                             "--workdir=/shared/runs/7b", *overrides]
     assert task["cwd"] == str(REPO)
-    from arpo_jax import config, plan
+    from arpo_jax.config import args
+    from arpo_jax.plan import plan
 
-    cfg, _ = config.parse_config_args(["--config=builtin:arpo_qwen25_7b_reasoning", *overrides])
+    cfg, _ = args.parse_config_args(["--config=builtin:arpo_qwen25_7b_reasoning", *overrides])
     e = task["env"]
     assert float(e["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == plan.jax_mem_fraction(cfg)
     assert e["NCCL_NVLS_ENABLE"] == "0" and e["ARPO_PROCESS_ID"] == "0" and "SLURM_LOCALID" not in e

@@ -13,16 +13,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from arpo_jax import config, plan
+from arpo_jax.config import args
+from arpo_jax.config import validate as config
 from arpo_jax.models.attention import blockwise_causal_attention
 from arpo_jax.models.transformer import blockwise_blocks, resolve_attention
+from arpo_jax.plan import memory_model, plan
 
 REPO = Path(__file__).resolve().parents[1]
-SHIPPED = sorted(p.stem for p in (REPO / "arpo_jax" / "configs").glob("*.py") if p.stem not in ("__init__", "base"))
+SHIPPED = sorted(p.stem for p in (REPO / "configs").glob("*.py") if p.stem not in ("__init__", "base"))
 
 
 def _analyse(name: str, *overrides: str) -> dict:
-    cfg = config.load_config([f"--config=builtin:{name}", *overrides])
+    cfg = args.load_config([f"--config=builtin:{name}", *overrides])
     shape = tuple(cfg.mesh.shape)
     return plan.analyse(cfg, devices=math.prod(shape) if -1 not in shape else 8)
 
@@ -32,10 +34,11 @@ def test_every_shipped_config_fits_its_device(name):
     """The itemised model at the config's full depth and sizes (no compile: it is arithmetic over the exact shard
     shapes; `test_itemised_state_is_what_xla_compiles` checks it against compiled programs)."""
     r = _analyse(name)
-    assert r["headroom"] >= plan.HEADROOM, (name, r["peak_program"], r["peak_gib"], r["budget_gib"], r["items_gib"])
+    assert r["headroom"] >= memory_model.HEADROOM, (name, r["peak_program"], r["peak_gib"], r["budget_gib"],
+                                                    r["items_gib"])
     assert r["fits"]
     if r["engine"] == "vllm" and r["device"] != "cpu":  # the engine's share and JAX's planned share add up
-        cfg = config.load_config([f"--config=builtin:{name}"])
+        cfg = args.load_config([f"--config=builtin:{name}"])
         jax_fraction = plan.jax_mem_fraction(cfg)
         assert jax_fraction == r["jax_fraction"]
         reserve = r["reserve_gib"]["total"] / r["hbm_gib"]  # CUDA contexts and NCCL, per GPU type
@@ -71,7 +74,7 @@ def test_gpu_memory_outside_both_budgets_is_itemised_per_gpu_type(monkeypatch):
     """Beside vLLM each GPU holds, outside JAX's pool and vLLM's share: JAX's and the engine's CUDA contexts and
     JAX's NCCL buffers (an engine with tensor parallelism: its own too), plus NVLS's multicast buffers when
     NCCL_NVLS_ENABLE is on (Hopper only). Hand-computed from the GpuReserve table."""
-    from arpo_jax import cli, memory_model
+    from arpo_jax import cli
 
     h100, a100 = memory_model.GPU_RESERVES["h100-80gb"], memory_model.GPU_RESERVES["a100-80gb"]
     off = plan.gpu_reserve_gib("h100-80gb", "vllm", nvls=False)
@@ -124,7 +127,7 @@ def test_shipped_config_passes_the_cli():
 def test_itemised_state_is_what_xla_compiles():
     """The 7B config's update and log-prob forward compiled with 2 layers on 8 fake devices (T = 1024 for time):
     XLA's argument bytes equal the model's params + optimizer state + batch (up to the scalar counters)."""
-    cfg = config.load_config(["--config=builtin:arpo_qwen25_7b_reasoning", "--config.data.max_prompt_length=256",
+    cfg = args.load_config(["--config=builtin:arpo_qwen25_7b_reasoning", "--config.data.max_prompt_length=256",
                               "--config.data.max_response_length=256"])
     c = plan.compile_check(cfg, devices=8, layers=2)
     assert c["update"]["xla_arguments_gib"] == pytest.approx(c["update"]["model_state_gib"], rel=1e-3)
@@ -163,18 +166,18 @@ def test_sampler_programs_compile_with_the_itemised_weights_and_cache():
     """The v5p config's sampler prefill and decode (2 layers, a chunk of B = 128 rows over 4 fake devices, S = 1024
     for time): the decode's XLA arguments are the itemised sampler weights (bfloat16) + KV cache; the prefill's lack
     only the unused unembedding (XLA prunes it from the program; the array still exists)."""
-    cfg = config.load_config(["--config=builtin:arpo_qwen25_7b_tpu_v5p8", "--config.data.max_prompt_length=512",
+    cfg = args.load_config(["--config=builtin:arpo_qwen25_7b_tpu_v5p8", "--config.data.max_prompt_length=512",
                               "--config.data.max_response_length=512", "--config.actor.max_token_len_per_device=0",
                               "--config.rollout.jax.max_tokens_per_call=131072"])
     c = plan.compile_check(cfg, devices=4, layers=2)
     decode, prefill = c["sampler_decode"], c["sampler_prefill"]
     assert decode["xla_arguments_gib"] == pytest.approx(decode["model_state_gib"], rel=2e-3)
-    unembed = 152064 * 3584 * 2 / 4 / plan.GB  # Qwen2.5-7B's lm_head, bfloat16, over 4 devices
+    unembed = 152064 * 3584 * 2 / 4 / memory_model.GB  # Qwen2.5-7B's lm_head, bfloat16, over 4 devices
     assert prefill["xla_arguments_gib"] == pytest.approx(prefill["model_state_gib"] - unembed, rel=2e-3)
 
 
 def test_mesh_device_is_validated_with_its_allowed_values():
-    cfg = config.load_config(["--config=builtin:toy_cpu", "--config.mesh.device=v100"])
+    cfg = args.load_config(["--config=builtin:toy_cpu", "--config.mesh.device=v100"])
     with pytest.raises(config.ConfigError, match=r"mesh\.device.*tpu-v5p"):
         config.validate(cfg, check_files=False)
 
@@ -201,7 +204,7 @@ def test_plan_names_the_attention_kernel_per_program_and_accounts_tree_packing()
                                      "micro_batches": math.ceil(flat["tree_training"]["micro_batches"] / saving)}
     t = flat["seq"]  # the tree rule reads one int per key instead of the [T, T] bool mask
     drop = flat["programs_gib"]["update"]["attention_workspace"] - tree["programs_gib"]["update"]["attention_workspace"]
-    assert drop == pytest.approx((t * t - 4 * t) / plan.GB, abs=2e-3)
+    assert drop == pytest.approx((t * t - 4 * t) / memory_model.GB, abs=2e-3)
     sampler = _analyse("arpo_qwen25_7b_tpu_v5p8")["attention_by_program"]
     assert sampler["sampler_decode"] == {"kernel": "cached_attention", "skip_blocks": False}
     assert sampler["update"]["skip_blocks"]

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from arpo_jax import components
 from arpo_jax.rollout import vllm_worker
+from arpo_jax.rollout.sampler import CUDA_GRAPHS
 from arpo_jax.rollout.vllm_sampler import PORT_SPAN, engine_env, engine_ports, host_gpus
+from arpo_jax.train.components import process_log
 
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu", "0.32.2rc1"])
@@ -85,22 +86,22 @@ def test_gpus_are_the_jobs_visible_ones(tmp_path, monkeypatch):
 
 
 def test_each_process_logs_its_engines_to_its_own_file():
-    assert components.process_log("/w/vllm.log", 0, 1) == Path("/w/vllm.log")
-    assert components.process_log("/w/vllm.log", 1, 2) == Path("/w/vllm.p1.log")
-    assert components.process_log("/w/run/vllm.log", 0, 2) == Path("/w/run/vllm.p0.log")
+    assert process_log("/w/vllm.log", 0, 1) == Path("/w/vllm.log")
+    assert process_log("/w/vllm.log", 1, 2) == Path("/w/vllm.p1.log")
+    assert process_log("/w/run/vllm.log", 0, 2) == Path("/w/run/vllm.p0.log")
 
 
 def test_cuda_graphs_setting_maps_onto_enforce_eager():
-    from arpo_jax import config as config_lib
+    from arpo_jax.config import args, validate
 
-    assert components.CUDA_GRAPHS == {"auto": None, "on": False, "off": True}
-    cfg = config_lib.load_config(["--config=builtin:toy_cpu"])
+    assert CUDA_GRAPHS == {"auto": None, "on": False, "off": True}
+    cfg = args.load_config(["--config=builtin:toy_cpu"])
     assert cfg.rollout.vllm.cuda_graphs == "auto"
-    config_lib.validate(cfg)
-    bad = config_lib.load_config(["--config=builtin:toy_cpu", "--config.rollout.vllm.cuda_graphs=yes"])
+    validate.validate(cfg)
+    bad = args.load_config(["--config=builtin:toy_cpu", "--config.rollout.vllm.cuda_graphs=yes"])
     with pytest.raises(ValueError, match=r"rollout.vllm.cuda_graphs: 'yes' is not a known value \(allowed: auto \| on "
                                          r"\| off\)"):
-        config_lib.validate(bad)
+        validate.validate(bad)
 
 
 @pytest.mark.parametrize("gpus", [[], ["0"]])
