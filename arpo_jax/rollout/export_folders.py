@@ -57,13 +57,14 @@ def _gib(n: int) -> str:
     return f"{n / 1024**3:.2f} GiB"
 
 
-def agree_on_room(export_dir: Path, nbytes: int, dtype: str, *, first_sync: bool) -> None:
+def agree_on_room(export_dir: Path, nbytes: int, dtype: str, *, first_sync: bool, every_process: bool = False) -> None:
     """Process 0 (the writer) clears what a killed run left (`first_sync`) and checks the room for one export; every
-    process raises if it lacks room (not only the writer: the others would wait for it at the barrier)."""
+    process raises if it lacks room (not only the writer: the others would wait for it at the barrier). With
+    `every_process` (node-local exports: each process writes its own) each checks its own `export_dir`."""
     from arpo_jax import distributed  # the trainer's side: jax is already there
 
     no_room = ""
-    if distributed.is_main_process():
+    if every_process or distributed.is_main_process():
         if first_sync:
             remove_previous_syncs(export_dir)  # left by a run that was killed mid-sync
         try:
@@ -71,7 +72,8 @@ def agree_on_room(export_dir: Path, nbytes: int, dtype: str, *, first_sync: bool
         except OSError as e:
             no_room = str(e)
     if distributed.agree(int(bool(no_room))):
-        raise OSError(no_room or f"weight sync: process 0 found too little room for one export in {export_dir} (its "
+        writer = "another process" if every_process else "process 0"
+        raise OSError(no_room or f"weight sync: {writer} found too little room for one export in {export_dir} (its "
                                  "log says how much)")
 
 

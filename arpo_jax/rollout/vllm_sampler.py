@@ -29,9 +29,12 @@ writes a PEFT folder (`lora_io.save_peft`, KBs to MBs instead of the model) that
 vLLM cannot (the engine fails to start with LoRA, the rank is above vLLM's largest, loading the adapter fails), the
 sync sends the merged full weights instead, with the reason logged once; an engine started with `lora_rank=0` (the
 trainer's `rollout.vllm.lora_sync=merged`) always gets them. Each export (export_folders.py)
-is a new version folder `export_dir/sync-<k>`; in a multi-host run (one sampler per process, `export_dir` on a
-file system every host shares) process 0 writes it, every process reloads only after a barrier that follows the
-write, and process 0 removes it only after a second barrier that follows every reload. `last_sync` splits the time
+is a new version folder `export_dir/sync-<k>`. In a multi-host run (one sampler per process) where every process
+holds the whole model on its own devices (HSDP, as launch/ runs nodes), each writes the version from its own shards
+to its own node's /dev/shm and its engines read it there (`node_local`: the processes only check that they agree on
+the version). Otherwise (`export_dir` on a file system every host shares) process 0 writes it, every process reloads
+only after a barrier that follows the write, and process 0 removes it only after a second barrier that follows
+every reload. `last_sync` splits the time
 into export and reload for the step metrics; `last_stats` counts prompt, prefix-cache-hit and generated tokens of
 the last call (all engines), and the log-prob entries vLLM built.
 
@@ -119,7 +122,10 @@ class VllmSampler:
       startup_timeout: seconds allowed for the engines to start (they start in parallel).
       env: extra environment variables for the worker.
       export_dir: where `update_weights(model)` exports a CausalLM before reloading (default: /dev/shm, or the
-        temporary folder when /dev/shm lacks the room for one export).
+        temporary folder when /dev/shm lacks the room for one export); with several processes, a folder they share.
+      node_local: with several processes that each hold the whole model on their own devices (HSDP), each exports
+        from its own shards to its own node's /dev/shm (or temporary folder) and only its engines read it: no
+        gathers across hosts, no shared file system (`_export`). False: always the shared `export_dir`.
       export_dtype: dtype of that export; default: the engine's own (`info["dtype"]`, vLLM's resolution of
         `dtype`), which it would cast the weights to anyway (bf16 for a bf16 checkpoint on GPU: half of f32's bytes).
       engines: engine processes; None = one per `tensor_parallel_size` GPUs of the host (`host_gpus`), 1 without
@@ -130,9 +136,10 @@ class VllmSampler:
     def __init__(self, model: str | os.PathLike, *, python: str | None = None, log_file: str | None = None,
                  startup_timeout: float = 900.0, env: dict[str, str] | None = None,
                  export_dir: str | os.PathLike | None = None, export_dtype: str | None = None,
-                 engines: int | None = None, **engine):
+                 engines: int | None = None, node_local: bool = True, **engine):
         self.config = VllmEngineConfig(model=str(model), **engine)
         self.export_dir = Path(export_dir) if export_dir else None
+        self.node_local = node_local
         self.export_dtype = export_dtype
         self._sync_version = 0  # exports so far: version k is written to export_dir/sync-<k>
         self._adapter_id = 0  # LoRA adapters loaded so far: adapter k is the engine's lora_int_id k
@@ -338,12 +345,14 @@ class VllmSampler:
         with its size (export_bytes, export_dtype, weights). `kind`: "full" = an HF folder of the (merged) weights,
         "adapters" = a PEFT folder of the LoRA adapters alone (float32).
 
-        Multi-host (every process calls this; the folder is on a file system they share): process 0 gathers and
-        writes while the others only take part in the gathers, so they wait at a barrier until process 0 has moved
-        the complete folder into place. A new folder per version (not one folder replaced in place) means no
-        process can ever read a half-renamed folder or, a step later, the previous weights under the same name.
+        Multi-host, every process calls this. Where each process holds the whole model (HSDP: `_exports_locally`),
+        each writes the version from its own shards into its own node's folder (`_local_dir`) for its own engines:
+        nothing crosses hosts but the version number they check they agree on. Otherwise (the folder on a file
+        system they share) process 0 gathers and writes while the others only take part in the gathers, so they
+        wait at a barrier until process 0 has moved the complete folder into place. A new folder per version (not
+        one folder replaced in place) means no process can ever read a half-renamed folder or, a step later, the
+        previous weights under the same name.
         """
-        import jax
         from flax import nnx
 
         from arpo_jax import distributed
@@ -355,28 +364,66 @@ class VllmSampler:
         nbytes = hf.export_nbytes(nnx.state(model, transformer.LoRAParam) if kind == "adapters" else
                                   lora.base_state(model) if model.config.lora_rank else nnx.state(model, nnx.Param),
                                   dtype)
-        if self.export_dir is None:  # ours: removed again by close()
-            if jax.process_count() > 1:  # /dev/shm/arpo_jax_vllm_<pid> is one host's: the others never see it
-                raise ValueError("a multi-process weight sync needs export_dir on a file system every host shares "
-                                 "(the trainer uses <workdir>/weight_sync; config: rollout.vllm.export_dir)")
-            self.export_dir = self._own_export = export_folders.default_export_dir(nbytes)
-        export_folders.agree_on_room(self.export_dir, nbytes, dtype, first_sync=self._sync_version == 0)
+        local = self._exports_locally(model)
+        export_dir = self._local_dir(nbytes) if local else self._shared_dir(nbytes)
+        export_folders.agree_on_room(export_dir, nbytes, dtype, first_sync=self._sync_version == 0,
+                                     every_process=local)
         self._sync_version += 1
-        path = self.export_dir / f"{export_folders.SYNC_PREFIX}{self._sync_version}"
+        if local and distributed.agree_max(self._sync_version) != self._sync_version:  # all at the same version
+            raise RuntimeError(f"weight sync: this process is at version {self._sync_version}, another ahead of it")
+        path = export_dir / f"{export_folders.SYNC_PREFIX}{self._sync_version}"
         if kind == "adapters":
-            lora_io.save_peft(model, path)
+            lora_io.save_peft(model, path, local=local)
         else:
-            hf.save_pretrained(model, path, dtype=dtype)
-        distributed.barrier(f"weight_sync/written/{self._sync_version}")
-        stats = {"export_bytes": nbytes, "export_dtype": dtype, "weights": kind}
-        if distributed.is_main_process():  # what the folder takes on disk: tensors, headers, config and tokenizer files
+            hf.save_pretrained(model, path, dtype=dtype, local=local)
+        if not local:  # the others read what process 0 wrote: not before it is complete
+            distributed.barrier(f"weight_sync/written/{self._sync_version}")
+        stats = {"export_bytes": nbytes, "export_dtype": dtype, "weights": kind, "node_local": local}
+        if local or distributed.is_main_process():  # what the folder takes: tensors, headers, config, tokenizer files
             stats["written_bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         return path, stats
 
+    def _exports_locally(self, model) -> bool:
+        """Several processes, each holding every block of the model on its own devices (HSDP), and `node_local`:
+        agreed by every process (the gathers of a shared export are collectives)."""
+        import jax
+        from flax import nnx
+
+        from arpo_jax import distributed
+        from arpo_jax.weights import hf
+
+        if jax.process_count() == 1 or not getattr(self, "node_local", True):
+            return False
+        held = all(hf.held_here(x) for x in jax.tree.leaves(nnx.state(model)) if isinstance(x, jax.Array))
+        return not distributed.agree_max(int(not held))
+
+    def _local_dir(self, nbytes: int) -> Path:
+        """This process's own export folder: /dev/shm/arpo_jax_vllm_<pid> (or the temporary folder's), removed by
+        close()."""
+        if self._own_export is None:
+            self._own_export = export_folders.default_export_dir(nbytes)
+        return self._own_export
+
+    def _shared_dir(self, nbytes: int) -> Path:
+        """`export_dir`, which several processes must share; one process's own folder by default."""
+        import jax
+
+        if self.export_dir is None:  # ours: removed again by close()
+            if jax.process_count() > 1:  # /dev/shm/arpo_jax_vllm_<pid> is one host's: the others never see it
+                raise ValueError("a multi-process weight sync of a model spread over the hosts needs export_dir on a "
+                                 "file system every host shares (the trainer uses <workdir>/weight_sync; config: "
+                                 "rollout.vllm.export_dir)")
+            self.export_dir = self._own_export = export_folders.default_export_dir(nbytes)
+        return self.export_dir
+
     def _release(self, path: Path) -> None:
-        """Removes an exported version once every process has reloaded it (their engines hold the weights now)."""
+        """Removes an exported version once every process that reads it has reloaded it (the engines hold the
+        weights now): a node-local one at once, a shared one after every process has."""
         from arpo_jax import distributed
 
+        if self._own_export is not None and path.parent == self._own_export:  # ours alone
+            shutil.rmtree(path, ignore_errors=True)
+            return
         distributed.barrier(f"weight_sync/reloaded/{self._sync_version}")
         if distributed.is_main_process():
             shutil.rmtree(path, ignore_errors=True)

@@ -195,8 +195,9 @@ def make_rollout_sampler(cfg, tokenizer, model_folder: Path, workdir: Path, poli
     if cfg.rollout.engine == "jax":
         model = nnx.merge(policy.graphdef, sampler_params(params, policy))
         return make_sampler(cfg, tokenizer, model=model, mesh=sampler_mesh(policy.mesh))
-    # Without rollout.vllm.export_dir, several processes share the run's folder: process 0 writes, every node reads
-    # (a shared file system); one process exports to /dev/shm.
+    # Several processes on an HSDP mesh export node-locally (each its own, to its /dev/shm: VllmSampler._export);
+    # params spread over the hosts go through the run's folder (process 0 writes, every node reads: a shared file
+    # system) unless rollout.vllm.export_dir says where; one process exports to /dev/shm.
     log = process_log(workdir / "vllm.log", jax.process_index(), jax.process_count())  # vllm.p<i>.log with several
     sampler = make_sampler(cfg, tokenizer, folder=model_folder, log_file=log,
                            export_dir=workdir / "weight_sync" if jax.process_count() > 1 else None)
