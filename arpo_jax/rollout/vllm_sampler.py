@@ -123,9 +123,8 @@ class VllmSampler:
       env: extra environment variables for the worker.
       export_dir: where `update_weights(model)` exports a CausalLM before reloading (default: /dev/shm, or the
         temporary folder when /dev/shm lacks the room for one export); with several processes, a folder they share.
-      node_local: with several processes that each hold the whole model on their own devices (HSDP), each exports
-        from its own shards to its own node's /dev/shm (or temporary folder) and only its engines read it: no
-        gathers across hosts, no shared file system (`_export`). False: always the shared `export_dir`.
+      node_local: several processes, each holding the whole model (HSDP), export each to its own node's /dev/shm
+        for its own engines (`_export`); False: always through the shared `export_dir`.
       export_dtype: dtype of that export; default: the engine's own (`info["dtype"]`, vLLM's resolution of
         `dtype`), which it would cast the weights to anyway (bf16 for a bf16 checkpoint on GPU: half of f32's bytes).
       engines: engine processes; None = one per `tensor_parallel_size` GPUs of the host (`host_gpus`), 1 without
@@ -183,8 +182,7 @@ class VllmSampler:
             self.close()
             raise
         self.info = dict(infos[0], engines=len(infos), pids=[i["pid"] for i in infos], devices=self.devices)
-        for line in dict.fromkeys(f for i in infos for f in i.get("fallbacks", ())):  # each once, in engine order
-            logging.getLogger(__name__).warning("vLLM engine: %s", line)
+        log_fallbacks(infos)
 
     def _call(self, command: str, payload: Any = None, doing: str = "") -> list:
         """Runs `command` on every engine (in parallel); their replies, in engine order."""
@@ -345,13 +343,10 @@ class VllmSampler:
         with its size (export_bytes, export_dtype, weights). `kind`: "full" = an HF folder of the (merged) weights,
         "adapters" = a PEFT folder of the LoRA adapters alone (float32).
 
-        Multi-host, every process calls this. Where each process holds the whole model (HSDP: `_exports_locally`),
-        each writes the version from its own shards into its own node's folder (`_local_dir`) for its own engines:
-        nothing crosses hosts but the version number they check they agree on. Otherwise (the folder on a file
-        system they share) process 0 gathers and writes while the others only take part in the gathers, so they
-        wait at a barrier until process 0 has moved the complete folder into place. A new folder per version (not
-        one folder replaced in place) means no process can ever read a half-renamed folder or, a step later, the
-        previous weights under the same name.
+        Multi-host (every process calls this), each holding the whole model (HSDP): each writes the version from its
+        own shards to its own folder for its engines. Else, on a shared file system, process 0 gathers and writes
+        while the others take part in the gathers and wait at a barrier for the complete folder. A new folder per
+        version: no process reads a half-renamed folder or, a step later, the previous weights under the same name.
         """
         from flax import nnx
 
@@ -364,13 +359,15 @@ class VllmSampler:
         nbytes = hf.export_nbytes(nnx.state(model, transformer.LoRAParam) if kind == "adapters" else
                                   lora.base_state(model) if model.config.lora_rank else nnx.state(model, nnx.Param),
                                   dtype)
-        local = self._exports_locally(model)
-        export_dir = self._local_dir(nbytes) if local else self._shared_dir(nbytes)
+        local = self.node_local and export_folders.held_by_every_process(nnx.state(model))
+        if local:  # this process's own folder, removed by close()
+            self._own_export = self._own_export or export_folders.default_export_dir(nbytes)
+        elif self.export_dir is None:  # ours: removed again by close()
+            self.export_dir = self._own_export = export_folders.one_process_dir(nbytes)
+        export_dir = self._own_export if local else self.export_dir
         export_folders.agree_on_room(export_dir, nbytes, dtype, first_sync=self._sync_version == 0,
-                                     every_process=local)
+                                     node_local_version=self._sync_version + 1 if local else 0)
         self._sync_version += 1
-        if local and distributed.agree_max(self._sync_version) != self._sync_version:  # all at the same version
-            raise RuntimeError(f"weight sync: this process is at version {self._sync_version}, another ahead of it")
         path = export_dir / f"{export_folders.SYNC_PREFIX}{self._sync_version}"
         if kind == "adapters":
             lora_io.save_peft(model, path, local=local)
@@ -383,49 +380,14 @@ class VllmSampler:
             stats["written_bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         return path, stats
 
-    def _exports_locally(self, model) -> bool:
-        """Several processes, each holding every block of the model on its own devices (HSDP), and `node_local`:
-        agreed by every process (the gathers of a shared export are collectives)."""
-        import jax
-        from flax import nnx
-
-        from arpo_jax import distributed
-        from arpo_jax.weights import hf
-
-        if jax.process_count() == 1 or not getattr(self, "node_local", True):
-            return False
-        held = all(hf.held_here(x) for x in jax.tree.leaves(nnx.state(model)) if isinstance(x, jax.Array))
-        return not distributed.agree_max(int(not held))
-
-    def _local_dir(self, nbytes: int) -> Path:
-        """This process's own export folder: /dev/shm/arpo_jax_vllm_<pid> (or the temporary folder's), removed by
-        close()."""
-        if self._own_export is None:
-            self._own_export = export_folders.default_export_dir(nbytes)
-        return self._own_export
-
-    def _shared_dir(self, nbytes: int) -> Path:
-        """`export_dir`, which several processes must share; one process's own folder by default."""
-        import jax
-
-        if self.export_dir is None:  # ours: removed again by close()
-            if jax.process_count() > 1:  # /dev/shm/arpo_jax_vllm_<pid> is one host's: the others never see it
-                raise ValueError("a multi-process weight sync of a model spread over the hosts needs export_dir on a "
-                                 "file system every host shares (the trainer uses <workdir>/weight_sync; config: "
-                                 "rollout.vllm.export_dir)")
-            self.export_dir = self._own_export = export_folders.default_export_dir(nbytes)
-        return self.export_dir
-
     def _release(self, path: Path) -> None:
-        """Removes an exported version once every process that reads it has reloaded it (the engines hold the
-        weights now): a node-local one at once, a shared one after every process has."""
+        """Removes an exported version once every process that reads it has reloaded it: a node-local one at once."""
         from arpo_jax import distributed
 
-        if self._own_export is not None and path.parent == self._own_export:  # ours alone
-            shutil.rmtree(path, ignore_errors=True)
-            return
-        distributed.barrier(f"weight_sync/reloaded/{self._sync_version}")
-        if distributed.is_main_process():
+        ours = self._own_export is not None and path.parent == self._own_export
+        if not ours:
+            distributed.barrier(f"weight_sync/reloaded/{self._sync_version}")
+        if ours or distributed.is_main_process():
             shutil.rmtree(path, ignore_errors=True)
 
     def reset_prefix_cache(self) -> bool:
@@ -443,6 +405,12 @@ class VllmSampler:
             return
         freed = self._call("release", {"weights": not self.config.lora_rank}, "releasing the KV cache and weights")
         self.last_sleep = {k: sum(f[k] for f in freed) for k in ("kv_cache", "weights", "packed_weights")}
+
+def log_fallbacks(infos: list[dict]) -> None:
+    """Every engine's fallbacks from its fast paths (`info["fallbacks"]`), each once, as warnings."""
+    for line in dict.fromkeys(f for i in infos for f in i.get("fallbacks", ())):
+        logging.getLogger(__name__).warning("vLLM engine: %s", line)
+
 
 def worker_env(extra: dict[str, str]) -> dict[str, str]:
     """The engine processes' environment: this one's, for vLLM, plus `extra`."""
