@@ -25,7 +25,9 @@ def get_config() -> ConfigDict:
     # "" = cudnn on a GPU in bfloat16/float16, else blockwise (never [T, T] scores) | blockwise | cudnn | xla (full
     # [T, T] scores)
     c.model.attention_impl = ""
-    c.model.ref_on_host = False  # keep the reference model's params in host memory (reference: param_offload)
+    # With a KL loss: keep the reference model's params in pinned host memory, sharded as the policy's, on the devices
+    # only during each log-prob pass (reference: param_offload)
+    c.model.ref_on_host = False
     # LoRA (update/lora.py): train low-rank adapters on the projections, the base frozen (no gradients, no optimizer
     # state); the reference policy is the base itself (adapters off: no second copy of the weights).
     c.model.lora = ConfigDict()

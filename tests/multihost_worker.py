@@ -14,6 +14,10 @@ model's): step 1 the full weights of a plain policy, steps 2 and 3 a LoRA policy
 adapters alone; "files": the engine is replaced by a reader of the exported safetensors, which must hold each of
 two steps' full weights exactly, through the shared OUT_DIR/weight_sync (process 0 gathers and writes);
 "files-local": the same reader, node-local exports.
+
+Usage: python tests/multihost_worker.py reference PROCESS_ID PORT HF_DIR OUT_DIR
+The offloaded reference policy (`model.ref_on_host` with a KL loss) on a mesh spread over both processes and on an
+HSDP one (`offloaded_reference`).
 """
 
 import os
@@ -245,8 +249,41 @@ def weight_sync(engine: str, delay: float, process_id: int, port: int, hf_dir: s
     print(f"process {process_id}: ok")
 
 
+def offloaded_reference(process_id: int, port: int, hf_dir: str, out_dir: str) -> None:
+    """`model.ref_on_host` with a KL loss on 2 processes, the params spread over both (FSDP (1, 8, 1)) and replicated
+    per process (HSDP (2, 4, 1)): the offloaded reference keeps every process's own shards in pinned host memory and
+    its log-probs are the starting policy's after the policy moved on."""
+    from arpo_jax.config import args
+    from arpo_jax.train import trainer
+    from arpo_jax.update import jit
+    from arpo_jax.update import train_step as ts
+
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
+                               initialization_timeout=120)
+    cfg = args.load_config(["--config=builtin:toy_cpu", "--config.actor.kl_coef=0.1",
+                            "--config.model.ref_on_host=true"])
+    seqs = np.random.RandomState(0).randint(3, 512, (8, 16))
+    batch = {"input_ids": seqs, "targets": np.roll(seqs, -1, 1), "positions": np.tile(np.arange(16), (8, 1)),
+             "segment_ids": np.ones((8, 16), np.int32)}
+    for shape in ((1, 8, 1), (2, 4, 1)):
+        mesh = sharding.make_mesh(shape)
+        model = arpo_jax.from_pretrained(hf_dir, mesh=mesh)
+        graphdef, params = jit.split_model(model)
+        fn = ts.jit_forward_logprobs(graphdef, model.config, mesh=mesh)
+        start = multihost_utils.process_allgather(fn(params, batch)[0], tiled=True)
+        ref = trainer.reference_logprobs(params, cfg, model.config, fn, 1.0, mesh)
+        moved = jax.tree.map(lambda x: x * 1.5, params)
+        got = multihost_utils.process_allgather(ref(moved, batch), tiled=True)
+        assert np.array_equal(np.asarray(got), np.asarray(start)), (shape, np.abs(np.asarray(got) - start).max())
+        print(f"process {process_id} mesh {shape}: the offloaded reference gives the starting log-probs")
+    multihost_utils.sync_global_devices("done")
+    print(f"process {process_id}: ok")
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "sync":
+    if sys.argv[1] == "reference":
+        offloaded_reference(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    elif sys.argv[1] == "sync":
         weight_sync(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7])
     else:
         main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

@@ -83,6 +83,16 @@ def test_weight_sync_waits_for_the_writer(tmp_path):
 
 
 @pytest.mark.slow
+def test_offloaded_reference_on_two_processes(tmp_path):
+    """`model.ref_on_host` with `actor.kl_coef` > 0 on 2 processes, FSDP over both and HSDP: the reference's copy in
+    pinned host memory keeps each process's shards, and its log-probs equal the starting policy's after the policy
+    moved on. Before, `jax.device_get` of the arrays spread over both processes raised."""
+    outputs = _run_two(["reference", str(_tiny_folder_with_tokenizer(tmp_path)), str(tmp_path)], tmp_path)
+    for i, out in enumerate(outputs):
+        assert f"process {i} mesh (1, 8, 1): the offloaded reference" in out and f"process {i}: ok" in out, out[-2000:]
+
+
+@pytest.mark.slow
 def test_node_local_weight_sync_each_process_loads_its_own_export(tmp_path):
     """HSDP (each process holds the whole model): each process exports every version from its own shards into its
     own node's folder (no gathers across hosts, nothing in the shared weight_sync folder), its engine (here a reader

@@ -70,6 +70,18 @@ def test_the_review_figures_of_the_7b_update():
     assert "stacked_layers" not in items
 
 
+def test_a_kl_reference_is_counted_where_it_lives():
+    """A KL loss: the reference's params (sharded as the policy's) are resident on device throughout without
+    `model.ref_on_host`; with it (the 7B config's setting) they are on device during the log-prob pass only."""
+    offloaded = _analyse("arpo_qwen25_7b_reasoning", "--config.actor.kl_coef=0.1")["programs_gib"]
+    assert offloaded["logprob_forward"]["ref_params"] == offloaded["update"]["params"] == 3.547
+    assert "ref_params" not in offloaded["update"]
+    resident = _analyse("arpo_qwen25_7b_reasoning", "--config.actor.kl_coef=0.1",
+                        "--config.model.ref_on_host=false")["programs_gib"]
+    assert resident["update"]["ref_params"] == resident["logprob_forward"]["ref_params"] == 3.547
+    assert "ref_params" not in _analyse("arpo_qwen25_7b_reasoning")["programs_gib"]["logprob_forward"]
+
+
 def test_gpu_memory_outside_both_budgets_is_itemised_per_gpu_type(monkeypatch):
     """Beside vLLM each GPU holds, outside JAX's pool and vLLM's share: JAX's and the engine's CUDA contexts and
     JAX's NCCL buffers (an engine with tensor parallelism: its own too), plus NVLS's multicast buffers when

@@ -166,6 +166,9 @@ class Shapes:
     tree: bool = False
     tree_saving: float = 1.0  # flat tokens / tree tokens: a lower bound from the config (`plan.tree_saving`)
     engine_tp: int = 1  # GPUs per vLLM engine (rollout.vllm.tensor_parallel_size): > 1 adds its NCCL buffers
+    # A KL loss with model.ref_on_host: the reference lives in pinned host memory and is put back on the devices,
+    # sharded as the params, for each log-prob pass (train/trainer.py `offload`): on device during that pass only.
+    ref_offloaded: bool = False
 
 
 def attention_kernel(impl: str, t: int, backend: str, *, tree: bool = False) -> dict:
@@ -300,6 +303,8 @@ def itemise(c: models.Config, mesh_shape: tuple[int, int, int], sh: Shapes, back
     extra = {}
     if sh.command == "train":
         programs["logprob_forward"] = forward_items(c, s, sh, backend, impl)
+        if sh.ref_offloaded:
+            programs["logprob_forward"]["ref_params"] = s.params * pb
         if sh.ref_on_device:
             extra["ref_params"] = s.params * pb
         if sh.critic:  # a value model of the policy's size, with its own AdamW state, resident throughout

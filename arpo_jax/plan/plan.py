@@ -155,7 +155,8 @@ def shapes_of(cfg, mesh_shape: tuple[int, int, int], rules_name: str, command: s
                   cfg.rollout.vllm.gpu_memory_utilization, cfg.algorithm.adv_estimator == "gae",
                   bool(cfg.actor.kl_coef) and not cfg.model.ref_on_host, processes,
                   sampler_chunk(_pow2_at_least(trajectories, local), s_len, local, cfg.rollout.jax.max_tokens_per_call),
-                  s_len, cfg.rollout.jax.prefill_chunk, p + r, tree, saving, cfg.rollout.vllm.tensor_parallel_size)
+                  s_len, cfg.rollout.jax.prefill_chunk, p + r, tree, saving, cfg.rollout.vllm.tensor_parallel_size,
+                  bool(cfg.actor.kl_coef) and cfg.model.ref_on_host)
 
 
 def sampler_chunk(batch: int, s_len: int, local: int, budget: int) -> int:
