@@ -57,6 +57,7 @@ def fake_slurm(tmp_path):
     return tmp_path, env, out
 
 
+@pytest.mark.slow  # subprocess runs of the scripts and the plan
 def test_sbatch_script_runs_from_anywhere_with_its_cpus_and_planned_memory(fake_slurm):
     """Submitted from another folder and run as SLURM's spooled copy: the script finds its checkout through
     scontrol, runs the venv's python, gives srun --cpus-per-task (SLURM >= 22.05 does not pass it on), and the task
@@ -88,6 +89,7 @@ def test_sbatch_script_runs_from_anywhere_with_its_cpus_and_planned_memory(fake_
     assert f"repo {REPO}, python {tmp / 'venv' / 'bin' / 'python'}" in p.stdout
 
 
+@pytest.mark.slow  # subprocess runs of the scripts and the plan
 def test_local_script_runs_from_anywhere_and_keeps_a_given_memory_fraction(fake_slurm):
     tmp, env, out = fake_slurm
     env.update(XLA_PYTHON_CLIENT_MEM_FRACTION="0.33", NCCL_NVLS_ENABLE="1", ARPO_COMMAND="sft")
@@ -100,6 +102,7 @@ def test_local_script_runs_from_anywhere_and_keeps_a_given_memory_fraction(fake_
     assert task["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.33" and task["env"]["NCCL_NVLS_ENABLE"] == "1"
 
 
+@pytest.mark.slow  # subprocess runs of the scripts and the plan
 def test_signal_margin_covers_a_step_and_a_save():
     """The lead time SLURM's SIGTERM needs: 1.5 x (the step model's step + the checkpoint at 1 GB/s per node) + 60 s;
     two nodes halve both (half the batch each, each writes its half)."""
@@ -126,6 +129,7 @@ def test_launch_scripts_parse():
         subprocess.run(["bash", "-n", str(REPO / "launch" / script)], check=True)
 
 
+@pytest.mark.slow  # subprocess runs of the scripts and the plan
 def test_mem_fraction_prints_the_three_way_split_and_warns_when_it_overflows():
     def run(*overrides, nvls="0"):
         p = subprocess.run([sys.executable, str(REPO / "launch" / "mem_fraction.py"),
