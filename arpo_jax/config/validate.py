@@ -120,6 +120,7 @@ def _direct_enums() -> dict[str, tuple]:
         "rollout.engine": sampler.ROLLOUT_ENGINES,
         "rollout.vllm.dtype": ("auto", "bfloat16", "float16", "float32"),
         "rollout.vllm.lora_sync": sampler.LORA_SYNCS,
+        "rollout.vllm.cuda_graphs": tuple(sampler.CUDA_GRAPHS),
         "rollout.jax.layout": jax_decode.LAYOUTS,
         "tools.search.backend": tuple(tools.SEARCH_BACKENDS),
         "reward.name": (*rewards.REWARDS, "auto"),

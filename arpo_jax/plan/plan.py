@@ -38,8 +38,9 @@ micro-batches (divided by `tree_saving`). `tree_saving` is the lower bound the c
 by the n trajectories of a group); ARPO's mid-response branches save more, which only lowers the real figures.
 
 Fit: JAX's budget per device is what the device gives it: the whole HBM on TPU; on a GPU beside a co-located
-vLLM engine (which takes `rollout.vllm.gpu_memory_utilization` of GPU 0) `1 - gpu_memory_utilization - 0.05`
-of the HBM (5% for CUDA contexts); 0.9 of the HBM with the JAX engine. A program fits when its peak leaves at
+vLLM engine (which takes `rollout.vllm.gpu_memory_utilization` of each GPU) the rest less what the GPU holds outside
+both budgets (`memory_model.gpu_reserve_gib`: JAX's and the engine's CUDA contexts, NCCL's buffers, NVLS's when on,
+per GPU type); 0.9 of the HBM with the JAX engine. A program fits when its peak leaves at
 least `HEADROOM` (10%) of the budget free; `jax_fraction` (the XLA_PYTHON_CLIENT_MEM_FRACTION a launch sets) is
 the largest peak / (1 - HEADROOM) as a share of the HBM, so the engine can have the rest.
 
@@ -71,6 +72,7 @@ from arpo_jax.plan.memory_model import (
     Shapes,
     device_bytes,
     device_hbm_gib,
+    gpu_reserve_gib,
     itemise,
     param_sizes,
     sampler_items,
@@ -153,7 +155,8 @@ def shapes_of(cfg, mesh_shape: tuple[int, int, int], rules_name: str, command: s
                   cfg.rollout.vllm.gpu_memory_utilization, cfg.algorithm.adv_estimator == "gae",
                   bool(cfg.actor.kl_coef) and not cfg.model.ref_on_host, processes,
                   sampler_chunk(_pow2_at_least(trajectories, local), s_len, local, cfg.rollout.jax.max_tokens_per_call),
-                  s_len, cfg.rollout.jax.prefill_chunk, p + r, tree, saving)
+                  s_len, cfg.rollout.jax.prefill_chunk, p + r, tree, saving, cfg.rollout.vllm.tensor_parallel_size,
+                  bool(cfg.actor.kl_coef) and cfg.model.ref_on_host)
 
 
 def sampler_chunk(batch: int, s_len: int, local: int, budget: int) -> int:
@@ -175,21 +178,23 @@ def tree_saving(prompt: int, response: int, n: int) -> float:
     return n * (prompt + response) / (prompt + n * response)
 
 
-def budget_gib(device: str, engine: str, gpu_memory_utilization: float) -> float:
+def budget_gib(device: str, engine: str, gpu_memory_utilization: float, engine_tp: int = 1) -> float:
     """What one device gives JAX (module docstring)."""
     hbm = device_hbm_gib(device)
     if DEVICES[device].kind != "gpu":
         return hbm
     if engine == "vllm":
-        return (1.0 - gpu_memory_utilization - CUDA_RESERVE) * hbm
+        reserve = gpu_reserve_gib(device, engine, engine_tp).get("total", CUDA_RESERVE * hbm)
+        return (1.0 - gpu_memory_utilization) * hbm - reserve
     return 0.9 * hbm
 
 
-def evaluate(programs: dict[str, dict[str, float]], device: str, engine: str, gpu_memory_utilization: float) -> dict:
+def evaluate(programs: dict[str, dict[str, float]], device: str, engine: str, gpu_memory_utilization: float,
+             engine_tp: int = 1) -> dict:
     """Fit of the largest program against the device's budget for JAX."""
     peaks = {name: sum(items.values()) / GB for name, items in programs.items()}
     worst = max(peaks, key=peaks.get)
-    budget = budget_gib(device, engine, gpu_memory_utilization)
+    budget = budget_gib(device, engine, gpu_memory_utilization, engine_tp)
     hbm = device_hbm_gib(device)
     headroom = 1.0 - peaks[worst] / budget if budget > 0 else -1.0
     jax_fraction = math.ceil(peaks[worst] / (1.0 - HEADROOM) / hbm * 100) / 100 if hbm else 0.0
@@ -200,7 +205,8 @@ def evaluate(programs: dict[str, dict[str, float]], device: str, engine: str, gp
            "jax_fraction": jax_fraction}
     if engine == "vllm" and DEVICES[device].kind == "gpu":
         out["items_gib"]["vllm_engine_gpu0"] = round(gpu_memory_utilization * hbm, 2)
-        out["engine_fraction_max"] = round(1.0 - CUDA_RESERVE - jax_fraction, 2)
+        out["reserve_gib"] = gpu_reserve_gib(device, engine, engine_tp) or {"total": round(CUDA_RESERVE * hbm, 3)}
+        out["engine_fraction_max"] = math.floor((1.0 - out["reserve_gib"]["total"] / hbm - jax_fraction) * 100) / 100
     return out
 
 
@@ -256,7 +262,7 @@ def analyse(cfg, *, devices: int = 8, command: str | None = None) -> dict:
     backend = DEVICES[device].kind
     sh = shapes_of(cfg, mesh_shape, model_cfg.sharding_rules, command)
     plan = itemise(model_cfg, mesh_shape, sh, backend)
-    r = evaluate(plan["programs"], device, sh.engine, sh.gpu_memory_utilization)
+    r = evaluate(plan["programs"], device, sh.engine, sh.gpu_memory_utilization, sh.engine_tp)
     r |= {"model": source, "params": plan["sizes"]["total_params"], "mesh": list(mesh_shape),
           "rules": model_cfg.sharding_rules, "command": sh.command, "engine": sh.engine, "seq": sh.seq,
           "rows_per_device": sh.rows, "remat": model_cfg.remat, "attention": plan["attention"],
@@ -277,7 +283,7 @@ def _fitting_settings(c, mesh_shape, sh: Shapes, backend: str, device: str) -> d
     largest gpu_memory_utilization with which every program fits."""
     def fits(shapes, util):
         programs = itemise(c, mesh_shape, shapes, backend)["programs"]
-        return evaluate(programs, device, shapes.engine, util)["fits"]
+        return evaluate(programs, device, shapes.engine, util, shapes.engine_tp)["fits"]
 
     out = {}
     field = "sft.max_token_len_per_device" if sh.command == "sft" else "actor.max_token_len_per_device"
@@ -567,6 +573,9 @@ def format_plan(r: dict) -> str:
                  f"{r['headroom']:.0%} (needs {HEADROOM:.0%})"
                  + (f"; JAX fraction {r['jax_fraction']}, vLLM may take up to {r['engine_fraction_max']}"
                     if "engine_fraction_max" in r else ""))
+    if r.get("reserve_gib"):  # outside both budgets, per GPU
+        lines.append("outside JAX's and vLLM's shares, per GPU: " + ", ".join(f"{k} {v:g} GiB" for k, v in
+                                                                              r["reserve_gib"].items()))
     for fix in r.get("fixes", []):
         lines.append(f"  fix: {fix}")
     if "compiled" in r:

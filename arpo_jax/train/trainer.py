@@ -497,8 +497,20 @@ def reference_logprobs(params, cfg, model_cfg, logprob_fn, temperature: float, m
         base_fn = lora.jit_reference_logprobs(model_cfg, temperature=temperature, chunk=cfg.actor.logprob_chunk,
                                               mesh=mesh, tree=cfg.actor.tree_training)
         return lambda policy, batch: base_fn(policy, batch)[0]
+    if cfg.model.ref_on_host:
+        host, on_device = offload(params)
+        return lambda policy, batch: logprob_fn(jax.device_put(host, on_device), batch)[0]
     ref = jax.tree.map(jnp.copy, params)
-    ref = jax.device_get(ref) if cfg.model.ref_on_host else ref
     return lambda policy, batch: logprob_fn(ref, batch)[0]
+
+
+def offload(params):
+    """(a copy of `params` in pinned host memory with their shardings, those shardings): the reference's
+    param_offload. Each process keeps its own shards (several processes, FSDP over the hosts: no gather) and each
+    log-prob pass puts them back on their devices for that pass only (`jax.device_put(host, on_device)`), so the
+    devices hold the reference only while it is used. A host numpy copy, as before, was uploaded whole and
+    unsharded at every call and could not be made at all from arrays spread over several processes."""
+    on_device = jax.tree.map(lambda x: x.sharding, params)
+    return jax.device_put(params, jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), on_device)), on_device
 
 
