@@ -162,3 +162,19 @@ def test_mem_fraction_of_a_split_placement_counts_jax_and_the_engines_on_their_o
             f"{0.95 + 3.75 / 79.6:.2f} of each of its 5 GPUs; vLLM 0.9 + 0.75 GiB of each of the engines' 3")
     assert line in p.stderr
     assert "warning" not in p.stderr
+
+
+@pytest.mark.slow  # subprocess runs of the plan
+def test_signal_margin_of_a_split_placement_counts_its_nodes_and_engines():
+    """With split placement a node's mesh has 5 GPUs: (2, 5, 1) is two nodes (each saves half), not 10 // 8 = 1."""
+    def lead(*overrides):
+        p = subprocess.run([sys.executable, str(REPO / "launch" / "signal_margin.py"),
+                            f"--config={REPO / 'configs' / 'arpo_qwen3_14b_deepsearch_8x80gb.py'}", *overrides],
+                           env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return int(p.stdout.strip().splitlines()[-1]), p.stderr
+
+    one, words = lead()
+    assert "on 1 node(s)" in words
+    two, words = lead("--config.mesh.shape=(2,5,1)")
+    assert "on 2 node(s)" in words and two < one
