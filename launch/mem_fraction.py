@@ -5,8 +5,10 @@ With the co-located vLLM engine each GPU is shared three ways: JAX gets its plan
 `rollout.vllm.gpu_memory_utilization`, and the rest must hold what neither counts: JAX's and the engine's CUDA
 contexts and NCCL's buffers (`memory_model.gpu_reserve_gib`, per GPU type; NVLS's too when NCCL_NVLS_ENABLE=1).
 The split goes to stderr, with a warning when the three do not fit the GPU (`arpo-jax plan` says what to change).
-The JAX engine gets JAX's usual 0.9. Unknown arguments (--workdir, ...) are ignored, so a launch script can pass
-its whole argument list. The last line of stdout is the fraction.
+With `rollout.vllm.placement=split` the engines have GPUs of their own and JAX its planned peak plus 10% of each of
+the others (the rest: its CUDA context and NCCL's buffers). The JAX engine gets JAX's usual 0.9. Unknown arguments
+(--workdir, ...) are ignored, so a launch script can pass its whole argument list. The last line of stdout is the
+fraction.
 """
 
 import os
@@ -26,7 +28,17 @@ if __name__ == "__main__":
         r = plan.memory_split(cfg) if DEVICES[cfg.mesh.device].kind == "gpu" else None
     except FileNotFoundError:  # no config.json for model.path yet: jax_mem_fraction used the fixed split
         r = None
-    if cfg.rollout.engine == "vllm" and r is not None:
+    if r is not None and (r.get("engines") or {}).get("placement") == "split":
+        e, k = r["engines"], cfg.rollout.vllm.engine_gpus
+        total = fraction + r["reserve_gib"]["total"] / r["hbm_gib"]
+        print(f"{cfg.mesh.device} ({r['hbm_gib']} GiB), split: JAX {fraction} + {r['reserve_gib']['total']} GiB "
+              f"outside it (CUDA context, NCCL{', NVLS' if nvls_on() else ''}) = {total:.2f} of each of its "
+              f"{r['host_devices']} GPUs; vLLM {cfg.rollout.vllm.gpu_memory_utilization} + "
+              f"{e['reserve_gib']['total']} GiB of each of the engines' {k}", file=sys.stderr)
+        if total > 1.0 or not e["fits"]:
+            print("mem_fraction.py: warning: these do not fit; run `arpo-jax plan` with the same arguments",
+                  file=sys.stderr)
+    elif cfg.rollout.engine == "vllm" and r is not None:
         reserve = r["reserve_gib"]["total"]
         total = fraction + cfg.rollout.vllm.gpu_memory_utilization + reserve / r["hbm_gib"]
         print(f"{cfg.mesh.device} ({r['hbm_gib']} GiB): JAX {fraction} + vLLM "

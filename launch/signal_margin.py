@@ -36,13 +36,18 @@ def step_model():
     return module
 
 
-def step_seconds(cfg, devices: int) -> float:
-    """The co-located synchronous step on `devices` GPUs at the pessimistic efficiencies (module docstring)."""
+def step_seconds(cfg, devices: int, nodes: int = 1) -> float:
+    """The synchronous step with the trainer on `devices` GPUs at the pessimistic efficiencies (module docstring):
+    co-located, the engines generate on the same GPUs; with rollout.vllm.placement=split on their own
+    `engine_gpus` of each of the `nodes`."""
+    from arpo_jax.rollout import placement
+
     sm = step_model()
     w = sm.workload(cfg, fill=0.5, fill_max=1.0, prompt_fill=0.5)
     ph = sm.phase_seconds(w, cfg.mesh.device, mfu=0.45, decode_mfu=0.25, hbm_eff=0.3, tool_latency=2.0)
-    util = cfg.rollout.vllm.gpu_memory_utilization
-    return ph["gen"](devices, util) + ph["tools"] + ph["train"](devices) + ph["sync"]
+    engines = cfg.rollout.vllm.engine_gpus * nodes if placement.is_split(cfg) else devices
+    return ph["gen"](engines, cfg.rollout.vllm.gpu_memory_utilization) + ph["tools"] + ph["train"](devices) + \
+        ph["sync"]
 
 
 def save_seconds(params: int, param_dtype: str, nodes: int, write_gbps: float) -> float:
@@ -53,14 +58,13 @@ def save_seconds(params: int, param_dtype: str, nodes: int, write_gbps: float) -
 
 def margin(cfg, write_gbps: float) -> dict:
     from arpo_jax.plan import plan
-    from arpo_jax.sharding import DEVICES
 
     shape = tuple(cfg.mesh.shape)
-    per_host = DEVICES[cfg.mesh.device].per_host
+    per_host = plan.host_devices(cfg)  # the trainer's GPUs of a node (less the engines' with split placement)
     devices = math.prod(shape) if -1 not in shape else per_host
     nodes = max(1, devices // per_host)
     params = plan.analyse(cfg, devices=devices)["params"]
-    step = step_seconds(cfg, devices)
+    step = step_seconds(cfg, devices, nodes)
     save = save_seconds(params, cfg.model.param_dtype or cfg.model.dtype, nodes, write_gbps)
     return {"step_s": round(step), "save_s": round(save), "nodes": nodes,
             "lead_s": int(math.ceil(SAFETY * (step + save) + FIXED_S))}

@@ -144,3 +144,37 @@ def test_mem_fraction_prints_the_three_way_split_and_warns_when_it_overflows():
             f"{fraction + 0.5 + 4.5 / 79.6:.2f} of each GPU") in split and "warning" not in split
     _, split = run("--config.rollout.vllm.gpu_memory_utilization=0.56", nvls="1")
     assert "+ 7.5 GiB outside both (CUDA contexts, NCCL, NVLS)" in split and "do not fit one GPU" in split
+
+
+@pytest.mark.slow  # a subprocess run of the plan
+def test_mem_fraction_of_a_split_placement_counts_jax_and_the_engines_on_their_own_gpus():
+    """rollout.vllm.placement=split: JAX's fraction of each of its 5 GPUs plus its CUDA context and NCCL buffers,
+    and vLLM's 0.9 of each of the engines' 3 GPUs plus the engine's context; no three-way sum of one GPU."""
+    p = subprocess.run([sys.executable, str(REPO / "launch" / "mem_fraction.py"),
+                        f"--config={REPO / 'configs' / 'arpo_qwen3_14b_deepsearch_8x80gb.py'}",
+                        "--config.mesh.device=h100-80gb", "--workdir=ignored"],
+                       env=dict(os.environ, PYTHONPATH=str(REPO), NCCL_NVLS_ENABLE="0"), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    fraction = float(p.stdout.strip().splitlines()[-1])
+    assert fraction == 0.95  # ceil(67.68 GiB / 0.9 / 79.6 GiB, 2 decimals): the plan's update peak on 5 GPUs
+    line = (f"h100-80gb (79.6 GiB), split: JAX 0.95 + 3.75 GiB outside it (CUDA context, NCCL) = "
+            f"{0.95 + 3.75 / 79.6:.2f} of each of its 5 GPUs; vLLM 0.9 + 0.75 GiB of each of the engines' 3")
+    assert line in p.stderr
+    assert "warning" not in p.stderr
+
+
+@pytest.mark.slow  # subprocess runs of the plan
+def test_signal_margin_of_a_split_placement_counts_its_nodes_and_engines():
+    """With split placement a node's mesh has 5 GPUs: (2, 5, 1) is two nodes (each saves half), not 10 // 8 = 1."""
+    def lead(*overrides):
+        p = subprocess.run([sys.executable, str(REPO / "launch" / "signal_margin.py"),
+                            f"--config={REPO / 'configs' / 'arpo_qwen3_14b_deepsearch_8x80gb.py'}", *overrides],
+                           env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return int(p.stdout.strip().splitlines()[-1]), p.stderr
+
+    one, words = lead()
+    assert "on 1 node(s)" in words
+    two, words = lead("--config.mesh.shape=(2,5,1)")
+    assert "on 2 node(s)" in words and two < one

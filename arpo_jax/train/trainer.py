@@ -57,6 +57,7 @@ from arpo_jax.data import rl_dataset, toy
 from arpo_jax.experience import advantages, collection, global_batch, reward
 from arpo_jax.experience import step_metrics as step_metrics_lib
 from arpo_jax.experience.trajectories import Trajectories
+from arpo_jax.rollout import placement
 from arpo_jax.rollout.agent_loop import RolloutState, greedy_settings, rollout
 from arpo_jax.rollout.output import RolloutOutput
 from arpo_jax.rollout.sampler import worker_seed
@@ -90,11 +91,14 @@ log = logging.getLogger(__name__)
 
 class Trainer:
     """The RL run: `__init__` sets it up (or resumes it), `run()` is the loop, `train_step()` one step. `devices`:
-    the mesh's (default: all of every process'; a program embedding the trainer may give it a share of its own)."""
+    the mesh's (default: all of every process', less the vLLM engines' GPUs with `rollout.vllm.placement=split`,
+    `placement.trainer_devices`; a program embedding the trainer may give it a share of its own)."""
 
     def __init__(self, cfg, workdir: str | os.PathLike, devices: Sequence[jax.Device] | None = None):
         # Setup: the config, the work directory (its lock, the config's history and drift), mesh, model, data.
+        placement.hide_engine_gpus(cfg)  # rollout.vllm.placement=split: before JAX's backend opens any GPU
         distributed.initialize_distributed()
+        devices = devices or placement.trainer_devices(cfg, jax.devices(), jax.process_index())
         self.cfg = cfg = config_lib.validate(cfg, device_count=len(devices) if devices else jax.device_count(),
                                              process_count=jax.process_count(), command="train")
         self.workdir = paths.local_path(workdir)  # refuses gs:// (it would become $PWD/gs:/...)
