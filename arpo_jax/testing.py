@@ -125,7 +125,7 @@ def make_tiny_hf_model(path: str | Path, variant: str = "qwen2", *, seed: int = 
 
 def make_tiny_tokenizer(path: str | Path | None = None, *, vocab_size: int = 512, corpus: list[str] | None = None):
     """A byte-level BPE tokenizer (Qwen2 pipeline, ChatML template) trained offline on a small fixed corpus."""
-    from arpo_jax import bpe
+    from arpo_jax.weights import bpe
 
     return bpe.train_bpe_tokenizer(corpus or _default_corpus(), vocab_size=vocab_size, path=path)
 

@@ -26,9 +26,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from arpo_jax import hf, models, named_models  # noqa: E402
-from arpo_jax import train_step as ts  # noqa: E402
+from arpo_jax import models  # noqa: E402
 from arpo_jax.rollout import jax_decode as jd  # noqa: E402
+from arpo_jax.update import jit  # noqa: E402
+from arpo_jax.update import train_step as ts  # noqa: E402
+from arpo_jax.weights import (
+    hf,  # noqa: E402
+    named_models,  # noqa: E402
+)
 
 
 def _abstract(tree):
@@ -50,7 +55,7 @@ def programs(cfg, args) -> dict[str, tuple[float, float]]:
     out = {"forward_logprobs": _compile(ts.jit_forward_logprobs(graphdef, cfg), params, batch)}
     ucfg = ts.UpdateConfig(lr=1e-6)
     opt = ts.make_optimizer(ucfg, 100)
-    state = jax.eval_shape(lambda p: ts.init_train_state(p, opt), params)
+    state = jax.eval_shape(lambda p: jit.init_train_state(p, opt), params)
     mini = {**{k: jax.ShapeDtypeStruct((m, b, t), v.dtype) for k, v in batch.items()},
             **{k: jax.ShapeDtypeStruct((m, b, t), jnp.float32) for k in ("loss_weight", "advantages", "old_logp")}}
     out["update_step"] = _compile(ts.jit_train_step(graphdef, cfg, ucfg, opt), state, mini)

@@ -85,11 +85,13 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     import arpo_jax
-    from arpo_jax import components, config, named_models, prompts
-    from arpo_jax.data import toy
+    from arpo_jax.config import args as config_args
+    from arpo_jax.data import prompts, toy
     from arpo_jax.rollout.agent_loop import RolloutConfig, rollout
     from arpo_jax.rollout.jax_sampler import JaxSampler
     from arpo_jax.rollout.sampler import SamplingSettings
+    from arpo_jax.train import components
+    from arpo_jax.weights import named_models
 
     folder = named_models.model_folder(args.model)
     tok = AutoTokenizer.from_pretrained(str(folder))
@@ -112,7 +114,7 @@ def main() -> None:
         **extra,
     )
     sampler = _Counting(engine)
-    executor = components.make_tool_executor(config.load_config(["--config=builtin:toy_cpu"]))
+    executor = components.make_tool_executor(config_args.load_config(["--config=builtin:toy_cpu"]))
     rcfg = RolloutConfig(
         n=args.n,
         initial_rollouts=args.initial,

@@ -32,11 +32,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
-    from arpo_jax import config, runtime, sharding
-    from arpo_jax.components import make_sampler
+    from arpo_jax import sharding
+    from arpo_jax.config import args as args_lib
     from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
+    from arpo_jax.train.components import make_sampler
+    from arpo_jax.weights import policy as runtime
 
-    cfg = config.load_config(["--config=builtin:toy_cpu"])
+    cfg = args_lib.load_config(["--config=builtin:toy_cpu"])
     mesh = sharding.make_mesh((1, -1, 1))
     with tempfile.TemporaryDirectory() as tmp:
         model, tokenizer, _ = runtime.load_policy(cfg, tmp, mesh)
@@ -50,8 +52,9 @@ def main() -> None:
     s_len = None  # the engine's cache length (from the config's prompt + response lengths)
     for chunk in [0] + [int(c) for c in args.chunks.split(",")]:
         budget = chunk * (s_len or 0)
-        run_cfg = config.load_config(["--config=builtin:toy_cpu", f"--config.rollout.jax.max_tokens_per_call={budget}",
-                                      f"--config.rollout.jax.slots={args.batch}"])
+        run_cfg = args_lib.load_config(["--config=builtin:toy_cpu",
+                                        f"--config.rollout.jax.max_tokens_per_call={budget}",
+                                        f"--config.rollout.jax.slots={args.batch}"])
         sampler = make_sampler(run_cfg, tokenizer, model=model, mesh=mesh)
         s_len = sampler.shape.cache_len
         t0 = time.perf_counter()

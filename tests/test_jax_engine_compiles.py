@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from arpo_jax import bpe, compile_log, quickstart
+from arpo_jax import compile_log, quickstart
 from arpo_jax.models import CausalLM, Config
 from arpo_jax.rollout.agent_loop import RolloutConfig, greedy_settings, rollout, wrap_tool_result
 from arpo_jax.rollout.jax_sampler import JaxSampler
 from arpo_jax.rollout.sampler import SamplingSettings
 from arpo_jax.tools import ExecutorConfig, Tool, ToolExecutor
+from arpo_jax.weights import bpe
 
 pytestmark = pytest.mark.slow  # compile-bound
 

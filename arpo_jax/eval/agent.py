@@ -20,11 +20,15 @@ from typing import Any
 import numpy as np
 from ml_collections import ConfigDict
 
-from arpo_jax import components, named_models, runtime
-from arpo_jax import config as config_lib
+from arpo_jax.config import args as args_lib
+from arpo_jax.config import validate as config_lib
 from arpo_jax.data import rl_dataset
 from arpo_jax.eval.benchmarks import build_messages
-from arpo_jax.rollout.agent_loop import RolloutOutput, greedy_settings, rollout
+from arpo_jax.rollout.agent_loop import greedy_settings, rollout
+from arpo_jax.rollout.output import RolloutOutput
+from arpo_jax.train import components
+from arpo_jax.weights import named_models
+from arpo_jax.weights import policy as policy_lib
 
 ENGINES = ("jax", "vllm", "openai")
 # The model of an `openai` evaluation lives on a server: config validation gets this placeholder for model.path
@@ -39,8 +43,8 @@ HF_EXPORT_DIR = "hf_model"  # vLLM serves HF folders: an orbax checkpoint is exp
 
 
 def base_config_path() -> Path:
-    """The shipped ``arpo_jax/configs/base.py`` (the default evaluation config)."""
-    return config_lib.BUILTIN_CONFIGS / "base.py"
+    """The shipped ``configs/base.py`` (the default evaluation config)."""
+    return args_lib.BUILTIN_CONFIGS / "base.py"
 
 
 # `--no-tools`: a baseline without tools. The prompt says nothing about them, and a tool call the model makes anyway
@@ -54,7 +58,7 @@ def load_eval_config(config_args: Sequence[str], *, no_tools: bool = False) -> C
     args = list(config_args)
     if not any(re.match(r"^--?config(=|$)", a) for a in args):
         args = [f"--config={base_config_path()}", *args]
-    return config_lib.load_config([*args, *(NO_TOOLS_ARGS if no_tools else ())])
+    return args_lib.load_config([*args, *(NO_TOOLS_ARGS if no_tools else ())])
 
 
 def _is_checkpoint_dir(path: Path) -> bool:
@@ -80,7 +84,7 @@ def checkpoint_tokenizer(ckpt: Path) -> Path | None:
             path = model.get("path") or ""
             if model.get("tokenizer"):
                 candidates.append(Path(model["tokenizer"]))
-            if path == runtime.BUILTIN_TINY:
+            if path == policy_lib.BUILTIN_TINY:
                 candidates.append(ckpt.parent / "builtin_tiny")  # where the run built it
             elif path:
                 candidates.append(named_models.cache_folder(path) or Path(path))
@@ -102,7 +106,7 @@ def configure_model(cfg: ConfigDict, model: str, *, engine: str, tokenizer: str 
         if not tokenizer:
             raise ValueError("--engine openai needs the served model's tokenizer: pass --tokenizer DIR")
         cfg.model.path, cfg.model.init_checkpoint = REMOTE_MODEL, ""
-    elif (model == runtime.BUILTIN_TINY or named_models.cache_folder(model) is not None
+    elif (model == policy_lib.BUILTIN_TINY or named_models.cache_folder(model) is not None
           or (Path(model) / "config.json").is_file()):
         cfg.model.path, cfg.model.init_checkpoint = model, ""
     elif _is_checkpoint_dir(Path(model)):
@@ -114,7 +118,7 @@ def configure_model(cfg: ConfigDict, model: str, *, engine: str, tokenizer: str 
     else:
         raise ValueError(f"--model {model!r} is neither an HF folder (config.json), a .gguf file, a model name "
                          f"({', '.join(named_models.NAMED)}), an orbax checkpoint directory (step folders) nor "
-                         f"{runtime.BUILTIN_TINY}")
+                         f"{policy_lib.BUILTIN_TINY}")
     if tokenizer:
         cfg.model.tokenizer = str(tokenizer)
 
@@ -218,14 +222,14 @@ def build_agent(cfg: ConfigDict, model: str, *, workdir: str | os.PathLike, engi
         from arpo_jax import sharding
 
         mesh = sharding.make_mesh(tuple(cfg.mesh.shape), devices=jax.local_devices())
-        policy, tok, _ = runtime.load_policy(cfg, workdir, mesh)
+        policy, tok, _ = policy_lib.load_policy(cfg, workdir, mesh)
         sampler = components.make_sampler(cfg, tok, model=policy, mesh=mesh)
     elif engine == "vllm":
         folder = _hf_folder(cfg, workdir)
-        tok = runtime.load_tokenizer(cfg, folder)
+        tok = policy_lib.load_tokenizer(cfg, folder)
         sampler = components.make_sampler(cfg, tok, folder=folder, log_file=workdir / "vllm.log")
     else:
-        tok = runtime.load_tokenizer(cfg, Path(cfg.model.tokenizer))
+        tok = policy_lib.load_tokenizer(cfg, Path(cfg.model.tokenizer))
         sampler = components.make_sampler(cfg, tok, engine="openai", server=dict(
             base_url=base_url, model=served_model, api_key_env=api_key_env, timeout_s=sample_timeout or 600.0,
             max_concurrency=concurrency or 8))
@@ -241,8 +245,8 @@ def build_agent(cfg: ConfigDict, model: str, *, workdir: str | os.PathLike, engi
 def _hf_folder(cfg: ConfigDict, workdir: Path) -> Path:
     """The HF folder vLLM serves: the model folder, or the newest step of a checkpoint exported once."""
     if not cfg.model.init_checkpoint:
-        return runtime.model_dir(cfg, workdir)
-    from arpo_jax import convert
+        return policy_lib.model_dir(cfg, workdir)
+    from arpo_jax.weights import convert
 
     out = workdir / HF_EXPORT_DIR
     if not (out / "config.json").is_file():  # the export is renamed into place whole: present means complete

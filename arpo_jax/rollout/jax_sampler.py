@@ -52,7 +52,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from arpo_jax.rollout.jax_decode import (  # noqa: F401 - process_logits, sample_categorical: importable from here too
+from arpo_jax.rollout.jax_decode import (
     TRACE_COUNTS,
     Knobs,
     decode_weights,
@@ -60,8 +60,6 @@ from arpo_jax.rollout.jax_decode import (  # noqa: F401 - process_logits, sample
     engine_shape,
     input_major_graphdef,
     jitted,
-    process_logits,
-    sample_categorical,
     to_input_major,
     unrolled_layout,
 )
@@ -84,7 +82,7 @@ def pow2_buckets(lo: int, hi: int, *, half_steps: bool = False, quarter_steps: b
     return tuple(sorted(set(out) | {b * m // 4 for b in out[:-1] for m in steps}))
 
 
-def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
+def bucket(n: int, buckets: Sequence[int], what: str) -> int:
     for b in buckets:
         if b >= n:
             return b
@@ -253,7 +251,7 @@ class JaxSampler(Sampler):
         if isinstance(params_or_path, nnx.Module):
             state = nnx.state(params_or_path)
         elif isinstance(params_or_path, (str, os.PathLike)):
-            from arpo_jax import hf
+            from arpo_jax.weights import hf
             _, state = hf.load_state(params_or_path, self.config, self.mesh)
         elif isinstance(params_or_path, dict) and not isinstance(params_or_path, nnx.State):
             state = jax.tree.map(lambda x: x, self._model_shapes)  # a new State tree (its leaves are all replaced)
