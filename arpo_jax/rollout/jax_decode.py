@@ -6,9 +6,10 @@ The programs, every shape fixed by `EngineShape` (so by the config alone):
     picked by an index vector (the cache gathered by row and written back in place); a row's first chunk first cuts
     it to the tokens the host knows it shares with the request (`keep`);
   * `copy`: rows of the cache into other rows in place (an ARPO branch starts from its parent's cache);
-  * `decode`: `decode_steps` sampling steps of every row. Sampling settings are traced values (greedy, top-k/top-p,
-    the log-prob window), so validation and training run the same program; EOS, each row's token limit and the stop
-    strings' token sequences stop a row on the device; a chunk in which no row is active does nothing.
+  * `decode` at each row count of `EngineShape.decode_rows`: `decode_steps` sampling steps of every row, or of the
+    live rows picked by an index vector. Sampling settings are traced values (greedy, top-k/top-p, the log-prob
+    window), so validation and training run the same program; EOS, each row's token limit and the stop strings'
+    token sequences stop a row on the device; a chunk in which no row is active does nothing.
 `engine_programs` lists them with abstract arguments, so a caller compiles them all ahead (`JaxSampler.warm_up`;
 `arpo-jax plan`). Each program also counts its traces in `TRACE_COUNTS`.
 """

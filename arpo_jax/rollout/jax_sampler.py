@@ -1,7 +1,7 @@
 """The JAX KV-cache engine: the embedded rollout engine (and the TPU path) behind `rollout.sampler.Sampler`.
 
 A fixed set of programs, known from the engine's sizes alone (`jax_decode.EngineShape`: `slots` rows x a cache
-length from `max_len`, a few prefill lengths, one decode program), compiled once (`warm_up`, or the first call), so
+length from `max_len`, a few prefill lengths, one to three decode row counts), compiled once (`warm_up`, or the first call), so
 no call compiles anything whatever its batch, prompt lengths, tool results or sampling settings:
 
 * one persistent KV cache of `slots` rows: a request runs in a row; a trajectory's next request continues in its
@@ -11,10 +11,11 @@ no call compiles anything whatever its batch, prompt lengths, tool results or sa
 * continuous batching: a call may hold more requests than rows; a row whose request finishes takes the next
   waiting one (copy, prefill) while the other rows keep decoding;
 * prefill in chunks of a few fixed (rows, length) shapes, every chunk picking the rows it advances;
-* decode in calls of `decode_chunk` steps over every row; EOS, each row's token limit and the stop strings' usual
-  token sequences stop a row on the device. The host dispatches decode call k + 1 before it reads call k, then
-  reads k's tokens and checks the stop strings on their incrementally decoded text (as vLLM does; authoritative: a
-  stop string the device did not see ends its row at most one call later, the extra tokens dropped).
+* decode in calls of `decode_chunk` steps over every row (on CPU, over the live rows when 1/4 or 1/16 of the rows
+  hold them: `decode_rows`); EOS, each row's token limit and the stop strings' usual token sequences stop a row on
+  the device. The host dispatches decode call k + 1 before it reads call k, then reads k's tokens and checks the
+  stop strings on their incrementally decoded text (as vLLM does; authoritative: a stop string the device did not
+  see ends its row at most one call later, the extra tokens dropped).
 
 Outputs depend on neither the number of rows nor the order of admission: each request's PRNG keys fold in its own
 seed (`sampler.request_seed`), context length and position; rows never mix.
