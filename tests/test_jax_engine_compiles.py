@@ -77,6 +77,12 @@ def agent():
     return tok, model
 
 
+def _arpo(**kw) -> RolloutConfig:
+    """ARPO on the tiny budgets: 2 roots and up to 4 trajectories per prompt, 2 tool calls at most."""
+    base = dict(n=4, initial_rollouts=2, beam_size=2, branch_probability=1.0, entropy_weight=0.0)
+    return RolloutConfig(**(base | kw), response_length=R, prompt_length=P, call_limit=2)
+
+
 def _prompts(tok, which):
     return [tok.encode(f"Question: {TASKS[i][0]}") for i in which]
 
@@ -84,16 +90,7 @@ def _prompts(tok, which):
 def test_no_compiles_after_the_first_rollout_call(agent):
     tok, model = agent
     sampler = JaxSampler(model, tok, max_len=P + R, decode_chunk=8, prefill_chunk=64)
-    config = RolloutConfig(
-        n=4,
-        initial_rollouts=2,
-        beam_size=2,
-        branch_probability=1.0,
-        entropy_weight=0.0,
-        response_length=R,
-        prompt_length=P,
-        call_limit=2,
-    )
+    config = _arpo()
     steps = [([0, 1], False), ([2, 3], False), ([3, 0], False), ([1, 2, 3, 0], True), ([2, 1], False)]
     compiles, calls, branches = [], 0, 0
     for step, (which, validation) in enumerate(steps):
@@ -137,16 +134,7 @@ class ShuffledTool(Tool):
 def _rollouts(tok, model, slots: int, tool_seed: int):
     sampler = JaxSampler(model, tok, max_len=P + R, slots=slots, decode_chunk=8, prefill_chunk=64)
     executor = ToolExecutor([ShuffledTool(tool_seed)], ExecutorConfig(max_workers=8, timeout_s=60))
-    config = RolloutConfig(
-        n=4,
-        initial_rollouts=2,
-        beam_size=2,
-        branch_probability=0.7,
-        entropy_weight=0.0,
-        response_length=R,
-        prompt_length=P,
-        call_limit=2,
-    )
+    config = _arpo(branch_probability=0.7)
     try:
         return [
             rollout(
@@ -217,7 +205,7 @@ def test_tool_calls_start_while_the_round_still_decodes(agent):
 
     sampler = _Logged(JaxSampler(model, tok, max_len=P + R, slots=8, decode_chunk=4, prefill_chunk=64), events, started)
     executor = Recording([ShuffledTool(0)], ExecutorConfig(max_workers=8, timeout_s=60))
-    config = RolloutConfig(n=4, initial_rollouts=4, beam_size=1, response_length=R, prompt_length=P, call_limit=2)
+    config = _arpo(initial_rollouts=4, beam_size=1)
     try:
         out = rollout(_prompts(tok, [0, 1]), sampler, executor, tok, config, SamplingSettings(temperature=1.0), rng=0)
     finally:

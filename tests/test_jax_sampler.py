@@ -304,7 +304,7 @@ def test_no_call_compiles_after_the_warm_up(tiny_hf_dir, tokenizer):
     batch (more requests than rows included), prompt lengths, continuations, branches and sampling settings."""
     path, _ = tiny_hf_dir("qwen2")
     sampler = _sampler(path, tokenizer, max_len=64, slots=4, decode_chunk=4, prefill_chunk=64)
-    assert sorted(sampler.programs()) == ["copy", "decode", "init", "prefill_1x64", "prefill_2x32"]
+    assert sorted(sampler.programs()) == ["copy", "decode_1", "decode_4", "init", "prefill_1x64", "prefill_2x32"]
     assert sampler.warm_up() > 0 and sampler.warm_up() == 0
     rng = np.random.RandomState(11)
     settings = [GREEDY, SamplingSettings(temperature=0.7, top_k=5, seed=1, stop=("zz",), token_logprobs=True),
@@ -476,3 +476,26 @@ def test_scanned_layout_samples_as_the_unrolled_one(tiny_hf_dir, tokenizer):
     assert len({tuple(r.token_ids) for r in runs[0]}) == 4  # not degenerate: four different samples
     with pytest.raises(ValueError, match="layout='stacked'; allowed: auto, unrolled, scanned"):
         _sampler(path, tokenizer, layout="stacked")
+
+
+def test_the_slot_table_keeps_rows_the_next_requests_need():
+    """Rows of trajectories a call does not name are forgotten; a free row is an empty one first, then one whose
+    trajectory no waiting request continues or branches from, least recently used first; a trajectory that moves
+    leaves its old row."""
+    from arpo_jax.rollout.jax_slots import SlotTable
+
+    t = SlotTable(4)
+    t.begin(set())
+    for row, slot in enumerate((10, 11, 12, 13)):
+        t.take(row, slot)
+        t.held[row] = np.arange(row + 1, dtype=np.int32)
+        t.release(row)
+    t.begin({10, 11, 13})  # 12 is over: its row is empty now
+    assert (t.lookup(12), t.lookup(13), len(t.held[2])) == (None, 3, 0)
+    assert t.free_row(protect={10, 11, 13}) == 2
+    t.take(2, 20)
+    assert t.free_row(protect={10, 13}) == 1  # 11 is needed by no waiting request
+    t.take(1, 21)
+    assert t.free_row(protect={13}) == 0  # least recently used of the rest
+    t.take(0, 13)  # trajectory 13 moves to row 0: row 3 no longer holds it
+    assert (t.lookup(13), t.slot[3], t.free_row(protect=set())) == (0, None, 3)

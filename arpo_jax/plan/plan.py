@@ -39,11 +39,11 @@ group); ARPO's mid-response branches save more. The micro-batch count the run co
 the communication per step counts those the trajectories fill, estimated (`tree_training.micro_batches`: one
 trajectory a row, fewer by the tree saving). `programs`: every program the run compiles before its first step.
 
-Fit: JAX's budget per device is what the device gives it: the whole HBM on TPU; on a GPU beside a co-located
-vLLM engine (which takes `rollout.vllm.gpu_memory_utilization` of GPU 0) `1 - gpu_memory_utilization - 0.05`
-of the HBM (5% for CUDA contexts); 0.9 of the HBM with the JAX engine. A program fits when its peak leaves at
-least `HEADROOM` (10%) of the budget free; `jax_fraction` (the XLA_PYTHON_CLIENT_MEM_FRACTION a launch sets) is
-the largest peak / (1 - HEADROOM) as a share of the HBM, so the engine can have the rest.
+Fit (`fit.py`): JAX's budget per device is what the device gives it (the whole HBM on TPU; on a GPU what a co-located
+vLLM engine and the CUDA contexts and NCCL buffers leave, or with `rollout.vllm.placement=split` the whole GPU less
+JAX's own context and buffers); a program fits when its peak leaves `HEADROOM` (10%) of it free, and the vLLM
+engines' share must hold the weights and at least one full-length trajectory's KV cache (`fit.engine_memory`).
+Under split placement the mesh spans each host's GPUs less `rollout.vllm.engine_gpus`.
 
 The model's `config.json` comes from `model.path`; when that folder is not there (planning before downloading) and
 its name is a published model this package knows (`models.published`), the published config is used.
@@ -67,18 +67,26 @@ from arpo_jax.experience import global_batch
 from arpo_jax.models.published import REAL_CONFIGS
 from arpo_jax.models.transformer import resolve_attention
 from arpo_jax.plan import collectives, programs
+from arpo_jax.plan.fit import (
+    budget_gib,  # noqa: F401 (plan's API)
+    engine_memory,
+    engine_words,
+    engines_fit,
+    evaluate,
+    gib_items,
+)
 from arpo_jax.plan.memory_model import (
-    CUDA_RESERVE,
     GB,
     HEADROOM,
     Shapes,
     device_bytes,
-    device_hbm_gib,
+    gpu_reserve_gib,  # noqa: F401 (plan's API)
     itemise,
     param_sizes,
     sampler_items,
     total_bytes,
 )
+from arpo_jax.rollout import placement
 from arpo_jax.sharding import DEVICES
 from arpo_jax.update import accumulate, jit, lora
 from arpo_jax.update import train_step as ts
@@ -119,22 +127,16 @@ def is_sft(cfg) -> bool:
     return bool(cfg.sft.train_files) and not cfg.data.train_files
 
 
-def _pow2_at_least(n: int, multiple: int) -> int:
-    b = multiple
-    while b < n:
-        b *= 2
-    return b
-
-
 def shapes_of(cfg, mesh_shape: tuple[int, int, int], rules_name: str, command: str | None = None) -> Shapes:
     """The sizes a config's run gives its programs (as the trainer / SFT and the sampler compute them)."""
-    from arpo_jax.rollout.jax_sampler import bucket, pow2_buckets
+    from arpo_jax.rollout.jax_decode import engine_shape
+    from arpo_jax.rollout.jax_sampler import engine_kwargs
     from arpo_jax.train.components import pack_config
 
     command = command or ("sft" if is_sft(cfg) else "train")
     mesh = dict(zip(sharding.MESH_AXES, mesh_shape))
     batch_devices = math.prod(mesh[a] for a in sharding.get_rules(rules_name)["batch"])
-    processes = max(1, math.prod(mesh_shape) // DEVICES[cfg.mesh.device].per_host)
+    processes = max(1, math.prod(mesh_shape) // host_devices(cfg))
     p, r = cfg.data.max_prompt_length, cfg.data.max_response_length
     if command == "sft":
         seq = cfg.sft.max_token_len_per_device or cfg.sft.cutoff_len
@@ -152,25 +154,31 @@ def shapes_of(cfg, mesh_shape: tuple[int, int, int], rules_name: str, command: s
     micro = max(1, math.ceil(micro / saving))  # the same tokens in fewer rows
     fixed = global_batch.micro_batches(pack, workers, rows_per_worker, tree=tree)  # the run's M, room for the worst
     local = max(1, math.prod(mesh_shape) // processes)
-    # One sampler call carries one worker's prompts, at most n live trajectories each (branching fills up to n).
-    trajectories = cfg.data.train_batch_size // workers * cfg.rollout.n
-    s_len = bucket(p + r, pow2_buckets(64, p + r, half_steps=True), "cache length")
+    # The JAX engine's rows (`rollout.jax.slots`; default one worker's trajectories) and cache length, as it sizes them.
+    kw = engine_kwargs(cfg, processes)
+    engine = engine_shape(max_len=p + r, slots=kw["slots"], prefill_chunk=kw["prefill_chunk"],
+                          decode_chunk=kw["decode_chunk"], batch_multiple=local, max_tokens_per_call=0,
+                          decode_rows="all")
     return Shapes("train", rows, seq, micro, cfg.actor.logprob_chunk, cfg.rollout.engine,
                   cfg.rollout.vllm.gpu_memory_utilization, cfg.algorithm.adv_estimator == "gae",
                   bool(cfg.actor.kl_coef) and not cfg.model.ref_on_host, processes,
-                  sampler_chunk(_pow2_at_least(trajectories, local), s_len, local, cfg.rollout.jax.max_tokens_per_call),
-                  s_len, cfg.rollout.jax.prefill_chunk, p + r, tree, saving, fixed)
+                  sampler_chunk(engine.slots, engine.cache_len, local, cfg.rollout.jax.max_tokens_per_call),
+                  engine.cache_len, cfg.rollout.jax.prefill_chunk, p + r, tree, saving, fixed,
+                  cfg.rollout.vllm.tensor_parallel_size, bool(cfg.actor.kl_coef) and cfg.model.ref_on_host,
+                  "split" if placement.is_split(cfg) else "colocated", 4 if cfg.rollout.vllm.dtype == "float32" else 2)
 
 
-def sampler_chunk(batch: int, s_len: int, local: int, budget: int) -> int:
-    """Rows of one sampler program: the call's batch bucket, or with a token budget the largest bucket (a power of
-    two times the local devices, `JaxSampler._chunks`) whose cache of `s_len` slots a row fits it (at least one)."""
+def host_devices(cfg) -> int:
+    """The mesh's devices on one host (one process): the device's per host, less the engines' GPUs under split."""
+    return placement.trainer_gpus(cfg, DEVICES[cfg.mesh.device].per_host)
+
+
+def sampler_chunk(slots: int, s_len: int, local: int, budget: int) -> int:
+    """The JAX engine's rows: `slots`, or with a token budget the most (a multiple of the local devices, at least
+    one) whose cache of `s_len` slots a row fits it (`jax_decode.engine_shape`)."""
     if not budget:
-        return batch
-    b = local
-    while b * 2 <= batch and b * 2 * s_len <= budget:
-        b *= 2
-    return b
+        return slots
+    return min(slots, max(local, budget // s_len // local * local))
 
 
 def tree_saving(prompt: int, response: int, n: int) -> float:
@@ -181,35 +189,6 @@ def tree_saving(prompt: int, response: int, n: int) -> float:
     return n * (prompt + response) / (prompt + n * response)
 
 
-def budget_gib(device: str, engine: str, gpu_memory_utilization: float) -> float:
-    """What one device gives JAX (module docstring)."""
-    hbm = device_hbm_gib(device)
-    if DEVICES[device].kind != "gpu":
-        return hbm
-    if engine == "vllm":
-        return (1.0 - gpu_memory_utilization - CUDA_RESERVE) * hbm
-    return 0.9 * hbm
-
-
-def evaluate(programs: dict[str, dict[str, float]], device: str, engine: str, gpu_memory_utilization: float) -> dict:
-    """Fit of the largest program against the device's budget for JAX."""
-    peaks = {name: sum(items.values()) / GB for name, items in programs.items()}
-    worst = max(peaks, key=peaks.get)
-    budget = budget_gib(device, engine, gpu_memory_utilization)
-    hbm = device_hbm_gib(device)
-    headroom = 1.0 - peaks[worst] / budget if budget > 0 else -1.0
-    jax_fraction = math.ceil(peaks[worst] / (1.0 - HEADROOM) / hbm * 100) / 100 if hbm else 0.0
-    items = {k: round(v / GB, 3) for k, v in sorted(programs[worst].items(), key=lambda kv: -kv[1])}
-    out = {"fits": headroom >= HEADROOM, "device": device, "hbm_gib": round(hbm, 2), "budget_gib": round(budget, 2),
-           "peak_gib": round(peaks[worst], 2), "peak_program": worst, "headroom": round(headroom, 3),
-           "items_gib": items, "program_peaks_gib": {k: round(v, 2) for k, v in peaks.items()},
-           "jax_fraction": jax_fraction}
-    if engine == "vllm" and DEVICES[device].kind == "gpu":
-        out["items_gib"]["vllm_engine_gpu0"] = round(gpu_memory_utilization * hbm, 2)
-        out["engine_fraction_max"] = round(1.0 - CUDA_RESERVE - jax_fraction, 2)
-    return out
-
-
 _FIXES = {
     "attention_workspace": "model.attention_impl=blockwise (or cudnn on GPU), or a smaller token budget per device",
     "remat_activations": "model.remat=full, or a smaller actor.max_token_len_per_device",
@@ -217,9 +196,9 @@ _FIXES = {
     "optimizer_state": "more devices in mesh.shape (FSDP), or mesh.rules=fsdp_tp with a tensor axis",
     "params": "more devices in mesh.shape", "grad_accumulator": "more devices in mesh.shape",
     "micro_batch_grads": "more devices in mesh.shape",
-    "kv_cache": "a smaller rollout.jax.max_tokens_per_call (the sampler's batch in chunks)",
-    "kv_cache_new": "a smaller rollout.jax.max_tokens_per_call (the sampler's batch in chunks)",
-    "prefill_scores": "a smaller rollout.jax.prefill_chunk or rollout.jax.max_tokens_per_call",
+    "kv_cache": "a smaller rollout.jax.max_tokens_per_call or rollout.jax.slots (fewer cache rows)",
+    "kv_rows_gathered": "a smaller rollout.jax.prefill_chunk (fewer rows per prefill call)",
+    "prefill_scores": "a smaller rollout.jax.prefill_chunk",
     "sampler_params": "more devices per host (each host's sampler holds the whole model in the compute dtype)",
     "critic_params_and_optimizer": "more devices in mesh.shape",
 }
@@ -228,10 +207,18 @@ _FIXES = {
 def fixes(r: dict) -> list[str]:
     """The largest items of the worst program and what would shrink them, plus the seq / vLLM settings that fit."""
     out = []
-    for name, gib in list(r["items_gib"].items())[:3]:
+    for name, gib in list(r["items_gib"].items())[:3] if not r.get("jax_fits", r["fits"]) else ():
         out.append(f"{name} = {gib:.2f} GiB: {_FIXES.get(name, 'more devices')}")
     for setting, value in r.get("fitting_settings", {}).items():
         out.append(f"{setting}={value} fits")
+    if not r.get("jax_fits", r["fits"]) and (r.get("engines") or {}).get("placement") == "colocated":
+        out.append("rollout.vllm.placement=split with rollout.vllm.engine_gpus=k: the engines on k GPUs of their own, "
+                   "JAX on the others with their whole memory (configs/*_8x80gb.py)")
+    if not (r.get("engines") or {}).get("fits", True):
+        e = r["engines"]
+        out.append(f"vLLM's {e['share_gib']} GiB a GPU hold less than the weights ({e['weights_gib']} GiB) and one "
+                   "trajectory: a larger rollout.vllm.gpu_memory_utilization, a larger tensor_parallel_size, or "
+                   "rollout.vllm.placement=split (GPUs of their own)")
     return out
 
 
@@ -262,21 +249,25 @@ def analyse(cfg, *, devices: int = 8, command: str | None = None) -> dict:
     backend = DEVICES[device].kind
     sh = shapes_of(cfg, mesh_shape, model_cfg.sharding_rules, command)
     plan = itemise(model_cfg, mesh_shape, sh, backend)
-    r = evaluate(plan["programs"], device, sh.engine, sh.gpu_memory_utilization)
+    r = evaluate(plan["programs"], device, sh.engine, sh.gpu_memory_utilization, sh.engine_tp, sh.placement)
     r |= {"model": source, "params": plan["sizes"]["total_params"], "mesh": list(mesh_shape),
           "rules": model_cfg.sharding_rules, "command": sh.command, "engine": sh.engine, "seq": sh.seq,
           "rows_per_device": sh.rows, "remat": model_cfg.remat, "attention": plan["attention"],
           "attention_by_program": plan["attention_by_program"],
           "tree_training": {"on": sh.tree, "saving_at_least": round(sh.tree_saving, 3),
                             "micro_batches": sh.micro_batches} if sh.command == "train" else None,
-          "sampler_batch": sh.sampler_batch, "sampler_len": sh.sampler_len,
+          "sampler_batch": sh.sampler_batch, "sampler_len": sh.sampler_len, "host_devices": host_devices(cfg),
           "programs_gib": {p: {k: round(v / GB, 3) for k, v in items.items()}
                            for p, items in plan["programs"].items()},
           "micro_batches": sh.fixed_micro_batches or sh.micro_batches,
           "programs": programs.run_programs(cfg, sh, model_cfg, mesh_shape,
                                             {p: sum(items.values()) for p, items in plan["programs"].items()})}
+    r["jax_fits"] = r["fits"]
+    if sh.engine == "vllm" and DEVICES[device].kind == "gpu":  # the engines' share must hold the model
+        r["engines"] = engine_memory(model_cfg, r["params"], sh, device)
+        r["fits"] = r["fits"] and r["engines"]["fits"]
     if not r["fits"]:
-        r["fitting_settings"] = _fitting_settings(model_cfg, mesh_shape, sh, backend, device)
+        r["fitting_settings"] = {} if r["jax_fits"] else _fitting_settings(model_cfg, mesh_shape, sh, backend, device)
         r["fixes"] = fixes(r)
     return r
 
@@ -286,7 +277,9 @@ def _fitting_settings(c, mesh_shape, sh: Shapes, backend: str, device: str) -> d
     largest gpu_memory_utilization with which every program fits."""
     def fits(shapes, util):
         programs = itemise(c, mesh_shape, shapes, backend)["programs"]
-        return evaluate(programs, device, shapes.engine, util)["fits"]
+        shapes = dataclasses.replace(shapes, gpu_memory_utilization=util)
+        return evaluate(programs, device, shapes.engine, util, shapes.engine_tp, shapes.placement)["fits"] and \
+            engines_fit(c, param_sizes(c, tuple(mesh_shape)).total_params, shapes, device)
 
     out = {}
     field = "sft.max_token_len_per_device" if sh.command == "sft" else "actor.max_token_len_per_device"
@@ -313,9 +306,8 @@ def _fitting_settings(c, mesh_shape, sh: Shapes, backend: str, device: str) -> d
 def memory_split(cfg) -> dict:
     """`analyse` of a config for the launch: JAX's planned share of each device (`jax_fraction`) and the fit. A
     mesh with a -1 is planned on one host of the named device (8 GPUs, 4 TPU chips; 8 for `cpu`)."""
-    shape = tuple(cfg.mesh.shape)
-    devices = math.prod(shape) if -1 not in shape else min(8, DEVICES[cfg.mesh.device].per_host)
-    return analyse(cfg, devices=devices)
+    shape, host = tuple(cfg.mesh.shape), min(8, DEVICES[cfg.mesh.device].per_host)
+    return analyse(cfg, devices=math.prod(shape) if -1 not in shape else placement.trainer_gpus(cfg, host))
 
 
 def jax_mem_fraction(cfg) -> float:
@@ -323,7 +315,8 @@ def jax_mem_fraction(cfg) -> float:
 
     Beside a co-located vLLM it comes from the planned peak (`memory_split`: the largest program's bytes per
     device, plus 10% headroom, as a share of the device named by `mesh.device`), so the engine can have the rest
-    (`arpo-jax plan` checks `rollout.vllm.gpu_memory_utilization` against it). Without a plannable device
+    (`arpo-jax plan` checks `rollout.vllm.gpu_memory_utilization` against it); with `rollout.vllm.placement=split`
+    the same share of each of JAX's own GPUs (the engines have theirs). Without a plannable device
     (`mesh.device=cpu`) or model config, the fixed split `1 - gpu_memory_utilization - 0.05`. The JAX engine gets
     JAX's usual 0.9."""
     if cfg.rollout.engine != "vllm":
@@ -417,10 +410,9 @@ def plan(model_cfg: models.Config, mesh_shape, update_cfg: ts.UpdateConfig, *, m
 
 
 def compile_sampler(model_cfg: models.Config, sh: Shapes, local_devices: int) -> dict:
-    """The JAX sampler's prefill chunk and decode chunk (`jax_decode._prefill_chunk` / `_decode_chunk`, stacked
-    cache and scanned layers as on a TPU; a GPU's default unrolled layout holds the same weight and cache bytes,
-    per layer) compiled for one call of B x S rows on a process's local devices, abstract inputs: {program: XLA
-    bytes per device}."""
+    """The JAX engine's longest prefill and its decode (`jax_decode.engine_programs`; stacked cache and scanned
+    layers as on a TPU; a GPU's default unrolled layout holds the same weight and cache bytes, per layer) compiled for
+    an engine of B x S rows on a process's local devices, abstract inputs: {program: XLA bytes per device}."""
     from arpo_jax.models.transformer import KVCache
     from arpo_jax.rollout import jax_decode as jd
 
@@ -429,30 +421,29 @@ def compile_sampler(model_cfg: models.Config, sh: Shapes, local_devices: int) ->
     p_sh = sharding.state_shardings(abstract, mesh, sharding.get_rules(model_cfg.sharding_rules))
     abstract = jax.eval_shape(lambda a: jd.decode_weights(a, model_cfg.compute_dtype), abstract)  # the sampler's copy
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, p_sh)
-    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("fsdp",)))
-    rows2 = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("fsdp",), None))
+    shape = jd.engine_shape(max_len=sh.sampler_len, slots=sh.sampler_batch, prefill_chunk=sh.prefill_chunk,
+                            decode_chunk=16, decode_rows="all")  # the decode over every row: the most memory
+    b, s = shape.slots, shape.cache_len
+
+    def rows(*tail, dtype=jnp.int32):  # [B, ...] split over the local devices
+        spec = jax.sharding.PartitionSpec(("fsdp",), *([None] * len(tail)))
+        return jax.ShapeDtypeStruct((b, *tail), dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+
     kv_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ("fsdp",), None, None, None))
-    b, s, t = sh.sampler_batch, sh.sampler_len, sh.prefill_chunk
     kv = jax.ShapeDtypeStruct((model_cfg.num_layers, b, model_cfg.num_kv_heads, s, model_cfg.head_dim),
                               model_cfg.compute_dtype, sharding=kv_sh)
-    cache = KVCache(kv, kv, jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=rows2),
-                    jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows))
-    h = jax.ShapeDtypeStruct((b, model_cfg.hidden_size), model_cfg.compute_dtype, sharding=rows2)
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows2 if len(shape) == 2 else rows)
-    fns = jd.jitted(graphdef, model_cfg)
+    ds = jd.DecodeState(KVCache(kv, kv, rows(s), rows()), rows(model_cfg.hidden_size, dtype=model_cfg.compute_dtype),
+                        rows(dtype=bool), rows(), rows(shape.stop_len))
+    fns = jd.jitted(graphdef, model_cfg, shape)
+    programs = jd.engine_programs(fns, shape, state, ds, n_eos=1, vocab=None)
+    longest = max((n for n in programs if n.startswith("prefill")), key=lambda n: int(n.rsplit("x", 1)[1]))
     out = {}
     with jax.set_mesh(mesh):
-        t0 = time.perf_counter()
-        c = fns.prefill.lower(state, cache, h, i32(b, t), i32(b, t),
-                              jax.ShapeDtypeStruct((b, t), bool, sharding=rows2), i32(b), fresh=False).compile()
-        out["sampler_prefill"] = {"compile_s": round(time.perf_counter() - t0, 1), **_memory(c)}
-        scalar = lambda dt: jax.ShapeDtypeStruct((), dt)
-        t0 = time.perf_counter()
-        c = fns.decode.lower(state, cache, h, jax.ShapeDtypeStruct((b,), bool, sharding=rows), i32(b), i32(b), i32(b),
-                             i32(b), jax.ShapeDtypeStruct((1,), jnp.int32), None, scalar(jnp.uint32),
-                             scalar(jnp.float32), scalar(jnp.int32), scalar(jnp.float32), n_steps=16, greedy=False,
-                             truncate=False, n_logprobs=0, raw_logprobs=False, tok_logprobs=True).compile()
-        out["sampler_decode"] = {"compile_s": round(time.perf_counter() - t0, 1), **_memory(c)}
+        for name, program in (("sampler_prefill", longest), ("sampler_decode", f"decode_{shape.slots}")):
+            fn, args = programs[program]
+            t0 = time.perf_counter()
+            c = fn.lower(*args).compile()
+            out[name] = {"compile_s": round(time.perf_counter() - t0, 1), **_memory(c)}
     return out
 
 
@@ -470,7 +461,7 @@ def compile_check(cfg, *, devices: int = 8, layers: int = 2, command: str | None
                      for a in sharding.get_rules(model_cfg.sharding_rules)["batch"])
     rows = max(1, round(rows * sh.rows))
     # Hosts matter for a GPU cluster's network; a TPU slice is one ICI domain whatever its hosts.
-    per_host = DEVICES[cfg.mesh.device].per_host if DEVICES[cfg.mesh.device].kind == "gpu" else 0
+    per_host = host_devices(cfg) if DEVICES[cfg.mesh.device].kind == "gpu" else 0
     compiled = plan(model_cfg, mesh_shape, update_config(cfg), micro=1, rows=rows, seq=sh.seq,
                     forward=sh.command == "train", per_host=per_host)
     # The model of the same reduced program, for the same single micro-batch and on the CPU backend's attention.
@@ -571,11 +562,17 @@ def format_plan(r: dict) -> str:
     for k in items:
         lines.append(f"{k:28s}" + "".join(f"{r['programs_gib'][p].get(k, 0):{width + 1}.2f}" for p in progs))
     lines.append(f"{'peak':28s}" + "".join(f"{r['program_peaks_gib'][p]:{width + 1}.2f}" for p in progs))
-    verdict = "fits" if r["fits"] else "DOES NOT FIT"
+    verdict = "fits" if r.get("jax_fits", r["fits"]) else "DOES NOT FIT"
+    split = (r.get("engines") or {}).get("placement") == "split"
     lines.append(f"{verdict}: peak {r['peak_gib']} GiB ({r['peak_program']}) of {r['budget_gib']} GiB, headroom "
                  f"{r['headroom']:.0%} (needs {HEADROOM:.0%})"
                  + (f"; JAX fraction {r['jax_fraction']}, vLLM may take up to {r['engine_fraction_max']}"
-                    if "engine_fraction_max" in r else ""))
+                    if "engine_fraction_max" in r else f"; JAX fraction {r['jax_fraction']}" if split else ""))
+    if r.get("reserve_gib"):  # outside both budgets, per GPU
+        where = "JAX's pool, per trainer GPU" if split else "JAX's and vLLM's shares, per GPU"
+        lines.append(f"outside {where}: " + gib_items(r["reserve_gib"]))
+    if r.get("engines"):
+        lines.append(engine_words(r["engines"], r["host_devices"]))
     for fix in r.get("fixes", []):
         lines.append(f"  fix: {fix}")
     lines += programs.format_programs(r.get("programs", []))
@@ -588,7 +585,7 @@ def format_plan(r: dict) -> str:
                                  for p, v in c.items() if isinstance(v, dict) and "xla_arguments_gib" in v))
         if comm := c.get("comm_per_step_gib"):
             dev = DEVICES[r["device"]]
-            cluster = dev.kind == "gpu" and math.prod(r["mesh"]) > dev.per_host  # hosts joined by a network
+            cluster = dev.kind == "gpu" and math.prod(r["mesh"]) > r["host_devices"]  # hosts joined by a network
             kinds = [k for k in collectives.KINDS if comm.get(k, 0) >= 0.05]
             lines.append(f"communication per device per step ({'' if comm['exact'] else 'at least, '}compiled at "
                          f"{c['layers'] - 1} and {c['layers']} layers, scaled to the model's depth and "

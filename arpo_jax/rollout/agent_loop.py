@@ -50,6 +50,7 @@ out of the loss. Without isolation an engine error propagates, as before.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -246,6 +247,52 @@ def rollout(prompts_token_ids: Sequence[Sequence[int]], sampler: Sampler, execut
                  state or RolloutState()).run()
 
 
+class _ToolCalls:
+    """A rollout's tool calls. With an executor that runs calls one by one (`run_batch`: the real one), each starts
+    as soon as its segment is back, on a thread of its own that waits for it; else the round's calls run together at
+    its end. Either way the results are appended in the round's slot order."""
+
+    def __init__(self, executor: Executor, tokenizer, compat: bool, isolate: bool):
+        self.executor, self.tok, self.compat, self.isolate = executor, tokenizer, compat, isolate
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @contextlib.contextmanager
+    def running(self):
+        if not hasattr(self.executor, "run_batch"):
+            yield
+            return
+        workers = getattr(getattr(self.executor, "config", None), "max_workers", 32)
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="rollout-call") as pool:
+            self.pool = pool
+            try:
+                yield
+            finally:
+                self.pool = None
+
+    def start(self, call: tuple[_Slot, str, str], queued: list[_Queued]) -> None:
+        queued.append((call, self.pool.submit(_run_calls, self.executor, [call[1:]]) if self.pool else None))
+
+    def end(self, active: list[_Slot], queued: list[_Queued], max_len: int | None = None) -> int:
+        """The round's tool results (the calls not started yet run now, all at once) appended with mask 0; returns
+        the number of calls. The next round starts when the last is back: its branching and refill rules (4.2, 4.3)
+        read the whole round. `max_len` is pre-monitoring's guard: a context that a result would push past it is
+        first cut to `max_len - len(result) - 100` tokens, as in the reference."""
+        order = {s.id: k for k, s in enumerate(active)}
+        queued = sorted(queued, key=lambda q: order[q[0][0].id])
+        later = [q for q, future in queued if future is None]
+        batch = iter(_run_calls(self.executor, [(tag, content) for _, tag, content in later]) if later else ())
+        for (s, _, _), future in queued:
+            text, failure = future.result()[0] if future is not None else next(batch)
+            if failure and self.isolate:
+                s.fail(failure)
+            ids = encode_tool_result(self.tok, text, self.compat)
+            if max_len is not None and len(s.tokens) + len(ids) > max_len:
+                del s.tokens[max(0, max_len - len(ids) - 100):]  # a probe's mask and log-probs are never read
+            s.append(ids, 0)
+            s.post_tool = True
+        return len(queued)
+
+
 class _Loop:
     """One `rollout` call's state. Methods follow the round structure of spec 3.3."""
 
@@ -273,21 +320,12 @@ class _Loop:
         self.m = {k: 0.0 for k in ("rounds", "tool_calls", "branches", "branch_attempts", "refills",
                                    "call_limit_reached", "empty_tool_content", "premonitor_tool_calls")}
         self.times = {k: 0.0 for k in ("generate", "tools", "branching", "premonitor", "finalize")}
-        self._calls: concurrent.futures.ThreadPoolExecutor | None = None  # `run`: tool calls started one by one
+        self.calls = _ToolCalls(executor, tokenizer, self.compat, config.isolate_failures)
 
     # ------------------------------------------------------------------------------------------ the loop
     def run(self) -> RolloutOutput:
-        """The rollout. With an executor that runs calls one by one (`run_batch`, the real one), each tool call
-        starts as soon as its segment is back, on a thread of its own that waits for it."""
-        if not hasattr(self.executor, "run_batch"):
+        with self.calls.running():
             return self._rounds()
-        workers = getattr(getattr(self.executor, "config", None), "max_workers", 32)
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="rollout-call") as pool:
-            self._calls = pool
-            try:
-                return self._rounds()
-            finally:
-                self._calls = None
 
     def _rounds(self) -> RolloutOutput:
         t0 = time.perf_counter()
@@ -402,37 +440,15 @@ class _Loop:
         return None
 
     def _start_call(self, s: _Slot, res: SampleResult | None, queued: list[_Queued]) -> None:
-        """Spec 3.3 step 3 for one segment (`_absorb`); its tool call starts at once where the executor runs calls
-        one by one (`run_batch`: the real executor), else with the round's others in `_end_calls`."""
+        """Spec 3.3 step 3 for one segment (`_absorb`); its tool call starts at once where it can (`_ToolCalls`)."""
         q = self._absorb(s, res)
         if q is not None:
-            queued.append((q, self._calls.submit(_run_calls, self.executor, [q[1:]]) if self._calls else None))
+            self.calls.start(q, queued)
 
     def _end_calls(self, active: list[_Slot], queued: list[_Queued], counter: str = "tool_calls",
                    max_len: int | None = None) -> None:
-        """Spec 3.3 step 4, for the rollout and for AEPO's pre-monitoring (5.1): the round's tool results (calls not
-        started yet run now, all at once) appended with mask 0, in the round's slot order. The next round starts when
-        the last is back: its branching and refill rules (4.2, 4.3) read the whole round.
-
-        `counter` is the metric that counts the calls. `max_len` is pre-monitoring's guard: a context that a result
-        would push past it is first cut to `max_len - len(result) - 100` tokens, as in the reference.
-        """
-        if not queued:
-            return
-        order = {s.id: k for k, s in enumerate(active)}
-        queued = sorted(queued, key=lambda q: order[q[0][0].id])
-        later = [q for q, future in queued if future is None]
-        batch = iter(_run_calls(self.executor, [(tag, content) for _, tag, content in later]) if later else ())
-        self.m[counter] += len(queued)
-        for (s, _, _), future in queued:
-            text, failure = future.result()[0] if future is not None else next(batch)
-            if failure and self.cfg.isolate_failures:
-                s.fail(failure)
-            ids = encode_tool_result(self.tok, text, self.compat)
-            if max_len is not None and len(s.tokens) + len(ids) > max_len:
-                del s.tokens[max(0, max_len - len(ids) - 100):]  # a probe's mask and log-probs are never read
-            s.append(ids, 0)
-            s.post_tool = True
+        """Spec 3.3 step 4 (`_ToolCalls.end`), rollout and pre-monitoring (5.1); `counter` counts the calls."""
+        self.m[counter] += self.calls.end(active, queued, max_len)
 
     def _branch_and_refill(self, active: list[_Slot], keep: list[_Slot], r: int) -> list[_Slot]:
         """Spec 4.2 / 5.2 branching, then the 4.3 refill, then AEPO's counter update; returns the new slots."""

@@ -6,9 +6,10 @@ The programs, every shape fixed by `EngineShape` (so by the config alone):
     picked by an index vector (the cache gathered by row and written back in place); a row's first chunk first cuts
     it to the tokens the host knows it shares with the request (`keep`);
   * `copy`: rows of the cache into other rows in place (an ARPO branch starts from its parent's cache);
-  * `decode`: `decode_steps` sampling steps of every row. Sampling settings are traced values (greedy, top-k/top-p,
-    the log-prob window), so validation and training run the same program; EOS, each row's token limit and the stop
-    strings' token sequences stop a row on the device; a chunk in which no row is active does nothing.
+  * `decode` at each row count of `EngineShape.decode_rows`: `decode_steps` sampling steps of every row, or of the
+    live rows picked by an index vector. Sampling settings are traced values (greedy, top-k/top-p, the log-prob
+    window), so validation and training run the same program; EOS, each row's token limit and the stop strings'
+    token sequences stop a row on the device; a chunk in which no row is active does nothing.
 `engine_programs` lists them with abstract arguments, so a caller compiles them all ahead (`JaxSampler.warm_up`;
 `arpo-jax plan`). Each program also counts its traces in `TRACE_COUNTS`.
 """
@@ -41,15 +42,17 @@ class EngineShape:
     decode_steps: int  # sampling steps per decode call
     copy_rows: int  # rows one copy call moves
     max_logprobs: int  # top-k log-probs the decode program returns per position
+    decode_rows: tuple[int, ...] = ()  # rows of each decode program, fewest first (the last: all `slots`)
     stop_seqs: int = 8  # stop-string token sequences the decode checks (Q)
     stop_len: int = 16  # tokens of the longest one (M)
 
 
 def engine_shape(*, max_len: int, slots: int, prefill_chunk: int, decode_chunk: int, max_logprobs: int = 20,
-                 batch_multiple: int = 1, max_tokens_per_call: int = 0) -> EngineShape:
+                 batch_multiple: int = 1, max_tokens_per_call: int = 0, decode_rows: str = "auto") -> EngineShape:
     """The sizes for contexts up to `max_len` tokens: `slots` rows (a multiple of `batch_multiple`, the mesh's
     batch devices; with `max_tokens_per_call`, at most that many cache slots in all), prefill programs of
-    `prefill_chunk` tokens each (G x T: T in 32, 128 and `prefill_chunk`, at most the cache length)."""
+    `prefill_chunk` tokens each (G x T: T in 32, 128 and `prefill_chunk`, at most the cache length), and decode
+    programs of `DECODE_ROWS[decode_rows]` rows (`decode_row_counts`)."""
     cache_len = -(-max_len // 32) * 32
     slots = -(-max(slots, 1) // batch_multiple) * batch_multiple
     if max_tokens_per_call:
@@ -62,7 +65,24 @@ def engine_shape(*, max_len: int, slots: int, prefill_chunk: int, decode_chunk: 
     longest = max(1, min(prefill_chunk, cache_len))
     lengths = sorted({min(t, longest) for t in PREFILL_LENGTHS} | {longest})
     prefill = tuple((max(1, min(slots, prefill_chunk // t)), t) for t in lengths)
-    return EngineShape(slots, cache_len, prefill, decode_chunk, min(slots, 8), max_logprobs)
+    rows = decode_row_counts(decode_rows, slots, batch_multiple)
+    return EngineShape(slots, cache_len, prefill, decode_chunk, min(slots, 8), max_logprobs, rows)
+
+
+DECODE_ROWS = ("auto", "all", "quarters")  # rollout.jax.decode_rows
+
+
+def decode_row_counts(mode: str, slots: int, multiple: int = 1) -> tuple[int, ...]:
+    """Rows of the decode programs: "all" = one program over every row; "quarters" = also 1/4 and 1/16 of them (the
+    live rows gathered, so a round's tail of a few rows costs a few rows' matmuls: what a CPU's compute-bound decode
+    wants); "auto" = quarters on CPU, all elsewhere (an accelerator's decode reads the weights whatever the rows,
+    and each program is one more compile)."""
+    if mode not in DECODE_ROWS:
+        raise ValueError(f"decode_rows={mode!r}; allowed: {', '.join(DECODE_ROWS)}")
+    if mode == "all" or (mode == "auto" and jax.default_backend() != "cpu"):
+        return (slots,)
+    fewer = {-(-slots // d // multiple) * multiple for d in (4, 16)}
+    return tuple(sorted(r for r in fewer | {slots} if r <= slots))
 
 
 class DecodeState(NamedTuple):
@@ -183,9 +203,10 @@ def _logprobs(logits, z, allowed, tok, *, n_logprobs: int, raw: bool) -> dict:
     return {"top_vals": vals, "top_ids": ids, "tok_lp": jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]}
 
 
-def _decode(graphdef, params, ds: DecodeState, admit, stop_host, limits, ctx_lens, seeds, eos_ids, stop_seqs,
+def _decode(graphdef, params, ds: DecodeState, rows, admit, stop_host, limits, ctx_lens, seeds, eos_ids, stop_seqs,
             stop_on, allowed, knobs: Knobs, *, n_steps, n_logprobs, raw_logprobs, rules):
-    """`n_steps` sampling steps of every row. Each: logits from the row's hidden state -> sample -> feed the token.
+    """`n_steps` sampling steps of the rows `rows` [G] (None: every row; an index past the end: padding). Each:
+    logits from the row's hidden state -> sample -> feed the token. The per-row inputs are the G rows'.
 
     Rows in `admit` start (their prefill is done), rows in `stop_host` stop (the host found a stop string). A row
     samples while active; a sampled token is written to the cache unless it ends the row (EOS, the row's limit, a
@@ -200,10 +221,12 @@ def _decode(graphdef, params, ds: DecodeState, admit, stop_host, limits, ctx_len
     base = jax.random.key(knobs.seed)
     row_keys = jax.vmap(lambda i, c: jax.random.fold_in(jax.random.fold_in(base, i), c))(seeds, ctx_lens)
     lp_fn = functools.partial(_logprobs, allowed=allowed, n_logprobs=n_logprobs, raw=raw_logprobs)
+    pick = (lambda x, fill=0: x) if rows is None else (  # noqa: E731
+        lambda x, fill=0: jnp.take(x, rows, axis=0, mode="fill", fill_value=fill))
 
     def step(carry, _):
         cache, h, active, ngen, recent = carry
-        logits = model.logits(h[:, None])[:, 0]  # [B, V] float32
+        logits = model.logits(h[:, None])[:, 0]  # [G, V] float32
         z = _processed(logits, allowed, knobs)
         keys = jax.vmap(jax.random.fold_in)(row_keys, ngen)
         tok = jax.lax.cond(knobs.greedy, lambda x: jnp.argmax(x, axis=-1), lambda x: sample_categorical(keys, x), z)
@@ -214,7 +237,7 @@ def _decode(graphdef, params, ds: DecodeState, admit, stop_host, limits, ctx_len
         done = jnp.isin(tok, eos_ids) | (ngen >= limits) | _stop_hit(recent, stop_seqs, stop_on)
         written = active & ~done
         hidden, cache = model.extend_hidden(tok[:, None], (ctx_lens + ngen - 1)[:, None], cache, written[:, None],
-                                            layers)
+                                            layers, rows=rows)
         h = jnp.where(written[:, None], hidden[:, 0], h)
         need = (knobs.want_top & in_window.any()) | knobs.want_token_lp
         shapes = jax.eval_shape(lp_fn, logits, z, tok=tok)
@@ -226,55 +249,53 @@ def _decode(graphdef, params, ds: DecodeState, admit, stop_host, limits, ctx_len
     def run(carry):
         return jax.lax.scan(step, carry, None, length=n_steps)
 
-    carry = (ds.cache, ds.h, admit | (ds.active & ~stop_host), jnp.where(admit, 0, ds.ngen),
-             jnp.where(admit[:, None], -1, ds.recent))
+    carry = (ds.cache, pick(ds.h), admit | (pick(ds.active) & ~stop_host), jnp.where(admit, 0, pick(ds.ngen)),
+             jnp.where(admit[:, None], -1, pick(ds.recent, -1)))
     idle = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run, carry)[1])
     # A chunk with no active row (the host dispatches one chunk ahead of what it has read) costs nothing.
     (cache, h, active, ngen, recent), outs = jax.lax.cond(carry[2].any(), run, lambda c: (c, idle), carry)
-    outs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outs)  # [n, B, ...] -> [B, n, ...]
-    return DecodeState(_constrain_cache(cache, rules), h, active, ngen, recent), outs | {"active": active}
-
-
-def _take_rows(cache: KVCache, rows) -> KVCache:
-    """Rows `rows` [G] of the cache (an index past the end gives an empty row)."""
-    take = lambda x, axis, fill: jnp.take(x, rows, axis=axis, mode="fill", fill_value=fill)  # noqa: E731
-    if isinstance(cache.k, tuple):  # per layer [B, K, S, H]
-        k, v = (tuple(take(x, 0, 0) for x in xs) for xs in (cache.k, cache.v))
-    else:  # stacked [L, B, K, S, H]
-        k, v = take(cache.k, 1, 0), take(cache.v, 1, 0)
-    return KVCache(k, v, take(cache.positions, 0, -1), take(cache.lengths, 0, 0))
-
-
-def _put_rows(cache: KVCache, rows, sub: KVCache) -> KVCache:
-    """The cache with rows `rows` [G] set from `sub` in place (an index past the end is dropped)."""
-    put0 = lambda x, y: x.at[rows].set(y, mode="drop")  # noqa: E731
-    if isinstance(cache.k, tuple):
-        k, v = (tuple(map(put0, xs, ys)) for xs, ys in ((cache.k, sub.k), (cache.v, sub.v)))
-    else:
-        k, v = (x.at[:, rows].set(y, mode="drop") for x, y in ((cache.k, sub.k), (cache.v, sub.v)))
-    return KVCache(k, v, put0(cache.positions, sub.positions), put0(cache.lengths, sub.lengths))
+    outs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outs)  # [n, G, ...] -> [G, n, ...]
+    put = (lambda full, x: x) if rows is None else (lambda full, x: full.at[rows].set(x, mode="drop"))  # noqa: E731
+    ds = DecodeState(_constrain_cache(cache, rules), put(ds.h, h), put(ds.active, active), put(ds.ngen, ngen),
+                     put(ds.recent, recent))
+    return ds, outs | {"active": active}
 
 
 def _prefill(graphdef, params, ds: DecodeState, rows, ids, positions, valid, last, keep, *, rules):
-    """Appends one right-padded chunk ids [G, T] to rows `rows` [G]; keeps the hidden state of a row's last context
-    token when the chunk holds it (`last` >= 0: its index). A row with keep >= 0 (its first chunk) is first cut to
-    its first `keep` slots: what the host knows it shares with the request."""
+    """Appends one right-padded chunk ids [G, T] to rows `rows` [G] of the cache, in place (a row past the end is
+    padding); keeps the hidden state of a row's last context token when the chunk holds it (`last` >= 0: its index).
+    A row with keep >= 0 (its first chunk) is first cut to its first `keep` slots: what the host knows it shares with
+    the request."""
     model = nnx.merge(graphdef, params)
-    sub = _take_rows(ds.cache, rows)
-    s = sub.positions.shape[1]
+    cache = ds.cache
+    s = cache.positions.shape[1]
+    pos = jnp.take(cache.positions, rows, axis=0, mode="fill", fill_value=-1)
+    lengths = jnp.take(cache.lengths, rows, axis=0, mode="fill", fill_value=0)
     cut = keep >= 0
-    pos = jnp.where(cut[:, None] & (jnp.arange(s)[None] >= keep[:, None]), -1, sub.positions)
-    sub = sub._replace(positions=pos, lengths=jnp.where(cut, keep, sub.lengths))
-    hidden, sub = model.extend_hidden(ids, positions, sub, valid)
+    pos = jnp.where(cut[:, None] & (jnp.arange(s)[None] >= keep[:, None]), -1, pos)
+    cache = cache._replace(positions=cache.positions.at[rows].set(pos, mode="drop"),
+                           lengths=cache.lengths.at[rows].set(jnp.where(cut, keep, lengths), mode="drop"))
+    hidden, cache = model.extend_hidden(ids, positions, cache, valid, rows=rows)
     sel = jnp.take_along_axis(hidden, jnp.maximum(last, 0)[:, None, None], axis=1)[:, 0]  # [G, D]
     old = jnp.take(ds.h, rows, axis=0, mode="fill", fill_value=0)
     h = ds.h.at[rows].set(jnp.where((last >= 0)[:, None], sel.astype(ds.h.dtype), old), mode="drop")
-    return ds._replace(cache=_constrain_cache(_put_rows(ds.cache, rows, sub), rules), h=h)
+    return ds._replace(cache=_constrain_cache(cache, rules), h=h)
 
 
 def _copy(ds: DecodeState, src, dst, *, rules):
-    """Cache rows dst [W] <- rows src [W], in place (a dst past the end is dropped): a branch's parent's row."""
-    return ds._replace(cache=_constrain_cache(_put_rows(ds.cache, dst, _take_rows(ds.cache, src)), rules))
+    """Cache rows dst [W] <- rows src [W], in place, one layer at a time (a dst past the end is dropped): a branch
+    starts from its parent's row."""
+    move = lambda x: x.at[dst].set(x[src], mode="drop")  # noqa: E731  [B, ...] -> [B, ...]
+    cache = ds.cache
+    if isinstance(cache.k, tuple):  # per layer [B, K, S, H]
+        k, v = tuple(map(move, cache.k)), tuple(map(move, cache.v))
+    else:  # stacked [L, B, K, S, H]: a loop over the layers, so that one layer's rows are in flight at a time
+        def layer(i, kv):
+            return tuple(jax.lax.dynamic_update_index_in_dim(x, move(x[i]), i, 0) for x in kv)
+
+        k, v = jax.lax.fori_loop(0, cache.k.shape[0], layer, (cache.k, cache.v))
+    cache = KVCache(k, v, move(cache.positions), move(cache.lengths))
+    return ds._replace(cache=_constrain_cache(cache, rules))
 
 
 def _init(cfg, shape: EngineShape, per_layer: bool) -> DecodeState:
@@ -361,9 +382,11 @@ def engine_programs(fns: SimpleNamespace, shape: EngineShape, params, ds, *, n_e
     out["copy"] = (fns.copy, (ds, sds((w,), i32), sds((w,), i32)))
     knobs = Knobs(*(sds((), dt) for dt in (u32, f32, i32, f32, bool_, bool_, i32, bool_, bool_)))
     q, m = shape.stop_seqs, shape.stop_len
-    out["decode"] = (fns.decode, (params, ds, sds((b,), bool_), sds((b,), bool_), sds((b,), i32), sds((b,), i32),
-                                  sds((b,), u32), sds((n_eos,), i32), sds((q, m), i32), sds((q,), bool_),
-                                  None if vocab is None else sds((vocab,), bool_), knobs))
+    for g in shape.decode_rows:  # the all-rows program takes no index vector (no gathers)
+        rows = None if g == b else sds((g,), i32)
+        out[f"decode_{g}"] = (fns.decode, (params, ds, rows, sds((g,), bool_), sds((g,), bool_), sds((g,), i32),
+                                           sds((g,), i32), sds((g,), u32), sds((n_eos,), i32), sds((q, m), i32),
+                                           sds((q,), bool_), None if vocab is None else sds((vocab,), bool_), knobs))
     return out
 
 

@@ -1,8 +1,8 @@
 """The JAX KV-cache engine: the embedded rollout engine (and the TPU path) behind `rollout.sampler.Sampler`.
 
 A fixed set of programs, known from the engine's sizes alone (`jax_decode.EngineShape`: `slots` rows x a cache
-length from `max_len`, a few prefill lengths, one decode program), compiled once (`warm_up`, or the first call), so
-no call compiles anything whatever its batch, prompt lengths, tool results or sampling settings:
+length from `max_len`, a few prefill lengths, one to three decode row counts), compiled once (`warm_up`, or the
+first call), so no call compiles anything whatever its batch, prompt lengths, tool results or sampling settings:
 
 * one persistent KV cache of `slots` rows: a request runs in a row; a trajectory's next request continues in its
   row (only the new suffix, e.g. a tool result, is prefilled), an ARPO branch copies its parent's row into a free
@@ -11,10 +11,11 @@ no call compiles anything whatever its batch, prompt lengths, tool results or sa
 * continuous batching: a call may hold more requests than rows; a row whose request finishes takes the next
   waiting one (copy, prefill) while the other rows keep decoding;
 * prefill in chunks of a few fixed (rows, length) shapes, every chunk picking the rows it advances;
-* decode in calls of `decode_chunk` steps over every row; EOS, each row's token limit and the stop strings' usual
-  token sequences stop a row on the device. The host dispatches decode call k + 1 before it reads call k, then
-  reads k's tokens and checks the stop strings on their incrementally decoded text (as vLLM does; authoritative: a
-  stop string the device did not see ends its row at most one call later, the extra tokens dropped).
+* decode in calls of `decode_chunk` steps over every row (on CPU, over the live rows when 1/4 or 1/16 of the rows
+  hold them: `decode_rows`); EOS, each row's token limit and the stop strings' usual token sequences stop a row on
+  the device. The host dispatches decode call k + 1 before it reads call k, then reads k's tokens and checks the
+  stop strings on their incrementally decoded text (as vLLM does; authoritative: a stop string the device did not
+  see ends its row at most one call later, the extra tokens dropped).
 
 Outputs depend on neither the number of rows nor the order of admission: each request's PRNG keys fold in its own
 seed (`sampler.request_seed`), context length and position; rows never mix.
@@ -98,7 +99,7 @@ def engine_kwargs(cfg, processes: int) -> dict:
     slots = j.slots or max(1, cfg.data.train_batch_size // workers) * cfg.rollout.n
     return dict(slots=slots, decode_chunk=j.decode_chunk, prefill_chunk=j.prefill_chunk,
                 max_tokens_per_call=j.max_tokens_per_call, layout=j.layout,
-                max_logprobs=max(20, cfg.rollout.entropy_top_k))
+                max_logprobs=max(20, cfg.rollout.entropy_top_k), decode_rows=j.decode_rows)
 
 
 def config_programs(cfg, graphdef, abstract_state, *, processes: int = 1, batch_multiple: int = 1, n_eos: int = 1,
@@ -110,7 +111,7 @@ def config_programs(cfg, graphdef, abstract_state, *, processes: int = 1, batch_
     shape = engine_shape(max_len=cfg.data.max_prompt_length + cfg.data.max_response_length, slots=kw["slots"],
                          prefill_chunk=kw["prefill_chunk"], decode_chunk=kw["decode_chunk"],
                          max_logprobs=kw["max_logprobs"], batch_multiple=batch_multiple,
-                         max_tokens_per_call=kw["max_tokens_per_call"])
+                         max_tokens_per_call=kw["max_tokens_per_call"], decode_rows=kw["decode_rows"])
     model_cfg = nnx.merge(graphdef, abstract_state).config
     unrolled = unrolled_layout(kw["layout"])
     state = jax.eval_shape(lambda s: decode_weights(s, model_cfg.compute_dtype), abstract_state)  # as `_set_state`
@@ -184,12 +185,15 @@ class JaxSampler(Sampler):
         0 = no limit.
       layout: "unrolled", "scanned" or "auto" (`jax_decode.unrolled_layout`); the same samples either way.
       max_logprobs: the most top log-probs per position a call may ask for (vLLM's max_logprobs).
+      decode_rows: "all" (one decode program over every row), "quarters" (also over 1/4 and 1/16 of the rows, for
+        a round's tail) or "auto" (quarters on CPU; `jax_decode.decode_row_counts`).
     """
 
     def __init__(self, model, tokenizer, *, max_len: int, mesh: Mesh | None = None,
                  eos_ids: Sequence[int] | None = None, slots: int = 32, decode_chunk: int = 16,
                  prefill_chunk: int = 512, logprobs_mode: str = "processed", restrict_to_tokenizer: bool = True,
-                 max_tokens_per_call: int = 0, layout: str = "auto", max_logprobs: int = 20):
+                 max_tokens_per_call: int = 0, layout: str = "auto", max_logprobs: int = 20,
+                 decode_rows: str = "auto"):
         graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
         self.config = cfg = nnx.merge(graphdef, state).config
         self._model_graphdef, self._unrolled = graphdef, unrolled_layout(layout)
@@ -206,7 +210,7 @@ class JaxSampler(Sampler):
         multiple = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in get_rules(cfg.sharding_rules)["batch"]]))
         self.shape = engine_shape(max_len=max_len, slots=slots, prefill_chunk=prefill_chunk,
                                   decode_chunk=decode_chunk, max_logprobs=max_logprobs, batch_multiple=multiple,
-                                  max_tokens_per_call=max_tokens_per_call)
+                                  max_tokens_per_call=max_tokens_per_call, decode_rows=decode_rows)
         if eos_ids is None:
             eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
             cfg_eos = cfg.eos_token_id
@@ -454,37 +458,44 @@ class _Call:
     # -- decode: dispatch one call ahead, read the one before -------------------------------------------------
 
     def _dispatch(self):
-        e = self.e
-        e._ds, outs = e._fns.decode(e._state, e._ds, self.admit, self.stop, self.row_limit.copy(),
-                                    self.row_ctx.copy(), self.row_seed.copy(), e._eos_arr, *self.stops, e._allowed,
-                                    self.knobs)
-        self.admit, self.stop = np.zeros_like(self.admit), np.zeros_like(self.stop)
+        """One decode call over the live rows: the program with the fewest rows that holds them all (the live rows
+        picked by an index vector), or the one over every row."""
+        e, b = self.e, self.e.shape.slots
+        g = next(n for n in e.shape.decode_rows if n >= len(self.live))
+        rows = None if g == b else np.asarray(sorted(self.live) + [b] * (g - len(self.live)), np.int32)
+        sel = np.arange(b) if rows is None else np.minimum(rows, b - 1)  # (copies: the host edits its arrays)
+        pad = np.zeros(b, bool) if rows is None else rows == b  # padding entries take nothing
+        admit, stop = self.admit[sel] & ~pad, self.stop[sel] & ~pad
+        e._ds, outs = e._fns.decode(e._state, e._ds, rows, admit, stop, self.row_limit[sel], self.row_ctx[sel],
+                                    self.row_seed[sel], e._eos_arr, *self.stops, e._allowed, self.knobs)
+        delivered = np.arange(b) if rows is None else rows[~pad]
+        self.admit[delivered], self.stop[delivered] = False, False  # a stop for a row not in this call waits
         self.stats["decode_calls"] += 1
-        return outs, list(self.occ)
+        return outs, list(range(b)) if rows is None else [None if r == b else int(r) for r in rows], list(self.occ)
 
-    def _read(self, outs, occ: list[int | None]) -> None:
-        """A decode call's tokens: into each row's record and its request's result; a request that ends frees its
-        row (and stops it on the device, in case only the host saw its stop string)."""
+    def _read(self, outs, rows: list[int | None], occ: list[int | None]) -> None:
+        """A decode call's tokens (output k is row rows[k]): into each row's record and its request's result; a
+        request that ends frees its row (and stops it on the device, in case only the host saw its stop string)."""
         outs = jax.device_get(outs)
-        for row, i in enumerate(occ):
-            if i is None or self.occ[row] != i:  # no request, or the row has a new one since
+        for k, row in enumerate(rows):
+            i = None if row is None else occ[row]
+            if i is None or self.occ[row] != i:  # padding, no request, or the row has a new one since
                 continue
-            written = outs["written"][row]
-            if written.any():
-                self.e.table.append(row, outs["tok"][row][written])
+            out = {key: v[k] for key, v in outs.items()}
+            if out["written"].any():
+                self.e.table.append(row, out["tok"][out["written"]])
             if self.results[i] is None:
-                self._feed(i, row, outs)
-            if self.results[i] is None and not outs["active"][row]:
+                self._feed(i, row, out)
+            if self.results[i] is None and not out["active"]:
                 self._finish(i, row, device_stop=True)
 
-    def _feed(self, i: int, row: int, outs: dict) -> None:
+    def _feed(self, i: int, row: int, out: dict) -> None:
         r, s = self.rows[i], self.settings
-        for j in np.flatnonzero(outs["sampled"][row]):
-            tok, tok_lp = outs["tok"][row, j], outs["tok_lp"][row, j]
+        for j in np.flatnonzero(out["sampled"]):
+            tok, tok_lp = out["tok"][j], out["tok_lp"][j]
             lps = None
             if s.logprobs and len(r.gen) < s.logprob_positions:
-                lps = _logprob_dict(outs["top_vals"][row, j, :s.logprobs], outs["top_ids"][row, j, :s.logprobs],
-                                    tok, tok_lp)
+                lps = _logprob_dict(out["top_vals"][j, :s.logprobs], out["top_ids"][j, :s.logprobs], tok, tok_lp)
             if s.token_logprobs:
                 r.token_logprobs.append(float(tok_lp))
             r.add(int(tok), self.e.eos_ids, lps)

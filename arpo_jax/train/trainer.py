@@ -57,6 +57,7 @@ from arpo_jax.data import rl_dataset, toy
 from arpo_jax.experience import advantages, collection, global_batch, reward
 from arpo_jax.experience import step_metrics as step_metrics_lib
 from arpo_jax.experience.trajectories import Trajectories
+from arpo_jax.rollout import placement
 from arpo_jax.rollout.agent_loop import RolloutState, greedy_settings, rollout
 from arpo_jax.rollout.output import RolloutOutput
 from arpo_jax.rollout.sampler import worker_seed
@@ -90,11 +91,14 @@ log = logging.getLogger(__name__)
 
 class Trainer:
     """The RL run: `__init__` sets it up (or resumes it), `run()` is the loop, `train_step()` one step. `devices`:
-    the mesh's (default: all of every process'; a program embedding the trainer may give it a share of its own)."""
+    the mesh's (default: all of every process', less the vLLM engines' GPUs with `rollout.vllm.placement=split`,
+    `placement.trainer_devices`; a program embedding the trainer may give it a share of its own)."""
 
     def __init__(self, cfg, workdir: str | os.PathLike, devices: Sequence[jax.Device] | None = None):
         # Setup: the config, the work directory (its lock, the config's history and drift), mesh, model, data.
+        placement.hide_engine_gpus(cfg)  # rollout.vllm.placement=split: before JAX's backend opens any GPU
         distributed.initialize_distributed()
+        devices = devices or placement.trainer_devices(cfg, jax.devices(), jax.process_index())
         self.cfg = cfg = config_lib.validate(cfg, device_count=len(devices) if devices else jax.device_count(),
                                              process_count=jax.process_count(), command="train")
         self.workdir = paths.local_path(workdir)  # refuses gs:// (it would become $PWD/gs:/...)
@@ -182,12 +186,8 @@ class Trainer:
             except Exception as e:
                 if stop is None or stop.signum is None or int(self.state.step) != updates:
                     raise
-                # The signal also reached this step's helper processes (a Ctrl-C goes to the whole process group,
-                # e.g. the vLLM engine) and the step failed before any update: abandon it, keep the last step.
                 bar.close()
-                raise stop.stopped(f"the step in progress was abandoned ({type(e).__name__}: "
-                                   f"{str(e).splitlines()[0][:200] if str(e) else ''}); "
-                                   f"{self.checkpoints.save_for_stop(self.step, self.save)}") from None
+                raise abandoned_step(stop, e, self.checkpoints.save_for_stop(self.step, self.save)) from None
             stopping = stop is not None and stop.requested()  # no validation: its engine may have had the signal too
             if tr.test_freq and (self.step % tr.test_freq == 0 or self._done()) and not stopping:
                 last |= (val := self.validate())
@@ -211,7 +211,8 @@ class Trainer:
         """One RL step, phase by phase (each timed under its name: `time/<phase>`). Returns its metrics. With
         `rollout.max_staleness` > 0 the next step's rollout runs in the background from its start to the sync."""
         timers, t0 = metrics_lib.PhaseTimer(compile_log.phase), time.perf_counter()
-        got = self.engine.take_rollout(self.step, self.position, self._collect, self._more, timers)
+        got = self.engine.take_rollout(self.step, self.position, self._collect,
+                                       lambda step, position: not self._done(step, position), timers)
         trajs = got.trajs
         failed = distributed.gather(np.concatenate([t.failed for t in trajs.values()]).astype(np.float32))
         skip = self.failures.skip(failed, self.step + 1)
@@ -366,10 +367,6 @@ class Trainer:
         if self.critic:
             self.critic.save(self.step)
 
-    def _more(self, step: int, position: rl_dataset.DataPosition) -> bool:
-        """Whether a run at `step` and `position` has steps left."""
-        return not self._done(step, position)
-
     def _done(self, step: int | None = None, position: rl_dataset.DataPosition | None = None) -> bool:
         """`total_steps` trained, or (without trainer.max_steps) `total_epochs` of data used (dynamic sampling can end
         an epoch early), at this step and position or those given."""
@@ -387,6 +384,13 @@ class Trainer:
             self.executor.close()
             self.sampler.close()
             self.lock.release()
+
+
+def abandoned_step(stop: run_guard.StopSignals, error: Exception, saved: str) -> Exception:
+    """The stop for a step that failed before any update because the signal also reached its helper processes (a
+    Ctrl-C goes to the whole process group, e.g. the vLLM engine): the step is abandoned, the last one kept."""
+    first_line = str(error).splitlines()[0][:200] if str(error) else ""
+    return stop.stopped(f"the step in progress was abandoned ({type(error).__name__}: {first_line}); {saved}")
 
 
 def step_record(got: collection.Collected, step: int, step_metrics: list[dict], critic_metrics: list[dict],
@@ -501,23 +505,45 @@ def reference_logprobs(params, cfg, model_cfg, logprob_fn, temperature: float, m
     if model_cfg.lora_rank:
         base_fn = lora.jit_reference_logprobs(model_cfg, temperature=temperature, chunk=cfg.actor.logprob_chunk,
                                               mesh=mesh, tree=cfg.actor.tree_training)
-        return ReferenceLogprobs(base_fn, None)
-    ref = jax.tree.map(jnp.copy, params)
-    return ReferenceLogprobs(logprob_fn, jax.device_get(ref) if cfg.model.ref_on_host else ref)
+        return ReferenceLogprobs(base_fn)
+    if cfg.model.ref_on_host:
+        return ReferenceLogprobs(logprob_fn, *offload(params))
+    return ReferenceLogprobs(logprob_fn, jax.tree.map(jnp.copy, params))
 
 
 class ReferenceLogprobs:
     """`(policy params, batch) -> reference log-probs`: `fn` (a jitted log-prob forward) on the reference's own
-    params `ref`, or (None, LoRA) on the policy's, whose base it reads with the adapters off. `lower` lowers the
-    program a call runs (the warm-up compiles it)."""
+    params `ref` (on the devices, or in pinned host memory with `on_device` their device shardings, put back for
+    each call), or with `ref` None (LoRA) on the policy's, whose base it reads with the adapters off. `lower` lowers
+    the program a call runs (the warm-up compiles it)."""
 
-    def __init__(self, fn, ref):
-        self.fn, self.ref = fn, ref
+    def __init__(self, fn, ref=None, on_device=None):
+        self.fn, self.ref, self.on_device = fn, ref, on_device
 
     def __call__(self, policy, batch):
-        return self.fn(policy if self.ref is None else self.ref, batch)[0]
+        return self.fn(self._params(policy), batch)[0]
 
     def lower(self, policy, batch):
-        return self.fn.lower(policy if self.ref is None else self.ref, batch)
+        if self.on_device is None:
+            return self.fn.lower(self._params(policy), batch)
+        spec = lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        return self.fn.lower(jax.tree.map(spec, self.ref, self.on_device), batch)
+
+    def _params(self, policy):
+        if self.ref is None:
+            return policy
+        if self.on_device is None:
+            return self.ref
+        return jax.device_put(self.ref, self.on_device)
+
+
+def offload(params):
+    """(a copy of `params` in pinned host memory with their shardings, those shardings): the reference's
+    param_offload. Each process keeps its own shards (several processes, FSDP over the hosts: no gather) and each
+    log-prob pass puts them back on their devices for that pass only (`jax.device_put(host, on_device)`), so the
+    devices hold the reference only while it is used. A host numpy copy, as before, was uploaded whole and
+    unsharded at every call and could not be made at all from arrays spread over several processes."""
+    on_device = jax.tree.map(lambda x: x.sharding, params)
+    return jax.device_put(params, jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), on_device)), on_device
 
 
