@@ -1,0 +1,147 @@
+"""A cold start from the model's own work: rejection-sampled tool-use solutions for SFT (the maths recipe).
+
+Why: Qwen2.5-Coder-0.5B-Instruct never calls the ``<python>`` tool with the reference prompt (0 calls in 400
+answers, benchmarks/RESULTS.md): it writes a Markdown block and imagines its output. RL cannot reinforce a call it
+never samples, and there is no ARPO-SFT-54K here. Shown a few worked examples in the tag format, the same model does
+call the tool; the trajectories that end with the right answer and whose calls all ran are correct tool use in
+the model's own words, which SFT on the plain prompt (no examples) then makes its default.
+
+The steps (``python -m arpo_jax.data.cold_start WORKDIR --model ...``; every step resumes):
+
+1. sample: ``arpo-jax eval`` on the training questions (``math_tool.QUESTIONS_FILE``, a seeded order) with the
+   few-shot turns ``SHOTS`` before each question, ``k`` samples each at ``temperature`` (the evaluation's
+   per-chunk seeds: the same seed gives the same samples), the real sandboxed Python tool;
+2. filter (``accepted``): the answer is right (the evaluation's math rule), the response passes the reference's
+   format check (think / answer tags, ``\\boxed{}``, every tool call followed by its result), at least one Python
+   call printed a result and none failed, and it ended by itself (not cut at the length limit);
+3. write ``sft.json``: the first accepted sample of each question (``per_question``), as OpenAI messages with the
+   reference system prompt and the bare question, i.e. exactly the RL prompt without the examples; the tool
+   results stay inline in the assistant turn (``sft.mask_tool_results`` keeps them out of the loss).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from arpo_jax.prompts import REFERENCE_DATA_SYSTEM_PROMPT, chat_messages
+from arpo_jax.rewards.deep_research import validate_format
+
+SFT_FILE, SHOTS_FILE, REPORT_FILE = "sft.json", "shots.json", "cold_start.json"
+SAMPLES_DIR = "samples"
+
+# Three worked examples in the rollout's exact format: a word problem, algebra with sympy, counting. Short, so the
+# prompt stays ~650 tokens (the reference system prompt is ~270), and each prints its result, as the tool needs.
+SHOTS = (
+    ("A baker makes 4 trays of 15 muffins. He sells 38 muffins at $2.50 each and gives the rest away. How much "
+     "money does he make, and how many muffins does he give away? Give the money.",
+     "<think> 4 trays of 15 muffins is 60 muffins. He sells 38 at $2.50 each. I will compute it in Python. </think>\n"
+     "<python>\nmuffins = 4 * 15\nmoney = 38 * 2.50\nprint(muffins - 38, money)\n</python> <result>\n22 95.0\n"
+     "</result>\n<think> He gives 22 muffins away and makes $95. </think>\n"
+     "<answer> The final answer is \\[ \\boxed{95} \\] </answer>"),
+    ("What is the sum of all real solutions of $x^2 - 7x + 5 = 0$?",
+     "<think> I will solve the quadratic with sympy and add the solutions. </think>\n"
+     "<python>\nimport sympy as sp\nx = sp.symbols('x')\nsolutions = sp.solve(x**2 - 7*x + 5, x)\n"
+     "print(solutions, sp.simplify(sum(solutions)))\n</python> <result>\n"
+     "[7/2 - sqrt(29)/2, sqrt(29)/2 + 7/2] 7\n</result>\n<think> Both solutions are real and they add up to 7. "
+     "</think>\n<answer> The final answer is \\[ \\boxed{7} \\] </answer>"),
+    ("How many positive integers less than 200 are divisible by 3 or 7 but not by both?",
+     "<think> I will count them with a loop. </think>\n"
+     "<python>\ncount = sum(1 for n in range(1, 200) if (n % 3 == 0) != (n % 7 == 0))\nprint(count)\n</python> "
+     "<result>\n76\n</result>\n<think> 66 multiples of 3 and 28 of 7, minus twice the 9 multiples of 21: 76. "
+     "</think>\n<answer> The final answer is \\[ \\boxed{76} \\] </answer>"),
+)
+
+
+def write_shots(path: str | os.PathLike) -> Path:
+    """``SHOTS`` as the ``arpo-jax eval --few-shot`` file."""
+    path = Path(path)
+    path.write_text(json.dumps([{"question": q, "response": r} for q, r in SHOTS], indent=1), encoding="utf-8")
+    return path
+
+
+def accepted(record: dict) -> bool:
+    """Whether an evaluation record (`eval.runner`) is a solution worth imitating (module docstring, step 2)."""
+    ran = record.get("python_ok", 0) >= 1 and record.get("python_errors", 0) == 0
+    calls_answered = record.get("python_ok", 0) + record.get("python_empty", 0) == record.get("python_calls", 0)
+    ended = record.get("finish_reason") not in ("length", "error") and not record.get("truncated")
+    return bool(record.get("correct")) and ran and calls_answered and ended and validate_format(record["output"])[0]
+
+
+def sft_rows(records: Sequence[dict], questions: dict[str, str], per_question: int = 1) -> list[dict]:
+    """OpenAI-messages SFT rows of the first ``per_question`` accepted records of each question (records in
+    file order; ``questions``: id -> question text)."""
+    taken: dict[str, int] = {}
+    rows = []
+    for r in records:
+        if accepted(r) and taken.get(r["id"], 0) < per_question:
+            taken[r["id"]] = taken.get(r["id"], 0) + 1
+            messages = chat_messages(questions[r["id"]], REFERENCE_DATA_SYSTEM_PROMPT)
+            rows.append({"id": r["id"], "messages": [*messages, {"role": "assistant", "content": r["output"]}]})
+    return rows
+
+
+def yield_report(records: Sequence[dict], rows: Sequence[dict]) -> dict:
+    """How many samples and questions passed each filter, and the SFT set's size."""
+    n = len(records)
+    with_call = sum(r.get("python_calls", 0) > 0 for r in records)
+    return {"samples": n, "questions": len({r["id"] for r in records}), "samples_correct": sum(bool(r["correct"])
+                                                                                              for r in records),
+            "samples_with_python_call": with_call, "samples_accepted": sum(accepted(r) for r in records),
+            "questions_accepted": len({r["id"] for r in records if accepted(r)}), "sft_rows": len(rows),
+            "yield_per_sample": sum(accepted(r) for r in records) / n if n else 0.0}
+
+
+def run(workdir: str | os.PathLike, *, model: str, questions_file: str | os.PathLike, questions: int, k: int,
+        temperature: float, seed: int, per_question: int = 1, engine: str = "vllm", batch_size: int = 16,
+        max_response_length: int = 768, config_args: Sequence[str] = ()) -> dict:
+    """Steps 1-3 (module docstring) in ``workdir``; returns the yield report (also ``cold_start.json``)."""
+    from arpo_jax import metrics
+    from arpo_jax.eval import runner
+
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    shots = write_shots(workdir / SHOTS_FILE)
+    cfg = runner.load_eval_config(["--config.tools.search.enabled=false",
+                                   f"--config.data.max_response_length={max_response_length}", *config_args])
+    opts = runner.EvalOptions(model=model, benchmarks=str(questions_file), workdir=workdir / SAMPLES_DIR, k=k,
+                              limit=questions, engine=engine, batch_size=batch_size, seed=seed,
+                              temperature=temperature, few_shot=str(shots))
+    summary = runner.evaluate(cfg, opts)
+    name = next(iter(summary["benchmarks"]))
+    records = metrics.read_jsonl(workdir / SAMPLES_DIR / name / runner.SAMPLES_FILE)
+    texts = {r["id"]: r["question"] for r in metrics.read_jsonl(questions_file)}
+    rows = sft_rows(records, texts, per_question)
+    (workdir / SFT_FILE).write_text(json.dumps(rows, indent=1), encoding="utf-8")
+    report = yield_report(records, rows) | {"model": model, "k": k, "temperature": temperature, "seed": seed,
+                                            "sft_file": str(workdir / SFT_FILE), "wall_s": summary["wall_s"]}
+    (workdir / REPORT_FILE).write_text(json.dumps(report, indent=2), encoding="utf-8")
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="rejection-sampled tool-use SFT data (arpo_jax/data/cold_start.py)")
+    p.add_argument("workdir", help="samples/ (the resumable evaluation), shots.json, sft.json, cold_start.json")
+    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--questions-file", required=True, help="file benchmark of training questions "
+                   "(`python -m arpo_jax.data.math_tool DIR` writes DIR/train_math.jsonl)")
+    p.add_argument("--questions", type=int, default=1000, help="how many of them (from the first)")
+    p.add_argument("--k", type=int, default=2, help="samples per question")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed gives the same set)")
+    p.add_argument("--per-question", type=int, default=1, help="accepted samples kept per question")
+    p.add_argument("--engine", default="vllm", choices=["vllm", "jax"])
+    p.add_argument("--batch-size", type=int, default=16, help="questions per generation call (x k samples)")
+    p.add_argument("--max-response-length", type=int, default=768)
+    args, config_args = p.parse_known_args(argv)
+    print(json.dumps(run(args.workdir, model=args.model, questions_file=args.questions_file,
+                         questions=args.questions, k=args.k, temperature=args.temperature, seed=args.seed,
+                         per_question=args.per_question, engine=args.engine, batch_size=args.batch_size,
+                         max_response_length=args.max_response_length, config_args=config_args)))
+
+
+if __name__ == "__main__":
+    main()
