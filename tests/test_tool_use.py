@@ -102,3 +102,18 @@ def test_sft_rows_are_the_plain_prompt_and_the_first_accepted_answer_per_questio
     ids, mask = data[0]
     trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])
     assert "print(9*2)" in trained and "\\boxed{18}" in trained and "\n18\n" not in trained
+
+
+def test_plain_questions_are_word_problems_with_a_numeric_answer(tmp_path):
+    from arpo_jax.data.math_tool import plain_question
+
+    rows = [{"id": "a", "question": "A van has 4 seats. How many ways can 3 people sit?", "answer": "24"},
+            {"id": "b", "question": "Find $\\frac{1}{2} + x$ when $x = 1$.", "answer": "1.5"},  # a LaTeX command
+            {"id": "c", "question": "Solve $x + 1 = 2$ and $y = 3$.", "answer": "1"},  # two inline formulas
+            {"id": "d", "question": "What is the price?", "answer": "9.80"},
+            {"id": "e", "question": "Name the set.", "answer": "a=2, k=5"}]  # not a number
+    assert [r["id"] for r in rows if plain_question(r)] == ["a", "d"]
+    source = tmp_path / "all.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    picked = cold_start.select_questions(source, tmp_path / "picked.jsonl", plain=True)
+    assert [json.loads(line)["id"] for line in picked.read_text().splitlines()] == ["a", "d"]

@@ -8,7 +8,9 @@ the model's own words, which SFT on the plain prompt (no examples) then makes it
 
 The steps (``python -m arpo_jax.data.cold_start WORKDIR --model ...``; every step resumes):
 
-1. sample: ``arpo-jax eval`` on the training questions (``math_tool.QUESTIONS_FILE``, a seeded order) with the
+1. sample: ``arpo-jax eval`` on the training questions (``math_tool.QUESTIONS_FILE``, a seeded order; by default
+   only the plain word problems, ``math_tool.plain_question``: the rest is competition maths the model almost never
+   solves, so sampling it costs hours for nothing) with the
    few-shot turns ``SHOTS`` before each question, ``k`` samples each at ``temperature`` (the evaluation's
    per-chunk seeds: the same seed gives the same samples), the real sandboxed Python tool;
 2. filter (``accepted``): the answer is right (the evaluation's math rule), the response passes the reference's
@@ -30,7 +32,7 @@ from pathlib import Path
 from arpo_jax.prompts import REFERENCE_DATA_SYSTEM_PROMPT, chat_messages
 from arpo_jax.rewards.deep_research import validate_format
 
-SFT_FILE, SHOTS_FILE, REPORT_FILE = "sft.json", "shots.json", "cold_start.json"
+SFT_FILE, SHOTS_FILE, REPORT_FILE, QUESTIONS_FILE = "sft.json", "shots.json", "cold_start.json", "questions.jsonl"
 SAMPLES_DIR = "samples"
 
 # Three worked examples in the rollout's exact format: a word problem, algebra with sympy, counting. Short, so the
@@ -95,17 +97,30 @@ def yield_report(records: Sequence[dict], rows: Sequence[dict]) -> dict:
             "yield_per_sample": sum(accepted(r) for r in records) / n if n else 0.0}
 
 
+def select_questions(questions_file: str | os.PathLike, out: Path, *, plain: bool) -> Path:
+    """The questions to sample (all, or `math_tool.plain_question`'s), in the file's order, as a file benchmark."""
+    from arpo_jax import metrics
+    from arpo_jax.data.math_tool import plain_question
+
+    rows = [r for r in metrics.read_jsonl(questions_file) if not plain or plain_question(r)]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if not out.is_file() or out.read_text(encoding="utf-8") != text:
+        out.write_text(text, encoding="utf-8")
+    return out
+
+
 def run(workdir: str | os.PathLike, *, model: str, questions_file: str | os.PathLike, questions: int, k: int,
         temperature: float, seed: int, per_question: int = 1, engine: str = "vllm", batch_size: int = 16,
-        max_response_length: int = 768, config_args: Sequence[str] = ()) -> dict:
+        max_response_length: int = 512, plain: bool = True, config_args: Sequence[str] = ()) -> dict:
     """Steps 1-3 (module docstring) in ``workdir``; returns the yield report (also ``cold_start.json``)."""
     from arpo_jax import metrics
     from arpo_jax.eval import runner
 
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    questions_file = select_questions(questions_file, workdir / QUESTIONS_FILE, plain=plain)
     shots = write_shots(workdir / SHOTS_FILE)
-    cfg = runner.load_eval_config(["--config.tools.search.enabled=false",
+    cfg = runner.load_eval_config(["--config.tools.search.enabled=false", "--config.tools.call_limit=3",
                                    f"--config.data.max_response_length={max_response_length}", *config_args])
     opts = runner.EvalOptions(model=model, benchmarks=str(questions_file), workdir=workdir / SAMPLES_DIR, k=k,
                               limit=questions, engine=engine, batch_size=batch_size, seed=seed,
@@ -135,12 +150,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--per-question", type=int, default=1, help="accepted samples kept per question")
     p.add_argument("--engine", default="vllm", choices=["vllm", "jax"])
     p.add_argument("--batch-size", type=int, default=16, help="questions per generation call (x k samples)")
-    p.add_argument("--max-response-length", type=int, default=768)
+    p.add_argument("--max-response-length", type=int, default=512, help="an accepted solution is ~250 tokens; a "
+                   "sampling round lasts as long as its longest response")
+    p.add_argument("--all-questions", action="store_true", help="sample every question, not only the plain word "
+                   "problems with a numeric answer (`math_tool.plain_question`)")
     args, config_args = p.parse_known_args(argv)
     print(json.dumps(run(args.workdir, model=args.model, questions_file=args.questions_file,
                          questions=args.questions, k=args.k, temperature=args.temperature, seed=args.seed,
                          per_question=args.per_question, engine=args.engine, batch_size=args.batch_size,
-                         max_response_length=args.max_response_length, config_args=config_args)))
+                         max_response_length=args.max_response_length, plain=not args.all_questions,
+                         config_args=config_args)))
 
 
 if __name__ == "__main__":
