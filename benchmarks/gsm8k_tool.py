@@ -5,8 +5,8 @@
 
 Phases (each resumes where it stopped; run the command again after an interruption):
   data        `python -m arpo_jax.data.math_tool W/data`: train_math.parquet, val.parquet, train_math.jsonl
-  cold_start  `python -m arpo_jax.data.cold_start W/cold_start`: few-shot tool-use samples of the training questions,
-              the correct ones whose calls ran -> W/data/sft.json
+  cold_start  `python -m arpo_jax.data.cold_start W/cold_start`: few-shot tool-use samples of GSM8K questions
+              300-999 (`math_tool.COLD_START_SLICE`), the correct ones whose calls ran -> W/data/sft.json
   sft         `arpo-jax sft` (LoRA) of the config `arpo_qwen25_coder_05b_gsm8k`, then its adapter as a PEFT folder
               (W/sft_adapter)
   rl          `arpo-jax train` from that adapter (`--algo`, `--seed`) in W/<algo>_s<seed>, then its final adapter
@@ -36,7 +36,7 @@ MODEL = "qwen2.5-coder-0.5b-instruct"
 PHASES = ("data", "cold_start", "sft", "rl", "eval")
 # Minutes on the 2-core CPU (RESULTS.md); the GPU column is an estimate until a run on one is recorded.
 EXPECTED_MIN = {"data": 0.2, "cold_start": 120, "sft": 60, "rl": 120, "eval": 40}
-COLD_START = {"questions": 1000, "k": 2, "temperature": 0.7, "seed": 0}
+COLD_START = {"questions": 700, "k": 1, "temperature": 0.7, "seed": 0}
 
 
 def _say(msg: str) -> None:
@@ -56,8 +56,9 @@ def _config(workdir: Path, algo: str, gpu: bool) -> str:
 def phase_cold_start(workdir: Path) -> None:
     out = workdir / "cold_start"
     _run([sys.executable, "-m", "arpo_jax.data.cold_start", str(out), "--questions-file",
-          str(workdir / "data" / math_tool.QUESTIONS_FILE), "--questions", str(COLD_START["questions"]), "--k",
-          str(COLD_START["k"]), "--temperature", str(COLD_START["temperature"]), "--seed", str(COLD_START["seed"])])
+          str(workdir / "data" / math_tool.COLD_START_FILE), "--all-questions", "--batch-size", "32", "--questions",
+          str(COLD_START["questions"]), "--k", str(COLD_START["k"]), "--temperature", str(COLD_START["temperature"]),
+          "--seed", str(COLD_START["seed"])])
     shutil.copyfile(out / cold_start.SFT_FILE, workdir / "data" / "sft.json")
 
 

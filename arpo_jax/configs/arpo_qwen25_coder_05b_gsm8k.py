@@ -4,7 +4,8 @@ CPU (LoRA, hours) and on one GPU (minutes), validated on fixed GSM8K and MATH500
 The data (`python -m arpo_jax.data.math_tool DATA`, from ../shared/data): the 5000 maths rows of train_10k to train
 on, 50 GSM8K + 30 MATH500 questions to validate on (disjoint from the first 300 GSM8K / 200 MATH500 that the
 recipe's evaluation reports), and the cold start's SFT set `DATA/sft.json` (`arpo_jax.data.cold_start`: the model's
-own few-shot tool-use solutions, rejection-sampled). `benchmarks/gsm8k_tool.py` runs every phase in order (data,
+own few-shot tool-use solutions of GSM8K questions 300-999, rejection-sampled; on train_10k's competition maths the
+model solves nothing to keep). `benchmarks/gsm8k_tool.py` runs every phase in order (data,
 cold start, SFT, RL, evaluation), each resumable, and prints the expected durations.
 
   arpo-jax sft   --config=builtin:arpo_qwen25_coder_05b_gsm8k:DATA --workdir W/sft

@@ -6,11 +6,15 @@ never samples, and there is no ARPO-SFT-54K here. Shown a few worked examples in
 call the tool; the trajectories that end with the right answer and whose calls all ran are correct tool use in
 the model's own words, which SFT on the plain prompt (no examples) then makes its default.
 
-The steps (``python -m arpo_jax.data.cold_start WORKDIR --model ...``; every step resumes):
+Which questions (``--questions-file``): the recipe uses GSM8K test questions 300-999 (``math_tool.COLD_START_SLICE``,
+disjoint from the reported and the validation questions, standing in for GSM8K's train split). On train_10k's maths
+(competition problems) the untrained model answered 0 of 64 few-shot samples right, 0 of 32 even on its plain word
+problems (``math_tool.plain_question``, the default filter here, ``--all-questions`` to turn it off), at ~10 generated
+tokens a second on a shared 2-core CPU: rejection sampling there yields nothing (benchmarks/RESULTS.md).
 
-1. sample: ``arpo-jax eval`` on the training questions (``math_tool.QUESTIONS_FILE``, a seeded order; by default
-   only the plain word problems, ``math_tool.plain_question``: the rest is competition maths the model almost never
-   solves, so sampling it costs hours for nothing) with the
+The steps (``python -m arpo_jax.data.cold_start WORKDIR --questions-file FILE ...``; every step resumes):
+
+1. sample: ``arpo-jax eval`` on a file of questions with the
    few-shot turns ``SHOTS`` before each question, ``k`` samples each at ``temperature`` (the evaluation's
    per-chunk seeds: the same seed gives the same samples), the real sandboxed Python tool;
 2. filter (``accepted``): the answer is right (the evaluation's math rule), the response passes the reference's
@@ -113,7 +117,6 @@ def run(workdir: str | os.PathLike, *, model: str, questions_file: str | os.Path
         temperature: float, seed: int, per_question: int = 1, engine: str = "vllm", batch_size: int = 16,
         max_response_length: int = 512, plain: bool = True, config_args: Sequence[str] = ()) -> dict:
     """Steps 1-3 (module docstring) in ``workdir``; returns the yield report (also ``cold_start.json``)."""
-    from arpo_jax import metrics
     from arpo_jax.eval import runner
 
     workdir = Path(workdir)
@@ -126,13 +129,25 @@ def run(workdir: str | os.PathLike, *, model: str, questions_file: str | os.Path
                               limit=questions, engine=engine, batch_size=batch_size, seed=seed,
                               temperature=temperature, few_shot=str(shots))
     summary = runner.evaluate(cfg, opts)
-    name = next(iter(summary["benchmarks"]))
-    records = metrics.read_jsonl(workdir / SAMPLES_DIR / name / runner.SAMPLES_FILE)
+    report = build(workdir, per_question) | {"model": model, "k": k, "temperature": temperature, "seed": seed,
+                                             "wall_s": summary["wall_s"]}
+    (workdir / REPORT_FILE).write_text(json.dumps(report, indent=2), encoding="utf-8")
+    return report
+
+
+def build(workdir: str | os.PathLike, per_question: int = 1) -> dict:
+    """Step 3 from the samples written so far (the sampling may still be running, or stopped early): sft.json and
+    the yield report (cold_start.json)."""
+    from arpo_jax import metrics
+    from arpo_jax.eval import runner
+
+    workdir = Path(workdir)
+    questions_file = workdir / QUESTIONS_FILE
+    records = metrics.read_jsonl(workdir / SAMPLES_DIR / questions_file.stem / runner.SAMPLES_FILE)
     texts = {r["id"]: r["question"] for r in metrics.read_jsonl(questions_file)}
     rows = sft_rows(records, texts, per_question)
     (workdir / SFT_FILE).write_text(json.dumps(rows, indent=1), encoding="utf-8")
-    report = yield_report(records, rows) | {"model": model, "k": k, "temperature": temperature, "seed": seed,
-                                            "sft_file": str(workdir / SFT_FILE), "wall_s": summary["wall_s"]}
+    report = yield_report(records, rows) | {"sft_file": str(workdir / SFT_FILE)}
     (workdir / REPORT_FILE).write_text(json.dumps(report, indent=2), encoding="utf-8")
     return report
 
@@ -154,7 +169,11 @@ def main(argv: list[str] | None = None) -> None:
                    "sampling round lasts as long as its longest response")
     p.add_argument("--all-questions", action="store_true", help="sample every question, not only the plain word "
                    "problems with a numeric answer (`math_tool.plain_question`)")
+    p.add_argument("--build-only", action="store_true", help="no sampling: sft.json from the samples so far")
     args, config_args = p.parse_known_args(argv)
+    if args.build_only:
+        print(json.dumps(build(args.workdir, args.per_question)))
+        return
     print(json.dumps(run(args.workdir, model=args.model, questions_file=args.questions_file,
                          questions=args.questions, k=args.k, temperature=args.temperature, seed=args.seed,
                          per_question=args.per_question, engine=args.engine, batch_size=args.batch_size,

@@ -10,7 +10,9 @@ when its rows change).
   disjoint from ``EVAL_SLICES``, the questions the recipe's final evaluation reports, so no checkpoint or
   hyperparameter is chosen on the reported questions.
 * ``train_math.jsonl``: the same training questions as a file benchmark (`eval.benchmarks.FILE_SPEC`: id,
-  question, answer) in a seeded order, for the cold start's rejection sampling (`data.cold_start`).
+  question, answer) in a seeded order.
+* ``cold_start_questions.jsonl``: the questions the cold start's rejection sampling (`data.cold_start`) runs on,
+  ``COLD_START_SLICE`` (why: there).
 """
 
 from __future__ import annotations
@@ -26,11 +28,17 @@ import numpy as np
 from arpo_jax.prompts import REFERENCE_DATA_SYSTEM_PROMPT, chat_messages
 
 TRAIN_FILE, VAL_FILE, QUESTIONS_FILE = "train_math.parquet", "val.parquet", "train_math.jsonl"
+COLD_START_FILE = "cold_start_questions.jsonl"
 # (benchmark, offset, count): validation during training (~80 greedy answers: ~4 minutes on 2 CPU cores).
 VAL_SLICES = (("gsm8k", 1000, 50), ("math500", 400, 30))
 # What the recipe reports (pass@1 greedy): the first 300 GSM8K questions (the untrained model's 0.24 +- 0.025 in
 # benchmarks/RESULTS.md) and the first 200 of MATH500.
 EVAL_SLICES = (("gsm8k", 0, 300), ("math500", 0, 200))
+# The cold start's questions: GSM8K test questions 300-999, disjoint from EVAL_SLICES and VAL_SLICES, standing in for
+# GSM8K's train split (not in ../shared/data). train_10k's maths is competition maths: the untrained 0.5B model with
+# the few-shot tool prompt answered 0 of 64 samples right (benchmarks/RESULTS.md), so rejection sampling there
+# yields nothing.
+COLD_START_SLICE = ("gsm8k", 300, 700)
 
 
 def shared_data_dir() -> Path:
@@ -103,6 +111,11 @@ def prepare(out: str | os.PathLike, *, data_dir: str | os.PathLike | None = None
     _write_if_changed(paths["val"], lambda p: pq.write_table(val, p))
     lines = "".join(json.dumps(r) + "\n" for r in question_records(table, seed))
     _write_if_changed(paths["questions"], lambda p: p.write_text(lines, encoding="utf-8"))
+    paths["cold_start"] = out / COLD_START_FILE
+    cold = "".join(json.dumps({"id": r["extra_info"]["id"], "question": r["extra_info"]["question"],
+                               "answer": r["reward_model"]["ground_truth"]}) + "\n"
+                   for r in benchmark_rows(shared / "eval", [COLD_START_SLICE]))
+    _write_if_changed(paths["cold_start"], lambda p: p.write_text(cold, encoding="utf-8"))
     return {k: str(v) for k, v in paths.items()}
 
 
