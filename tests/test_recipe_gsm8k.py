@@ -40,7 +40,7 @@ def test_the_recipe_data_sft_then_one_arpo_step_from_its_adapter(eval_data_dir, 
               "</think>\n<answer> \\boxed{4} </answer>")
     records = [{"id": q["id"], "output": answer, "correct": True, "finish_reason": "stop", "python_calls": 1,
                 "python_ok": 1, "python_empty": 0, "python_errors": 0} for q in questions[:4]]
-    rows = cold_start.sft_rows(records, {q["id"]: q["question"] for q in questions[:4]})
+    rows = cold_start.sft_rows(records, {q["id"]: q for q in questions[:4]})
     (data / "sft.json").write_text(json.dumps(rows))
 
     config = f"--config=builtin:arpo_qwen25_coder_05b_gsm8k:{data}"

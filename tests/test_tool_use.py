@@ -87,13 +87,14 @@ def test_sft_rows_are_the_plain_prompt_and_the_first_accepted_answer_per_questio
 
     records = [_record(GOOD, correct=False), _record(GOOD), _record(GOOD.replace("a </think>", "c </think>")),
                {**_record(GOOD), "id": "q2"}]
-    rows = cold_start.sft_rows(records, {"q1": "What is 9 times 2?", "q2": "Nine twos?"})
+    rows = cold_start.sft_rows(records, {"q1": {"question": "What is 9 times 2?", "answer": "18"},
+                                         "q2": {"question": "Nine twos?", "answer": "18"}})
     assert [r["id"] for r in rows] == ["q1", "q2"]
     assert rows[0]["messages"] == [{"role": "system", "content": REFERENCE_DATA_SYSTEM_PROMPT},
                                    {"role": "user", "content": "What is 9 times 2?"},
                                    {"role": "assistant", "content": GOOD}]
     report = cold_start.yield_report(records, rows)
-    assert (report["samples_accepted"], report["questions_accepted"], report["sft_rows"]) == (3, 2, 2)
+    assert (report["samples_accepted"], report["sft_rows"], report["sft_rows_completed"]) == (3, 2, 0)
     # The SFT loader reads the file; the tool result is in the text but out of the loss.
     path = tmp_path / "sft.json"
     path.write_text(json.dumps(rows))
@@ -117,3 +118,16 @@ def test_plain_questions_are_word_problems_with_a_numeric_answer(tmp_path):
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     picked = cold_start.select_questions(source, tmp_path / "picked.jsonl", plain=True)
     assert [json.loads(line)["id"] for line in picked.read_text().splitlines()] == ["a", "d"]
+
+
+def test_a_sample_that_stopped_after_the_right_result_gets_its_answer_written_out():
+    stopped = "<think> a </think>\n" + _call("print(9 * 2.0)", "18.0")
+    done = cold_start.completed(_record(stopped), "18")
+    assert done["completed"] and done["correct"] and cold_start.accepted(done)
+    assert done["output"].endswith("<answer> The final answer is \\[ \\boxed{18} \\] </answer>")
+    assert math_tool_score(done["output"], "18")["score"] == pytest.approx(1.0 + TOOL_BONUS)
+    for output, answer in [(stopped, "19"),  # the wrong number
+                           ("<think> a </think>\n" + _call("print(1)", TRACEBACK), "18"),  # a failed call
+                           (GOOD, "18"),  # it answered itself: nothing to complete
+                           (stopped + " and then", "18")]:  # it went on after the result
+        assert "completed" not in cold_start.completed(_record(output), answer)
