@@ -27,10 +27,10 @@ def _tune_xla_cpu() -> None:
 
 _tune_xla_cpu()
 
-from arpo_jax.hf import save_pretrained
 from arpo_jax.models import CausalLM, Config, KVCache, init_model
-from arpo_jax.pretrained import from_pretrained
 from arpo_jax.sharding import make_mesh
+from arpo_jax.weights.hf import save_pretrained
+from arpo_jax.weights.pretrained import from_pretrained
 
 __version__ = "0.1.0"
 __all__ = ["CausalLM", "Config", "KVCache", "from_pretrained", "init_model", "make_mesh", "save_pretrained"]

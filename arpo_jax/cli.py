@@ -23,30 +23,31 @@ import sys
 
 
 def _experiment(args) -> tuple:
-    from arpo_jax import config as config_lib
+    from arpo_jax.config import args as args_lib
 
-    cfg = config_lib.load_config(args.config_args)
+    cfg = args_lib.load_config(args.config_args)
     return cfg, args.workdir
 
 
 def _train(args) -> dict:
     cfg, workdir = _experiment(args)
-    from arpo_jax import trainer
+    from arpo_jax.train import trainer
 
     return trainer.train(cfg, workdir)
 
 
 def _sft(args) -> dict:
     cfg, workdir = _experiment(args)
-    from arpo_jax import sft
+    from arpo_jax.train import sft
 
     return sft.run_sft(cfg, workdir)
 
 
 def _plan(args) -> dict:
-    from arpo_jax import config as config_lib
+    from arpo_jax.config import args as args_lib
+    from arpo_jax.config import validate as config_lib
 
-    cfg = config_lib.load_config(args.config_args)
+    cfg = args_lib.load_config(args.config_args)
     shape = tuple(cfg.mesh.shape)
     devices = args.devices or (math.prod(shape) if -1 not in shape else 8)
     if not args.native:
@@ -55,7 +56,7 @@ def _plan(args) -> dict:
         import jax
 
         jax.config.update("jax_platforms", "cpu")
-    from arpo_jax import plan
+    from arpo_jax.plan import memory_model, plan
 
     command = args.mode or ("sft" if plan.is_sft(cfg) else "train")
     cfg = config_lib.validate(cfg, device_count=None if args.native else devices, check_files=False, command=command)
@@ -64,7 +65,7 @@ def _plan(args) -> dict:
     if not result["fits"]:
         # The table above names the largest items and the settings that fit; the JSON line stays the last one.
         print(f"arpo-jax plan: {result['peak_program']} needs {result['peak_gib']} GiB per device, more than "
-              f"{1 - plan.HEADROOM:.0%} of the {result['budget_gib']} GiB {result['device']} gives JAX",
+              f"{1 - memory_model.HEADROOM:.0%} of the {result['budget_gib']} GiB {result['device']} gives JAX",
               file=sys.stderr)
         print(json.dumps(result, default=str))
         raise SystemExit(3)
@@ -72,7 +73,7 @@ def _plan(args) -> dict:
 
 
 def _convert(args) -> dict:
-    from arpo_jax import convert
+    from arpo_jax.weights import convert
 
     if args.direction == "gguf-to-hf":
         return convert.gguf_to_hf(args.gguf, args.out, dtype=args.dtype, overwrite=args.overwrite)
@@ -83,7 +84,7 @@ def _convert(args) -> dict:
 
 
 def _export(args) -> dict:
-    from arpo_jax import convert
+    from arpo_jax.weights import convert
 
     return convert.export_lora(args.out, fmt=args.format, ckpt=args.ckpt, step=args.step, adapter=args.adapter,
                                base=args.base, dtype=args.dtype, overwrite=args.overwrite)
@@ -104,9 +105,9 @@ def _quickstart(args) -> dict:
 
 
 def _eval(args) -> dict:
-    from arpo_jax.eval import runner
+    from arpo_jax.eval import agent, runner
 
-    cfg = runner.load_eval_config(args.config_args, no_tools=args.no_tools)
+    cfg = agent.load_eval_config(args.config_args, no_tools=args.no_tools)
     opts = runner.EvalOptions(
         model=args.model, benchmarks=args.benchmarks, workdir=args.workdir, k=args.k, limit=args.limit,
         offset=args.offset, adapter=args.adapter, few_shot=args.few_shot,
@@ -125,9 +126,9 @@ def _compare(args) -> dict:
 
 
 def _chat(args) -> dict:
-    from arpo_jax.eval import chat, runner
+    from arpo_jax.eval import agent, chat
 
-    cfg = runner.load_eval_config(args.config_args, no_tools=args.no_tools)
+    cfg = agent.load_eval_config(args.config_args, no_tools=args.no_tools)
     return chat.chat(cfg, args.model, workdir=args.workdir, engine=args.engine, tokenizer=args.tokenizer,
                      base_url=args.base_url, served_model=args.served_model, api_key_env=args.api_key_env,
                      temperature=args.temperature, seed=args.seed)
@@ -194,7 +195,7 @@ def _add_eval_commands(sub) -> None:
 
 
 def _add_experiment(sub, name: str, help: str, func, *, workdir: bool = True) -> argparse.ArgumentParser:
-    from arpo_jax.config import builtin_configs
+    from arpo_jax.config.args import builtin_configs
 
     p = sub.add_parser(name, help=help, description=f"{help}. Config arguments: --config=FILE[:ARG] or "
                        "--config=builtin:NAME, and --config.section.field=VALUE overrides (ml_collections "
@@ -314,7 +315,7 @@ _CONFIG_OPTIONAL = ("eval", "chat")  # take --config arguments; without them bui
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """argparse for the command's own flags; the --config arguments are kept apart for ml_collections."""
-    from arpo_jax.config import split_config_args
+    from arpo_jax.config.args import split_config_args
 
     try:
         config_args, rest = split_config_args(argv)
@@ -339,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         from arpo_jax import hugepages
 
         hugepages.reexec_with_hugepages()
-    from arpo_jax.run_guard import Stopped
+    from arpo_jax.train.run_guard import Stopped
 
     try:
         result = args.func(args)

@@ -9,9 +9,9 @@ Everything is built offline in the work directory, then the real commands' code 
               reference's ~270; same tags and answer format) and scored by the reference reward (`deep_research`)
               unchanged. Cold-start conversations are deliberately imperfect: most of them make one typical agent
               mistake (`toy.flawed_text`: the wrong operation, the wrong result page, no final Python call).
-  2. sft      cold-start SFT (`arpo_jax.sft`) of the named model (`--model`, converted once into $ARPO_CACHE) on
+  2. sft      cold-start SFT (`arpo_jax.train.sft`) of the named model (`--model`, converted once into $ARPO_CACHE) on
               those conversations: it teaches the tool format, and with it the mistakes.
-  3. rl       ARPO (or AEPO / plain GRPO, `--algo`) with `arpo_jax.trainer`, validated (greedy, per task kind, on
+  3. rl       ARPO (or AEPO / plain GRPO, `--algo`) with `arpo_jax.train.trainer`, validated (greedy, per task kind, on
               held-out questions) before the first step and every few steps; the baseline is the SFT model's
               validation. Rollouts run in vLLM when it is installed (the co-located `rollout.engine=vllm`), else in
               the JAX sampler.
@@ -99,7 +99,7 @@ def write_data(directory: Path, size: DemoSize, seed: int, *, max_results: int, 
     max_results / result_length), so SFT teaches the model the contexts it will see.
     """
     from arpo_jax.data import toy
-    from arpo_jax.prompts import DEMO_SYSTEM_PROMPT, chat_messages
+    from arpo_jax.data.prompts import DEMO_SYSTEM_PROMPT, chat_messages
     from arpo_jax.tools import LocalSearchTool
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -137,9 +137,9 @@ def rollout_engine() -> str:
 
 def demo_config(model: str, size: DemoSize, algo: str, seed: int, engine: str):
     """builtin:toy_cpu with the demo's model, data and schedule; `algo` picks the rollout and the loss."""
-    from arpo_jax import config as config_lib
+    from arpo_jax.config import args
 
-    cfg = config_lib.load_config(["--config=builtin:toy_cpu"])
+    cfg = args.load_config(["--config=builtin:toy_cpu"])
     with cfg.unlocked():
         cfg.seed = seed
         cfg.model.path = model
@@ -198,7 +198,8 @@ def demo_config(model: str, size: DemoSize, algo: str, seed: int, engine: str):
 
 def model_params(model: str) -> int:
     """`model`'s parameter count from its config (a named model or a .gguf file is fetched and converted first)."""
-    from arpo_jax import hf, models, named_models
+    from arpo_jax import models
+    from arpo_jax.weights import hf, named_models
 
     return models.param_count(models.abstract_model(hf.read_config(named_models.model_folder(model))[0]))
 
@@ -213,9 +214,10 @@ def transcript(hf_dir: Path, cfg, question: str, engine: str = "transformers") -
     transformers, vllm or jax."""
     from transformers import AutoTokenizer
 
-    from arpo_jax import components, pretrained, prompts
-    from arpo_jax.data import rl_dataset
+    from arpo_jax.data import prompts, rl_dataset
     from arpo_jax.rollout.agent_loop import greedy_settings, rollout
+    from arpo_jax.train import components
+    from arpo_jax.weights import pretrained
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     model = pretrained.from_pretrained(hf_dir) if engine == "jax" else None
@@ -263,7 +265,7 @@ def plot_curves(metrics_file: Path, out_dir: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from arpo_jax import metrics
+    from arpo_jax.train import metrics
 
     records = metrics.read_jsonl(metrics_file)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -305,9 +307,9 @@ def use_compilation_cache() -> str:
     CPU, and a second demo run (another --algo or --seed, the tests) reuses them. Returns the directory."""
     import jax
 
-    from arpo_jax import named_models
+    from arpo_jax import paths
 
-    directory = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(named_models.cache_dir() / "jax_compilation")
+    directory = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(paths.cache_dir() / "jax_compilation")
     jax.config.update("jax_compilation_cache_dir", directory)
     return directory
 
@@ -316,16 +318,16 @@ def release_memory() -> None:
     """Between phases: drops the finished phase's arrays and compiled programs, and hands the freed heap back.
 
     Without this the process would carry SFT's high-water mark into RL, next to the vLLM worker, and RL's into the
-    transcript (`runtime.trim_host_memory`)."""
+    transcript (`distributed.trim_host_memory`)."""
     import gc
 
     import jax
 
-    from arpo_jax import runtime
+    from arpo_jax import distributed
 
     gc.collect()  # the phase's objects in reference cycles (models, trainers) hold device arrays
     jax.clear_caches()  # the next phase compiles other programs (or loads them from the compilation cache)
-    runtime.trim_host_memory()
+    distributed.trim_host_memory()
 
 
 def _stderr(accuracy: float, n: int) -> float:
@@ -353,8 +355,9 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     `overrides`: `KEY=VALUE` config fields set after the demo's own (`arpo-jax demo --set`), for SFT and RL (after
     the `lora` settings too, so `--set actor.lr=2e-4 --set model.lora.rank=64` sweeps the LoRA run).
     """
-    from arpo_jax import config_args, metrics, trainer
+    from arpo_jax.config import args as config_args
     from arpo_jax.rollout.vllm_sampler import host_gpus
+    from arpo_jax.train import metrics, trainer
 
     if algo not in ALGOS:
         raise ValueError(f"--algo={algo!r}; allowed: {', '.join(ALGOS)}")
@@ -420,7 +423,7 @@ def rl_phase_config(cfg, sft_checkpoint: str, *, lora: bool, overrides: Sequence
     """Step 3's settings on `cfg` (after SFT): start from the SFT checkpoint; with `lora`, adapters (`LORA_RANK`,
     alpha 2 x rank, lr `LORA_LR`) over it as the frozen base, and then the `--set` overrides again, so that the
     user's values win (`--set actor.lr=2e-4 --set model.lora.rank=64` sweeps the LoRA run)."""
-    from arpo_jax import config_args
+    from arpo_jax.config import args as config_args
 
     with cfg.unlocked():
         cfg.model.init_checkpoint = sft_checkpoint
@@ -434,7 +437,7 @@ def rl_phase_config(cfg, sft_checkpoint: str, *, lora: bool, overrides: Sequence
 def cold_start_sft(cfg, sft_dir: Path, size: DemoSize, model: str) -> dict:
     """Step 2: SFT of `model` on the cold-start conversations in `sft_dir` (resumed, or reused when finished); its
     summary (`sft.run_sft`)."""
-    from arpo_jax import sft
+    from arpo_jax.train import sft
 
     _log(f"2/6 cold-start SFT: {size.sft_examples} conversations ({size.flaw_fraction:.0%} with a typical mistake), "
          f"{size.sft_epochs} epoch(s) of {cfg.sft.batch_size} a step, teaching {model} the tool format (resumed when "

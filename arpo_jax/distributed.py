@@ -1,4 +1,5 @@
-"""Host-side data across processes: the multi-host helpers of the training loops (one process: plain numpy).
+"""Processes and host data across them: start-up (`initialize_distributed`, the compilation cache, the mesh of a
+config), barriers, and the multi-host helpers of the training loops (one process: plain numpy).
 
 Every process holds its own rows (its rollout workers' blocks, its SFT shard). The loops need three moves:
   `global_array` / `host_local`  this process's rows <-> a global jax.Array split along the batch axis;
@@ -9,10 +10,16 @@ Each is a collective: every process calls it at the same point of the loop.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
+
+from arpo_jax import paths, sharding
 
 
 def global_array(local: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -72,3 +79,71 @@ def agree(value):
         return value
     out = np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(value)))
     return int(out) if np.ndim(value) == 0 else out
+
+
+# Explicit multi-process start-up (tests, hand-made launches); SLURM and Cloud TPU VMs are auto-detected by JAX.
+COORDINATOR_ENV = ("ARPO_COORDINATOR", "ARPO_NUM_PROCESSES", "ARPO_PROCESS_ID")
+COMPILATION_CACHE_ENV = "ARPO_COMPILATION_CACHE"
+
+
+def enable_compilation_cache(directory: str | os.PathLike | None = None) -> Path | None:
+    """Turns on JAX's persistent compilation cache, so a resumed or repeated run loads its compiled programs
+    instead of compiling them again. The directory: `directory`, else $ARPO_COMPILATION_CACHE, else
+    `$ARPO_CACHE/jax-compilation` (default ~/.cache/arpo-jax/jax-compilation); $ARPO_COMPILATION_CACHE=off turns
+    it off. A directory already configured for JAX (JAX_COMPILATION_CACHE_DIR) is left as it is. Returns the
+    directory in use, or None.
+    """
+    if jax.config.jax_compilation_cache_dir:
+        return Path(jax.config.jax_compilation_cache_dir)
+    choice = str(directory or os.environ.get(COMPILATION_CACHE_ENV) or "")
+    if choice.lower() == "off":
+        return None
+    path = Path(choice).expanduser() if choice else paths.cache_dir() / "jax-compilation"
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    return path
+
+
+def initialize_distributed() -> None:
+    """Joins a multi-process run when the environment describes one; a single process does nothing. Also turns
+    on the persistent compilation cache (`enable_compilation_cache`).
+
+    `ARPO_COORDINATOR=host:port`, `ARPO_NUM_PROCESSES`, `ARPO_PROCESS_ID` start it explicitly; otherwise a SLURM
+    job with several tasks or a multi-host TPU slice is detected by `jax.distributed.initialize()` itself.
+    Must run before anything touches a JAX device.
+    """
+    if os.environ.get("ARPO_COORDINATOR"):
+        missing = [k for k in COORDINATOR_ENV if not os.environ.get(k)]
+        if missing:
+            raise ValueError(f"ARPO_COORDINATOR is set but {', '.join(missing)} is not")
+        jax.distributed.initialize(os.environ["ARPO_COORDINATOR"], int(os.environ["ARPO_NUM_PROCESSES"]),
+                                   int(os.environ["ARPO_PROCESS_ID"]), initialization_timeout=300)
+    elif int(os.environ.get("SLURM_NTASKS", "1")) > 1 or os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0:
+        jax.distributed.initialize()
+    enable_compilation_cache()
+
+
+def is_main_process() -> bool:
+    return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def trim_host_memory() -> None:
+    """Hands the process's freed heap back to the kernel: XLA's CPU runtime takes its buffers from malloc and glibc
+    keeps freed memory for reuse, so a finished program's temporaries would stay resident beside whatever runs next
+    (on a CPU host: the rollout engine). glibc's `malloc_trim(0)`; elsewhere a no-op."""
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.util.find_library("c")
+    if libc and hasattr(lib := ctypes.CDLL(libc), "malloc_trim"):
+        lib.malloc_trim(0)
+
+
+def make_mesh(cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The config's ('data', 'fsdp', 'tensor') mesh over `devices` (default: every device of every process)."""
+    return sharding.make_mesh(tuple(cfg.mesh.shape), devices)

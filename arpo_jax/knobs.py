@@ -1,5 +1,5 @@
 """Config knobs declared once: a component's settings dataclass names the config field each of its fields comes
-from, and that field's rule; the default and the comment are the config file's (``arpo_jax/configs/base.py``).
+from, and that field's rule; the default and the comment are the config file's (``configs/base.py``).
 
     @dataclasses.dataclass(frozen=True)
     class UpdateConfig:

@@ -1,4 +1,5 @@
-"""Where runs write: POSIX folders only (a leaf module: the run guard, checkpoints and the metrics logger use it)."""
+"""Where runs write: POSIX folders only (a leaf module: the run guard, checkpoints and the metrics logger use it),
+and the cache folder (`$ARPO_CACHE`, default ~/.cache/arpo-jax: named models, the compilation cache)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,11 @@ def local_path(path: str | os.PathLike, what: str = "workdir") -> Path:
             f"gcsfuse (e.g. `gcsfuse --implicit-dirs BUCKET /gcs/BUCKET`, then {what} /gcs/BUCKET/...); on a single "
             "host, a local folder.")
     return Path(text).absolute()
+
+
+CACHE_ENV = "ARPO_CACHE"
+
+
+def cache_dir() -> Path:
+    """The folder the named models are converted into and the compilation cache lives in."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "arpo-jax").expanduser()

@@ -21,8 +21,8 @@ import optax
 from flax import nnx
 from safetensors.numpy import load_file
 
-from arpo_jax import bpe, convert, hf, pretrained
 from arpo_jax.models import CausalLM, Config, KVCache
+from arpo_jax.weights import bpe, convert, hf, pretrained
 
 
 def _log(msg: str) -> None:

@@ -1,4 +1,4 @@
-"""Device mesh and the one logical-axis rules table.
+"""Device mesh, the one logical-axis rules table, and the devices a config can name (`mesh.device`).
 
 Mesh axes (always these three, in this order):
   data    pure data parallelism: the batch is split, params are replicated across it.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -194,3 +195,19 @@ def describe(abstract_state, mesh: Mesh, rules: dict) -> dict[str, str]:
         out[".".join(map(str, path))] = f"{tuple(var.shape)} -> {tuple(spec)}"  # stable across jax versions
     return out
 
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    kind: str  # "gpu" | "tpu" | "cpu"
+    hbm_gib: float  # what one device has (the bytes limit its runtime reports); 0 = this host's RAM
+    per_host: int = 1 << 30  # devices per host, i.e. per JAX process (one process per host)
+
+
+# `mesh.device`: the hardware a config runs on. GPU sizes are what nvidia-smi reports (A100-80GB 81920 MiB, H100
+# SXM 81559 MiB, H200 143771 MiB); TPU sizes the per-chip HBM JAX reports as its bytes limit (v4 and v5e slightly
+# under 32 / 16 GiB, v5p 95 GB).
+DEVICES: dict[str, Device] = {
+    "a100-40gb": Device("gpu", 40.0, 8), "a100-80gb": Device("gpu", 80.0, 8), "h100-80gb": Device("gpu", 79.6, 8),
+    "h200": Device("gpu", 140.4, 8), "tpu-v4": Device("tpu", 31.75, 4), "tpu-v5e": Device("tpu", 15.75, 4),
+    "tpu-v5p": Device("tpu", 88.5, 4), "cpu": Device("cpu", 0.0),
+}

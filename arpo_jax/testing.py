@@ -125,7 +125,7 @@ def make_tiny_hf_model(path: str | Path, variant: str = "qwen2", *, seed: int = 
 
 def make_tiny_tokenizer(path: str | Path | None = None, *, vocab_size: int = 512, corpus: list[str] | None = None):
     """A byte-level BPE tokenizer (Qwen2 pipeline, ChatML template) trained offline on a small fixed corpus."""
-    from arpo_jax import bpe
+    from arpo_jax.weights import bpe
 
     return bpe.train_bpe_tokenizer(corpus or _default_corpus(), vocab_size=vocab_size, path=path)
 
@@ -224,7 +224,7 @@ def randomize_lora_b(model, seed: int = 1, scale: float = 0.05):
     import jax
     from flax import nnx
 
-    from arpo_jax.lora import LoRAParam
+    from arpo_jax.models.transformer import LoRAParam
 
     graphdef, adapters, rest = nnx.split(model, LoRAParam, ...)
     keys = iter(jax.random.split(jax.random.key(seed), 1000))

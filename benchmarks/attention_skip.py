@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arpo_jax import packing
-from arpo_jax import tree_packing as tp
+from arpo_jax.experience import packing
+from arpo_jax.experience import tree_packing as tp
 from arpo_jax.models.attention import _pairs_needed, blockwise_causal_attention
 from arpo_jax.models.transformer import attention_mask_4d
 

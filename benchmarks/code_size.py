@@ -2,7 +2,7 @@
 
 The budget (docs/STYLE: modules <= 600 lines (model files under arpo_jax/models/ <= 1200), classes <= 300,
 functions <= 80; the commented config literals,
-`get_config` in arpo_jax/configs/, aside) and the cycles of the import graph between arpo_jax modules, counting
+`get_config` in configs/, aside) and the cycles of the import graph between arpo_jax modules, counting
 function-local imports too (a cycle hidden in a function is still a cycle in the design).
 
   python benchmarks/code_size.py            # a table of what exceeds, the cycles, a final JSON line
@@ -94,6 +94,51 @@ def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
     return graph
 
 
+# The pipeline's layering (README "Layout"): a stage folder never imports what runs after it or drives it.
+# stage -> the folders it must not import.
+_DRIVERS = {"train", "plan", "eval", "config"}
+FORBIDDEN = {
+    "models": {"update", "weights", "rollout", "experience", *_DRIVERS},
+    "tools": {"update", "weights", "rollout", "experience", *_DRIVERS},
+    "rewards": {"update", "weights", "rollout", "experience", *_DRIVERS},
+    "data": {"update", "weights", "rollout", "experience", *_DRIVERS},
+    "update": {"experience", "weights", "rollout", *_DRIVERS},
+    "weights": {"experience", "rollout", *_DRIVERS},
+    "rollout": {"experience", *_DRIVERS},
+    "experience": _DRIVERS,
+}
+# Only the commands and the run drivers validate a whole config.
+VALIDATE_IMPORTERS = {"arpo_jax.cli", "arpo_jax.demo", "arpo_jax.train", "arpo_jax.eval", "arpo_jax.plan"}
+# The modules allowed at the top of the package: entry points, fixtures and leaves every stage may use. A new one
+# needs an entry here (and a reason it belongs to no stage).
+TOP_LEVEL = {"arpo_jax", "arpo_jax.cli", "arpo_jax.demo", "arpo_jax.quickstart", "arpo_jax.testing",
+             "arpo_jax.distributed", "arpo_jax.hugepages", "arpo_jax.json_http", "arpo_jax.knobs", "arpo_jax.paths",
+             "arpo_jax.sharding"}
+
+
+def stage(module: str) -> str:
+    """The folder of `arpo_jax.<folder>.<module>`; "" for a top-level module."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else ""
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that breaks FORBIDDEN or VALIDATE_IMPORTERS, as "importer -> imported"."""
+    out = []
+    for mod, deps in sorted(graph.items()):
+        for dep in sorted(deps):
+            if stage(dep) in FORBIDDEN.get(stage(mod), ()):
+                out.append(f"{mod} -> {dep}")
+            elif dep == "arpo_jax.config.validate" and not any(
+                    mod == v or mod.startswith(v + ".") for v in VALIDATE_IMPORTERS):
+                out.append(f"{mod} -> {dep}")
+    return out
+
+
+def top_level_modules(package: Path = PACKAGE) -> set[str]:
+    return {module_name(p) for p in package.glob("*.py")}
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components with more than one module (Tarjan), each sorted."""
     index, low, on_stack, stack, out = {}, {}, set(), [], []
@@ -136,6 +181,7 @@ def main() -> None:
     for i in over:
         print(f"{i['kind']:9} {i['lines']:6d} {budget(i):6d}  {i['name']}")
     found = cycles(import_graph())
+    print(f"\nlayering violations: {layering_violations(import_graph())}")
     print(f"\nimport cycles: {len(found)}")
     for c in found:
         print("  " + " <-> ".join(c))

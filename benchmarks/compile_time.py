@@ -26,10 +26,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from arpo_jax import hf, models, named_models  # noqa: E402
-from arpo_jax import train_step as ts  # noqa: E402
+from arpo_jax import models  # noqa: E402
 from arpo_jax.rollout import jax_decode as jd  # noqa: E402
 from arpo_jax.rollout import jax_sampler as js  # noqa: E402
+from arpo_jax.update import jit  # noqa: E402
+from arpo_jax.update import train_step as ts  # noqa: E402
+from arpo_jax.weights import (
+    hf,  # noqa: E402
+    named_models,  # noqa: E402
+)
 
 
 def _abstract(tree):
@@ -51,7 +56,7 @@ def programs(cfg, args) -> dict[str, tuple[float, float]]:
     out = {"forward_logprobs": _compile(ts.jit_forward_logprobs(graphdef, cfg), params, batch)}
     ucfg = ts.UpdateConfig(lr=1e-6)
     opt = ts.make_optimizer(ucfg, 100)
-    state = jax.eval_shape(lambda p: ts.init_train_state(p, opt), params)
+    state = jax.eval_shape(lambda p: jit.init_train_state(p, opt), params)
     mini = {**{k: jax.ShapeDtypeStruct((m, b, t), v.dtype) for k, v in batch.items()},
             **{k: jax.ShapeDtypeStruct((m, b, t), jnp.float32) for k in ("loss_weight", "advantages", "old_logp")}}
     out["update_step"] = _compile(ts.jit_train_step(graphdef, cfg, ucfg, opt), state, mini)
@@ -62,8 +67,8 @@ def programs(cfg, args) -> dict[str, tuple[float, float]]:
         sgraph, sstate = jd.input_major_graphdef(sgraph, sstate), jax.eval_shape(jd.to_input_major(sgraph), sstate)
     fns = jd.jitted(sgraph, cfg, cpu)
     sb = args.sampler_batch
-    s_len = js._bucket(args.prompt + args.new, js.pow2_buckets(64, 1 << 20, half_steps=True), "cache")
-    t_len = js._bucket(args.prompt, js.pow2_buckets(16, 512, quarter_steps=True), "prefill")
+    s_len = js.bucket(args.prompt + args.new, js.pow2_buckets(64, 1 << 20, half_steps=True), "cache")
+    t_len = js.bucket(args.prompt, js.pow2_buckets(16, 512, quarter_steps=True), "prefill")
     cache = jax.eval_shape(lambda: jd.new_cache(cfg, sb, s_len, per_layer=cpu))
     h = jax.ShapeDtypeStruct((sb, cfg.hidden_size), cfg.compute_dtype)
     vec = lambda dt: jax.ShapeDtypeStruct((sb,), dt)  # noqa: E731

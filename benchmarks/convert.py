@@ -128,7 +128,7 @@ def main() -> None:
 
 def gguf_rows(args) -> dict:
     """GGUF import of the named model's file: arpo_jax (into params; into an HF folder) vs transformers' loader."""
-    from arpo_jax import gguf_import, named_models
+    from arpo_jax.weights import gguf_import, named_models
 
     file = named_models.gguf_file("smollm2-135m-instruct")
     mb = file.stat().st_size / 1e6

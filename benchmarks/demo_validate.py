@@ -17,7 +17,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from arpo_jax import demo, trainer
+from arpo_jax import demo
+from arpo_jax.train import trainer
 
 
 def validate(workdir: Path, seed: int, model: str, *, sampled: bool, n: int, base: str) -> dict:

@@ -31,7 +31,8 @@ from pathlib import Path
 
 from arpo_jax.data import cold_start, math_tool
 
-CONFIG = "builtin:arpo_qwen25_coder_05b_gsm8k"
+# This checkout's file (`builtin:arpo_qwen25_coder_05b_gsm8k` is the installed package's copy of it).
+CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "arpo_qwen25_coder_05b_gsm8k.py")
 MODEL = "qwen2.5-coder-0.5b-instruct"
 PHASES = ("data", "cold_start", "sft", "rl", "eval")
 # Minutes on the 2-core CPU (RESULTS.md); the GPU column is an estimate until a run on one is recorded.

@@ -34,8 +34,11 @@ import jax
 import numpy as np
 
 import arpo_jax
-from arpo_jax import accumulate, hf, lora, lora_io, named_models, packing
-from arpo_jax import train_step as ts
+from arpo_jax.experience import packing
+from arpo_jax.models import transformer
+from arpo_jax.update import accumulate, jit, lora
+from arpo_jax.update import train_step as ts
+from arpo_jax.weights import hf, lora_io, named_models
 
 
 def _batch(vocab: int, args) -> dict:
@@ -56,10 +59,10 @@ def _tree_bytes(tree) -> int:
 
 def measure(model, args, batch) -> dict:
     """Step time (best of --steps after a warm-up) and memory of one model's update."""
-    graphdef, params = ts.split_model(model)
+    graphdef, params = jit.split_model(model)
     cfg = ts.UpdateConfig(lr=1e-5)
     opt = lora.freeze_base(ts.make_optimizer(cfg, 100), model.config)
-    state = ts.init_train_state(params, opt)
+    state = jit.init_train_state(params, opt)
     step = ts.jit_train_step(graphdef, model.config, cfg, opt)
     mem = step.lower(state, batch).compile().memory_analysis()
     out = {"params_mb": _tree_bytes(state.params) / 2**20, "opt_state_mb": _tree_bytes(state.opt_state) / 2**20,
@@ -140,7 +143,7 @@ def main():
     base = arpo_jax.from_pretrained(folder, dtype=args.dtype, remat="none")
     batch = _batch(base.config.vocab_size, args)
     print(f"[lora] {args.model}: {args.micro} x {args.batch} x {args.seq} tokens, {jax.devices()[0].device_kind}, "
-          f"{os.cpu_count()} CPUs, rank {args.rank} on {', '.join(lora.LORA_TARGETS)}", flush=True)
+          f"{os.cpu_count()} CPUs, rank {args.rank} on {', '.join(transformer.LORA_TARGETS)}", flush=True)
     model = lora.with_adapters(base, args.rank, args.alpha)
     full = low = {}
     if not args.no_update:

@@ -1,4 +1,4 @@
-"""Compiled memory of the policy-update step for a published model on a fake-device mesh (see arpo_jax/plan.py).
+"""Compiled memory of the policy-update step for a published model on a fake-device mesh (see arpo_jax/plan/plan.py).
 
 `arpo-jax plan --config builtin:<experiment>` itemises every program of an experiment config against its device;
 this script compiles the update of any published model / mesh / micro-batch shape by hand (`--layers` for a
@@ -33,9 +33,16 @@ _N_DEV = math.prod(int(x) for x in _mesh_arg(sys.argv).split(","))
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_N_DEV}"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from arpo_jax import models, plan, sharding  # noqa: E402
-from arpo_jax import train_step as ts
+from arpo_jax import (
+    models,  # noqa: E402
+    sharding,  # noqa: E402
+)
 from arpo_jax.models.published import REAL_CONFIGS
+from arpo_jax.plan import (
+    memory_model,  # noqa: E402
+    plan,  # noqa: E402
+)
+from arpo_jax.update import train_step as ts
 
 
 def main() -> None:
@@ -58,7 +65,7 @@ def main() -> None:
     r = {"model": args.model, **plan.plan(cfg, tuple(int(x) for x in args.mesh.split(",")),
                                           ts.UpdateConfig(kl_coef=0.001 if args.kl else 0.0),
                                           micro=args.micro, rows=args.rows, seq=args.seq, forward=args.forward)}
-    gib = {k: round(v / plan.GB, 3) for k, v in r.items() if k.endswith(("_bytes", "_per_device"))}
+    gib = {k: round(v / memory_model.GB, 3) for k, v in r.items() if k.endswith(("_bytes", "_per_device"))}
     print("\n".join(f"{k:28s} {v:8.2f} GiB" for k, v in gib.items()))
     print(json.dumps(r))
 

@@ -35,13 +35,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from arpo_jax import memory_model as mm
 from arpo_jax import models, sharding
-from arpo_jax import train_step as ts
+from arpo_jax.models import transformer
 from arpo_jax.models.attention import blockwise_causal_attention
 from arpo_jax.models.published import REAL_CONFIGS
 from arpo_jax.models.transformer import attention_mask_4d, blockwise_blocks, default_positions
-from arpo_jax.plan import _memory  # the compiled-figure arithmetic `arpo-jax plan` uses
+from arpo_jax.plan import memory_model as mm
+from arpo_jax.plan.plan import _memory  # the compiled-figure arithmetic `arpo-jax plan` uses
+from arpo_jax.update import jit
+from arpo_jax.update import train_step as ts
 
 GB = 1024**3
 
@@ -85,18 +87,18 @@ def memory(args) -> dict:
                    ref_on_device=False, processes=1, sampler_batch=0, sampler_len=0, prefill_chunk=0)
     backend = jax.default_backend()
     target = "gpu" if backend == "cpu" else backend
-    impl = mm.resolve_attention(cfg.attention_impl, backend, cfg.dtype)
+    impl = transformer.resolve_attention(cfg.attention_impl, backend, cfg.dtype)
     items = mm.update_items(cfg, mm.param_sizes(cfg, mesh_shape), sh, target, impl)
 
     model = models.init_model(cfg, seed=0, mesh=mesh)
-    graphdef, params = ts.split_model(model)
+    graphdef, params = jit.split_model(model)
     del model
     opt = ts.make_optimizer(update_cfg, 100)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    shardings = ts.state_shardings(opt, ts.param_shardings(cfg, mesh), abstract, mesh)
-    state = ts.init_train_state(params, opt, shardings)
+    shardings = jit.state_shardings(opt, jit.param_shardings(cfg, mesh), abstract, mesh)
+    state = jit.init_train_state(params, opt, shardings)
     del params
-    batch_sh = jax.sharding.NamedSharding(mesh, ts.batch_spec(mesh, cfg.sharding_rules))
+    batch_sh = jax.sharding.NamedSharding(mesh, jit.batch_spec(mesh, cfg.sharding_rules))
     batch = {k: jax.device_put(v, batch_sh) for k, v in _batch(cfg, args.micro, args.rows, args.seq).items()}
     step = ts.jit_train_step(graphdef, cfg, update_cfg, opt, mesh, shardings)
     t = time.perf_counter()

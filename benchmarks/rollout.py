@@ -53,9 +53,16 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402
 
-from arpo_jax import hf, hugepages, named_models, testing  # noqa: E402
+from arpo_jax import (
+    hugepages,  # noqa: E402
+    testing,  # noqa: E402
+)
 from arpo_jax.rollout.jax_decode import LAYOUTS  # noqa: E402
 from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings  # noqa: E402
+from arpo_jax.weights import (
+    hf,  # noqa: E402
+    named_models,  # noqa: E402
+)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -327,7 +334,8 @@ def main() -> None:
             import jax
 
             import arpo_jax
-            from arpo_jax.rollout.jax_sampler import TRACE_COUNTS, JaxSampler
+            from arpo_jax.rollout.jax_decode import TRACE_COUNTS
+            from arpo_jax.rollout.jax_sampler import JaxSampler
 
             for layout in layouts:
                 name = "jax" if len(layouts) == 1 else f"jax-{layout}"

@@ -26,9 +26,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 
-from arpo_jax import pretrained, testing  # noqa: E402
+from arpo_jax import testing  # noqa: E402
 from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings  # noqa: E402
 from arpo_jax.rollout.vllm_sampler import VllmSampler  # noqa: E402
+from arpo_jax.weights import pretrained  # noqa: E402
 
 
 def main() -> None:

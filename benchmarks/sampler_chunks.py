@@ -32,12 +32,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
-    from arpo_jax import config, runtime, sharding
-    from arpo_jax.components import make_sampler
-    from arpo_jax.rollout.jax_sampler import _bucket, pow2_buckets
+    from arpo_jax import sharding
+    from arpo_jax.config import args as args_lib
+    from arpo_jax.rollout.jax_sampler import bucket, pow2_buckets
     from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
+    from arpo_jax.train.components import make_sampler
+    from arpo_jax.weights import policy as runtime
 
-    cfg = config.load_config(["--config=builtin:toy_cpu"])
+    cfg = args_lib.load_config(["--config=builtin:toy_cpu"])
     mesh = sharding.make_mesh((1, -1, 1))
     with tempfile.TemporaryDirectory() as tmp:
         model, tokenizer, _ = runtime.load_policy(cfg, tmp, mesh)
@@ -49,10 +51,11 @@ def main() -> None:
     rows = {}
     ref = None
     max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-    s_len = _bucket(args.prompt + args.new, pow2_buckets(64, max_len, half_steps=True), "cache length")  # the call's S
+    s_len = bucket(args.prompt + args.new, pow2_buckets(64, max_len, half_steps=True), "cache length")  # the call's S
     for chunk in [0] + [int(c) for c in args.chunks.split(",")]:
         budget = chunk * s_len
-        run_cfg = config.load_config(["--config=builtin:toy_cpu", f"--config.rollout.jax.max_tokens_per_call={budget}"])
+        run_cfg = args_lib.load_config(["--config=builtin:toy_cpu",
+                                        f"--config.rollout.jax.max_tokens_per_call={budget}"])
         sampler = make_sampler(run_cfg, tokenizer, model=model, mesh=mesh)
         t0 = time.perf_counter()
         out = sampler.generate(reqs, settings)

@@ -71,7 +71,7 @@ class Workload:
 
 
 def workload(cfg, fill: float, fill_max: float, prompt_fill: float) -> Workload:
-    from arpo_jax import plan
+    from arpo_jax.plan import plan
 
     m, _ = plan._model_config(cfg)
     a, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
@@ -87,7 +87,8 @@ def workload(cfg, fill: float, fill_max: float, prompt_fill: float) -> Workload:
 def phase_seconds(w: Workload, device: str, *, mfu: float, decode_mfu: float, hbm_eff: float,
                   tool_latency: float) -> dict:
     """Each phase's time on d devices (train, logprob, gen: functions of d) and the fixed ones (tools, sync)."""
-    from arpo_jax.memory_model import DEVICES, GB
+    from arpo_jax.plan.memory_model import GB
+    from arpo_jax.sharding import DEVICES
 
     peak, hbm = PEAK[device]
     hbm_bytes = DEVICES[device].hbm_gib * GB
@@ -158,7 +159,7 @@ def check_toy(toy: dict) -> dict:
 
 
 def main() -> None:
-    from arpo_jax import config
+    from arpo_jax.config import args as args_lib
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="builtin:arpo_qwen25_7b_reasoning")
@@ -173,7 +174,7 @@ def main() -> None:
     ap.add_argument("--toy", nargs="*", default=[], help="files holding benchmarks/offpolicy.py's output (its last "
                     "line, the JSON) to check the formulas on")
     args = ap.parse_args()
-    cfg = config.load_config([f"--config={args.config}"])
+    cfg = args_lib.load_config([f"--config={args.config}"])
     w = workload(cfg, args.fill, args.fill_max, args.prompt_fill)
     ph = phase_seconds(w, cfg.mesh.device, mfu=args.mfu, decode_mfu=args.decode_mfu, hbm_eff=args.hbm_eff,
                        tool_latency=args.tool_latency)

@@ -50,8 +50,11 @@ except ImportError:  # the PyTorch columns are skipped
     torch = None
 
 import arpo_jax
-from arpo_jax import hugepages, named_models, packing, testing
-from arpo_jax import train_step as ts
+from arpo_jax import hugepages, testing
+from arpo_jax.experience import packing
+from arpo_jax.update import jit
+from arpo_jax.update import train_step as ts
+from arpo_jax.weights import named_models
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -110,7 +113,7 @@ def setup_jax(path: Path, args):
     compile + first call seconds)."""
     model = arpo_jax.from_pretrained(path, dtype=args.dtype, remat=args.remat, scan_layers=not args.no_scan,
                                      attention_impl=args.attention or None)
-    graphdef, params = ts.split_model(model)
+    graphdef, params = jit.split_model(model)
     seqs, masks, adv = _rollout(args, model.config.vocab_size)
     batch, _ = packing.pack_batch(seqs, masks, adv, mini_batch_size=len(seqs), row_len=args.seq,
                                   rows_per_micro=args.batch, pack=False)
@@ -127,7 +130,7 @@ def setup_jax(path: Path, args):
     cfg = ts.UpdateConfig(lr=1e-6)
     opt = ts.make_optimizer(cfg, 100)
     jitted = ts.jit_train_step(graphdef, model.config, cfg, opt)
-    holder = [ts.init_train_state(params, opt)]
+    holder = [jit.init_train_state(params, opt)]
 
     def step():
         holder[0], metrics = jitted(holder[0], mini)

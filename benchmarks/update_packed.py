@@ -12,8 +12,9 @@ step; (M-step - 1-step) / (M - 1) is one micro-batch, the rest of the 1-step the
   python benchmarks/update_packed.py [--micro 3] [--repeats 3] [--variant actor.logprob_chunk=128 ...]
                                      [--no-scan] [--hugepages]
 
-A variant's `+trim` hands the freed heap back after each of its steps, inside the timing (`runtime.trim_host_memory`,
-what the trainer does after every update), so its next step faults its temporaries in again. `--hugepages`: large
+A variant's `+trim` hands the freed heap back after each of its steps, inside the timing
+(`distributed.trim_host_memory`, what the trainer does after every update), so its next step faults its temporaries in
+again. `--hugepages`: large
 allocations on transparent huge pages, as `arpo-jax` commands run (`hugepages.reexec_with_hugepages`).
 """
 
@@ -30,9 +31,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import jax
 import numpy as np
 
-from arpo_jax import components, named_models, packing, pretrained, runtime
-from arpo_jax import config as config_lib
-from arpo_jax import train_step as ts
+from arpo_jax import distributed
+from arpo_jax.config import args as args_lib
+from arpo_jax.experience import packing
+from arpo_jax.train import components
+from arpo_jax.update import jit
+from arpo_jax.update import train_step as ts
+from arpo_jax.weights import named_models, pretrained
+from arpo_jax.weights import policy as runtime
 
 PROMPT, RESPONSE, ROW, PER_ROW = 105, 130, 768, 3
 
@@ -52,7 +58,7 @@ def demo_batch(micro: int, vocab: int, seed: int = 0) -> dict:
 
 
 def load_config(model: str, overrides: list[str]):
-    return config_lib.load_config(["--config=builtin:toy_cpu", f"--config.model.path={model}",
+    return args_lib.load_config(["--config=builtin:toy_cpu", f"--config.model.path={model}",
                                    *(f"--config.{s}" for s in overrides)])
 
 
@@ -74,22 +80,22 @@ def main() -> None:
     variants = [[s for s in v if s != "+trim"] for v in names]
     trims = ["+trim" in v for v in names]
     base = load_config(args.model, [])
-    mesh = runtime.make_mesh(base)
+    mesh = distributed.make_mesh(base)
     model = pretrained.from_pretrained(named_models.model_folder(args.model), mesh=mesh, scan_layers=not args.no_scan,
                                **runtime.runtime_options(base))
     vocab = model.config.vocab_size
-    graphdef, params = ts.split_model(model)
-    p_sh = ts.param_shardings(model.config, mesh)
+    graphdef, params = jit.split_model(model)
+    p_sh = jit.param_shardings(model.config, mesh)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    batch_sh = jax.sharding.NamedSharding(mesh, ts.batch_spec(mesh, base.mesh.rules))
+    batch_sh = jax.sharding.NamedSharding(mesh, jit.batch_spec(mesh, base.mesh.rules))
     batches = {m: jax.device_put(demo_batch(m, vocab), batch_sh) for m in (1, args.micro)}
     steps, state = [], None
     for overrides in variants:
         ucfg = components.update_config(load_config(args.model, overrides))
         opt = ts.make_optimizer(ucfg, 100)  # the same optax structure for every variant: one state serves all
-        state_sh = ts.state_shardings(opt, p_sh, abstract, mesh)
+        state_sh = jit.state_shardings(opt, p_sh, abstract, mesh)
         if state is None:
-            state = ts.init_train_state(params, opt, state_sh)
+            state = jit.init_train_state(params, opt, state_sh)
         steps.append(ts.jit_train_step(graphdef, model.config, ucfg, opt, mesh, state_sh))
     del model, params
     times = {(i, m): [] for i in range(len(steps)) for m in batches}
@@ -99,7 +105,7 @@ def main() -> None:
             state, metrics = steps[i](state, batches[m])
             jax.block_until_ready(metrics)
             if trims[i]:
-                runtime.trim_host_memory()
+                distributed.trim_host_memory()
             if r:
                 runs.append((time.process_time() - c, time.perf_counter() - w))
     for i in range(len(variants)):

@@ -28,9 +28,11 @@ import time
 import jax
 import numpy as np
 
-from arpo_jax import models, packing
-from arpo_jax import train_step as ts
-from arpo_jax import tree_packing as tp
+from arpo_jax import models
+from arpo_jax.experience import packing
+from arpo_jax.experience import tree_packing as tp
+from arpo_jax.update import jit
+from arpo_jax.update import train_step as ts
 
 
 def arpo_group(rng, *, prompt: int, response: int, n: int, initial: int, vocab: int):
@@ -93,7 +95,7 @@ def run(name: str, args, model_cfg, graphdef, params) -> dict:
     for k, b in batches.items():  # compile (and one warm call) outside the timed rounds
         b["old_logp"] = np.asarray(fwd[k](params, b)[0])
         minis[k] = {x: v[0] for x, v in b.items()}
-        states[k] = ts.init_train_state(params, opt)
+        states[k] = jit.init_train_state(params, opt)
         states[k], m = step(states[k], minis[k])
         loss[k] = float(m["loss"])
     for _ in range(args.repeats):
@@ -127,7 +129,7 @@ def main() -> None:
     model_cfg = models.Config(model_type="llama", vocab_size=args.vocab, hidden_size=h, intermediate_size=h * 8 // 3,
                               num_layers=args.layers, num_heads=h // 64, num_kv_heads=max(1, h // 192), head_dim=64,
                               tie_word_embeddings=True)
-    graphdef, params = ts.split_model(models.init_model(model_cfg, seed=0))
+    graphdef, params = jit.split_model(models.init_model(model_cfg, seed=0))
     results = [run(w, args, model_cfg, graphdef, params) for w in args.workloads.split(",")]
     print(f"model: {args.layers} layers, hidden {h}, vocab {args.vocab}; {jax.device_count()} device(s), "
           f"{jax.default_backend()}; medians of {args.repeats}, wall (cpu) seconds")

@@ -12,7 +12,8 @@ import sys
 if __name__ == "__main__":
     # The plan is arithmetic: keep this short-lived process off the GPUs (JAX would preallocate them).
     os.environ["JAX_PLATFORMS"] = "cpu"
-    from arpo_jax import config, plan
+    from arpo_jax.config import args
+    from arpo_jax.plan import plan
 
-    cfg, _ = config.parse_config_args(sys.argv[1:])
+    cfg, _ = args.parse_config_args(sys.argv[1:])
     print(plan.jax_mem_fraction(cfg))

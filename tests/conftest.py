@@ -43,7 +43,8 @@ import gc  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from arpo_jax import named_models, testing  # noqa: E402
+from arpo_jax import paths, testing  # noqa: E402
+from arpo_jax.weights import named_models  # noqa: E402
 
 # JAX read its variables when `arpo_jax` imported it above: what this process set since (the pytest-xdist workers
 # inherit them from the controller before they import JAX) is applied here.
@@ -79,7 +80,7 @@ def smollm2(tmp_path_factory):
     # Under pytest-xdist the workers share one cache (the conversion is locked: it runs once), else one per session.
     shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else None
     cache = shared / "arpo_cache" if shared else tmp_path_factory.mktemp("arpo_cache")
-    os.environ.setdefault(named_models.CACHE_ENV, str(cache))
+    os.environ.setdefault(paths.CACHE_ENV, str(cache))
     return named_models.model_folder("smollm2-135m-instruct")
 
 

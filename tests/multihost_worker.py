@@ -57,7 +57,7 @@ def checkpoints_agree(model, mesh, process_id: int, directory: str) -> None:
     """Integrity records, retention and the fallback from a damaged step, decided by process 0 for both."""
     from pathlib import Path
 
-    from arpo_jax import checkpoint
+    from arpo_jax.weights import checkpoint
 
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     ckpt = checkpoint.Checkpointer(directory, max_to_keep=2)
@@ -121,9 +121,9 @@ def _step_params(state, step: int):
 
 def _with_step_adapters(model, step: int):
     """The LoRA `model` with step `step`'s random B matrices (fresh adapters have B = 0 and change nothing)."""
-    from arpo_jax import lora
+    from arpo_jax.models import transformer
 
-    graphdef, adapters, rest = nnx.split(model, lora.LoRAParam, ...)
+    graphdef, adapters, rest = nnx.split(model, transformer.LoRAParam, ...)
     flat = nnx.to_flat_state(adapters)
     keys = jax.random.split(jax.random.key(100 + step), len(flat))
     noise = jax.jit(lambda x, k: 0.3 * jax.random.normal(k, x.shape, x.dtype))
@@ -135,7 +135,7 @@ def _with_step_adapters(model, step: int):
 def _step_models(engine: str, graphdef, state, mesh) -> list:
     """Each step's policy: plain models with noisy weights ("files": 2 steps); "vllm": a plain one, then a LoRA
     policy over its weights with new adapters at each of 2 more steps."""
-    from arpo_jax import lora
+    from arpo_jax.update import lora
 
     plain = [nnx.merge(graphdef, _step_params(state, step)) for step in (1, 2)]
     if engine == "files":
@@ -158,9 +158,9 @@ def _sampled_logprobs(model, mesh, seqs: np.ndarray, n_prompt: int) -> np.ndarra
 
 
 def weight_sync(engine: str, delay: float, process_id: int, port: int, hf_dir: str, out_dir: str) -> None:
-    from arpo_jax import hf
     from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
     from arpo_jax.rollout.vllm_sampler import VllmSampler
+    from arpo_jax.weights import hf
 
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
                                initialization_timeout=120)

@@ -1,4 +1,4 @@
-"""Tests for arpo_jax.algos: hand-computed values, invariances, reference re-implementations, AEPO gradients.
+"""Tests for arpo_jax.update.algos: hand-computed values, invariances, reference re-implementations, AEPO gradients.
 
 Reference formulas are re-implemented independently here (numpy loops written like verl's, and PyTorch for the
 losses, since the reference is PyTorch) rather than imported from the module under test.
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from arpo_jax import algos, logprobs
+from arpo_jax.update import algos, logprobs
 
 EPS_L = EPS_H = 0.2
 CLIP_C = 3.0

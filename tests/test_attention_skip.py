@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from arpo_jax import tree_packing as tp
+from arpo_jax.experience import tree_packing as tp
 from arpo_jax.models.attention import _pairs_needed, blockwise_causal_attention
 from arpo_jax.models.transformer import TreeMask, attention_mask_4d, blockwise_blocks
 

@@ -11,11 +11,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from arpo_jax import cli, config
+from arpo_jax import cli
+from arpo_jax.config import args
+from arpo_jax.config import validate as config
 from arpo_jax.data import sft_data
 
 REPO = Path(__file__).resolve().parents[1]
-TOY = str(REPO / "arpo_jax" / "configs" / "toy_cpu.py")
+TOY = str(REPO / "configs" / "toy_cpu.py")
 
 
 def _error(capsys, argv) -> str:
@@ -89,18 +91,18 @@ def test_non_utf8_sft_file_is_named(tmp_path):
 
 def test_eval_of_builtin_tiny_checks_its_positions_before_any_engine(tmp_path):
     """The default P + R (1536 + 4096) exceeds builtin:tiny's 2048 positions: said by validation, not by vLLM."""
-    cfg = config.load_config(["--config=builtin:base", "--config.model.path=builtin:tiny"])
+    cfg = args.load_config(["--config=builtin:base", "--config.model.path=builtin:tiny"])
     with pytest.raises(config.ConfigError, match=r"data.max_response_length: P \+ R = 5632 exceeds the model's "
                                                  r"max_position_embeddings=2048"):
         config.validate(cfg, command="eval", check_files=True)
-    config.validate(config.load_config([f"--config={TOY}"]), command="eval", check_files=True)  # 384 + 128 fits
+    config.validate(args.load_config([f"--config={TOY}"]), command="eval", check_files=True)  # 384 + 128 fits
 
 
 WRITE_FAILS = """
 import os, resource, signal, sys
 from flax import nnx
 import arpo_jax
-from arpo_jax import checkpoint, hf
+from arpo_jax.weights import checkpoint, hf
 model = arpo_jax.from_pretrained(sys.argv[1])
 # Writes past 20 kB fail with EFBIG, as writes to a full disk fail with ENOSPC (same code path, no root needed).
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 
 import arpo_jax
-from arpo_jax import checkpoint, sharding
+from arpo_jax import sharding
+from arpo_jax.weights import checkpoint
 
 
 def _leaves(tree):
@@ -120,7 +121,7 @@ def test_flipped_bytes_fall_back_to_the_previous_step(tiny_hf_dir, tmp_path, cap
     assert meta["step"] == 1 and ckpt.all_steps() == [1, 2]
     np.testing.assert_array_equal(_leaves(restored)[0], _leaves(params)[0] + 1)
     # A run falls back and moves the damaged step aside (kept, not deleted), logging one line naming it.
-    with caplog.at_level("WARNING", logger="arpo_jax.checkpoint"):
+    with caplog.at_level("WARNING", logger="arpo_jax.weights.checkpoint"):
         step, (restored, _, _) = ckpt.restore_newest_intact(ckpt.restore)
     assert step == 1 and ckpt.all_steps() == [1]
     assert any("step 2" in r.getMessage() and "falling back" in r.getMessage() and "moved to 2.damaged-"
@@ -179,13 +180,13 @@ def test_save_state_round_trip_and_sft_checkpoints_of_the_old_metadata_format(tm
     """A TrainState comes back with its counters and data position, in the target's shardings; an SFT checkpoint of
     the metadata format before `save_state` (skips as `skipped_updates`, one update per step) restores the same
     counters; a state saved without a data position (the critic's) has none."""
-    from arpo_jax import accumulate, models
-    from arpo_jax import train_step as ts
+    from arpo_jax import models
     from arpo_jax.data.rl_dataset import DataPosition
+    from arpo_jax.update import accumulate, jit
 
     cfg = models.Config(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                         num_heads=2, num_kv_heads=1, head_dim=16, sharding_rules="fsdp_tp")
-    _, params = ts.split_model(models.init_model(cfg, seed=0))
+    _, params = jit.split_model(models.init_model(cfg, seed=0))
     opt = optax.adamw(1e-3)
     grads = jax.tree.map(lambda p: 0.01 * jax.numpy.ones_like(p), params)
     state = accumulate.TrainState(params, opt.update(grads, opt.init(params), params)[1], jax.numpy.asarray(5),
@@ -199,8 +200,8 @@ def test_save_state_round_trip_and_sft_checkpoints_of_the_old_metadata_format(tm
 
     mesh = sharding.make_mesh((1, 8, 1))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    shardings = ts.state_shardings(opt, ts.param_shardings(cfg, mesh), abstract, mesh)
-    target = ts.abstract_train_state(opt, abstract, shardings)
+    shardings = jit.state_shardings(opt, jit.param_shardings(cfg, mesh), abstract, mesh)
+    target = jit.abstract_train_state(opt, abstract, shardings)
     with checkpoint.Checkpointer(tmp_path / "c", create=False) as ckpt:
         new, position, meta = ckpt.restore_state(7, target)
         old = ckpt.restore_state(8, target)
@@ -220,12 +221,12 @@ def test_per_layer_checkpoints_of_before_stacked_layers_restore_stacked(tmp_path
     """A checkpoint written when the layers were stored per layer (`model.layers.<i>.<weight>`, params and Adam
     moments alike) restores into the stacked layout, in the target's shardings, with every value where it was."""
     from arpo_jax import models
-    from arpo_jax import train_step as ts
+    from arpo_jax.update import jit
 
     cfg = models.Config(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
                         num_heads=2, num_kv_heads=1, head_dim=16, qkv_bias=True, sharding_rules="fsdp_tp")
     model = models.init_model(cfg, seed=0)
-    _, params = ts.split_model(model)
+    _, params = jit.split_model(model)
     opt = optax.adamw(1e-3)
     opt_state = jax.jit(lambda p: opt.update(jax.tree.map(lambda x: 0.01 + x, p), opt.init(p), p)[1])(params)
 
@@ -246,8 +247,8 @@ def test_per_layer_checkpoints_of_before_stacked_layers_restore_stacked(tmp_path
 
     mesh = sharding.make_mesh((1, 4, 2))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    shardings = ts.state_shardings(opt, ts.param_shardings(cfg, mesh), abstract, mesh)
-    target = ts.abstract_train_state(opt, abstract, shardings)
+    shardings = jit.state_shardings(opt, jit.param_shardings(cfg, mesh), abstract, mesh)
+    target = jit.abstract_train_state(opt, abstract, shardings)
     with checkpoint.Checkpointer(tmp_path / "c", create=False) as ckpt:
         for step in (4, 5):
             got = ckpt.restore_state(step, target).state
@@ -258,7 +259,7 @@ def test_per_layer_checkpoints_of_before_stacked_layers_restore_stacked(tmp_path
                             jax.tree.leaves((shardings.params, shardings.opt_state)), strict=True):
                 assert x.sharding == s
         again = ckpt.restore_model(4)  # no mesh, the stored config: as an export of an old run reads it
-    for a, b in zip(_leaves(params), _leaves(ts.split_model(again)[1]), strict=True):
+    for a, b in zip(_leaves(params), _leaves(jit.split_model(again)[1]), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -266,11 +267,11 @@ def test_an_intact_step_of_another_config_is_a_mismatch_not_damage(tmp_path):
     """Restoring an intact step into another tree (a LoRA config or the layer count changed) says so and names the
     step; the step is not moved aside as damaged and no older step is tried (they would not fit either)."""
     from arpo_jax import models
-    from arpo_jax import train_step as ts
+    from arpo_jax.update import jit
 
     cfg = models.Config(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                         num_heads=2, num_kv_heads=1, head_dim=16)
-    _, params = ts.split_model(models.init_model(cfg, seed=0))
+    _, params = jit.split_model(models.init_model(cfg, seed=0))
     with checkpoint.Checkpointer(tmp_path / "c") as ckpt:
         ckpt.save(1, params, config=cfg)
         ckpt.save(2, params, config=cfg)

@@ -143,7 +143,8 @@ def test_non_editable_install_trains_from_an_empty_directory(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                            "--target", str(site), str(REPO)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (site / "arpo_jax" / "configs" / "toy_cpu.py").is_file()
+    assert (site / "arpo_jax" / "configs" / "toy_cpu.py").is_file()  # the top-level configs/, mapped
+    assert not (site / "configs").exists()
     empty = tmp_path / "empty"
     empty.mkdir()
     env = testing.subprocess_env(1, PYTHONPATH=str(site))

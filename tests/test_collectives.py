@@ -9,7 +9,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from arpo_jax import collectives, logprobs, sharding
+from arpo_jax import sharding
+from arpo_jax.plan import collectives
+from arpo_jax.update import logprobs
 
 
 def test_replica_group_formats():

@@ -1,4 +1,4 @@
-"""The persistent compilation cache (`runtime.enable_compilation_cache`): a second process loads what the first
+"""The persistent compilation cache (`distributed.enable_compilation_cache`): a second process loads what the first
 compiled instead of compiling again (JAX's own debug log says which)."""
 
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from arpo_jax import runtime
+from arpo_jax import distributed
 
 pytestmark = pytest.mark.slow  # four JAX processes
 
@@ -15,8 +15,8 @@ _CODE = """
 import logging
 logging.basicConfig(level=logging.DEBUG)
 import jax, jax.numpy as jnp
-from arpo_jax import runtime
-print("CACHE_DIR", runtime.enable_compilation_cache())
+from arpo_jax import distributed
+print("CACHE_DIR", distributed.enable_compilation_cache())
 jax.jit(lambda x: jnp.sin(x) @ x.T)(jnp.ones((8, 8))).block_until_ready()
 """
 
@@ -29,9 +29,10 @@ def _run(env):
 
 
 def test_a_second_process_hits_the_persistent_cache(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in (runtime.COMPILATION_CACHE_ENV, "JAX_COMPILATION_CACHE_DIR")}
+    drop = (distributed.COMPILATION_CACHE_ENV, "JAX_COMPILATION_CACHE_DIR")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(ARPO_CACHE=str(tmp_path), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu")
     assert _run(env) == (str(tmp_path / "jax-compilation"), False)  # $ARPO_CACHE/jax-compilation, compiled
     assert _run(env) == (str(tmp_path / "jax-compilation"), True)  # loaded from the cache
-    assert _run({**env, runtime.COMPILATION_CACHE_ENV: "off"}) == ("None", False)
-    assert _run({**env, runtime.COMPILATION_CACHE_ENV: str(tmp_path / "mine")})[0] == str(tmp_path / "mine")
+    assert _run({**env, distributed.COMPILATION_CACHE_ENV: "off"}) == ("None", False)
+    assert _run({**env, distributed.COMPILATION_CACHE_ENV: str(tmp_path / "mine")})[0] == str(tmp_path / "mine")

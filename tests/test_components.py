@@ -2,14 +2,17 @@
 
 import pytest
 
-from arpo_jax import components, pretrained, testing
-from arpo_jax import config as config_lib
+from arpo_jax import testing
+from arpo_jax.config import args
+from arpo_jax.config import validate as config_lib
 from arpo_jax.rollout.jax_sampler import JaxSampler
+from arpo_jax.train import components
+from arpo_jax.weights import pretrained
 
 
 @pytest.fixture(scope="module")
 def cfg():
-    return config_lib.load_config(["--config=builtin:toy_cpu", "--config.rollout.jax.decode_chunk=8",
+    return args.load_config(["--config=builtin:toy_cpu", "--config.rollout.jax.decode_chunk=8",
                                    "--config.data.max_prompt_length=100", "--config.data.max_response_length=28"])
 
 
@@ -34,7 +37,7 @@ def test_vllm_engines_that_do_not_fit_the_host_are_refused_before_starting(cfg, 
     """rollout.vllm.engines x tensor_parallel_size must fit the host's GPUs (here CUDA_VISIBLE_DEVICES): the error
     names both fields and what is allowed, before any engine process starts."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    bad = config_lib.load_config(["--config=builtin:toy_cpu", "--config.rollout.vllm.engines=2",
+    bad = args.load_config(["--config=builtin:toy_cpu", "--config.rollout.vllm.engines=2",
                                   "--config.rollout.vllm.tensor_parallel_size=2"])
     with pytest.raises(ValueError, match=r"rollout.vllm.engines=2, rollout.vllm.tensor_parallel_size=2: .*"
                                          r"allowed: engines x tensor_parallel_size <= 2"):
@@ -63,10 +66,10 @@ def test_lora_sync_picks_the_engines_lora_layers(monkeypatch, tmp_path, lora_syn
 
     got = {}
     monkeypatch.setattr(vllm_sampler, "VllmSampler", lambda folder, **kw: got.update(kw))
-    c = config_lib.load_config(["--config=builtin:toy_cpu", "--config.model.lora.rank=8",
+    c = args.load_config(["--config=builtin:toy_cpu", "--config.model.lora.rank=8",
                                 f"--config.rollout.vllm.lora_sync={lora_sync}"])
     components.make_sampler(c, None, engine="vllm", folder=tmp_path)
     assert got["lora_rank"] == engine_rank
     with pytest.raises(ValueError, match=r"rollout.vllm.lora_sync: .full. .*allowed: adapters \| merged"):
-        bad = config_lib.load_config(["--config=builtin:toy_cpu", "--config.rollout.vllm.lora_sync=full"])
+        bad = args.load_config(["--config=builtin:toy_cpu", "--config.rollout.vllm.lora_sync=full"])
         config_lib.validate(bad, check_files=False)

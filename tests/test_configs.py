@@ -9,11 +9,14 @@ from pathlib import Path
 import pytest
 from ml_collections import ConfigDict
 
-from arpo_jax import config, plan, testing
+from arpo_jax import testing
+from arpo_jax.config import args, redaction
+from arpo_jax.config import validate as config
+from arpo_jax.plan import plan
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = sorted(p for p in (REPO / "arpo_jax" / "configs").glob("*.py") if p.name not in ("__init__.py", "base.py"))
-TOY = str(REPO / "arpo_jax" / "configs" / "toy_cpu.py")
+CONFIGS = sorted(p for p in (REPO / "configs").glob("*.py") if p.name not in ("__init__.py", "base.py"))
+TOY = str(REPO / "configs" / "toy_cpu.py")
 
 
 def _devices(cfg) -> int | None:
@@ -28,7 +31,7 @@ def _command(path: Path) -> str:
 
 def _toy(**overrides) -> ConfigDict:
     """The toy config as a plain ConfigDict with `section.field=value` overrides (no type safety: any value)."""
-    tree = config.load_config([f"--config={TOY}"]).to_dict()
+    tree = args.load_config([f"--config={TOY}"]).to_dict()
     for path, value in overrides.items():
         *parents, leaf = path.split("__")
         node = tree
@@ -46,13 +49,13 @@ def _problems(cfg, **kw) -> list[str]:
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_every_config_loads_and_validates(path):
-    cfg = config.load_config([f"--config={path}"])
+    cfg = args.load_config([f"--config={path}"])
     out = config.validate(cfg, check_files=False, device_count=_devices(cfg), command=_command(path))
     assert out.is_locked and out.rollout.n >= out.rollout.initial_rollouts
 
 
 def test_base_loads_but_needs_a_model_and_data():
-    cfg = config.load_config(["--config=builtin:base"])
+    cfg = args.load_config(["--config=builtin:base"])
     fields = {p.split(":")[0] for p in _problems(cfg)}
     assert fields == {"model.path", "model.tokenizer", "data.train_files", "data.val_files"}
 
@@ -69,7 +72,7 @@ def test_reference_values_of_the_scripts():
         "aepo_qwen3_14b": (64, 8, 2000, 6192, 12, 6, 5, 0.45, 6),
     }
     for name, values in expect.items():
-        c = config.load_config([f"--config={REPO / 'arpo_jax' / 'configs' / name}.py"])
+        c = args.load_config([f"--config={REPO / 'configs' / name}.py"])
         got = (c.data.train_batch_size, c.actor.ppo_mini_batch_size, c.data.max_prompt_length,
                c.data.max_response_length, c.rollout.n, c.rollout.initial_rollouts, c.trainer.total_epochs,
                c.rollout.vllm.gpu_memory_utilization, c.tools.call_limit)
@@ -81,14 +84,14 @@ def test_reference_values_of_the_scripts():
 
 
 def test_overrides_and_extra_arguments():
-    cfg = config.load_config([f"--config={TOY}", "--config.rollout.n=16", "--config.trainer.max_steps", "2",
+    cfg = args.load_config([f"--config={TOY}", "--config.rollout.n=16", "--config.trainer.max_steps", "2",
                               "--config.data.train_files=a.parquet", "--config.actor.lr=1"])
     assert (cfg.rollout.n, cfg.trainer.max_steps, cfg.data.train_files) == (16, 2, ("a.parquet",))
     assert isinstance(cfg.actor.lr, float)
-    cfg, rest = config.parse_config_args(["--config", TOY, "--workdir=runs/x", "--config.rollout.n=8", "pos"])
+    cfg, rest = args.parse_config_args(["--config", TOY, "--workdir=runs/x", "--config.rollout.n=8", "pos"])
     assert cfg.rollout.n == 8 and rest == ["--workdir=runs/x", "pos"]
     with pytest.raises(ValueError, match="unrecognised arguments.*--workdir"):
-        config.load_config([f"--config={TOY}", "--workdir=x"])
+        args.load_config([f"--config={TOY}", "--workdir=x"])
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -98,14 +101,14 @@ def test_overrides_and_extra_arguments():
 ], ids=["unknown-field", "unknown-section", "wrong-type"])
 def test_bad_overrides_are_readable(argv, match):
     with pytest.raises(ValueError, match=match):
-        config.load_config([f"--config={TOY}", *argv])
+        args.load_config([f"--config={TOY}", *argv])
 
 
 def test_missing_config_file():
     with pytest.raises(ValueError, match="cannot load the config file.*nope.py.*No such file"):
-        config.load_config(["--config=configs/nope.py"])
+        args.load_config(["--config=configs/nope.py"])
     with pytest.raises(ValueError, match="no config file"):
-        config.load_config(["--config.rollout.n=3"])
+        args.load_config(["--config.rollout.n=3"])
 
 
 BAD = [  # (overrides, problem's field, words the message must contain, validate kwargs)
@@ -193,11 +196,11 @@ def test_validate_normalises_and_expands(monkeypatch, tmp_path):
 
 
 def test_toy_config_validates_with_files_and_devices():
-    cfg = config.load_config([f"--config={TOY}"])
+    cfg = args.load_config([f"--config={TOY}"])
     for command in ("train", "sft"):
         config.validate(cfg, check_files=True, device_count=8, process_count=2, command=command)
     assert plan.jax_mem_fraction(cfg) == 0.9  # the JAX engine
-    vllm = config.load_config([f"--config={TOY}", "--config.rollout.engine=vllm",
+    vllm = args.load_config([f"--config={TOY}", "--config.rollout.engine=vllm",
                                "--config.rollout.vllm.gpu_memory_utilization=0.6"])
     assert plan.jax_mem_fraction(vllm) == 0.35
 
@@ -214,23 +217,23 @@ def test_brightdata_key_must_be_in_the_environment(monkeypatch):
 
 
 def test_redact_hides_keys_but_keeps_env_var_names():
-    tree = config.load_config([f"--config={TOY}"]).to_dict()
+    tree = args.load_config([f"--config={TOY}"]).to_dict()
     tree["tools"]["search"]["api_key"] = "0123456789abcdef"
     tree["extra"] = {"nested": {"hf_token": "hf_abcdefghijklmnopqrstuvwxyz", "db_password": "hunter2"},
                      "note": "sk-abcdefghijklmnopqrstuvwxyz012345"}
-    out = config.redact(ConfigDict(tree, type_safe=False))
-    assert out["tools"]["search"]["api_key"] == config.REDACTED
-    assert out["extra"]["nested"] == {"hf_token": config.REDACTED, "db_password": config.REDACTED}
-    assert out["extra"]["note"] == config.REDACTED  # looks like a key whatever its field is called
+    out = redaction.redact(ConfigDict(tree, type_safe=False))
+    assert out["tools"]["search"]["api_key"] == redaction.REDACTED
+    assert out["extra"]["nested"] == {"hf_token": redaction.REDACTED, "db_password": redaction.REDACTED}
+    assert out["extra"]["note"] == redaction.REDACTED  # looks like a key whatever its field is called
     assert out["tools"]["search"]["api_key_env"] == "BRIGHTDATA_API_KEY"
     assert out["model"]["tokenizer"] == "" and out["actor"]["max_token_len_per_device"] == 0
     assert out["model"]["path"] == "builtin:tiny" and isinstance(out["data"]["train_files"], tuple)
     tree["tools"]["search"]["api_key_env"] = "bd-0123456789abcdef0123"  # a key value in the name field
-    assert config.redact(tree)["tools"]["search"]["api_key_env"] == config.REDACTED
+    assert redaction.redact(tree)["tools"]["search"]["api_key_env"] == redaction.REDACTED
 
 
 def test_check_tokenizer():
-    config.check_tokenizer(testing.make_tiny_tokenizer(), config.load_config([f"--config={TOY}"]))
+    config.check_tokenizer(testing.make_tiny_tokenizer(), args.load_config([f"--config={TOY}"]))
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     word_level = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
@@ -243,7 +246,8 @@ def test_check_tokenizer():
 
 def test_enum_values_come_from_the_code():
     """The allowed values are the consumers' own tables, so a new loss or preset is accepted without edits here."""
-    from arpo_jax import algos, sharding
+    from arpo_jax import sharding
+    from arpo_jax.update import algos
 
     allowed = config._allowed()
     assert allowed["actor.loss"] == tuple(algos.POLICY_LOSSES) and allowed["mesh.rules"] == tuple(sharding.RULES)
@@ -253,10 +257,10 @@ def test_enum_values_come_from_the_code():
 def test_configs_load_from_another_directory(tmp_path):
     """config_flags imports a file by path: `from arpo_jax.configs.base import ...` must work wherever the run starts,
     and `builtin:NAME` names the shipped file from any directory."""
-    code = ("import sys; from arpo_jax import config; "
-            "c = config.load_config(sys.argv[1:]); print(c.rollout.n, c.data.train_batch_size)")
+    code = ("import sys; from arpo_jax.config import args; "
+            "c = args.load_config(sys.argv[1:]); print(c.rollout.n, c.data.train_batch_size)")
     env = {**os.environ, "PYTHONPATH": ""}
-    shipped = str(REPO / "arpo_jax" / "configs" / "aepo_qwen3_14b.py")
+    shipped = str(REPO / "configs" / "aepo_qwen3_14b.py")
     for spec, expect in ((shipped, "12 64"), ("builtin:toy_cpu", "16 4"), ("builtin:aepo_qwen3_14b", "12 64")):
         argv = [f"--config={spec}"] + (["--config.rollout.n=16"] if "toy_cpu" in spec else [])
         proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=tmp_path, env=env, capture_output=True,
@@ -264,9 +268,33 @@ def test_configs_load_from_another_directory(tmp_path):
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.split("\n")[-2] == expect
     # A relative path from the repository's parent folder too.
-    proc = subprocess.run([sys.executable, "-c", code, f"--config={REPO.name}/arpo_jax/configs/toy_cpu.py"],
+    proc = subprocess.run([sys.executable, "-c", code, f"--config={REPO.name}/configs/toy_cpu.py"],
                           cwd=REPO.parent, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.split("\n")[-2] == "4 4", proc.stderr
+
+
+def test_the_top_level_configs_folder_is_the_package_arpo_jax_configs():
+    """configs/ at the top of the repository is `arpo_jax.configs` (pyproject.toml maps it; one copy): builtin:NAME
+    and `from arpo_jax.configs.base import ...` read these files in a checkout's editable install."""
+    import arpo_jax
+    import arpo_jax.configs.base
+
+    if not Path(arpo_jax.__file__).is_relative_to(REPO):
+        pytest.skip("arpo_jax is not imported from this checkout")
+    assert args.BUILTIN_CONFIGS == REPO / "configs"
+    assert Path(arpo_jax.configs.base.__file__) == REPO / "configs" / "base.py"
+    assert not (REPO / "arpo_jax" / "configs").exists()
+
+
+def test_pyproject_lists_every_package_folder():
+    """The package list is explicit (a mapped folder is outside packages.find): a new arpo_jax/ folder must be on it,
+    or a wheel would leave it out."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "arpo_jax").rglob("__init__.py")}
+    assert set(project["packages"]) == folders | {"arpo_jax.configs"}
+    assert project["package-dir"] == {"arpo_jax.configs": "configs"}
 
 
 @pytest.mark.parametrize("name, devices, processes", [
@@ -275,7 +303,7 @@ def test_configs_load_from_another_directory(tmp_path):
     ("arpo_qwen25_7b_reasoning", 8, 1),
 ])
 def test_hardware_configs_fit_their_slices(name, devices, processes):
-    cfg = config.load_config([f"--config={REPO / 'arpo_jax' / 'configs' / name}.py"])
+    cfg = args.load_config([f"--config={REPO / 'configs' / name}.py"])
     config.validate(cfg, check_files=False, device_count=devices, process_count=processes)
     assert cfg.rollout.engine == ("jax" if "tpu" in name else "vllm")
 

@@ -6,8 +6,10 @@ import numpy as np
 import optax
 import pytest
 
-from arpo_jax import algos, critic, models, packing, sharding
-from arpo_jax import train_step as ts
+from arpo_jax import models, sharding
+from arpo_jax.experience import packing
+from arpo_jax.update import algos, jit
+from arpo_jax.update import value as critic
 
 TINY = models.Config(model_type="qwen2", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, sharding_rules="fsdp_tp")
@@ -17,7 +19,7 @@ SGD = optax.sgd(1.0)
 @pytest.fixture(scope="module")
 def tiny():
     """(graphdef, critic params from a random policy, with a random head so every param gets a gradient)."""
-    _, policy_params = ts.split_model(models.init_model(TINY, seed=0))
+    _, policy_params = jit.split_model(models.init_model(TINY, seed=0))
     params = critic.value_params_from_policy(policy_params)
     head = params["value_head"]
     params["value_head"] = {"weight": 0.3 * jax.random.normal(jax.random.key(1), head["weight"].shape),
@@ -122,7 +124,7 @@ def test_values_are_next_token_aligned_and_layout_independent(tiny):
 def test_value_model_backbone_is_the_policy(tiny):
     """Value = head(policy hidden states): the critic starts from the policy's weights, without lm_head."""
     graphdef, params = tiny
-    _, policy_params = ts.split_model(models.init_model(TINY, seed=0))
+    _, policy_params = jit.split_model(models.init_model(TINY, seed=0))
     assert "lm_head" not in params and "lm_head" in policy_params
     policy = models.init_model(TINY, seed=0)
     ids = jnp.asarray(np.arange(12)[None] % TINY.vocab_size)
@@ -143,7 +145,7 @@ def test_critic_regresses_toward_returns(tiny):
     opt = critic.make_optimizer(cfg, 100)
     step = critic.jit_value_step(graphdef, TINY, cfg, opt)
     forward = critic.jit_value_forward(graphdef, TINY)
-    state = ts.init_train_state(params, opt)
+    state = jit.init_train_state(params, opt)
     batch, layout = _batch()
     losses = []
     for _ in range(25):
@@ -166,9 +168,9 @@ def _grads(graphdef, params, batch, cfg, mesh=None):
     if mesh is not None:
         p_sh = critic.value_param_shardings(TINY, mesh)
         params = jax.device_put(params, p_sh)
-        shardings = ts.state_shardings(SGD, p_sh, params, mesh)
+        shardings = jit.state_shardings(SGD, p_sh, params, mesh)
     values = critic.jit_value_forward(graphdef, TINY, mesh)(params, batch)
-    state = ts.init_train_state(params, SGD, shardings)
+    state = jit.init_train_state(params, SGD, shardings)
     new, metrics = critic.jit_value_step(graphdef, TINY, cfg, SGD, mesh, shardings)(state, {k: v[0] for k, v in
                                                                                           batch.items()})
     if mesh is not None:
@@ -219,7 +221,7 @@ def test_nonfinite_value_update_is_skipped(tiny):
     step = critic.jit_value_step(graphdef, TINY, cfg, opt)
     batch, _ = _batch()
     mini = {k: v[0] for k, v in batch.items()}
-    state, _ = step(ts.init_train_state(params, opt), mini)
+    state, _ = step(jit.init_train_state(params, opt), mini)
     before = jax.tree.map(np.asarray, state)
     bad = dict(mini, returns=np.where(mini["loss_weight"] > 0, np.nan, mini["returns"]).astype(np.float32))
     state, m = step(state, bad)

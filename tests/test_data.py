@@ -9,13 +9,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from arpo_jax import prompts, testing
+from arpo_jax import testing
 from arpo_jax.data import (
     DataPosition,
     batch_indices,
     encode_prompt,
     epoch_order,
     load_rl_dataset,
+    prompts,
     shard,
     steps_per_epoch,
     tfds_builders,

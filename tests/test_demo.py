@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from arpo_jax import prompts, rewards
-from arpo_jax.data import toy
+from arpo_jax import rewards
+from arpo_jax.data import prompts, toy
 from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
 
 # The SmolLM2 tests run a JAX model and a vLLM engine (and the demo a whole run) at once: under pytest-xdist they
@@ -159,9 +159,10 @@ def test_transformers_sampler_matches_the_jax_sampler(tiny_hf_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from arpo_jax import pretrained, testing
+    from arpo_jax import testing
     from arpo_jax.rollout.hf_sampler import TransformersSampler
     from arpo_jax.rollout.jax_sampler import JaxSampler
+    from arpo_jax.weights import pretrained
 
     folder, _ = tiny_hf_dir("qwen2")
     tokenizer = testing.make_tiny_tokenizer(folder)
@@ -254,7 +255,8 @@ def test_a_larger_model_trains_with_full_remat_and_short_logprob_chunks(tiny_hf_
 def test_set_overrides_the_demo_config_typed_and_checked():
     """`arpo-jax demo --set KEY=VALUE`: after the demo's own settings, typed as --config.KEY=VALUE; a bad key or value
     is refused with the field's name before anything runs."""
-    from arpo_jax import config_args, demo
+    from arpo_jax import demo
+    from arpo_jax.config import args as config_args
 
     cfg = demo.demo_config(demo.DEFAULT_MODEL, demo.FULL, "arpo", 0, "jax")
     assert cfg.actor.logprob_chunk == 768  # the demo's own value

@@ -12,11 +12,14 @@ import numpy as np
 import pytest
 
 import arpo_jax
-from arpo_jax import cli, lora, lora_io, metrics, runtime, testing
-from arpo_jax.eval import runner
+from arpo_jax import cli, testing
+from arpo_jax.eval import agent, runner
+from arpo_jax.train import metrics
+from arpo_jax.update import lora
+from arpo_jax.weights import lora_io, policy
 
 REPO = Path(__file__).resolve().parents[1]
-TOY = str(REPO / "arpo_jax" / "configs" / "toy_cpu.py")
+TOY = str(REPO / "configs" / "toy_cpu.py")
 QUESTIONS = [{"id": f"q{i}", "question": f"What is {a} times {b}?", "answer": str(a * b)}
              for i, (a, b) in enumerate([(12, 34), (56, 78), (91, 23), (45, 67), (89, 10)])]
 
@@ -25,7 +28,7 @@ QUESTIONS = [{"id": f"q{i}", "question": f"What is {a} times {b}?", "answer": st
 def folders(tmp_path_factory):
     """(base HF folder, PEFT adapter folder, merged HF folder from `arpo-jax export`, questions file)."""
     root = tmp_path_factory.mktemp("adapter")
-    base = runtime.build_tiny_model(root / "base", seed=0)
+    base = policy.build_tiny_model(root / "base", seed=0)
     model = testing.randomize_lora_b(lora.with_adapters(arpo_jax.from_pretrained(base), 4, 8.0), scale=0.5)
     adapter = lora_io.save_peft(model, root / "adapter", base_model=str(base))
     assert cli.main(["export", "--format", "merged", "--adapter", str(adapter), "--base", str(base), "--out",
@@ -36,7 +39,7 @@ def folders(tmp_path_factory):
 
 
 def _evaluate(workdir: Path, model, questions: Path, **options) -> list[dict]:
-    cfg = runner.load_eval_config([f"--config={TOY}", "--config.data.max_prompt_length=512",
+    cfg = agent.load_eval_config([f"--config={TOY}", "--config.data.max_prompt_length=512",
                                    "--config.data.max_response_length=24", "--config.tools.search.enabled=false"])
     runner.evaluate(cfg, runner.EvalOptions(model=str(model), benchmarks=str(questions), workdir=workdir, k=1,
                                             temperature=0, batch_size=2, engine="jax", progress=False, **options))

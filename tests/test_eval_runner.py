@@ -23,15 +23,17 @@ from pathlib import Path
 
 import pytest
 
-from arpo_jax import cli, convert, metrics, testing
+from arpo_jax import cli, testing
 from arpo_jax.eval import report as report_lib
 from arpo_jax.eval import runner
 from arpo_jax.eval.benchmarks import load_benchmark
 from arpo_jax.eval.chat import format_transcript
 from arpo_jax.eval.scoring import pass_at_k
+from arpo_jax.train import metrics
+from arpo_jax.weights import convert
 
 REPO = Path(__file__).resolve().parents[1]
-TOY = str(REPO / "arpo_jax" / "configs" / "toy_cpu.py")
+TOY = str(REPO / "configs" / "toy_cpu.py")
 BENCHMARKS = ("gsm8k", "hotpotqa", "aime24")
 LIMIT, K, BATCH = 3, 2, 2
 OVERRIDES = ("--config.data.max_prompt_length=512", "--config.data.max_response_length=32")

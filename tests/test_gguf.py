@@ -1,4 +1,4 @@
-"""GGUF import (arpo_jax.gguf_import) on synthetic files of every supported architecture and on the real
+"""GGUF import (arpo_jax.weights.gguf_import) on synthetic files of every supported architecture and on the real
 SmolLM2-135M-Instruct file, plus the errors a bad file gets.
 
 Synthetic files are written the way llama.cpp's converter writes them: gguf's own tensor-name table, Llama's Q and K
@@ -16,8 +16,9 @@ import pytest
 from flax import nnx
 
 import arpo_jax
-from arpo_jax import gguf_import, hf, models, named_models
+from arpo_jax import models, paths
 from arpo_jax.cli import main as cli_main
+from arpo_jax.weights import gguf_import, hf, named_models
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -212,10 +213,10 @@ def test_two_processes_convert_a_gguf_once_and_never_see_half_a_folder(smollm2, 
     import sys
 
     code = ("import json, logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
-            "from arpo_jax import named_models\n"
+            "from arpo_jax.weights import named_models\n"
             "f = named_models.model_folder(sys.argv[1])\n"
             "print(json.dumps({'folder': str(f), 'files': sorted(p.name for p in f.iterdir())}))")
-    env = os.environ | {named_models.CACHE_ENV: str(tmp_path / "cache")}
+    env = os.environ | {paths.CACHE_ENV: str(tmp_path / "cache")}
     procs = [subprocess.Popen([sys.executable, "-c", code, str(_smollm2_gguf())], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
@@ -264,7 +265,7 @@ def test_named_model_joined_from_its_wheels_with_pinned_hashes(tmp_path, monkeyp
     spec = named_models.PackagedGGUF("fake.gguf", sha(joined), len(joined), tuple(parts))
     monkeypatch.setitem(named_models.NAMED, "fake-model", spec)
     cache = tmp_path / "cache"
-    monkeypatch.setenv(named_models.CACHE_ENV, str(cache))
+    monkeypatch.setenv(paths.CACHE_ENV, str(cache))
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
     got = named_models.gguf_file("fake-model")

@@ -12,7 +12,8 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 import arpo_jax
-from arpo_jax import hf, testing
+from arpo_jax import testing
+from arpo_jax.weights import hf
 
 
 def _tensors(folder):

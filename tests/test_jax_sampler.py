@@ -11,7 +11,8 @@ from flax import nnx
 
 import arpo_jax
 from arpo_jax import sharding, testing
-from arpo_jax.rollout.jax_sampler import JaxSampler, _Row, pow2_buckets, sample_categorical
+from arpo_jax.rollout.jax_decode import sample_categorical
+from arpo_jax.rollout.jax_sampler import JaxSampler, _Row, pow2_buckets
 from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
 
 GREEDY = SamplingSettings(temperature=0.0, stop=(), logprobs=10, logprob_positions=20)
@@ -363,7 +364,7 @@ def test_top_k_alone_cuts_everything_past_the_kth_token():
     the k-th whenever the float cumsum of the top k ended below 1, so top-k sampled from the whole vocabulary."""
     import jax.numpy as jnp
 
-    from arpo_jax.rollout.jax_sampler import process_logits
+    from arpo_jax.rollout.jax_decode import process_logits
 
     logits = jnp.asarray(np.random.RandomState(0).randn(4, 600).astype(np.float32) * 3)
     allowed = jnp.asarray(np.arange(600) < 520)

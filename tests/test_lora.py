@@ -13,9 +13,13 @@ import torch
 from flax import nnx, traverse_util
 
 import arpo_jax
-from arpo_jax import convert, hf, lora, lora_io, packing, sharding, testing
-from arpo_jax import train_step as ts
+from arpo_jax import sharding, testing
+from arpo_jax.experience import packing
+from arpo_jax.models import transformer
 from arpo_jax.models.transformer import LORA_TARGETS
+from arpo_jax.update import jit, lora
+from arpo_jax.update import train_step as ts
+from arpo_jax.weights import convert, hf, lora_io
 
 RANK, ALPHA = 4, 8.0
 # vLLM vs JAX, float32: 1e-4 elsewhere (tests/test_rollout_engines.py). An engine started with LoRA runs the base
@@ -48,8 +52,8 @@ def test_zero_b_is_the_base_model_exactly(tiny):
     batch = {"input_ids": ids[None], "targets": jnp.roll(ids, -1, 1)[None],
              "positions": jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)[None],
              "segment_ids": jnp.ones_like(ids)[None]}
-    lp_base = ts.jit_forward_logprobs(*ts.split_model(base)[:1], base.config)(ts.split_model(base)[1], batch)[0]
-    graphdef, params = ts.split_model(model)
+    lp_base = ts.jit_forward_logprobs(*jit.split_model(base)[:1], base.config)(jit.split_model(base)[1], batch)[0]
+    graphdef, params = jit.split_model(model)
     lp = ts.jit_forward_logprobs(graphdef, model.config)(params, batch)[0]
     testing.assert_equal_on_cpu(lp, lp_base)
     # Adapters on every target, float32 over the base, A [r, in...] / B [out..., r], B zero.
@@ -105,10 +109,10 @@ def _rollout_batch(graphdef, params, model_cfg, n=8, seed=0):
 def test_update_trains_the_adapters_only(tiny):
     _, _, base = tiny
     model = lora.with_adapters(base, RANK, ALPHA)
-    graphdef, params = ts.split_model(model)
+    graphdef, params = jit.split_model(model)
     cfg = ts.UpdateConfig(lr=1e-2)
     opt = lora.freeze_base(ts.make_optimizer(cfg, 10), model.config)
-    state = ts.init_train_state(params, opt)
+    state = jit.init_train_state(params, opt)
     # Optimizer moments for the adapters only.
     mu_paths = {k for k, _ in jax.tree_util.tree_flatten_with_path(state.opt_state[1][0].mu)[0]}
     assert len(mu_paths) == len(lora.trainable_paths(model.config))
@@ -131,14 +135,14 @@ def test_update_trains_the_adapters_only(tiny):
 def test_sharded_lora_step_equals_single_device(tiny):
     path, _, base = tiny
     model = _randomize_b(lora.with_adapters(base, RANK, ALPHA))
-    graphdef, params = ts.split_model(model)
+    graphdef, params = jit.split_model(model)
     cfg = ts.UpdateConfig(lr=1e-4, kl_coef=0.0)
     opt = lora.freeze_base(ts.make_optimizer(cfg, 10), model.config)
     mini = _rollout_batch(graphdef, params, model.config)
-    ref_state, ref_metrics = ts.jit_train_step(graphdef, model.config, cfg, opt)(ts.init_train_state(params, opt),
+    ref_state, ref_metrics = ts.jit_train_step(graphdef, model.config, cfg, opt)(jit.init_train_state(params, opt),
                                                                                mini)
     mesh = sharding.make_mesh((2, 2, 2))
-    p_sh = ts.param_shardings(model.config, mesh)
+    p_sh = jit.param_shardings(model.config, mesh)
     lq = p_sh["model"]["layers"]["self_attn"]["q_proj"]  # stacked [L, ...]: the layer axis unsplit
     # A follows the base weight's input axis (embed -> fsdp), B its output axes (heads -> tensor); rank unsplit.
     assert lq["lora_a"].spec == jax.sharding.PartitionSpec(None, None, "fsdp")
@@ -147,8 +151,8 @@ def test_sharded_lora_step_equals_single_device(tiny):
     assert ld["lora_a"].spec == jax.sharding.PartitionSpec(None, None, "tensor")
     assert ld["lora_b"].spec == jax.sharding.PartitionSpec(None, "fsdp", None)
     sharded_params = jax.tree.map(jax.device_put, params, p_sh)
-    shardings = ts.state_shardings(opt, p_sh, sharded_params, mesh)
-    state = ts.init_train_state(sharded_params, opt, shardings)
+    shardings = jit.state_shardings(opt, p_sh, sharded_params, mesh)
+    state = jit.init_train_state(sharded_params, opt, shardings)
     mu = state.opt_state[1][0].mu["model"]["layers"]["self_attn"]["q_proj"]["lora_b"]
     assert mu.sharding == lq["lora_b"] and not mu.sharding.is_fully_replicated
     new_state, metrics = ts.jit_train_step(graphdef, model.config, cfg, opt, mesh, shardings)(state, mini)
@@ -163,11 +167,11 @@ def test_reference_logprobs_are_the_base_model(tiny):
     base model's log-probs, while the policy (B != 0) differs."""
     _, _, base = tiny
     model = _randomize_b(lora.with_adapters(base, RANK, ALPHA))
-    graphdef, params = ts.split_model(model)
+    graphdef, params = jit.split_model(model)
     mini = _rollout_batch(graphdef, params, model.config)
     batch = {k: v[None] for k, v in mini.items()}
     ref = lora.jit_reference_logprobs(model.config)(params, batch)[0]
-    base_graphdef, base_params = ts.split_model(base)
+    base_graphdef, base_params = jit.split_model(base)
     expect = ts.jit_forward_logprobs(base_graphdef, base.config)(base_params, batch)[0]
     np.testing.assert_array_equal(np.asarray(ref), np.asarray(expect))
     policy = ts.jit_forward_logprobs(graphdef, model.config)(params, batch)[0]
@@ -212,7 +216,7 @@ def test_peft_export_loads_in_peft_and_back(tiny, tmp_path):
     # Import onto the base (to continue training): the same adapters, bit for bit, and the same config.
     back = lora_io.load_peft(base, out)
     assert back.config == model.config
-    adapters = lambda m: jax.tree.leaves(nnx.state(m, lora.LoRAParam))
+    adapters = lambda m: jax.tree.leaves(nnx.state(m, transformer.LoRAParam))
     for x, y in zip(adapters(back), adapters(model), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     np.testing.assert_array_equal(np.asarray(_logits(back, ids)), expect)
@@ -229,7 +233,7 @@ def test_peft_export_loads_in_peft_and_back(tiny, tmp_path):
 def test_export_command_writes_peft_and_merged_from_a_lora_checkpoint(tiny, tmp_path):
     """`arpo-jax export` of a LoRA run's checkpoint (the model config in its metadata carries the adapters)."""
     from arpo_jax import cli
-    from arpo_jax.checkpoint import Checkpointer
+    from arpo_jax.weights.checkpoint import Checkpointer
 
     path, _, base = tiny
     model = _randomize_b(lora.with_adapters(base, RANK, ALPHA))
@@ -250,7 +254,7 @@ def test_export_command_writes_peft_and_merged_from_a_lora_checkpoint(tiny, tmp_
 
 
 def test_config_validation_names_the_lora_fields():
-    from arpo_jax import config as config_lib
+    from arpo_jax.config import validate as config_lib
     from arpo_jax.configs.toy_cpu import get_config
 
     cfg = get_config()
@@ -267,8 +271,8 @@ def test_config_validation_names_the_lora_fields():
 def test_lora_sft_trains_adapters_only_and_exports_merged(tmp_path):
     """The SFT loop with model.lora: the checkpoint's base equals the starting weights bit for bit, the adapters
     moved, and the exported HF folder is the merged model."""
-    from arpo_jax import metrics, sft
-    from arpo_jax.checkpoint import Checkpointer
+    from arpo_jax.train import metrics, sft
+    from arpo_jax.weights.checkpoint import Checkpointer
     from tests.test_sft import _toy_config
 
     cfg = _toy_config(2)
@@ -284,7 +288,7 @@ def test_lora_sft_trains_adapters_only_and_exports_merged(tmp_path):
     base_now, base_then = lora.base_state(trained), nnx.state(start, nnx.Param)
     for (p, x), (_, y) in zip(nnx.to_flat_state(base_now), nnx.to_flat_state(base_then), strict=True):
         np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]), err_msg=str(p))
-    assert any(np.any(np.asarray(v[...])) for p, v in nnx.to_flat_state(nnx.state(trained, lora.LoRAParam))
+    assert any(np.any(np.asarray(v[...])) for p, v in nnx.to_flat_state(nnx.state(trained, transformer.LoRAParam))
                if p[-1] == "lora_b")
     ids = _ids(vocab=start.config.vocab_size)
     np.testing.assert_allclose(np.asarray(_logits(arpo_jax.from_pretrained(tmp_path / "hf"), ids)),
@@ -297,8 +301,8 @@ def test_lora_rl_run_on_the_toy_config(tmp_path):
     """`arpo-jax train --config.model.lora.rank=16` with a KL loss (reference = adapters off), 1 step, then resumed
     for a 2nd: the checkpoints hold the adapters and a pointer to the base, not the base; the resume restores the
     base from the pointer; the base of the step-2 model is the starting one bit for bit, the adapters moved."""
-    from arpo_jax import metrics
-    from arpo_jax.checkpoint import Checkpointer
+    from arpo_jax.train import metrics
+    from arpo_jax.weights.checkpoint import Checkpointer
     from tests.test_trainer import REWARD, _command, _env
 
     reward = tmp_path / "reward.py"
@@ -322,7 +326,7 @@ def test_lora_rl_run_on_the_toy_config(tmp_path):
     assert meta["model_config"]["lora_rank"] == 16 and Path(pointer["folder"]).name == "builtin_tiny", pointer
     saved = sum(f.stat().st_size for f in (workdir / "checkpoints" / "2").rglob("*") if f.is_file())
     base_bytes = sum(x.nbytes for x in jax.tree.leaves(start))
-    adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, lora.LoRAParam)))
+    adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, transformer.LoRAParam)))
     print(f"LoRA RL checkpoint {saved} bytes: adapters {adapter_bytes}, base (not saved) {base_bytes}")
     assert saved < 3 * adapter_bytes + 500_000 < base_bytes  # adapters + 2 Adam moments + metadata: no base
     flat = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
@@ -336,13 +340,13 @@ def test_lora_rl_run_on_the_toy_config(tmp_path):
 @pytest.mark.slow  # > 10 s: compiles the step on an 8-device mesh
 def test_plan_has_no_optimizer_state_for_the_frozen_base(tiny):
     """`arpo-jax plan` of a LoRA config: the moments of the adapters only (2 x their float32 bytes)."""
-    from arpo_jax import plan
+    from arpo_jax.plan import plan
 
     _, _, base = tiny
     cfg = base.config
     full = plan.plan(cfg, (1, 8, 1), ts.UpdateConfig(), micro=1, rows=8, seq=32)
     low = plan.plan(lora.config_with(cfg, RANK, ALPHA), (1, 8, 1), ts.UpdateConfig(), micro=1, rows=8, seq=32)
-    adapters = nnx.state(arpo_jax.models.abstract_model(lora.config_with(cfg, RANK, ALPHA)), lora.LoRAParam)
+    adapters = nnx.state(arpo_jax.models.abstract_model(lora.config_with(cfg, RANK, ALPHA)), transformer.LoRAParam)
     adapter_bytes = sum(x.size * 4 for x in jax.tree.leaves(adapters))
     assert low["opt_state_per_device"] <= 2 * adapter_bytes + 64 < full["opt_state_per_device"] / 3
     assert low["params_per_device"] > full["params_per_device"]
@@ -397,7 +401,8 @@ def test_vllm_adapter_only_sync_matches_the_jax_policy(tiny, tmp_path):
         assert sampler.info["lora"] and sampler.info["max_lora_rank"] == 8, sampler.info
         before = sampler.generate(requests, greedy)
         assert max_logp_diff(base, before) < LORA_ENGINE_ATOL
-        adapters_bytes = hf.export_nbytes(nnx.state(lora.with_adapters(base, RANK, ALPHA), lora.LoRAParam), "float32")
+        adapters = nnx.state(lora.with_adapters(base, RANK, ALPHA), transformer.LoRAParam)
+        adapters_bytes = hf.export_nbytes(adapters, "float32")
         base_bytes = hf.export_nbytes(nnx.state(base, nnx.Param), "float32")
         for seed in (1, 2):  # two versions: the second replaces the first (lora_int_id 2, id 1 removed)
             model = _randomize_b(lora.with_adapters(base, RANK, ALPHA), seed=seed, scale=0.3)
@@ -427,13 +432,13 @@ def test_rl_checkpoint_holds_the_adapters_and_a_pointer_to_the_base(tiny, tmp_pa
     init_checkpoint) loads it from the pointer, and a changed base is refused."""
     from ml_collections import ConfigDict
 
-    from arpo_jax.checkpoint import Checkpointer
+    from arpo_jax.weights.checkpoint import Checkpointer
 
     path, _, base = tiny
     model = _randomize_b(lora.with_adapters(base, RANK, ALPHA))
-    graphdef, params = ts.split_model(model)
+    graphdef, params = jit.split_model(model)
     opt = lora.freeze_base(ts.make_optimizer(ts.UpdateConfig(lr=1e-2), 10), model.config)
-    state = ts.init_train_state(params, opt)
+    state = jit.init_train_state(params, opt)
     state = state._replace(opt_state=jax.tree.map(lambda x: x + 1 if x.dtype == jnp.float32 else x, state.opt_state))
     run_cfg = ConfigDict({"model": {"path": str(path), "init_checkpoint": ""}})
     view = lora_io.CheckpointView.for_run(run_cfg, path, params, model.config)  # what the trainer saves/restores
@@ -449,7 +454,7 @@ def test_rl_checkpoint_holds_the_adapters_and_a_pointer_to_the_base(tiny, tmp_pa
     print(f"checkpoint {on_disk} bytes; adapters {adapter_bytes}, base {base_bytes}")
     assert on_disk < 3 * adapter_bytes + 200_000 < base_bytes  # adapters + 2 moments + orbax's files; no base
 
-    abstract = ts.abstract_train_state(opt, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params),
+    abstract = jit.abstract_train_state(opt, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params),
                                        jax.tree.map(lambda x: x.sharding, state))
     with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
         restored = ckpt.restore_state(2, view.target(abstract))

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from arpo_jax import metrics
+from arpo_jax.experience import step_metrics
+from arpo_jax.train import metrics
 from tests.tensorboard_events import read_tensorboard_scalars
 
 
@@ -160,8 +161,8 @@ def test_console_line_prefers_curated_keys(tmp_path, capsys):
 
 
 def test_summarize():
-    assert metrics.summarize("len", []) == {}
-    out = metrics.summarize("len", np.array([[1, 2], [3, 6]]))
+    assert step_metrics.summarize("len", []) == {}
+    out = step_metrics.summarize("len", np.array([[1, 2], [3, 6]]))
     assert out == {"len/mean": 3.0, "len/std": pytest.approx(np.std([1, 2, 3, 6])), "len/min": 1.0, "len/max": 6.0}
 
 

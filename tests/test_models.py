@@ -8,9 +8,10 @@ import torch
 from flax import nnx
 
 import arpo_jax
-from arpo_jax import hf, models, testing
+from arpo_jax import models, testing
 from arpo_jax.models import KVCache, transformer
 from arpo_jax.models.transformer import KeyStream, input_major_linears
+from arpo_jax.weights import hf
 
 VARIANTS = list(testing.TINY_VARIANTS)
 # bf16 tolerance on logits of magnitude ~4 (documented in README; measured: max 0.04-0.06, mean 0.008-0.009, less than

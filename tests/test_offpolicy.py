@@ -7,11 +7,11 @@ import threading
 
 import pytest
 
-from arpo_jax import config as config_lib
 from arpo_jax import testing
-from arpo_jax import trainer as trainer_lib
-from arpo_jax.experience import RolloutAhead
-from arpo_jax.trainer import sync_due
+from arpo_jax.config import args
+from arpo_jax.experience.collection import RolloutAhead
+from arpo_jax.train import trainer as trainer_lib
+from arpo_jax.train.schedule import sync_due
 from tests.test_trainer_rollouts import TEXT_REWARD
 
 
@@ -92,13 +92,14 @@ def test_jax_engine_schedule_and_a_resume_with_a_rollout_generated_ahead(tmp_pat
     """
     reward = tmp_path / "reward.py"
     reward.write_text(TEXT_REWARD)
-    cfg = config_lib.load_config([
+    cfg = args.load_config([
         "--config=builtin:toy_cpu", f"--config.reward.custom_path={reward}", "--config.trainer.progress=false",
         "--config.trainer.loggers=('jsonl',)", "--config.trainer.max_steps=3", "--config.rollout.max_staleness=1"])
     tr = trainer_lib.Trainer(cfg, tmp_path / "run", testing.trainer_devices())
     try:
         calls, collect = [], tr._collect
-        tr._collect = lambda step, pos: calls.append((step, pos.to_dict(), tr.weights_version)) or collect(step, pos)
+        version = lambda: tr.engine.weights_version
+        tr._collect = lambda step, pos: calls.append((step, pos.to_dict(), version())) or collect(step, pos)
         records = [tr.train_step(), tr.train_step()]
         tr.save()  # stopped here: step 3's rollout, generated ahead, is lost with the process
         tr.checkpoints.wait()
@@ -112,7 +113,7 @@ def test_jax_engine_schedule_and_a_resume_with_a_rollout_generated_ahead(tmp_pat
 
     resumed = trainer_lib.Trainer(cfg, tmp_path / "run", testing.trainer_devices())
     try:
-        assert (resumed.step, resumed.position.to_dict(), resumed.weights_version) == (2, calls[2][1], 2)
-        assert resumed.ahead.take(2) is None  # so its first step generates the dropped batch now, with version 2
+        assert (resumed.step, resumed.position.to_dict(), resumed.engine.weights_version) == (2, calls[2][1], 2)
+        assert resumed.engine.ahead.take(2) is None  # so its first step generates the dropped batch now, with version 2
     finally:
         resumed.close()

@@ -32,12 +32,13 @@ import numpy as np
 import pytest
 import requests
 
-from arpo_jax import bpe, testing
+from arpo_jax import testing
 from arpo_jax.eval.judge import LLMJudge, reply_says_correct
 from arpo_jax.rollout.agent_loop import RolloutConfig, greedy_settings, rollout, wrap_tool_result
-from arpo_jax.rollout.openai_sampler import OpenAISampler, OpenAIServerError, request_seed
-from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
+from arpo_jax.rollout.openai_sampler import OpenAISampler, OpenAIServerError
+from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings, request_seed
 from arpo_jax.testing import scripted_server
+from arpo_jax.weights import bpe
 
 # vLLM in this interpreter (CI), else another virtualenv's (ARPO_VLLM_PYTHON=/path/to/venv-with-vllm/bin/python).
 VLLM_PYTHON = sys.executable if importlib.util.find_spec("vllm") else (os.environ.get("ARPO_VLLM_PYTHON") or None)
@@ -73,8 +74,9 @@ def fitted(tmp_path_factory):
     """(tokenizer, HF folder, the two conversations): a tiny Qwen2 model that has learnt them by heart."""
     from flax import nnx
 
-    from arpo_jax import hf, quickstart
+    from arpo_jax import quickstart
     from arpo_jax.models import CausalLM, Config
+    from arpo_jax.weights import hf
 
     root = tmp_path_factory.mktemp("openai_engine")
     lines = {"calc": CALC + CALC_CALL + wrap_tool_result("228") + " <answer> 228 </answer>",

@@ -13,16 +13,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from arpo_jax import config, plan
+from arpo_jax.config import args
+from arpo_jax.config import validate as config
 from arpo_jax.models.attention import blockwise_causal_attention
 from arpo_jax.models.transformer import blockwise_blocks, resolve_attention
+from arpo_jax.plan import memory_model, plan
 
 REPO = Path(__file__).resolve().parents[1]
-SHIPPED = sorted(p.stem for p in (REPO / "arpo_jax" / "configs").glob("*.py") if p.stem not in ("__init__", "base"))
+SHIPPED = sorted(p.stem for p in (REPO / "configs").glob("*.py") if p.stem not in ("__init__", "base"))
 
 
 def _analyse(name: str, *overrides: str) -> dict:
-    cfg = config.load_config([f"--config=builtin:{name}", *overrides])
+    cfg = args.load_config([f"--config=builtin:{name}", *overrides])
     shape = tuple(cfg.mesh.shape)
     return plan.analyse(cfg, devices=math.prod(shape) if -1 not in shape else 8)
 
@@ -32,13 +34,14 @@ def test_every_shipped_config_fits_its_device(name):
     """The itemised model at the config's full depth and sizes (no compile: it is arithmetic over the exact shard
     shapes; `test_itemised_state_is_what_xla_compiles` checks it against compiled programs)."""
     r = _analyse(name)
-    assert r["headroom"] >= plan.HEADROOM, (name, r["peak_program"], r["peak_gib"], r["budget_gib"], r["items_gib"])
+    assert r["headroom"] >= memory_model.HEADROOM, (name, r["peak_program"], r["peak_gib"], r["budget_gib"],
+                                                    r["items_gib"])
     assert r["fits"]
     if r["engine"] == "vllm" and r["device"] != "cpu":  # the engine's share and JAX's planned share add up
-        cfg = config.load_config([f"--config=builtin:{name}"])
+        cfg = args.load_config([f"--config=builtin:{name}"])
         jax_fraction = plan.jax_mem_fraction(cfg)
         assert jax_fraction == r["jax_fraction"]
-        assert jax_fraction + cfg.rollout.vllm.gpu_memory_utilization + plan.CUDA_RESERVE <= 1.0 + 1e-9
+        assert jax_fraction + cfg.rollout.vllm.gpu_memory_utilization + memory_model.CUDA_RESERVE <= 1.0 + 1e-9
 
 
 def test_the_14b_v4_config_without_its_token_budget_is_refused_for_its_sampler():
@@ -94,7 +97,7 @@ def test_shipped_config_passes_the_cli():
 def test_itemised_state_is_what_xla_compiles():
     """The 7B config's update and log-prob forward compiled with 2 layers on 8 fake devices (T = 1024 for time):
     XLA's argument bytes equal the model's params + optimizer state + batch (up to the scalar counters)."""
-    cfg = config.load_config(["--config=builtin:arpo_qwen25_7b_reasoning", "--config.data.max_prompt_length=256",
+    cfg = args.load_config(["--config=builtin:arpo_qwen25_7b_reasoning", "--config.data.max_prompt_length=256",
                               "--config.data.max_response_length=256"])
     c = plan.compile_check(cfg, devices=8, layers=2)
     assert c["update"]["xla_arguments_gib"] == pytest.approx(c["update"]["model_state_gib"], rel=1e-3)
@@ -133,18 +136,18 @@ def test_sampler_programs_compile_with_the_itemised_weights_and_cache():
     """The v5p config's sampler prefill and decode (2 layers, a chunk of B = 128 rows over 4 fake devices, S = 1024
     for time): the decode's XLA arguments are the itemised sampler weights (bfloat16) + KV cache; the prefill's lack
     only the unused unembedding (XLA prunes it from the program; the array still exists)."""
-    cfg = config.load_config(["--config=builtin:arpo_qwen25_7b_tpu_v5p8", "--config.data.max_prompt_length=512",
+    cfg = args.load_config(["--config=builtin:arpo_qwen25_7b_tpu_v5p8", "--config.data.max_prompt_length=512",
                               "--config.data.max_response_length=512", "--config.actor.max_token_len_per_device=0",
                               "--config.rollout.jax.max_tokens_per_call=131072"])
     c = plan.compile_check(cfg, devices=4, layers=2)
     decode, prefill = c["sampler_decode"], c["sampler_prefill"]
     assert decode["xla_arguments_gib"] == pytest.approx(decode["model_state_gib"], rel=2e-3)
-    unembed = 152064 * 3584 * 2 / 4 / plan.GB  # Qwen2.5-7B's lm_head, bfloat16, over 4 devices
+    unembed = 152064 * 3584 * 2 / 4 / memory_model.GB  # Qwen2.5-7B's lm_head, bfloat16, over 4 devices
     assert prefill["xla_arguments_gib"] == pytest.approx(prefill["model_state_gib"] - unembed, rel=2e-3)
 
 
 def test_mesh_device_is_validated_with_its_allowed_values():
-    cfg = config.load_config(["--config=builtin:toy_cpu", "--config.mesh.device=v100"])
+    cfg = args.load_config(["--config=builtin:toy_cpu", "--config.mesh.device=v100"])
     with pytest.raises(config.ConfigError, match=r"mesh\.device.*tpu-v5p"):
         config.validate(cfg, check_files=False)
 
@@ -171,7 +174,7 @@ def test_plan_names_the_attention_kernel_per_program_and_accounts_tree_packing()
                                      "micro_batches": math.ceil(flat["tree_training"]["micro_batches"] / saving)}
     t = flat["seq"]  # the tree rule reads one int per key instead of the [T, T] bool mask
     drop = flat["programs_gib"]["update"]["attention_workspace"] - tree["programs_gib"]["update"]["attention_workspace"]
-    assert drop == pytest.approx((t * t - 4 * t) / plan.GB, abs=2e-3)
+    assert drop == pytest.approx((t * t - 4 * t) / memory_model.GB, abs=2e-3)
     sampler = _analyse("arpo_qwen25_7b_tpu_v5p8")["attention_by_program"]
     assert sampler["sampler_decode"] == {"kernel": "cached_attention", "skip_blocks": False}
     assert sampler["update"]["skip_blocks"]

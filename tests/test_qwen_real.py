@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 
 import arpo_jax
-from arpo_jax import gguf_import, hf, named_models, prompts, testing
-from arpo_jax.data import rl_dataset
+from arpo_jax import paths, testing
+from arpo_jax.data import prompts, rl_dataset
 from arpo_jax.rollout.jax_sampler import JaxSampler
 from arpo_jax.rollout.sampler import SampleRequest, SampleResult, SamplingSettings
+from arpo_jax.weights import gguf_import, hf, named_models
 from tests.test_real_model import VLLM_PYTHON, needs_vllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]  # one worker for the real-model memory hogs
@@ -29,7 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]  # one worke
 QWEN = "qwen2.5-coder-0.5b-instruct"
 # Read at import, before any fixture runs: conftest's `smollm2` fixture points $ARPO_CACHE at a per-session folder,
 # and this model is too large to fetch once per session.
-USER_CACHE = os.environ.get(named_models.CACHE_ENV) or str(named_models.cache_dir())
+USER_CACHE = os.environ.get(paths.CACHE_ENV) or str(paths.cache_dir())
 QUESTIONS = ["What is the capital of France?", "Write a Python function that returns the n-th Fibonacci number.",
              "用一句话解释什么是递归。"]
 NEW_TOKENS = 64
@@ -55,8 +56,8 @@ CORPUS = [
 @pytest.fixture(scope="module")
 def qwen():
     """(HF folder, GGUF file) of the named model, in the user's cache for the module's duration."""
-    before = os.environ.get(named_models.CACHE_ENV)
-    os.environ[named_models.CACHE_ENV] = USER_CACHE
+    before = os.environ.get(paths.CACHE_ENV)
+    os.environ[paths.CACHE_ENV] = USER_CACHE
     try:
         try:
             folder = named_models.model_folder(QWEN)
@@ -66,9 +67,9 @@ def qwen():
         yield folder, gguf_path
     finally:
         if before is None:
-            os.environ.pop(named_models.CACHE_ENV)
+            os.environ.pop(paths.CACHE_ENV)
         else:
-            os.environ[named_models.CACHE_ENV] = before
+            os.environ[paths.CACHE_ENV] = before
 
 
 @pytest.fixture(scope="module")

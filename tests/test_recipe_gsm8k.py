@@ -11,8 +11,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from arpo_jax import metrics, testing
+from arpo_jax import testing
 from arpo_jax.data import cold_start, math_tool
+from arpo_jax.train import metrics
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ("--config.model.path=builtin:tiny", "--config.rollout.engine=jax", "--config.data.max_response_length=32",
@@ -43,7 +44,7 @@ def test_the_recipe_data_sft_then_one_arpo_step_from_its_adapter(eval_data_dir, 
     rows = cold_start.sft_rows(records, {q["id"]: q for q in questions[:4]})
     (data / "sft.json").write_text(json.dumps(rows))
 
-    config = f"--config=builtin:arpo_qwen25_coder_05b_gsm8k:{data}"
+    config = f"--config={REPO / 'configs' / 'arpo_qwen25_coder_05b_gsm8k.py'}:{data}"  # this checkout's
     _arpo("sft", config, *TINY, "--config.sft.batch_size=2", "--config.sft.max_steps=1",
           f"--workdir={tmp_path / 'sft'}")
     _arpo("export", "--format", "peft", "--ckpt", str(tmp_path / "sft" / "checkpoints"), "--out",

@@ -9,10 +9,12 @@ test_algos.py and inside the step in test_train_step.py.
 import numpy as np
 
 import arpo_jax
-from arpo_jax import algos, packing, testing
-from arpo_jax import train_step as ts
+from arpo_jax import testing
+from arpo_jax.experience import packing
 from arpo_jax.rollout.jax_sampler import JaxSampler
 from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
+from arpo_jax.update import algos, jit
+from arpo_jax.update import train_step as ts
 
 
 def test_jax_engine_and_trainer_logprobs_agree(tiny_hf_dir):
@@ -35,7 +37,7 @@ def test_jax_engine_and_trainer_logprobs_agree(tiny_hf_dir):
     rollout = [np.r_[np.full(len(p), np.nan), r.token_logprobs] for p, r in zip(prompts, results)]
     batch, layout = packing.pack_batch(seqs, masks, np.zeros(len(seqs)), mini_batch_size=len(seqs), row_len=64,
                                        rows_per_micro=2, extra={"rollout_logp": rollout})
-    graphdef, params = ts.split_model(model)
+    graphdef, params = jit.split_model(model)
     old, _ = ts.jit_forward_logprobs(graphdef, model.config, temperature=temperature)(params, batch)
     has = (batch["loss_weight"] > 0) & np.isfinite(batch["rollout_logp"])
     _, keep, m = algos.rollout_correction(np.asarray(old), np.where(has, batch["rollout_logp"], 0.0), has,

@@ -38,13 +38,14 @@ import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import arpo_jax  # noqa: E402
-from arpo_jax import bpe, hf, quickstart, testing  # noqa: E402
+from arpo_jax import quickstart, testing  # noqa: E402
 from arpo_jax.models import CausalLM, Config  # noqa: E402
 from arpo_jax.rollout.agent_loop import RolloutConfig, greedy_settings, rollout, wrap_tool_result  # noqa: E402
 from arpo_jax.rollout.jax_sampler import JaxSampler  # noqa: E402
 from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings  # noqa: E402
 from arpo_jax.rollout.vllm_sampler import VllmSampler  # noqa: E402
 from arpo_jax.tools import ExecutorConfig, ToolExecutor, make_tool  # noqa: E402
+from arpo_jax.weights import bpe, hf  # noqa: E402
 
 MAX_LEN = 256
 LOGPROB_ATOL = 1e-4  # float32 vs float32 (measured: about 1e-6)

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from arpo_jax import testing
-from arpo_jax.rollout.agent_loop import PREMONITOR_SLOT_BASE, RolloutConfig, rollout, select_rows
+from arpo_jax.rollout.agent_loop import PREMONITOR_SLOT_BASE, RolloutConfig, rollout
 from arpo_jax.rollout.bisecting_sampler import BisectingSampler
 from arpo_jax.rollout.fake_sampler import ScriptedSampler, Segment, by_slot
+from arpo_jax.rollout.output import select_rows
 from arpo_jax.rollout.sampler import Sampler, SampleRequest, SamplingSettings
 from arpo_jax.tools import ExecutorConfig, Tool, ToolExecutor
 

@@ -13,15 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from arpo_jax import cli, paths, run_guard
-from arpo_jax import config as config_lib
+from arpo_jax import cli, paths
+from arpo_jax.config import args, redaction
+from arpo_jax.config import validate as config_lib
+from arpo_jax.train import run_guard
 
 REPO = Path(__file__).resolve().parents[1]
-TOY = str(REPO / "arpo_jax" / "configs" / "toy_cpu.py")
+TOY = str(REPO / "configs" / "toy_cpu.py")
 
 HOLD_LOCK = """
 import sys, time
-from arpo_jax.run_guard import RunLock
+from arpo_jax.train.run_guard import RunLock
 RunLock(sys.argv[1], "train").acquire()
 print("locked", flush=True)
 time.sleep(600)
@@ -49,7 +51,7 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holder_is_taken_ov
     finally:
         holder.kill()  # SIGKILL: no chance to clean up; the kernel drops its lock
         holder.wait()
-    with caplog.at_level("INFO", logger="arpo_jax.run_guard"), run_guard.RunLock(workdir, "sft"):
+    with caplog.at_level("INFO", logger="arpo_jax.train.run_guard"), run_guard.RunLock(workdir, "sft"):
         record = json.loads((workdir / run_guard.LOCK_FILE).read_text())
         assert record["pid"] == os.getpid() and record["command"] == "sft"
     assert any(f"pid {holder.pid}" in r.getMessage() and "no longer running" in r.getMessage()
@@ -57,8 +59,8 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holder_is_taken_ov
 
 
 def _toy_config(*overrides: str) -> dict:
-    cfg = config_lib.load_config([f"--config={TOY}", *overrides])
-    return config_lib.redact(config_lib.validate(cfg, check_files=False))
+    cfg = args.load_config([f"--config={TOY}", *overrides])
+    return redaction.redact(config_lib.validate(cfg, check_files=False))
 
 
 def test_resuming_with_another_meaning_is_refused_and_every_config_is_kept(tmp_path, capsys):
@@ -119,8 +121,8 @@ def test_a_url_workdir_is_refused_not_made_a_local_folder(tmp_path, capsys, monk
     err = capsys.readouterr().err
     assert "'gs://bucket/runs/x' is a URL" in err and "gcsfuse" in err and "shared file system" in err
     assert list(tmp_path.iterdir()) == []  # no ./gs: folder
-    from arpo_jax.checkpoint import Checkpointer
-    from arpo_jax.metrics import MetricsLogger
+    from arpo_jax.train.metrics import MetricsLogger
+    from arpo_jax.weights.checkpoint import Checkpointer
 
     for make in (Checkpointer, MetricsLogger):  # the init checkpoint and the loggers refuse it too
         with pytest.raises(ValueError, match="is a URL"):
@@ -130,7 +132,7 @@ def test_a_url_workdir_is_refused_not_made_a_local_folder(tmp_path, capsys, monk
 
 SIGNALLED = """
 import time
-from arpo_jax.run_guard import StopSignals
+from arpo_jax.train.run_guard import StopSignals
 with StopSignals("train") as stop:
     print("ready", flush=True)
     while stop.signum is None:

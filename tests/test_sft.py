@@ -12,10 +12,12 @@ import optax
 import pytest
 from flax import nnx
 
-from arpo_jax import hf, models, sharding, testing
-from arpo_jax import sft as sft_lib
-from arpo_jax import train_step as ts
+from arpo_jax import models, sharding, testing
 from arpo_jax.data import sft_data
+from arpo_jax.train import sft as sft_lib
+from arpo_jax.update import jit
+from arpo_jax.update import train_step as ts
+from arpo_jax.weights import hf
 
 SYSTEM, QUESTION = "You solve problems.", "What is 2 + 3 times 7?"
 PART1 = "<think> I will compute it. </think> <python> print(2 + 3 * 7) </python>"
@@ -149,7 +151,7 @@ MODEL_CFG = models.Config(model_type="qwen2", vocab_size=96, hidden_size=64, int
 
 @pytest.fixture(scope="module")
 def tiny():
-    graphdef, params = ts.split_model(models.init_model(MODEL_CFG, seed=0))
+    graphdef, params = jit.split_model(models.init_model(MODEL_CFG, seed=0))
     rng = np.random.RandomState(0)
     examples = []
     for _ in range(10):
@@ -168,12 +170,12 @@ def _batch(examples, rows, row_len=32):
 def _run(tiny, batch, optimizer, mesh=None):
     graphdef, params, _ = tiny
     if mesh is None:
-        state = ts.init_train_state(params, optimizer)
+        state = jit.init_train_state(params, optimizer)
         step = sft_lib.jit_sft_step(graphdef, MODEL_CFG, optimizer)
     else:
-        p_sh = ts.param_shardings(MODEL_CFG, mesh)
-        shardings = ts.state_shardings(optimizer, p_sh, params, mesh)
-        state = ts.init_train_state(jax.tree.map(jax.device_put, params, p_sh), optimizer, shardings)
+        p_sh = jit.param_shardings(MODEL_CFG, mesh)
+        shardings = jit.state_shardings(optimizer, p_sh, params, mesh)
+        state = jit.init_train_state(jax.tree.map(jax.device_put, params, p_sh), optimizer, shardings)
         step = sft_lib.jit_sft_step(graphdef, MODEL_CFG, optimizer, mesh, shardings)
     new, metrics = step(state, batch)
     return new, {k: float(v) for k, v in metrics.items()}
@@ -227,7 +229,7 @@ def test_sharded_step_equals_single_device(tiny, optimizer):
     batch = _batch(examples, rows=8)
     ref, ref_m = _run(tiny, batch, opt)
     mesh = sharding.make_mesh((1, 8, 1))
-    batch_sh = jax.sharding.NamedSharding(mesh, ts.batch_spec(mesh, MODEL_CFG.sharding_rules))
+    batch_sh = jax.sharding.NamedSharding(mesh, jit.batch_spec(mesh, MODEL_CFG.sharding_rules))
     new, m = _run(tiny, sft_lib.to_global(batch, batch_sh), opt, mesh)
     assert not new.params["lm_head"]["weight"].sharding.is_fully_replicated
     for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(ref.params)):
@@ -255,7 +257,8 @@ def _toy_config(max_steps):
 
 @pytest.mark.slow  # whole SFT runs
 def test_run_sft_on_toy_data_learns_checkpoints_exports_and_resumes(tmp_path):
-    from arpo_jax import checkpoint, metrics, pretrained
+    from arpo_jax.train import metrics
+    from arpo_jax.weights import checkpoint, pretrained
 
     out = sft_lib.run_sft(_toy_config(8), tmp_path)
     assert out["steps"] == 8 and out["start_step"] == 0 and out["skipped"] == 0 and out["examples"] > 0
@@ -319,7 +322,8 @@ def test_sigterm_stops_sft_at_a_step_with_a_checkpoint_and_the_resume_loses_noth
     import threading
     import time
 
-    from arpo_jax import checkpoint, metrics, run_guard
+    from arpo_jax.train import metrics, run_guard
+    from arpo_jax.weights import checkpoint
 
     def signal_after_step_1():
         deadline = time.time() + 600

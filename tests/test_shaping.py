@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
-from arpo_jax import config, shaping
+from arpo_jax.config import args
+from arpo_jax.config import validate as config
+from arpo_jax.experience import reward as shaping
 
-TOY = str(Path(__file__).resolve().parents[1] / "arpo_jax" / "configs" / "toy_cpu.py")
+TOY = str(Path(__file__).resolve().parents[1] / "configs" / "toy_cpu.py")
 
 
 def test_overlong_penalty_hand_computed():
@@ -66,7 +68,7 @@ BAD = [  # (overrides, problem's field, words the message must contain)
 
 @pytest.mark.parametrize("overrides, field, words", BAD, ids=[b[1] for b in BAD])
 def test_config_checks_name_the_field_and_the_allowed_values(overrides, field, words):
-    tree = config.load_config([f"--config={TOY}"]).to_dict()
+    tree = args.load_config([f"--config={TOY}"]).to_dict()
     config.validate(ConfigDict(tree), check_files=False)  # the defaults pass
     for path, value in overrides.items():
         *parents, leaf = path.split("__")

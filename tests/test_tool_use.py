@@ -6,7 +6,7 @@ import pytest
 
 from arpo_jax import rewards
 from arpo_jax.data import cold_start
-from arpo_jax.prompts import REFERENCE_DATA_SYSTEM_PROMPT
+from arpo_jax.data.prompts import REFERENCE_DATA_SYSTEM_PROMPT
 from arpo_jax.rewards.tool_use import EMPTY, ERROR, NO_RESULT, OK, TOOL_BONUS, math_tool_score, python_outcomes
 from arpo_jax.tools.executor import empty_text, error_text
 
@@ -82,8 +82,8 @@ def test_the_cold_start_keeps_right_well_formed_answers_whose_calls_ran():
 def test_sft_rows_are_the_plain_prompt_and_the_first_accepted_answer_per_question(tmp_path):
     from transformers import AutoTokenizer
 
-    from arpo_jax import runtime
     from arpo_jax.data import sft_data
+    from arpo_jax.weights import policy
 
     records = [_record(GOOD, correct=False), _record(GOOD), _record(GOOD.replace("a </think>", "c </think>")),
                {**_record(GOOD), "id": "q2"}]
@@ -98,7 +98,7 @@ def test_sft_rows_are_the_plain_prompt_and_the_first_accepted_answer_per_questio
     # The SFT loader reads the file; the tool result is in the text but out of the loss.
     path = tmp_path / "sft.json"
     path.write_text(json.dumps(rows))
-    tokenizer = AutoTokenizer.from_pretrained(runtime.build_tiny_model(tmp_path / "tiny"))
+    tokenizer = AutoTokenizer.from_pretrained(policy.build_tiny_model(tmp_path / "tiny"))
     data = sft_data.load_sft_examples([str(path)], tokenizer, cutoff_len=2048)
     ids, mask = data[0]
     trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])

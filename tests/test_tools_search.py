@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from arpo_jax.json_http import retry_after_s
 from arpo_jax.tools import make_executor, make_tool
 from arpo_jax.tools.fake_brightdata import FakeBrightData, free_port, organic_from_text
 from arpo_jax.tools.search import (
@@ -20,7 +21,6 @@ from arpo_jax.tools.search import (
     clean_query,
     detect_language,
     format_results,
-    retry_after_s,
 )
 from arpo_jax.tools.search_cache import SearchCache
 

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 import arpo_jax
-from arpo_jax import packing, sharding, testing
-from arpo_jax import train_step as ts
+from arpo_jax import sharding, testing
+from arpo_jax.experience import packing
+from arpo_jax.update import jit
+from arpo_jax.update import train_step as ts
 
 SGD = optax.sgd(1.0)
 
@@ -61,14 +63,14 @@ def _batch(graphdef, params, model_cfg, *, seed=0, n=12, kl=False, **pack_kw):
 def tiny(tiny_hf_dir):
     path, torch_model = tiny_hf_dir("qwen2")
     model = arpo_jax.from_pretrained(path)
-    graphdef, params = ts.split_model(model)
+    graphdef, params = jit.split_model(model)
     return path, torch_model, model.config, graphdef, params
 
 
 def _sgd_grads(tiny, batch, cfg):
     """(grads, metrics) of one mini-batch [M, B, T] through the jitted step with SGD(lr=1)."""
     _, _, model_cfg, graphdef, params = tiny
-    state = ts.init_train_state(params, SGD)
+    state = jit.init_train_state(params, SGD)
     new, metrics = ts.jit_train_step(graphdef, model_cfg, cfg, SGD)(state, batch)
     grads = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), params, new.params)
     return grads, {k: float(v) for k, v in metrics.items()}
@@ -144,14 +146,14 @@ def test_sharded_step_equals_single_device(tiny, mesh_shape):
     opt = ts.make_optimizer(cfg, 10)
     batch, _ = _batch(graphdef, params, model_cfg, kl=True, rows_per_micro=8)
     mini = {k: v[0] for k, v in batch.items()}
-    ref_state, ref_metrics = ts.jit_train_step(graphdef, model_cfg, cfg, opt)(ts.init_train_state(params, opt), mini)
+    ref_state, ref_metrics = ts.jit_train_step(graphdef, model_cfg, cfg, opt)(jit.init_train_state(params, opt), mini)
 
     mesh = sharding.make_mesh(mesh_shape)
     sharded_model = arpo_jax.from_pretrained(path, mesh=mesh)
-    _, sharded_params = ts.split_model(sharded_model)
-    p_sh = ts.param_shardings(model_cfg, mesh)
-    shardings = ts.state_shardings(opt, p_sh, sharded_params, mesh)
-    state = ts.init_train_state(sharded_params, opt, shardings)
+    _, sharded_params = jit.split_model(sharded_model)
+    p_sh = jit.param_shardings(model_cfg, mesh)
+    shardings = jit.state_shardings(opt, p_sh, sharded_params, mesh)
+    state = jit.init_train_state(sharded_params, opt, shardings)
     mu = state.opt_state[1][0].mu["model"]["layers"]["mlp"]["up_proj"]["weight"]
     assert mu.sharding == p_sh["model"]["layers"]["mlp"]["up_proj"]["weight"] and not mu.sharding.is_fully_replicated
     step = ts.jit_train_step(graphdef, model_cfg, cfg, opt, mesh, shardings)
@@ -170,7 +172,8 @@ def test_hsdp_groups_sum_their_gradients_once_a_step(tiny, micro_norm):
     meet once after the loop: the gradients and metrics equal one device's, and nothing of the gradients crosses
     `data` (the hosts, 2 devices each here) inside the micro-batch loop. Entropy-aware advantages from a micro-batch's
     own statistics couple its rows ("reference"): that case reduces per micro-batch, as before, and still agrees."""
-    from arpo_jax import accumulate, collectives
+    from arpo_jax.plan import collectives
+    from arpo_jax.update import accumulate
 
     path, _, model_cfg, graphdef, params = tiny
     cfg = ts.UpdateConfig(loss="aepo", kl_coef=0.1, entropy_coef=0.01, entropy_adv=True, micro_norm=micro_norm)
@@ -181,16 +184,16 @@ def test_hsdp_groups_sum_their_gradients_once_a_step(tiny, micro_norm):
     ref_grads, ref_metrics = _sgd_grads(tiny, mini, cfg)
 
     mesh = sharding.make_mesh((2, 2, 1), devices=jax.devices()[:4])
-    _, sharded_params = ts.split_model(arpo_jax.from_pretrained(path, mesh=mesh))
-    shardings = ts.state_shardings(SGD, ts.param_shardings(model_cfg, mesh), sharded_params, mesh)
+    _, sharded_params = jit.split_model(arpo_jax.from_pretrained(path, mesh=mesh))
+    shardings = jit.state_shardings(SGD, jit.param_shardings(model_cfg, mesh), sharded_params, mesh)
     step = ts.jit_train_step(graphdef, model_cfg, cfg, SGD, mesh, shardings)
-    new, metrics = step(ts.init_train_state(sharded_params, SGD, shardings), mini)
+    new, metrics = step(jit.init_train_state(sharded_params, SGD, shardings), mini)
     grads = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), params, new.params)
     _assert_trees_close(grads, ref_grads, atol=1e-6)
     for k in ref_metrics:
         np.testing.assert_allclose(float(metrics[k]), ref_metrics[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
-    _, hlo = collectives.compile_partitioned(step.lower(ts.init_train_state(sharded_params, SGD, shardings), mini))
+    _, hlo = collectives.compile_partitioned(step.lower(jit.init_train_state(sharded_params, SGD, shardings), mini))
     items, _ = collectives.collectives(hlo, per_host=2)
     in_loop = [accumulate.MICRO_BATCH_SCOPE in c.op.split("/") for c in items]
     across = lambda inside: sum(c.bytes_per_device for c, i in zip(items, in_loop) if c.crosses_hosts and i == inside)
@@ -210,7 +213,7 @@ def test_nonfinite_update_is_skipped_and_counted(tiny):
     batch, _ = _batch(graphdef, params, model_cfg)
     mini = {k: v[0] for k, v in batch.items()}
     step = ts.jit_train_step(graphdef, model_cfg, cfg, opt)
-    state = ts.init_train_state(params, opt)
+    state = jit.init_train_state(params, opt)
     state, _ = step(state, mini)  # one good step so the optimizer state is not all zeros
     before = jax.tree.map(np.asarray, state)
     bad = dict(mini, advantages=np.where(mini["loss_weight"] > 0, np.nan, mini["advantages"]).astype(np.float32))
@@ -235,7 +238,7 @@ def test_twenty_steps_raise_positive_and_lower_negative_logprobs(tiny):
     opt = ts.make_optimizer(cfg, 20)
     step = ts.jit_train_step(graphdef, model_cfg, cfg, opt)
     fwd = _forward(graphdef, model_cfg)
-    state = ts.init_train_state(params, opt)
+    state = jit.init_train_state(params, opt)
 
     def mean_logp(p):
         per_seq = packing.unpack(layout, fwd(p, batch)[0])

@@ -21,12 +21,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from arpo_jax import metrics, testing
-from arpo_jax.checkpoint import Checkpointer
+from arpo_jax import testing
+from arpo_jax.train import metrics
+from arpo_jax.weights.checkpoint import Checkpointer
 from tests.tensorboard_events import read_tensorboard_scalars
 
 REPO = Path(__file__).resolve().parents[1]
-TOY = str(REPO / "arpo_jax" / "configs" / "toy_cpu.py")
+TOY = str(REPO / "configs" / "toy_cpu.py")
 REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return {"score": (sum(map(ord, solution_str)) % 97) / 97.0}
@@ -78,7 +79,7 @@ def _max_diff(a: dict, b: dict) -> float:
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
     """(folder, custom reward file, the builtin tiny model built once for the module's runs)."""
-    from arpo_jax import runtime
+    from arpo_jax.weights import policy as runtime
 
     root = tmp_path_factory.mktemp("trainer")
     reward = root / "reward.py"

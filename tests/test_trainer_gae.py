@@ -15,11 +15,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from arpo_jax import components, experience, metrics, packing, testing
-from arpo_jax import config as config_lib
-from arpo_jax import critic as critic_lib
-from arpo_jax import trainer as trainer_lib
-from arpo_jax.checkpoint import Checkpointer
+from arpo_jax import testing
+from arpo_jax.config import args as args_lib
+from arpo_jax.experience import advantages, global_batch, packing
+from arpo_jax.experience import trajectories as experience
+from arpo_jax.train import components, metrics
+from arpo_jax.train import trainer as trainer_lib
+from arpo_jax.train.components import pack_config
+from arpo_jax.update import value as critic_lib
+from arpo_jax.weights.checkpoint import Checkpointer
 
 REPO = Path(__file__).resolve().parents[1]
 REWARD = '''
@@ -32,7 +36,7 @@ GAMMA, LAM = 0.9, 0.8
 def _config(tmp_path: Path, *overrides: str):
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
-    return config_lib.load_config([
+    return args_lib.load_config([
         "--config=builtin:toy_cpu", "--config.algorithm.adv_estimator=gae",
         f"--config.algorithm.gamma={GAMMA}", f"--config.algorithm.lam={LAM}", f"--config.reward.custom_path={reward}",
         "--config.trainer.progress=false", "--config.trainer.loggers=('jsonl',)", "--config.rollout.workers=2",
@@ -64,7 +68,7 @@ def test_gae_packed_equals_direct(tmp_path):
                  trainer_lib.batch_examples(tr.train_data, cfg.data, tr.position, tr.workers, tr.local_workers).items()}
         arrays = tr._advantages(trajs)
         layouts = tr.batches.layouts(trajs)
-        packed = {w: experience.worker_batch(trajs[w], arrays[w], layouts[w], cfg) for w in trajs}
+        packed = {w: global_batch.worker_batch(trajs[w], arrays[w], layouts[w], pack_config(cfg)) for w in trajs}
 
         model = critic_lib.ValueModel(tr.model_cfg, rngs=nnx.Rngs(0))
         state = nnx.state(model, nnx.Param)
@@ -170,9 +174,9 @@ def test_seq_mean_token_sum_norm_divides_by_the_configured_response_length(tmp_p
     out = SimpleNamespace(failed=np.array([""] * 4, dtype=object))  # what the packing reads of the rollout
     traj = experience.Trajectories(seqs, np.full(4, 4), masks, np.array([0.0, 1.0, 1.0, 0.5], np.float32),
                                    np.array([0, 0, 1, 1]), [], [], out, [np.zeros(len(s)) for s in seqs])
-    layout = experience.layout(traj, cfg, mini_prompts=2, rows=2, row_len=32)
-    adv = experience.outcome_advantages(traj, cfg.algorithm.adv_estimator)
-    batch = experience.worker_batch(traj, {"advantages": adv}, layout, cfg)
+    layout = global_batch.layout(traj, pack_config(cfg), mini_prompts=2, rows=2, row_len=32)
+    adv = advantages.outcome_advantages(traj, cfg.algorithm.adv_estimator)
+    batch = global_batch.worker_batch(traj, {"advantages": adv}, layout, pack_config(cfg))
     r = cfg.data.max_response_length
     assert r > 8  # longer than every response here: the old divisor (8) differs
     for w, m in zip(packing.unpack(layout, batch["loss_weight"]), masks):

@@ -11,12 +11,18 @@ import jax
 import numpy as np
 import pytest
 
-from arpo_jax import config as config_lib
-from arpo_jax import experience, metrics, packing, shaping, testing
-from arpo_jax import trainer as trainer_lib
+from arpo_jax import testing
+from arpo_jax.config import args
 from arpo_jax.data import rl_dataset
+from arpo_jax.experience import advantages as advantages_lib
+from arpo_jax.experience import global_batch, packing
+from arpo_jax.experience import reward as reward_lib
+from arpo_jax.experience import reward as shaping
 from arpo_jax.rollout.sampler import Sampler, SampleResult
 from arpo_jax.tools import Tool
+from arpo_jax.train import metrics
+from arpo_jax.train import trainer as trainer_lib
+from arpo_jax.train.components import pack_config, shaping_config
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT_REWARD = '''
@@ -34,7 +40,7 @@ CRASH_CALL = "<python> crash </python>"
 def _config(tmp_path: Path, reward: str, *overrides: str):
     path = tmp_path / "reward.py"
     path.write_text(reward)
-    return config_lib.load_config([
+    return args.load_config([
         "--config=builtin:toy_cpu", f"--config.reward.custom_path={path}",
         "--config.trainer.progress=false", "--config.trainer.loggers=('jsonl',)", *overrides])
 
@@ -110,10 +116,10 @@ def test_injected_tool_and_engine_failures_are_masked_and_counted(tmp_path):
             # Masked: no loss token, no loss weight in the packed batch; every other trajectory trains.
             assert not t.loss_masks[0].any() and not t.loss_masks[1].any()
             assert all(m.any() for m in t.loss_masks[2:])
-            layout = experience.layout(t, cfg, mini_prompts=2, rows=tr.batches.rows_per_worker,
+            layout = global_batch.layout(t, pack_config(cfg), mini_prompts=2, rows=tr.batches.rows_per_worker,
                                        row_len=tr.batches.row_len)
-            adv = experience.outcome_advantages(t, cfg.algorithm.adv_estimator)
-            batch = experience.worker_batch(t, {"advantages": adv}, layout, cfg)
+            adv = advantages_lib.outcome_advantages(t, cfg.algorithm.adv_estimator)
+            batch = global_batch.worker_batch(t, {"advantages": adv}, layout, pack_config(cfg))
             for i in range(len(t.sequences)):
                 k, m, b, sl = layout.slots(i)
                 assert (batch["loss_weight"][k, m, b, sl].sum() > 0) == (i >= 2)
@@ -186,7 +192,7 @@ def test_dynamic_sampling_and_overlong_handling(tmp_path):
         penalty = _config(tmp_path, HALF_CONSTANT_REWARD, "--config.algorithm.overlong=penalty",
                           f"--config.algorithm.overlong_buffer_len={buf}",
                           "--config.algorithm.overlong_penalty_factor=0.5")
-        shaped = experience.shape_rollout(t, penalty)
+        shaped = reward_lib.shape_rollout(t, shaping_config(penalty))
         np.testing.assert_allclose(shaped.scores, t.scores + 0.5 * np.minimum(0.0, (128 - buf - length) / buf),
                                    atol=1e-6)
         assert (shaped.scores < t.scores).any() and (shaped.scores == t.scores).any()

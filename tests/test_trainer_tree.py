@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import pytest
 
-from arpo_jax import config as config_lib
 from arpo_jax import testing
-from arpo_jax import trainer as trainer_lib
+from arpo_jax.config import args
+from arpo_jax.train import trainer as trainer_lib
 from tests.test_trainer_rollouts import HALF_CONSTANT_REWARD, InjectingSampler
 
 REWARD = '''
@@ -26,7 +26,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def _config(tmp_path: Path, *overrides: str, reward: str = REWARD):
     path = tmp_path / "reward.py"
     path.write_text(reward)
-    return config_lib.load_config([
+    return args.load_config([
         "--config=builtin:toy_cpu", f"--config.reward.custom_path={path}", "--config.trainer.max_steps=2",
         "--config.trainer.progress=false", "--config.trainer.loggers=('jsonl',)", "--config.rollout.workers=2",
         "--config.trainer.save_freq=0", *overrides])

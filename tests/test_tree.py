@@ -1,4 +1,4 @@
-"""Tree training (arpo_jax.tree_packing): the layout by hand, the attention rule (kernel == dense == ancestors),
+"""Tree training (experience/tree_packing.py): the layout by hand, the attention rule (kernel == dense == ancestors),
 log-probs equal to the flat layout's per trajectory, and loss and gradients equal to the flat layout's for every
 aggregation mode, PPO and AEPO, with and without KL, with rollout correction, sharded and unsharded.
 
@@ -14,12 +14,14 @@ import numpy as np
 import optax
 import pytest
 
-from arpo_jax import critic as critic_lib
-from arpo_jax import models, packing, sharding
-from arpo_jax import train_step as ts
-from arpo_jax import tree_packing as tp
+from arpo_jax import models, sharding
+from arpo_jax.experience import packing
+from arpo_jax.experience import tree_packing as tp
 from arpo_jax.models.attention import blockwise_causal_attention
 from arpo_jax.models.transformer import TreeMask
+from arpo_jax.update import jit
+from arpo_jax.update import train_step as ts
+from arpo_jax.update import value as critic_lib
 
 VOCAB = 96
 
@@ -159,7 +161,7 @@ def _flat_and_tree(seqs, masks, group, adv, *, row_len=64, rows=2, tree_row_len=
                                         pytest.param("blockwise", True, marks=pytest.mark.slow)])
 def test_tree_logprobs_equal_flat(impl, split):
     model_cfg = _model_cfg(attention_impl=impl)
-    graphdef, params = ts.split_model(models.init_model(model_cfg, seed=1))
+    graphdef, params = jit.split_model(models.init_model(model_cfg, seed=1))
     seqs, masks, group, adv = _rollout(3)
     tree_row_len = max(len(s) for s in seqs) if split else 64  # split: a row holds little more than a trajectory
     flat, flat_layout, tree, layout = _flat_and_tree(seqs, masks, group, adv, tree_row_len=tree_row_len)
@@ -213,7 +215,7 @@ CASES = [pytest.param(dict(loss="ppo"), marks=pytest.mark.slow),
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_loss_and_gradients_equal_flat(case):
     model_cfg = _model_cfg()
-    graphdef, params = ts.split_model(models.init_model(model_cfg, seed=2))
+    graphdef, params = jit.split_model(models.init_model(model_cfg, seed=2))
     cfg = ts.UpdateConfig(**case)
     opt = _recorder()
     step = ts.jit_train_step(graphdef, model_cfg, cfg, opt)
@@ -221,7 +223,7 @@ def test_loss_and_gradients_equal_flat(case):
     flat_fwd = ts.jit_forward_logprobs(graphdef, model_cfg)
     # Every aggregation mode over two micro-batches (filled differently by the two layouts), plus (PPO) the reference
     # micro-normalisation with one micro-batch per mini-batch: its normaliser is the micro-batch's own content.
-    modes = [(agg, "global_token_mean", 2) for agg in packing.AGG_MODES]
+    modes = [(agg, "global_token_mean", 2) for agg in ts.AGG_MODES]
     modes += [("seq-mean-token-mean", "reference", 16)] if case == {"loss": "ppo"} else []
     # Entropy-aware advantages divide by the entropy's std over the batch, tiny for a random model (near-uniform
     # predictions): float rounding is amplified ~50x. The flat layout itself, packed vs padded, differs by 5.3e-5.
@@ -235,7 +237,7 @@ def test_loss_and_gradients_equal_flat(case):
                                  kl=bool(cfg.kl_coef), rollout=cfg.rollout_correction != "off")
         results = []
         for batch in (flat, tree):
-            state, metrics = step(ts.init_train_state(params, opt), {k: v[0] for k, v in batch.items()})
+            state, metrics = step(jit.init_train_state(params, opt), {k: v[0] for k, v in batch.items()})
             results.append((jax.device_get(state.opt_state), jax.device_get(metrics)))
         (g_flat, m_flat), (g_tree, m_tree) = results
         rel = _rel(g_tree, g_flat)
@@ -250,7 +252,7 @@ def test_loss_and_gradients_equal_flat(case):
 def test_sharded_tree_step_equals_unsharded():
     model_cfg = _model_cfg()
     model = models.init_model(model_cfg, seed=3)
-    graphdef, params = ts.split_model(model)
+    graphdef, params = jit.split_model(model)
     cfg = ts.UpdateConfig(loss="aepo", kl_coef=0.1)
     opt = _recorder()
     seqs, masks, group, adv = _rollout(13)
@@ -261,13 +263,13 @@ def test_sharded_tree_step_equals_unsharded():
     tree["old_logp"] = tp.place_entries(layout, [lp + 0.3 * rng.randn(len(lp)) for lp in logp])
     tree["ref_logp"] = tp.place_entries(layout, [lp + 0.1 * rng.randn(len(lp)) for lp in logp])
     mini = {k: v[0] for k, v in tree.items()}
-    ref_state, ref_metrics = ts.jit_train_step(graphdef, model_cfg, cfg, opt)(ts.init_train_state(params, opt), mini)
+    ref_state, ref_metrics = ts.jit_train_step(graphdef, model_cfg, cfg, opt)(jit.init_train_state(params, opt), mini)
 
     mesh = sharding.make_mesh((2, 2, 2))
-    sharded = ts.split_model(models.init_model(model_cfg, seed=3, mesh=mesh))[1]
-    shardings = ts.state_shardings(opt, ts.param_shardings(model_cfg, mesh), sharded, mesh)
+    sharded = jit.split_model(models.init_model(model_cfg, seed=3, mesh=mesh))[1]
+    shardings = jit.state_shardings(opt, jit.param_shardings(model_cfg, mesh), sharded, mesh)
     step = ts.jit_train_step(graphdef, model_cfg, cfg, opt, mesh, shardings)
-    state, metrics = step(ts.init_train_state(sharded, opt, shardings), mini)
+    state, metrics = step(jit.init_train_state(sharded, opt, shardings), mini)
     assert _rel(jax.device_get(state.opt_state), jax.device_get(ref_state.opt_state)) < 2e-6
     for k in ref_metrics:
         np.testing.assert_allclose(float(metrics[k]), float(ref_metrics[k]), rtol=1e-5, atol=1e-7, err_msg=k)
@@ -295,9 +297,10 @@ def test_worker_blocks_pad_to_common_sizes():
 
 
 def test_tree_training_config_is_validated():
-    from arpo_jax import config
+    from arpo_jax.config import args
+    from arpo_jax.config import validate as config
 
-    cfg = config.load_config(["--config=builtin:toy_cpu"]).to_dict()
+    cfg = args.load_config(["--config=builtin:toy_cpu"]).to_dict()
     assert cfg["actor"]["tree_training"] is True  # on by default
     cfg["actor"]["pack"] = False
     with pytest.raises(config.ConfigError) as err:
@@ -312,13 +315,13 @@ def test_tree_training_config_is_validated():
 
 
 @pytest.mark.parametrize("agg", [a if a == "token-mean" else pytest.param(a, marks=pytest.mark.slow)
-                                 for a in packing.AGG_MODES])
+                                 for a in ts.AGG_MODES])
 def test_value_loss_and_gradients_equal_flat(agg):
     """The critic's update on a tree batch (values per loss entry from the heads) equals the flat one: loss,
     metrics and gradients, for every aggregation mode, with clipped values."""
     model_cfg = _model_cfg()
     graphdef = critic_lib.value_graphdef(model_cfg)
-    policy = ts.split_model(models.init_model(model_cfg, seed=4))[1]
+    policy = jit.split_model(models.init_model(model_cfg, seed=4))[1]
     params = critic_lib.value_params_from_policy(policy)
     rng = np.random.RandomState(9)
     params["value_head"] = {"weight": jnp.asarray(rng.randn(1, 64) * 0.1, jnp.float32),
@@ -335,7 +338,7 @@ def test_value_loss_and_gradients_equal_flat(agg):
     step = critic_lib.jit_value_step(graphdef, model_cfg, cfg, opt)
     results = []
     for batch in (flat, tree):
-        state, metrics = step(ts.init_train_state(params, opt), {k: v[0] for k, v in batch.items()})
+        state, metrics = step(jit.init_train_state(params, opt), {k: v[0] for k, v in batch.items()})
         results.append((jax.device_get(state.opt_state), jax.device_get(metrics)))
     (g_flat, m_flat), (g_tree, m_tree) = results
     assert _rel(g_tree, g_flat) < 2e-6

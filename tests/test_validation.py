@@ -5,9 +5,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from arpo_jax import config as config_lib
 from arpo_jax import testing
-from arpo_jax import trainer as trainer_lib
+from arpo_jax.config import args
+from arpo_jax.rollout import agent_loop
+from arpo_jax.train import trainer as trainer_lib
 
 REPO = Path(__file__).resolve().parents[1]
 REWARD = '''
@@ -19,7 +20,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def _trainer(tmp_path: Path, *overrides: str) -> trainer_lib.Trainer:
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
-    cfg = config_lib.load_config([
+    cfg = args.load_config([
         "--config=builtin:toy_cpu", f"--config.reward.custom_path={reward}",
         "--config.trainer.progress=false", "--config.trainer.loggers=('jsonl',)", "--config.data.val_max_samples=6",
         "--config.data.max_response_length=24", "--config.trainer.max_steps=1", *overrides])
@@ -60,7 +61,7 @@ def test_each_worker_keeps_its_rollout_state_across_steps_and_validation(tmp_pat
     tr = _trainer(tmp_path, "--config.rollout.reference_compat=true", "--config.rollout.workers=2",
                   "--config.trainer.max_steps=2")
     passed = []
-    real = trainer_lib.rollout
+    real = agent_loop.rollout
     monkeypatch.setattr(trainer_lib, "rollout", lambda *a, state=None, **kw: passed.append(state) or real(
         *a, state=state, **kw))
     try:

@@ -30,13 +30,8 @@ pytestmark = [pytest.mark.slow,  # vLLM engines
 
 torch = pytest.importorskip("torch")
 
-from arpo_jax.rollout.vllm_sampler import (  # noqa: E402
-    VllmSampler,
-    VllmWorkerError,
-    _split_cores,
-    engine_devices,
-    route_requests,
-)
+from arpo_jax.rollout.vllm_sampler import VllmSampler, _split_cores, engine_devices, route_requests  # noqa: E402
+from arpo_jax.rollout.vllm_worker import VllmWorkerError  # noqa: E402
 
 EOS = 2  # <|im_end|> in the tiny tokenizer and eos_token_id in the tiny configs
 MAX_LEN = 512
@@ -212,7 +207,7 @@ def test_update_weights_in_place(sampler, qwen2, tmp_path):
     assert sampler.pid == pid and sampler.info["pid"] == pid  # same engine, no restart
 
     # The trainer's path: a JAX CausalLM exported by update_weights itself (export + reload timed).
-    from arpo_jax import pretrained
+    from arpo_jax.weights import pretrained
 
     sampler.export_dir = tmp_path
     model_a = pretrained.from_pretrained(dirs["a"])

@@ -12,8 +12,8 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 import arpo_jax
-from arpo_jax import hf
 from arpo_jax.rollout import export_folders, vllm_sampler
+from arpo_jax.weights import hf
 
 
 def test_export_nbytes_is_what_save_state_writes(tiny_hf_dir, tmp_path):

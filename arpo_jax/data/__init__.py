@@ -5,15 +5,15 @@
 
 from arpo_jax.data import toy
 from arpo_jax.data.rl_dataset import (
-    DataPosition,
-    Example,
-    RLDataset,
-    batch_indices,
-    encode_prompt,
-    epoch_order,
-    load_rl_dataset,
-    shard,
-    steps_per_epoch,
+           DataPosition,
+           Example,
+           RLDataset,
+           batch_indices,
+           encode_prompt,
+           epoch_order,
+           load_rl_dataset,
+           shard,
+           steps_per_epoch,
 )
 
 __all__ = ["DataPosition", "Example", "RLDataset", "batch_indices", "encode_prompt", "epoch_order",

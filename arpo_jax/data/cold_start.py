@@ -37,7 +37,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from arpo_jax.prompts import REFERENCE_DATA_SYSTEM_PROMPT, chat_messages
+from arpo_jax.data.prompts import REFERENCE_DATA_SYSTEM_PROMPT, chat_messages
 from arpo_jax.rewards.deep_research import validate_format
 from arpo_jax.rewards.math_reward import math_equal
 
@@ -138,8 +138,8 @@ def yield_report(records: Sequence[dict], rows: Sequence[dict]) -> dict:
 
 def select_questions(questions_file: str | os.PathLike, out: Path, *, plain: bool) -> Path:
     """The questions to sample (all, or `math_tool.plain_question`'s), in the file's order, as a file benchmark."""
-    from arpo_jax import metrics
     from arpo_jax.data.math_tool import plain_question
+    from arpo_jax.train import metrics
 
     rows = [r for r in metrics.read_jsonl(questions_file) if not plain or plain_question(r)]
     text = "".join(json.dumps(r) + "\n" for r in rows)
@@ -152,13 +152,13 @@ def run(workdir: str | os.PathLike, *, model: str, questions_file: str | os.Path
         temperature: float, seed: int, per_question: int = 1, engine: str = "vllm", batch_size: int = 16,
         max_response_length: int = 512, plain: bool = True, config_args: Sequence[str] = ()) -> dict:
     """Steps 1-3 (module docstring) in ``workdir``; returns the yield report (also ``cold_start.json``)."""
-    from arpo_jax.eval import runner
+    from arpo_jax.eval import agent, runner
 
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     questions_file = select_questions(questions_file, workdir / QUESTIONS_FILE, plain=plain)
     shots = write_shots(workdir / SHOTS_FILE)
-    cfg = runner.load_eval_config(["--config.tools.search.enabled=false", "--config.tools.call_limit=3",
+    cfg = agent.load_eval_config(["--config.tools.search.enabled=false", "--config.tools.call_limit=3",
                                    f"--config.data.max_response_length={max_response_length}", *config_args])
     opts = runner.EvalOptions(model=model, benchmarks=str(questions_file), workdir=workdir / SAMPLES_DIR, k=k,
                               limit=questions, engine=engine, batch_size=batch_size, seed=seed,
@@ -173,8 +173,8 @@ def run(workdir: str | os.PathLike, *, model: str, questions_file: str | os.Path
 def build(workdir: str | os.PathLike, per_question: int = 1) -> dict:
     """Step 3 from the samples written so far (the sampling may still be running, or stopped early): sft.json and
     the yield report (cold_start.json)."""
-    from arpo_jax import metrics
     from arpo_jax.eval import runner
+    from arpo_jax.train import metrics
 
     workdir = Path(workdir)
     questions_file = workdir / QUESTIONS_FILE

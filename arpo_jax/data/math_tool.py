@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from arpo_jax.prompts import REFERENCE_DATA_SYSTEM_PROMPT, chat_messages
+from arpo_jax.data.prompts import REFERENCE_DATA_SYSTEM_PROMPT, chat_messages
 
 TRAIN_FILE, VAL_FILE, QUESTIONS_FILE = "train_math.parquet", "val.parquet", "train_math.jsonl"
 COLD_START_FILE = "cold_start_questions.jsonl"

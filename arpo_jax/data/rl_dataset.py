@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from arpo_jax.data.sources import check_files, check_parquet, parquet_records  # noqa: F401 - config reads check_parquet
+from arpo_jax.data.sources import check_files, parquet_records
 
 log = logging.getLogger(__name__)
 

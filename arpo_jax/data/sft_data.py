@@ -97,7 +97,7 @@ def toy_sft_conversations(n: int = TOY_SFT_EXAMPLES, seed: int = 0) -> list[dict
     their results spliced as the rollout does (python output computed directly, search: the gold document) and
     the boxed answer. Split "sft", so the questions differ from the RL split's."""
     from arpo_jax.data import toy
-    from arpo_jax.prompts import SYSTEM_PROMPT, chat_messages
+    from arpo_jax.data.prompts import SYSTEM_PROMPT, chat_messages
 
     return [{"messages": [*chat_messages(task.question, SYSTEM_PROMPT),
                           {"role": "assistant", "content": toy.solution_text(task)}]}

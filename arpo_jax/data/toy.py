@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from arpo_jax.prompts import SYSTEM_PROMPT, chat_messages
+from arpo_jax.data.prompts import SYSTEM_PROMPT, chat_messages
 
 DATA_SOURCES = ("toy_arith", "toy_lookup", "toy_twohop")
 BUILTIN = "builtin:toy"  # the data.train_files / data.val_files value that selects this task set

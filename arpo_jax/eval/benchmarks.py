@@ -11,7 +11,7 @@ skipped, logged with its file and line number, and recorded in ``BenchmarkSample
 
 Prompt (spec B17): the reference evaluates with ``prompt_manager.py``'s system prompt, which differs from the
 training data's by the ``\\x08oxed`` byte artifact (spec 2.3), and splices tool results differently. Here the
-evaluation prompt is exactly the training one (``arpo_jax.prompts``): by default the parquet files' system message
+evaluation prompt is exactly the training one (``arpo_jax.data.prompts``): by default the parquet files' system message
 (same bytes, artifact included, identical across math and deep-search data) and the raw question as the user
 message, which is how every row of ``train_10k`` / ``valid`` / ``hard_search_1k`` / ``gaia_test`` /
 ``hle_test`` is stored; for a config trained on the built-in toy tasks, their prompt with a real ``\\boxed``.
@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from arpo_jax.prompts import REFERENCE_DATA_SYSTEM_PROMPT as TRAINING_SYSTEM_PROMPT  # noqa: F401
-from arpo_jax.prompts import chat_messages
+from arpo_jax.data.prompts import REFERENCE_DATA_SYSTEM_PROMPT as TRAINING_SYSTEM_PROMPT
+from arpo_jax.data.prompts import chat_messages
 from arpo_jax.rewards.qa import as_references
 
 log = logging.getLogger(__name__)

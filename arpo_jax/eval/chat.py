@@ -17,7 +17,7 @@ from typing import TextIO
 
 from ml_collections import ConfigDict
 
-from arpo_jax.eval import runner
+from arpo_jax.eval import agent as agent_lib
 from arpo_jax.eval.scoring import extract_prediction
 
 _RESULT = re.compile(r"<result>\n?(.*?)\n?</result>", re.DOTALL)
@@ -59,7 +59,7 @@ def chat(cfg: ConfigDict, model: str, *, workdir: str | None = None, engine: str
     """
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     with tempfile.TemporaryDirectory(prefix="arpo_jax_chat_") as tmp:
-        agent = runner.build_agent(cfg, model, workdir=workdir or tmp, engine=engine, tokenizer=tokenizer,
+        agent = agent_lib.build_agent(cfg, model, workdir=workdir or tmp, engine=engine, tokenizer=tokenizer,
                                    base_url=base_url, served_model=served_model, api_key_env=api_key_env)
         seed = agent.cfg.seed if seed is None else seed
         answers, calls = [], 0

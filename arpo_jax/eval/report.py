@@ -20,7 +20,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from arpo_jax import metrics as metrics_lib
+from arpo_jax.train import metrics as metrics_lib
 
 log = logging.getLogger(__name__)
 

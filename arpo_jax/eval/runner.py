@@ -14,7 +14,7 @@ the config's ``rollout`` values (``--temperature`` overrides the temperature); t
 all samples are then the same trajectory). No log-probs are requested (branching never needs an entropy here).
 
 Resume. Questions are processed in fixed chunks of ``batch_size`` by their index in the (limited) benchmark, and the
-sampling seed of chunk c of benchmark b is ``trainer.worker_seed(seed, c, 0, "eval/" + b)``: a chunk's outputs
+sampling seed of chunk c of benchmark b is ``sampler.worker_seed(seed, c, 0, "eval/" + b)``: a chunk's outputs
 depend on nothing but its questions and that seed (the JAX sampler's cache is reset before each chunk). Each
 finished chunk is appended to ``<workdir>/<benchmark>/samples.jsonl`` in one write, flushed and fsync'd. On start,
 the file is read back; a chunk counts as done when a valid record of every (question, sample) of it is there (the
@@ -57,13 +57,13 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
-from arpo_jax import config as config_lib
-from arpo_jax import metrics as metrics_lib
-from arpo_jax import trainer
+from arpo_jax.config import redaction
 from arpo_jax.eval import report as report_lib
-from arpo_jax.eval.agent import Agent, build_agent, load_eval_config  # noqa: F401 - load_eval_config: cli's import
+from arpo_jax.eval.agent import Agent, build_agent
 from arpo_jax.eval.benchmarks import EvalSample, benchmark_name, load_benchmark, load_shots, parse_benchmarks
 from arpo_jax.eval.scoring import aggregate, macro_average, score_output
+from arpo_jax.rollout import sampler
+from arpo_jax.train import metrics as metrics_lib
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class _Evaluation:
     def run_chunk(self, name: str, samples: Sequence[EvalSample], chunk: int, indices: range) -> list[dict]:
         """All k records of each question of one chunk; never raises (failures are recorded)."""
         k, t0 = self.opts.k, time.perf_counter()
-        seed = trainer.worker_seed(self.seed, chunk, 0, f"eval/{name}")
+        seed = sampler.worker_seed(self.seed, chunk, 0, f"eval/{name}")
         prompts, errors = {}, {}
         for q in indices:
             try:
@@ -399,7 +399,7 @@ def evaluate(cfg: ConfigDict, opts: EvalOptions) -> dict:
     report = {"model": opts.model, "engine": agent.engine, "k": opts.k, "run": run,
               "benchmarks": per_bench, "macro_average": macro_average(per_bench),
               "judge": {"model": opts.judge_model} if opts.judge_url else None,
-              "config": config_lib.redact(agent.cfg)}
+              "config": redaction.redact(agent.cfg)}
     files = report_lib.write_eval_report(report, workdir)
     return {"k": opts.k, "benchmarks": {n: {key: m[key] for key in ("pass@1", "pass@k", "n_samples", "failed")}
                                         for n, m in per_bench.items()},

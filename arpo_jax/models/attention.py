@@ -15,7 +15,7 @@ Numerically it is exact attention (float32 scores and softmax), equal to `jax.nn
 float32 rounding, except on rows with no visible key at all (padding queries), where it returns 0 instead of a
 uniform average; their gradient is 0 either way.
 
-The mask is either a [B, 1, T, T] bool array or, for prefix trees (`arpo_jax.tree_packing`), a rule on one int per
+The mask is either a [B, 1, T, T] bool array or, for prefix trees (`experience/tree_packing.py`), a rule on one int per
 key: `key_end[b, s]`, the last slot whose query may see key s. Rows laid out in pre-order make "a token sees its
 ancestors and itself" the interval test `s <= t <= key_end[s]` (the slot is the pre-order index; key_end is the
 end of the key's subtree), evaluated per block inside the kernel: no [T, T] array exists. Flat packed sequences are

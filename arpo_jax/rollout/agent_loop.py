@@ -54,14 +54,7 @@ from arpo_jax import knobs
 from arpo_jax.rollout import branching
 from arpo_jax.rollout.bisecting_sampler import BisectingSampler
 from arpo_jax.rollout.branching import BranchParams, EntropyBaselines
-from arpo_jax.rollout.output import (  # noqa: F401  (FAILURE_CAUSES, select_rows: re-exported with the outputs)
-    FAILURE_CAUSES,
-    PromptTree,
-    RolloutOutput,
-    TreeNode,
-    pad_rows,
-    select_rows,
-)
+from arpo_jax.rollout.output import PromptTree, RolloutOutput, TreeNode, pad_rows
 from arpo_jax.rollout.sampler import Sampler, SampleRequest, SampleResult, SamplingSettings
 
 PREMONITOR_SLOT_BASE = 1 << 30  # slot ids of AEPO's pre-monitoring requests (kept apart from the rollout's)
@@ -74,7 +67,7 @@ RULES = ("arpo", "aepo")  # rollout.rule: ARPO's branching (4.2), AEPO's consecu
 class RolloutConfig:
     """Static rollout settings (spec 4.2 and 11.3; script values: n 16, m 8, beam 2, p 0.5, w 0.2).
 
-    Each ``knob`` field is the config field it names (default and meaning: arpo_jax/configs/base.py) under its rule;
+    Each ``knob`` field is the config field it names (default and meaning: configs/base.py) under its rule;
     ``components.rollout_config`` builds this from an experiment config."""
 
     n: int = knobs.knob("rollout.n", knobs.at_least(1))

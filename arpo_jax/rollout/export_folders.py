@@ -21,7 +21,7 @@ SYNC_PREFIX = "sync-"  # export_dir/sync-<k>: the k-th weight export of a sample
 
 def remove_previous_syncs(export_dir: Path) -> list[Path]:
     """Removes `sync-<k>` exports under `export_dir` (only folders marked as exports of this project)."""
-    from arpo_jax.hf import EXPORT_MARKER
+    from arpo_jax.weights.hf import EXPORT_MARKER
 
     removed = []
     for d in export_dir.glob(f"{SYNC_PREFIX}*"):
@@ -60,10 +60,10 @@ def _gib(n: int) -> str:
 def agree_on_room(export_dir: Path, nbytes: int, dtype: str, *, first_sync: bool) -> None:
     """Process 0 (the writer) clears what a killed run left (`first_sync`) and checks the room for one export; every
     process raises if it lacks room (not only the writer: the others would wait for it at the barrier)."""
-    from arpo_jax import distributed, runtime  # the trainer's side: jax is already there
+    from arpo_jax import distributed  # the trainer's side: jax is already there
 
     no_room = ""
-    if runtime.is_main_process():
+    if distributed.is_main_process():
         if first_sync:
             remove_previous_syncs(export_dir)  # left by a run that was killed mid-sync
         try:

@@ -55,13 +55,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from arpo_jax.models.transformer import KVCache
-from arpo_jax.rollout.jax_decode import (  # noqa: F401 - process_logits, sample_categorical: importable from here too
+from arpo_jax.rollout.jax_decode import (
     TRACE_COUNTS,
     decode_weights,
     input_major_graphdef,
     jitted,
-    process_logits,
-    sample_categorical,
     to_input_major,
     unrolled_layout,
 )
@@ -83,7 +81,7 @@ def pow2_buckets(lo: int, hi: int, *, half_steps: bool = False, quarter_steps: b
     return tuple(sorted(set(out) | {b * m // 4 for b in out[:-1] for m in steps}))
 
 
-def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
+def bucket(n: int, buckets: Sequence[int], what: str) -> int:
     for b in buckets:
         if b >= n:
             return b
@@ -235,7 +233,7 @@ class JaxSampler(Sampler):
         if isinstance(params_or_path, nnx.Module):
             state = nnx.state(params_or_path)
         elif isinstance(params_or_path, (str, os.PathLike)):
-            from arpo_jax import hf
+            from arpo_jax.weights import hf
             _, state = hf.load_state(params_or_path, self.config, self.mesh)
         elif isinstance(params_or_path, dict) and not isinstance(params_or_path, nnx.State):
             state = jax.tree.map(lambda x: x, self._model_shapes)  # a new State tree (its leaves are all replaced)
@@ -297,7 +295,7 @@ class JaxSampler(Sampler):
         n = len(requests)
         if not self.max_tokens_per_call:
             return [list(range(n))]
-        s = _bucket(max(min(len(r.token_ids) + max(r.max_tokens, 1), self.max_len) for r in requests),
+        s = bucket(max(min(len(r.token_ids) + max(r.max_tokens, 1), self.max_len) for r in requests),
                     self.length_buckets, "cache length")
         fits = [b for b in self.batch_buckets if b * s <= self.max_tokens_per_call]
         if not fits:
@@ -339,11 +337,11 @@ class JaxSampler(Sampler):
         # to twice as many (cheap: the layers are scanned) prefill compiles as 1.5x steps. A 150-token prompt takes
         # 160 instead of 192.
         t_buckets = pow2_buckets(16, self.prefill_chunk, quarter_steps=True)
-        t = min(_bucket(min(suffix_max, self.prefill_chunk), t_buckets, "prefill length"), self.prefill_chunk)
+        t = min(bucket(min(suffix_max, self.prefill_chunk), t_buckets, "prefill length"), self.prefill_chunk)
         # A prefill chunk's padding past the end of the cache is dropped (`_write_rows`), so S covers the real tokens
         # only: attention per decode step is linear in S.
-        s = _bucket(int((ctx_lens + limits).max()), self.length_buckets, "cache length")
-        b = _bucket(n, self.batch_buckets, "batch size")
+        s = bucket(int((ctx_lens + limits).max()), self.length_buckets, "cache length")
+        b = bucket(n, self.batch_buckets, "batch size")
         pad = b - n
         src_b, keep_b = np.pad(src, (0, pad)), np.pad(keep, (0, pad))
         if self._cache is None or not keep.any():
@@ -403,7 +401,7 @@ class JaxSampler(Sampler):
         while active.any():
             lp_k = settings.logprobs if step0 < settings.logprob_positions else 0
             remaining = min(max_limit - step0, self.decode_chunk)
-            n_steps = min(self.decode_chunk, _bucket(remaining, pow2_buckets(1, self.decode_chunk), "steps"))
+            n_steps = min(self.decode_chunk, bucket(remaining, pow2_buckets(1, self.decode_chunk), "steps"))
             cache, h, dev_active, ngen, out = self._fns.decode(
                 self._state, cache, h, jnp.asarray(active), ngen, **fixed, n_steps=n_steps, greedy=greedy,
                 truncate=truncate, n_logprobs=lp_k, raw_logprobs=self.logprobs_mode == "raw",

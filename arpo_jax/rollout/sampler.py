@@ -32,7 +32,7 @@ TOP_K = knobs.Rule(lambda v: v == -1 or v >= 1, "-1 (off) or >= 1")
 
 @dataclasses.dataclass(frozen=True)
 class SamplingSettings:
-    """Settings shared by all requests of one `generate` call (the `knob` fields: arpo_jax/configs/base.py)."""
+    """Settings shared by all requests of one `generate` call (the `knob` fields: configs/base.py)."""
 
     temperature: float = knobs.knob("rollout.temperature")  # 0 = greedy
     top_p: float = knobs.knob("rollout.top_p", TOP_P)
@@ -146,3 +146,14 @@ def request_seed(base: int, index: int, token_ids: Sequence[int]) -> int:
     digest = zlib.crc32(np.asarray(token_ids, np.int64).tobytes())
     return int(np.random.SeedSequence([base & 0xFFFFFFFF, (base >> 32) & 0xFFFFFFFF, index, digest])
                .generate_state(1)[0])
+
+
+# The engines behind this interface, by the names the configs and commands use.
+ROLLOUT_ENGINES = ("jax", "vllm")  # rollout.engine (training); eval and demo also take the others
+ENGINES = (*ROLLOUT_ENGINES, "openai", "transformers")
+LORA_SYNCS = ("adapters", "merged")  # rollout.vllm.lora_sync
+
+
+def worker_seed(seed: int, step: int, worker: int, salt: str = "") -> int:
+    """A 31-bit seed that depends only on (seed, step, worker, salt): the same in every process layout."""
+    return zlib.crc32(f"{seed}/{step}/{worker}/{salt}".encode()) & 0x7FFFFFFF

@@ -55,10 +55,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Self
 
-from arpo_jax.lora_io import ADAPTER_CONFIG
 from arpo_jax.rollout import export_folders
 from arpo_jax.rollout.sampler import SampleRequest, SampleResult, SamplingSettings, request_seed
 from arpo_jax.rollout.vllm_worker import VllmWorkerError, Worker, gather_replies
+from arpo_jax.weights.lora_io import ADAPTER_CONFIG
 
 __all__ = ["VllmEngineConfig", "VllmSampler", "VllmWorkerError", "engine_devices", "host_gpus", "route_requests"]
 
@@ -270,7 +270,7 @@ class VllmSampler:
         model = params_or_path
         kind = self.sync_kind(model.config.lora_rank)
         if kind == "adapters" and base:  # the base once, as full weights, then the adapters over it
-            from arpo_jax import lora
+            from arpo_jax.update import lora
 
             self._sync_model(lora.base_model(model), "full")
         stats = self._sync_model(model, kind)
@@ -345,10 +345,13 @@ class VllmSampler:
         import jax
         from flax import nnx
 
-        from arpo_jax import hf, lora, lora_io, runtime  # the trainer's side: jax is already there
+        from arpo_jax import distributed
+        from arpo_jax.models import transformer
+        from arpo_jax.update import lora
+        from arpo_jax.weights import hf, lora_io
 
         dtype = "float32" if kind == "adapters" else self.export_dtype or self.info["dtype"]
-        nbytes = hf.export_nbytes(nnx.state(model, lora.LoRAParam) if kind == "adapters" else
+        nbytes = hf.export_nbytes(nnx.state(model, transformer.LoRAParam) if kind == "adapters" else
                                   lora.base_state(model) if model.config.lora_rank else nnx.state(model, nnx.Param),
                                   dtype)
         if self.export_dir is None:  # ours: removed again by close()
@@ -363,18 +366,18 @@ class VllmSampler:
             lora_io.save_peft(model, path)
         else:
             hf.save_pretrained(model, path, dtype=dtype)
-        runtime.barrier(f"weight_sync/written/{self._sync_version}")
+        distributed.barrier(f"weight_sync/written/{self._sync_version}")
         stats = {"export_bytes": nbytes, "export_dtype": dtype, "weights": kind}
-        if runtime.is_main_process():  # what the folder takes on disk: tensors, headers, config and tokenizer files
+        if distributed.is_main_process():  # what the folder takes on disk: tensors, headers, config and tokenizer files
             stats["written_bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         return path, stats
 
     def _release(self, path: Path) -> None:
         """Removes an exported version once every process has reloaded it (their engines hold the weights now)."""
-        from arpo_jax import runtime
+        from arpo_jax import distributed
 
-        runtime.barrier(f"weight_sync/reloaded/{self._sync_version}")
-        if runtime.is_main_process():
+        distributed.barrier(f"weight_sync/reloaded/{self._sync_version}")
+        if distributed.is_main_process():
             shutil.rmtree(path, ignore_errors=True)
 
     def reset_prefix_cache(self) -> bool:

@@ -14,12 +14,12 @@ from arpo_jax.tools.search_cache import SearchCache
 
 def _make_search(backend: str = "brightdata", **params) -> Tool:
     """``search`` with ``backend`` = ``brightdata`` (online), ``cache`` or ``local`` (offline)."""
-    if backend not in _SEARCH_BACKENDS:
-        raise ValueError(f"unknown search backend {backend!r}; choose one of {sorted(_SEARCH_BACKENDS)}")
-    return _SEARCH_BACKENDS[backend](**params)
+    if backend not in SEARCH_BACKENDS:
+        raise ValueError(f"unknown search backend {backend!r}; choose one of {sorted(SEARCH_BACKENDS)}")
+    return SEARCH_BACKENDS[backend](**params)
 
 
-_SEARCH_BACKENDS = {"brightdata": BrightDataSearchTool, "cache": CacheSearchTool, "local": LocalSearchTool}
+SEARCH_BACKENDS = {"brightdata": BrightDataSearchTool, "cache": CacheSearchTool, "local": LocalSearchTool}
 TOOLS = {"python": PythonTool, "search": _make_search, "brightdata_search": BrightDataSearchTool,
          "cache_search": CacheSearchTool, "local_search": LocalSearchTool}
 

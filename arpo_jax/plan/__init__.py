@@ -1,0 +1,1 @@
+"""`arpo-jax plan`: the memory and communication of every program a config runs."""

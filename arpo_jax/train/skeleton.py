@@ -1,0 +1,136 @@
+"""The run skeleton shared by the RL loop (`trainer.Trainer`) and the SFT loop (`sft.run_sft`).
+
+Both build the same things in the same order:
+  1. the policy's update (`build_policy`): optimizer and schedule -> abstract params -> state shardings -> the
+     jitted step;
+  2. the run's checkpoint folders and resume-or-init (`RunCheckpoints.resume_or_init`): the newest step that every
+     folder holds intact, else a fresh state;
+  3. the metrics logger (`open_logger`), continuing the run's metrics from the resumed step;
+  4. the stop protocol, at every step boundary: a background save that failed stops the run
+     (`RunCheckpoints.raise_if_failed`); a stop signal saves the current step and ends it
+     (`RunCheckpoints.save_for_stop`, then `run_guard.StopSignals.stopped`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from arpo_jax.config import redaction
+from arpo_jax.models.transformer import Config as ModelConfig
+from arpo_jax.train import metrics as metrics_lib
+from arpo_jax.update import accumulate, jit, lora
+from arpo_jax.update import train_step as ts
+from arpo_jax.weights.checkpoint import Checkpointer
+
+# (graphdef, model config, optimizer, mesh, state shardings) -> the jitted step(state, batch) -> (state, metrics)
+JitStep = Callable[[nnx.GraphDef, ModelConfig, optax.GradientTransformation, Mesh, accumulate.TrainState], jit.MeshJit]
+
+
+def abstract_of(tree):
+    """ShapeDtypeStruct leaves (shape and dtype only) of an array pytree."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The policy's update machinery, derived once from the model and the update config."""
+
+    graphdef: nnx.GraphDef
+    model_cfg: ModelConfig
+    optimizer: optax.GradientTransformation
+    schedule: optax.Schedule
+    abstract: Any  # the params as ShapeDtypeStruct leaves
+    shardings: accumulate.TrainState  # of the train state
+    step_fn: jit.MeshJit
+    mesh: Mesh  # the update's
+
+    def init_state(self, params) -> accumulate.TrainState:
+        return jit.init_train_state(params, self.optimizer, self.shardings)
+
+    def restore_target(self) -> accumulate.TrainState:
+        """The abstract train state a checkpoint restores into (shapes, dtypes, shardings)."""
+        return jit.abstract_train_state(self.optimizer, self.abstract, self.shardings)
+
+
+def build_policy(model, update_cfg: ts.UpdateConfig, total_updates: int, mesh: Mesh,
+                 jit_step: JitStep) -> tuple[Policy, dict]:
+    """The policy's optimizer (over `total_updates` optimizer steps), state shardings and jitted step; returns it
+    with the model's params (a pure dict, to initialise the state from)."""
+    optimizer = lora.freeze_base(ts.make_optimizer(update_cfg, total_updates), model.config)  # LoRA: adapters only
+    schedule = ts.make_schedule(update_cfg, total_updates)
+    graphdef, params = jit.split_model(model)
+    abstract = abstract_of(params)
+    shardings = jit.state_shardings(optimizer, jit.param_shardings(model.config, mesh), abstract, mesh)
+    step_fn = jit_step(graphdef, model.config, optimizer, mesh, shardings)
+    return Policy(graphdef, model.config, optimizer, schedule, abstract, shardings, step_fn, mesh), params
+
+
+def policy_checkpointer(cfg, workdir: Path) -> Checkpointer:
+    """`workdir/checkpoints`: the newest `trainer.keep_checkpoints` steps, saved in the background unless
+    `trainer.async_save` is off (RL and SFT alike)."""
+    return Checkpointer(Path(workdir) / "checkpoints", max_to_keep=cfg.trainer.keep_checkpoints,
+                        async_save=cfg.trainer.async_save)
+
+
+class RunCheckpoints:
+    """The run's checkpoint folders (the policy's first, e.g. the critic's beside it), saved at the same steps."""
+
+    def __init__(self, checkpointers: Sequence[Checkpointer]):
+        self.all = tuple(checkpointers)
+        self.main = self.all[0]
+
+    def steps(self) -> list[int]:
+        """The steps every folder holds (a kill may land between the saves of two folders)."""
+        steps = set(self.main.all_steps())
+        for ckpt in self.all[1:]:
+            steps &= set(ckpt.all_steps())
+        return sorted(steps)
+
+    def resume_or_init(self, resuming: bool, restore: Callable[[int], Any],
+                       init: Callable[[], Any]) -> tuple[int | None, Any]:
+        """(step, restore(step)) for the newest step whose files and params are intact in every folder (a damaged
+        newer one is moved aside, logged); (None, init()) for a new run or one without checkpoints."""
+        steps = self.steps() if resuming else []
+        if not steps:
+            return None, init()
+        return self.main.restore_newest_intact(restore, steps=steps, also=self.all[1:])
+
+    def raise_if_failed(self) -> None:
+        """Raises if a background save failed (a full disk): called at each step boundary."""
+        for ckpt in self.all:
+            ckpt.raise_if_failed()
+
+    def wait(self) -> None:
+        for ckpt in self.all:
+            ckpt.wait()
+
+    def close(self) -> None:
+        for ckpt in self.all:
+            ckpt.wait()
+            ckpt.close()
+
+    def save_for_stop(self, step: int, save: Callable[[], None]) -> str:
+        """The stop protocol's save: `save()` the current `step` unless it is saved already, wait for the saves.
+        Returns what happened, for `run_guard.StopSignals.stopped`."""
+        if step > 0 and step not in self.steps():
+            save()
+        self.wait()
+        if step == 0:
+            return "no step was trained, nothing to save"
+        return f"step {step} is saved in {self.main.directory}; the same command resumes it"
+
+
+def open_logger(cfg, workdir: Path, *, resume_step: int | None, enabled: bool) -> metrics_lib.MetricsLogger:
+    """The run's metrics logger (`trainer.loggers`; only `enabled` on the main process), with the redacted config;
+    a resumed run's metrics continue after `resume_step`."""
+    return metrics_lib.MetricsLogger(workdir, loggers=tuple(cfg.trainer.loggers), config=redaction.redact(cfg),
+                                     project=cfg.trainer.project, experiment=cfg.trainer.experiment or workdir.name,
+                                     resume_step=resume_step, enabled=enabled)
