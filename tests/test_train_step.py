@@ -403,3 +403,33 @@ def test_empty_padding_micro_batches_are_skipped(tiny):
     _assert_trees_close(g_pad, g_ref, atol=0, rtol=0)
     for k in m_ref:
         np.testing.assert_allclose(m_pad[k], m_ref[k], rtol=0, atol=0, err_msg=k)
+
+
+def test_offloaded_reference_keeps_the_params_shardings_in_pinned_host_memory(tiny):
+    """`model.ref_on_host` with a KL loss (`actor.kl_coef` > 0; the 7B/8B configs set ref_on_host): the reference is
+    a copy of the starting params in pinned host memory with their shardings, on 8 fake devices here, put back on
+    the devices for each log-prob pass. Its log-probs are the starting policy's after the policy has moved on, and
+    equal an on-device reference's. (Before, a host numpy tree: uploaded whole and unsharded at every call, and on
+    several processes not made at all: tests/test_multihost.py runs that case.)"""
+    from arpo_jax.config import args
+    from arpo_jax.train import trainer
+
+    path, _, model_cfg, graphdef, _ = tiny
+    mesh = sharding.make_mesh((1, 4, 2))
+    _, params = jit.split_model(arpo_jax.from_pretrained(path, mesh=mesh))
+    fn = ts.jit_forward_logprobs(graphdef, model_cfg, mesh=mesh)
+    batch, _ = _batch(graphdef, params, model_cfg, rows_per_micro=4)
+    mini = {k: v[0, 0] for k, v in batch.items()}  # one micro-batch [B, T], B over the 4 fsdp devices
+    start = np.asarray(fn(params, mini)[0])
+
+    host, on_device = trainer.offload(params)
+    for h, p, s in zip(jax.tree.leaves(host), jax.tree.leaves(params), jax.tree.leaves(on_device)):
+        assert h.sharding.memory_kind == "pinned_host" and s.memory_kind == "device"
+        assert h.sharding.spec == p.sharding.spec and h.sharding.mesh == mesh
+    moved = jax.tree.map(lambda x: x * 1.5, params)  # the policy after some updates
+    assert not np.allclose(np.asarray(fn(moved, mini)[0]), start)
+    for on_host in (True, False):
+        cfg = args.load_config(["--config=builtin:toy_cpu", "--config.actor.kl_coef=0.1",
+                                f"--config.model.ref_on_host={on_host}"])
+        ref = trainer.reference_logprobs(params, cfg, model_cfg, fn, 1.0, mesh)
+        np.testing.assert_array_equal(np.asarray(ref(moved, mini)), start)

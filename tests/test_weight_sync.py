@@ -66,7 +66,7 @@ def test_a_sync_without_room_stops_before_writing(tiny_hf_dir, tmp_path, monkeyp
     path, _ = tiny_hf_dir("qwen2")
     model = arpo_jax.from_pretrained(path)
     sampler = vllm_sampler.VllmSampler.__new__(vllm_sampler.VllmSampler)  # no engine: it fails before reloading
-    sampler.export_dir, sampler.export_dtype, sampler._own_export = tmp_path, None, None
+    sampler.export_dir, sampler.export_dtype, sampler._own_export, sampler.node_local = tmp_path, None, None, True
     sampler._sync_version, sampler.info, sampler.last_sync = 0, {"dtype": "bfloat16"}, {}
     monkeypatch.setattr(export_folders, "EXPORT_SLACK_BYTES", shutil.disk_usage(tmp_path).free)  # room for no export
     with pytest.raises(OSError, match="in bfloat16|of bfloat16 weights") as e:

@@ -104,7 +104,7 @@ def _direct_enums() -> dict[str, tuple]:
     from arpo_jax import rewards, sharding, tools
     from arpo_jax.data import prompts, rl_dataset
     from arpo_jax.models import transformer
-    from arpo_jax.rollout import jax_decode, sampler
+    from arpo_jax.rollout import jax_decode, placement, sampler
     from arpo_jax.update import algos, train_step
 
     return {
@@ -120,6 +120,8 @@ def _direct_enums() -> dict[str, tuple]:
         "rollout.engine": sampler.ROLLOUT_ENGINES,
         "rollout.vllm.dtype": ("auto", "bfloat16", "float16", "float32"),
         "rollout.vllm.lora_sync": sampler.LORA_SYNCS,
+        "rollout.vllm.cuda_graphs": tuple(sampler.CUDA_GRAPHS),
+        "rollout.vllm.placement": placement.PLACEMENTS,
         "rollout.jax.layout": jax_decode.LAYOUTS,
         "tools.search.backend": tuple(tools.SEARCH_BACKENDS),
         "reward.name": (*rewards.REWARDS, "auto"),
@@ -326,6 +328,7 @@ def _check_rollout(ck: _Checker, command: str, process_count: int | None) -> Non
     ck.require("rollout.vllm.cpu_kv_cache_gb", NONNEG)
     ck.require("rollout.vllm.engines", at_least(0, "0 (one per tensor-parallel group of the host's GPUs) or a count"))
     ck.require("rollout.vllm.tensor_parallel_size", at_least(1, ">= 1 (GPUs per engine)"))
+    _check_placement(ck)
     workers = ck.get("rollout.workers")
     if workers and process_count and workers % process_count:
         ck.add("rollout.workers", f"{workers} workers cannot be spread evenly over {process_count} processes",
@@ -335,6 +338,39 @@ def _check_rollout(ck: _Checker, command: str, process_count: int | None) -> Non
     if ck.get("rollout.enable_dynamic_rollouts") and r and warm and warm >= r:
         ck.add("rollout.initial_entropy_tokens", f"{warm} leaves no room in data.max_response_length={r}",
                f"< {r}")
+
+
+def _check_placement(ck: _Checker) -> None:
+    """rollout.vllm.placement=split: the vLLM engines on engine_gpus GPUs of each host (whole tensor-parallel
+    groups), the rest of the host's GPUs for the trainer's mesh."""
+    k, tp, engines = (ck.get(f"rollout.vllm.{f}") for f in ("engine_gpus", "tensor_parallel_size", "engines"))
+    placement = ck.get("rollout.vllm.placement")
+    if placement != "split":
+        if k:
+            ck.add("rollout.vllm.engine_gpus", f"{k} with rollout.vllm.placement={placement!r} (the engines share "
+                   "the trainer's GPUs)", "0, or rollout.vllm.placement=split")
+        return
+    if ck.get("rollout.engine") != "vllm":
+        ck.add("rollout.vllm.placement", f"split with rollout.engine={ck.get('rollout.engine')!r} (the JAX engine "
+               "samples on the trainer's own devices)", "colocated, or rollout.engine=vllm")
+    host = _gpus_per_host(ck.get("mesh.device"))
+    if k is None or k < 1 or k >= host:
+        ck.add("rollout.vllm.engine_gpus", f"{k} with rollout.vllm.placement=split",
+               f"1 to {host - 1} of a {ck.get('mesh.device')} host's {host} GPUs" if host < 1 << 30 else ">= 1")
+    elif tp and tp > 0 and k % tp:
+        ck.add("rollout.vllm.engine_gpus", f"{k} GPUs do not hold whole engines of tensor_parallel_size={tp}",
+               f"a multiple of rollout.vllm.tensor_parallel_size={tp}")
+    elif tp and tp > 0 and engines and engines * tp > k:
+        ck.add("rollout.vllm.engines", f"{engines} engines x tensor_parallel_size={tp} need more than "
+               f"rollout.vllm.engine_gpus={k} GPUs", f"0 (one per {tp} of them) or at most {k // tp}")
+
+
+def _gpus_per_host(device: str | None) -> int:
+    """GPUs per host of a `mesh.device` GPU type; unbounded for the others (CPU: fake devices stand for GPUs)."""
+    from arpo_jax.sharding import DEVICES
+
+    dev = DEVICES.get(device or "")
+    return dev.per_host if dev is not None and dev.kind == "gpu" else 1 << 30
 
 
 def _check_shaping_and_failures(ck: _Checker) -> None:

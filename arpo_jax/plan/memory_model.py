@@ -26,7 +26,76 @@ from arpo_jax.sharding import DEVICES
 
 GB = 1024**3
 HEADROOM = 0.10  # a program fits when its peak leaves this share of JAX's budget free
-CUDA_RESERVE = 0.05  # share of a GPU kept for the CUDA contexts beside a co-located vLLM
+# The share of a GPU kept out of JAX's pool beside a co-located vLLM where the plan cannot itemise it (`mesh.device`
+# names no GPU type, or the model's config is not there yet); `gpu_reserve_gib` itemises it for the known GPUs.
+CUDA_RESERVE = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuReserve:
+    """GiB one GPU holds outside both budgets: JAX's pool (XLA_PYTHON_CLIENT_MEM_FRACTION) and a co-located vLLM's
+    `gpu_memory_utilization`, which vLLM 0.32 counts from a snapshot taken after its own CUDA context and NCCL set-up
+    exist (v1/worker/gpu_worker.py `init_device`; CUDA graphs are inside its budget)."""
+
+    # One process's CUDA context on one GPU: driver state, the kernels loaded (lazily since CUDA 11.7), cuBLAS/cuDNN
+    # handles and workspaces. PyTorch reports 0.3-0.4 GB per process (pytorch#20532), 0.2-0.7 GB across machines
+    # (pytorch#28113), ~0.3 GB with lazy loading and over 1 GB without it (pytorch#107667); more SMs hold more
+    # per-SM state, so Hopper gets the larger figure. Upper ends, to be replaced by the nvidia-smi readings that
+    # benchmarks/RESULTS.md lists under "Not yet run on a GPU".
+    cuda_context: float
+    # One process's NCCL communicators on one GPU with NVLS off, allocated at the first collective of each replica
+    # group XLA makes a communicator for (the FSDP axis, the data axis; a stream kind each), i.e. after vLLM took its
+    # share. A communicator's buffers grow linearly with its channels, and NVLink-rich GPUs use more channels
+    # (sjeaugey in nccl#986): one communicator with an all-reduce took ~1.6 GB, three ~6 GB (nccl#864); 8 x H100
+    # went from 1.06 to 4.34 GB on its first all-to-all (32 channels per peer, nccl#1685). Two to three
+    # communicators of ~1 GiB each on Hopper, fewer channels on A100.
+    nccl: float
+    # More per GPU when NCCL's NVLink SHARP is on (Hopper with NVSwitch): multicast buffers bound per communicator
+    # (1 GiB in nccl-tests#216's log) x the step's communicators. NCCL_NVLS_ENABLE=0 is the default here (cli.py);
+    # JAX-Toolbox#383, NeMo-Framework-Launcher#127 and sglang#631 turned NVLS off for the same memory.
+    nvls: float
+
+
+GPU_RESERVES: dict[str, GpuReserve] = {
+    "a100-40gb": GpuReserve(0.6, 2.0, 0.0), "a100-80gb": GpuReserve(0.6, 2.0, 0.0),  # no NVLS before Hopper
+    "h100-80gb": GpuReserve(0.75, 3.0, 3.0), "h200": GpuReserve(0.75, 3.0, 3.0),
+}
+
+
+def nvls_on() -> bool:
+    """Whether NCCL will use NVLink SHARP: only where NCCL_NVLS_ENABLE says so (the CLI sets 0 unless it is set)."""
+    return os.environ.get("NCCL_NVLS_ENABLE", "0").strip() not in ("0", "")
+
+
+def gpu_reserve_gib(device: str, engine: str, engine_tp: int = 1, nvls: bool | None = None) -> dict[str, float]:
+    """Each item of what one GPU of `device` holds outside both budgets, and their `total`, in GiB: JAX's CUDA
+    context and NCCL buffers, and beside a vLLM engine the engine process's context (plus its own NCCL buffers with
+    tensor parallelism). {} for devices without a figure (TPU, CPU)."""
+    r = GPU_RESERVES.get(device)
+    if r is None:
+        return {}
+    nvls = nvls_on() if nvls is None else nvls
+    out = {"jax_cuda_context": r.cuda_context, "jax_nccl": r.nccl + (r.nvls if nvls else 0.0)}
+    if engine == "vllm":
+        out |= _engine_items(r, engine_tp, nvls)
+    return out | {"total": round(sum(out.values()), 3)}
+
+
+def engine_reserve_gib(device: str, engine_tp: int = 1, nvls: bool | None = None) -> dict[str, float]:
+    """What a GPU of the engines' own (`rollout.vllm.placement=split`) holds outside vLLM's share: the engine
+    process's CUDA context, plus its NCCL buffers with tensor parallelism; and their `total`. {} without a figure."""
+    r = GPU_RESERVES.get(device)
+    if r is None:
+        return {}
+    out = _engine_items(r, engine_tp, nvls_on() if nvls is None else nvls)
+    return out | {"total": round(sum(out.values()), 3)}
+
+
+def _engine_items(r: GpuReserve, engine_tp: int, nvls: bool) -> dict[str, float]:
+    out = {"engine_cuda_context": r.cuda_context}
+    if engine_tp > 1:
+        out["engine_nccl"] = r.nccl + (r.nvls if nvls else 0.0)
+    return out
 
 
 def device_hbm_gib(name: str) -> float:
@@ -111,6 +180,12 @@ class Shapes:
     # [T, T] mask), and per row up to `tree_saving` x T loss entries; `micro_batches` is then the tree layout's.
     tree: bool = False
     tree_saving: float = 1.0  # flat tokens / tree tokens: a lower bound from the config (`plan.tree_saving`)
+    engine_tp: int = 1  # GPUs per vLLM engine (rollout.vllm.tensor_parallel_size): > 1 adds its NCCL buffers
+    # A KL loss with model.ref_on_host: the reference lives in pinned host memory and is put back on the devices,
+    # sharded as the params, for each log-prob pass (train/trainer.py `offload`): on device during that pass only.
+    ref_offloaded: bool = False
+    placement: str = "colocated"  # rollout.vllm.placement: "split" = the engines on GPUs of their own
+    engine_bytes: int = 2  # bytes of a vLLM engine's weights and KV cache entries (rollout.vllm.dtype)
 
 
 def attention_kernel(impl: str, t: int, backend: str, *, tree: bool = False) -> dict:
@@ -245,6 +320,8 @@ def itemise(c: models.Config, mesh_shape: tuple[int, int, int], sh: Shapes, back
     extra = {}
     if sh.command == "train":
         programs["logprob_forward"] = forward_items(c, s, sh, backend, impl)
+        if sh.ref_offloaded:
+            programs["logprob_forward"]["ref_params"] = s.params * pb
         if sh.ref_on_device:
             extra["ref_params"] = s.params * pb
         if sh.critic:  # a value model of the policy's size, with its own AdamW state, resident throughout

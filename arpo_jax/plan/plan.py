@@ -37,11 +37,11 @@ arrays: a row's entries are its trajectories' loss tokens, at most `tree_saving`
 micro-batches (divided by `tree_saving`). `tree_saving` is the lower bound the config guarantees (the prompt shared
 by the n trajectories of a group); ARPO's mid-response branches save more, which only lowers the real figures.
 
-Fit: JAX's budget per device is what the device gives it: the whole HBM on TPU; on a GPU beside a co-located
-vLLM engine (which takes `rollout.vllm.gpu_memory_utilization` of GPU 0) `1 - gpu_memory_utilization - 0.05`
-of the HBM (5% for CUDA contexts); 0.9 of the HBM with the JAX engine. A program fits when its peak leaves at
-least `HEADROOM` (10%) of the budget free; `jax_fraction` (the XLA_PYTHON_CLIENT_MEM_FRACTION a launch sets) is
-the largest peak / (1 - HEADROOM) as a share of the HBM, so the engine can have the rest.
+Fit (`fit.py`): JAX's budget per device is what the device gives it (the whole HBM on TPU; on a GPU what a co-located
+vLLM engine and the CUDA contexts and NCCL buffers leave, or with `rollout.vllm.placement=split` the whole GPU less
+JAX's own context and buffers); a program fits when its peak leaves `HEADROOM` (10%) of it free, and the vLLM
+engines' share must hold the weights and at least one full-length trajectory's KV cache (`fit.engine_memory`).
+Under split placement the mesh spans each host's GPUs less `rollout.vllm.engine_gpus`.
 
 The model's `config.json` comes from `model.path`; when that folder is not there (planning before downloading) and
 its name is a published model this package knows (`models.published`), the published config is used.
@@ -64,18 +64,26 @@ from arpo_jax import models, sharding
 from arpo_jax.models.published import REAL_CONFIGS
 from arpo_jax.models.transformer import resolve_attention
 from arpo_jax.plan import collectives
+from arpo_jax.plan.fit import (
+    budget_gib,  # noqa: F401 (plan's API)
+    engine_memory,
+    engine_words,
+    engines_fit,
+    evaluate,
+    gib_items,
+)
 from arpo_jax.plan.memory_model import (
-    CUDA_RESERVE,
     GB,
     HEADROOM,
     Shapes,
     device_bytes,
-    device_hbm_gib,
+    gpu_reserve_gib,  # noqa: F401 (plan's API)
     itemise,
     param_sizes,
     sampler_items,
     total_bytes,
 )
+from arpo_jax.rollout import placement
 from arpo_jax.sharding import DEVICES
 from arpo_jax.update import accumulate, jit, lora
 from arpo_jax.update import train_step as ts
@@ -130,7 +138,7 @@ def shapes_of(cfg, mesh_shape: tuple[int, int, int], rules_name: str, command: s
     command = command or ("sft" if is_sft(cfg) else "train")
     mesh = dict(zip(sharding.MESH_AXES, mesh_shape))
     batch_devices = math.prod(mesh[a] for a in sharding.get_rules(rules_name)["batch"])
-    processes = max(1, math.prod(mesh_shape) // DEVICES[cfg.mesh.device].per_host)
+    processes = max(1, math.prod(mesh_shape) // host_devices(cfg))
     p, r = cfg.data.max_prompt_length, cfg.data.max_response_length
     if command == "sft":
         seq = cfg.sft.max_token_len_per_device or cfg.sft.cutoff_len
@@ -153,7 +161,14 @@ def shapes_of(cfg, mesh_shape: tuple[int, int, int], rules_name: str, command: s
                   cfg.rollout.vllm.gpu_memory_utilization, cfg.algorithm.adv_estimator == "gae",
                   bool(cfg.actor.kl_coef) and not cfg.model.ref_on_host, processes,
                   sampler_chunk(_pow2_at_least(trajectories, local), s_len, local, cfg.rollout.jax.max_tokens_per_call),
-                  s_len, cfg.rollout.jax.prefill_chunk, p + r, tree, saving)
+                  s_len, cfg.rollout.jax.prefill_chunk, p + r, tree, saving, cfg.rollout.vllm.tensor_parallel_size,
+                  bool(cfg.actor.kl_coef) and cfg.model.ref_on_host,
+                  "split" if placement.is_split(cfg) else "colocated", 4 if cfg.rollout.vllm.dtype == "float32" else 2)
+
+
+def host_devices(cfg) -> int:
+    """The mesh's devices on one host (one process): the device's per host, less the engines' GPUs under split."""
+    return placement.trainer_gpus(cfg, DEVICES[cfg.mesh.device].per_host)
 
 
 def sampler_chunk(batch: int, s_len: int, local: int, budget: int) -> int:
@@ -175,35 +190,6 @@ def tree_saving(prompt: int, response: int, n: int) -> float:
     return n * (prompt + response) / (prompt + n * response)
 
 
-def budget_gib(device: str, engine: str, gpu_memory_utilization: float) -> float:
-    """What one device gives JAX (module docstring)."""
-    hbm = device_hbm_gib(device)
-    if DEVICES[device].kind != "gpu":
-        return hbm
-    if engine == "vllm":
-        return (1.0 - gpu_memory_utilization - CUDA_RESERVE) * hbm
-    return 0.9 * hbm
-
-
-def evaluate(programs: dict[str, dict[str, float]], device: str, engine: str, gpu_memory_utilization: float) -> dict:
-    """Fit of the largest program against the device's budget for JAX."""
-    peaks = {name: sum(items.values()) / GB for name, items in programs.items()}
-    worst = max(peaks, key=peaks.get)
-    budget = budget_gib(device, engine, gpu_memory_utilization)
-    hbm = device_hbm_gib(device)
-    headroom = 1.0 - peaks[worst] / budget if budget > 0 else -1.0
-    jax_fraction = math.ceil(peaks[worst] / (1.0 - HEADROOM) / hbm * 100) / 100 if hbm else 0.0
-    items = {k: round(v / GB, 3) for k, v in sorted(programs[worst].items(), key=lambda kv: -kv[1])}
-    out = {"fits": headroom >= HEADROOM, "device": device, "hbm_gib": round(hbm, 2), "budget_gib": round(budget, 2),
-           "peak_gib": round(peaks[worst], 2), "peak_program": worst, "headroom": round(headroom, 3),
-           "items_gib": items, "program_peaks_gib": {k: round(v, 2) for k, v in peaks.items()},
-           "jax_fraction": jax_fraction}
-    if engine == "vllm" and DEVICES[device].kind == "gpu":
-        out["items_gib"]["vllm_engine_gpu0"] = round(gpu_memory_utilization * hbm, 2)
-        out["engine_fraction_max"] = round(1.0 - CUDA_RESERVE - jax_fraction, 2)
-    return out
-
-
 _FIXES = {
     "attention_workspace": "model.attention_impl=blockwise (or cudnn on GPU), or a smaller token budget per device",
     "remat_activations": "model.remat=full, or a smaller actor.max_token_len_per_device",
@@ -222,10 +208,18 @@ _FIXES = {
 def fixes(r: dict) -> list[str]:
     """The largest items of the worst program and what would shrink them, plus the seq / vLLM settings that fit."""
     out = []
-    for name, gib in list(r["items_gib"].items())[:3]:
+    for name, gib in list(r["items_gib"].items())[:3] if not r.get("jax_fits", r["fits"]) else ():
         out.append(f"{name} = {gib:.2f} GiB: {_FIXES.get(name, 'more devices')}")
     for setting, value in r.get("fitting_settings", {}).items():
         out.append(f"{setting}={value} fits")
+    if not r.get("jax_fits", r["fits"]) and (r.get("engines") or {}).get("placement") == "colocated":
+        out.append("rollout.vllm.placement=split with rollout.vllm.engine_gpus=k: the engines on k GPUs of their own, "
+                   "JAX on the others with their whole memory (configs/*_8x80gb.py)")
+    if not (r.get("engines") or {}).get("fits", True):
+        e = r["engines"]
+        out.append(f"vLLM's {e['share_gib']} GiB a GPU hold less than the weights ({e['weights_gib']} GiB) and one "
+                   "trajectory: a larger rollout.vllm.gpu_memory_utilization, a larger tensor_parallel_size, or "
+                   "rollout.vllm.placement=split (GPUs of their own)")
     return out
 
 
@@ -256,18 +250,22 @@ def analyse(cfg, *, devices: int = 8, command: str | None = None) -> dict:
     backend = DEVICES[device].kind
     sh = shapes_of(cfg, mesh_shape, model_cfg.sharding_rules, command)
     plan = itemise(model_cfg, mesh_shape, sh, backend)
-    r = evaluate(plan["programs"], device, sh.engine, sh.gpu_memory_utilization)
+    r = evaluate(plan["programs"], device, sh.engine, sh.gpu_memory_utilization, sh.engine_tp, sh.placement)
     r |= {"model": source, "params": plan["sizes"]["total_params"], "mesh": list(mesh_shape),
           "rules": model_cfg.sharding_rules, "command": sh.command, "engine": sh.engine, "seq": sh.seq,
           "rows_per_device": sh.rows, "remat": model_cfg.remat, "attention": plan["attention"],
           "attention_by_program": plan["attention_by_program"],
           "tree_training": {"on": sh.tree, "saving_at_least": round(sh.tree_saving, 3),
                             "micro_batches": sh.micro_batches} if sh.command == "train" else None,
-          "sampler_batch": sh.sampler_batch, "sampler_len": sh.sampler_len,
+          "sampler_batch": sh.sampler_batch, "sampler_len": sh.sampler_len, "host_devices": host_devices(cfg),
           "programs_gib": {p: {k: round(v / GB, 3) for k, v in items.items()}
                            for p, items in plan["programs"].items()}}
+    r["jax_fits"] = r["fits"]
+    if sh.engine == "vllm" and DEVICES[device].kind == "gpu":  # the engines' share must hold the model
+        r["engines"] = engine_memory(model_cfg, r["params"], sh, device)
+        r["fits"] = r["fits"] and r["engines"]["fits"]
     if not r["fits"]:
-        r["fitting_settings"] = _fitting_settings(model_cfg, mesh_shape, sh, backend, device)
+        r["fitting_settings"] = {} if r["jax_fits"] else _fitting_settings(model_cfg, mesh_shape, sh, backend, device)
         r["fixes"] = fixes(r)
     return r
 
@@ -277,7 +275,9 @@ def _fitting_settings(c, mesh_shape, sh: Shapes, backend: str, device: str) -> d
     largest gpu_memory_utilization with which every program fits."""
     def fits(shapes, util):
         programs = itemise(c, mesh_shape, shapes, backend)["programs"]
-        return evaluate(programs, device, shapes.engine, util)["fits"]
+        shapes = dataclasses.replace(shapes, gpu_memory_utilization=util)
+        return evaluate(programs, device, shapes.engine, util, shapes.engine_tp, shapes.placement)["fits"] and \
+            engines_fit(c, param_sizes(c, tuple(mesh_shape)).total_params, shapes, device)
 
     out = {}
     field = "sft.max_token_len_per_device" if sh.command == "sft" else "actor.max_token_len_per_device"
@@ -304,9 +304,8 @@ def _fitting_settings(c, mesh_shape, sh: Shapes, backend: str, device: str) -> d
 def memory_split(cfg) -> dict:
     """`analyse` of a config for the launch: JAX's planned share of each device (`jax_fraction`) and the fit. A
     mesh with a -1 is planned on one host of the named device (8 GPUs, 4 TPU chips; 8 for `cpu`)."""
-    shape = tuple(cfg.mesh.shape)
-    devices = math.prod(shape) if -1 not in shape else min(8, DEVICES[cfg.mesh.device].per_host)
-    return analyse(cfg, devices=devices)
+    shape, host = tuple(cfg.mesh.shape), min(8, DEVICES[cfg.mesh.device].per_host)
+    return analyse(cfg, devices=math.prod(shape) if -1 not in shape else placement.trainer_gpus(cfg, host))
 
 
 def jax_mem_fraction(cfg) -> float:
@@ -314,7 +313,8 @@ def jax_mem_fraction(cfg) -> float:
 
     Beside a co-located vLLM it comes from the planned peak (`memory_split`: the largest program's bytes per
     device, plus 10% headroom, as a share of the device named by `mesh.device`), so the engine can have the rest
-    (`arpo-jax plan` checks `rollout.vllm.gpu_memory_utilization` against it). Without a plannable device
+    (`arpo-jax plan` checks `rollout.vllm.gpu_memory_utilization` against it); with `rollout.vllm.placement=split`
+    the same share of each of JAX's own GPUs (the engines have theirs). Without a plannable device
     (`mesh.device=cpu`) or model config, the fixed split `1 - gpu_memory_utilization - 0.05`. The JAX engine gets
     JAX's usual 0.9."""
     if cfg.rollout.engine != "vllm":
@@ -461,7 +461,7 @@ def compile_check(cfg, *, devices: int = 8, layers: int = 2, command: str | None
                      for a in sharding.get_rules(model_cfg.sharding_rules)["batch"])
     rows = max(1, round(rows * sh.rows))
     # Hosts matter for a GPU cluster's network; a TPU slice is one ICI domain whatever its hosts.
-    per_host = DEVICES[cfg.mesh.device].per_host if DEVICES[cfg.mesh.device].kind == "gpu" else 0
+    per_host = host_devices(cfg) if DEVICES[cfg.mesh.device].kind == "gpu" else 0
     compiled = plan(model_cfg, mesh_shape, update_config(cfg), micro=1, rows=rows, seq=sh.seq,
                     forward=sh.command == "train", per_host=per_host)
     # The model of the same reduced program, for the same single micro-batch and on the CPU backend's attention.
@@ -562,11 +562,17 @@ def format_plan(r: dict) -> str:
     for k in items:
         lines.append(f"{k:28s}" + "".join(f"{r['programs_gib'][p].get(k, 0):{width + 1}.2f}" for p in progs))
     lines.append(f"{'peak':28s}" + "".join(f"{r['program_peaks_gib'][p]:{width + 1}.2f}" for p in progs))
-    verdict = "fits" if r["fits"] else "DOES NOT FIT"
+    verdict = "fits" if r.get("jax_fits", r["fits"]) else "DOES NOT FIT"
+    split = (r.get("engines") or {}).get("placement") == "split"
     lines.append(f"{verdict}: peak {r['peak_gib']} GiB ({r['peak_program']}) of {r['budget_gib']} GiB, headroom "
                  f"{r['headroom']:.0%} (needs {HEADROOM:.0%})"
                  + (f"; JAX fraction {r['jax_fraction']}, vLLM may take up to {r['engine_fraction_max']}"
-                    if "engine_fraction_max" in r else ""))
+                    if "engine_fraction_max" in r else f"; JAX fraction {r['jax_fraction']}" if split else ""))
+    if r.get("reserve_gib"):  # outside both budgets, per GPU
+        where = "JAX's pool, per trainer GPU" if split else "JAX's and vLLM's shares, per GPU"
+        lines.append(f"outside {where}: " + gib_items(r["reserve_gib"]))
+    if r.get("engines"):
+        lines.append(engine_words(r["engines"], r["host_devices"]))
     for fix in r.get("fixes", []):
         lines.append(f"  fix: {fix}")
     if "compiled" in r:
@@ -578,7 +584,7 @@ def format_plan(r: dict) -> str:
                                  for p, v in c.items() if isinstance(v, dict) and "xla_arguments_gib" in v))
         if comm := c.get("comm_per_step_gib"):
             dev = DEVICES[r["device"]]
-            cluster = dev.kind == "gpu" and math.prod(r["mesh"]) > dev.per_host  # hosts joined by a network
+            cluster = dev.kind == "gpu" and math.prod(r["mesh"]) > r["host_devices"]  # hosts joined by a network
             kinds = [k for k in collectives.KINDS if comm.get(k, 0) >= 0.05]
             lines.append(f"communication per device per step ({'' if comm['exact'] else 'at least, '}compiled at "
                          f"{c['layers'] - 1} and {c['layers']} layers, scaled to the model's depth and "

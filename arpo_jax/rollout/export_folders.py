@@ -57,13 +57,19 @@ def _gib(n: int) -> str:
     return f"{n / 1024**3:.2f} GiB"
 
 
-def agree_on_room(export_dir: Path, nbytes: int, dtype: str, *, first_sync: bool) -> None:
+def agree_on_room(export_dir: Path, nbytes: int, dtype: str, *, first_sync: bool, node_local_version: int = 0
+                  ) -> None:
     """Process 0 (the writer) clears what a killed run left (`first_sync`) and checks the room for one export; every
-    process raises if it lacks room (not only the writer: the others would wait for it at the barrier)."""
+    process raises if it lacks room (not only the writer: the others would wait for it at the barrier). Node-local
+    exports (`node_local_version`: the version about to be written, each process its own): each checks its own
+    `export_dir`, and that every process is about to write the same version."""
     from arpo_jax import distributed  # the trainer's side: jax is already there
 
+    every_process = node_local_version > 0
+    if every_process and distributed.agree_max(node_local_version) != node_local_version:
+        raise RuntimeError(f"weight sync: this process is at version {node_local_version}, another one ahead of it")
     no_room = ""
-    if distributed.is_main_process():
+    if every_process or distributed.is_main_process():
         if first_sync:
             remove_previous_syncs(export_dir)  # left by a run that was killed mid-sync
         try:
@@ -71,8 +77,36 @@ def agree_on_room(export_dir: Path, nbytes: int, dtype: str, *, first_sync: bool
         except OSError as e:
             no_room = str(e)
     if distributed.agree(int(bool(no_room))):
-        raise OSError(no_room or f"weight sync: process 0 found too little room for one export in {export_dir} (its "
+        writer = "another process" if every_process else "process 0"
+        raise OSError(no_room or f"weight sync: {writer} found too little room for one export in {export_dir} (its "
                                  "log says how much)")
+
+
+def held_by_every_process(state) -> bool:
+    """Whether several processes each hold every block of `state`'s arrays on their own devices (HSDP: params
+    sharded within a host, replicated across hosts), agreed by all of them: then each can export its own copy for
+    its own engines, with no gathers across hosts and no shared folder."""
+    import jax
+
+    from arpo_jax import distributed
+    from arpo_jax.weights import hf
+
+    if jax.process_count() == 1:
+        return False
+    held = all(hf.held_here(x) for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
+    return not distributed.agree_max(int(not held))
+
+
+def one_process_dir(nbytes: int) -> Path:
+    """`default_export_dir` where only one process exports and reads; several processes whose params are spread
+    over the hosts need a folder they share."""
+    import jax
+
+    if jax.process_count() > 1:  # /dev/shm/arpo_jax_vllm_<pid> is one host's: the others never see it
+        raise ValueError("a multi-process weight sync of a model spread over the hosts needs export_dir on a file "
+                         "system every host shares (the trainer uses <workdir>/weight_sync; config: "
+                         "rollout.vllm.export_dir)")
+    return default_export_dir(nbytes)
 
 
 def default_export_dir(nbytes: int = 0) -> Path:

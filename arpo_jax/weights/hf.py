@@ -199,11 +199,32 @@ def place_tensors(tensors: dict[str, TensorSource], cfg: Config, mesh: Mesh | No
 # Export
 
 
-def to_host(x: jax.Array) -> np.ndarray:
+def to_host(x: jax.Array, *, local: bool = False) -> np.ndarray:
+    """`x` as a numpy array. Multi-host: gathered from every process (a collective: every process must call this),
+    or with `local` put together from this process's own shards, which must hold all of it (`held_here`)."""
+    if local and not x.is_fully_addressable:
+        if not held_here(x):
+            raise RuntimeError(f"a node-local export needs every part of each array on this process's devices; an "
+                               f"array {x.shape} sharded {x.sharding} is spread over several processes")
+        out = np.empty(x.shape, x.dtype)
+        for shard in x.addressable_shards:  # replicas write the same block again
+            out[shard.index] = np.asarray(shard.data)
+        return out
     if not x.is_fully_addressable:  # multi-host: gather the global value (every process must call this)
         from jax.experimental import multihost_utils
         x = multihost_utils.process_allgather(x, tiled=True)
     return np.asarray(jax.device_get(x))
+
+
+def held_here(x: jax.Array) -> bool:
+    """Whether this process's devices hold every block of `x`: with HSDP (data over the hosts, fsdp within one) each
+    host holds a whole replica of the params, so it can export them without the other hosts."""
+    if x.is_fully_addressable:
+        return True
+    where = x.sharding.devices_indices_map(x.shape)
+    block = lambda index: tuple(s.indices(n)[:2] for s, n in zip(index, x.shape))  # noqa: E731
+    mine = {block(i) for d, i in where.items() if d.process_index == jax.process_index()}
+    return mine == {block(i) for i in where.values()}
 
 
 def write_safetensors(file: Path, tensors: list[tuple[str, tuple, np.dtype, callable]], *, threads: int) -> None:
@@ -271,13 +292,15 @@ def export_nbytes(state: nnx.State, dtype: str) -> int:
 
 def save_state(state: nnx.State, cfg: Config, path: str | os.PathLike, *, tokenizer=None, dtype: str | None = None,
                max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False,
-               transform: Callable[[str, jax.Array], jax.Array] | None = None) -> Path:
+               transform: Callable[[str, jax.Array], jax.Array] | None = None, local: bool = False) -> Path:
     """Writes params as an HF folder (config.json, generation_config.json, safetensors, tokenizer files).
 
     Written with `write_folder`: `path` is always either the previous complete export or the new complete one, and
     an existing `path` that is not a previous export is refused unless `overwrite` (see `check_export_destination`).
-    In a multi-host run every process must call this (the params are gathered collectively); only process 0 writes.
-    `transform(key, array)`, when given, computes each tensor as it is written (one at a time: e.g. LoRA's merge).
+    In a multi-host run every process must call this (the params are gathered collectively); only process 0 writes,
+    unless `local`: then every process writes its own folder from its own shards (each must hold the whole model:
+    `held_here`). `transform(key, array)`, when given, computes each tensor as it is written (one at a time: e.g.
+    LoRA's merge).
     """
     path = Path(path)
     dtype = dtype or cfg.param_dtype
@@ -287,9 +310,9 @@ def save_state(state: nnx.State, cfg: Config, path: str | os.PathLike, *, tokeni
         hf_shape = tuple(var.get_metadata()["hf_shape"])
         value = ((lambda v=var, i=i: layer_value(v, i)) if transform is None else
                  (lambda v=var, i=i, k=key: transform(k, layer_value(v, i))))
-        fetch = (lambda value=value, s=hf_shape: to_host(value()).reshape(s).astype(np_dtype, copy=False))
+        fetch = (lambda value=value, s=hf_shape: to_host(value(), local=local).reshape(s).astype(np_dtype, copy=False))
         entries.append((key, hf_shape, np_dtype, fetch))
-    if jax.process_index() != 0:
+    if jax.process_index() != 0 and not local:
         for e in entries:  # take part in the collective gathers, write nothing
             e[3]()
         return path
@@ -453,7 +476,7 @@ def _replace_dir(new: Path, dest: Path) -> None:
 
 
 def save_pretrained(model: CausalLM, path: str | os.PathLike, tokenizer=None, *, dtype: str | None = None,
-                    max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
+                    max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False, local: bool = False) -> Path:
     """Exports a CausalLM as an HF folder that transformers and vLLM load. See `save_state`. A model with LoRA
     adapters is written merged (`lora.merged_state`): the folder is a plain model of the base's architecture."""
     state, cfg, transform = nnx.state(model, nnx.Param), model.config, None
@@ -462,7 +485,7 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike, tokenizer=None, *,
 
         state, cfg, transform = lora.merged_export(model)
     return save_state(state, cfg, path, tokenizer=tokenizer, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                      overwrite=overwrite, transform=transform)
+                      overwrite=overwrite, transform=transform, local=local)
 
 
 def checkpoint_dtype(path: str | os.PathLike) -> str:

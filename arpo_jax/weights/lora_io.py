@@ -160,10 +160,12 @@ def peft_config(cfg: Config, base_model: str = "") -> dict:
             "init_lora_weights": True, "modules_to_save": None, "base_model_name_or_path": base_model}
 
 
-def save_peft(model: CausalLM, path: str | os.PathLike, *, base_model: str = "", overwrite: bool = False) -> Path:
+def save_peft(model: CausalLM, path: str | os.PathLike, *, base_model: str = "", overwrite: bool = False,
+              local: bool = False) -> Path:
     """Writes `model`'s adapters as a PEFT folder (float32 safetensors + adapter_config.json), atomically with the
     rules of `hf.write_folder_atomically` (only a previous export is ever replaced). In a multi-host run every
-    process must call this (the adapters are gathered collectively); only process 0 writes."""
+    process must call this (the adapters are gathered collectively); only process 0 writes, unless `local` (every
+    process writes its own copy from its own shards, as `hf.save_state`)."""
 
     cfg = model.config
     if not cfg.lora_rank:
@@ -171,11 +173,11 @@ def save_peft(model: CausalLM, path: str | os.PathLike, *, base_model: str = "",
     entries = []
     for key, _, var, i in hf.hf_tensors(nnx.state(model, LoRAParam), cfg.num_layers):  # per layer, as HF's keys
         shape = tuple(var.get_metadata()["hf_shape"])
-        fetch = (lambda v=var, i=i, s=shape: hf.to_host(hf.layer_value(v, i)).reshape(s).astype(np.float32,
-                                                                                                copy=False))
+        fetch = (lambda v=var, i=i, s=shape: hf.to_host(hf.layer_value(v, i), local=local).reshape(s).astype(
+            np.float32, copy=False))
         entries.append((_peft_key(tuple(key.split("."))), shape, np.dtype(np.float32), fetch))
 
-    if jax.process_index() != 0:
+    if jax.process_index() != 0 and not local:
         for e in entries:  # take part in the collective gathers, write nothing (as `hf.save_state`)
             e[3]()
         return Path(path)

@@ -1,0 +1,180 @@
+"""The launch scripts as SLURM and a shell run them, with stand-ins for `scontrol`, `srun` and the training command:
+what they run, with which environment, from which folder (nothing is trained)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# `srun` records its own arguments, then runs the task's command as SLURM would on the first node.
+SRUN = """#!/bin/bash
+printf '%s\\n' "$@" > "$FAKE_OUT/srun_args"
+while [[ "$1" != bash ]]; do shift; done
+SLURM_PROCID=0 SLURM_LOCALID=0 "$@"
+"""
+# `scontrol`: the submitted script's path (as sbatch keeps it) and the job's hosts.
+SCONTROL = """#!/bin/bash
+case "$1 $2" in
+  "show job") echo "   Command=$FAKE_SCRIPT"; echo "   WorkDir=/elsewhere";;
+  "show hostnames") printf 'gpu-node-1\\ngpu-node-2\\n';;
+esac
+"""
+# The virtualenv's python: `-m arpo_jax.cli ...` (the training command) is recorded, anything else (mem_fraction.py)
+# runs for real.
+PYTHON = f"""#!/bin/bash
+if [[ "$1" == -m ]]; then
+  {sys.executable} -c 'import json, os, sys
+json.dump({{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ)}},
+          open(os.environ["FAKE_OUT"] + "/task.json", "w"))' "$@"
+else
+  exec {sys.executable} "$@"
+fi
+"""
+
+
+def _stub(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(0o755)
+
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    bin_dir, venv, out = tmp_path / "bin", tmp_path / "venv", tmp_path / "out"
+    for d in (bin_dir, venv / "bin", out):
+        d.mkdir(parents=True)
+    _stub(bin_dir / "srun", SRUN)
+    _stub(bin_dir / "scontrol", SCONTROL)
+    _stub(venv / "bin" / "python", PYTHON)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "XLA_PYTHON", "NCCL_", "ARPO_"))}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", FAKE_OUT=str(out), ARPO_VENV=str(venv), HOME=str(tmp_path),
+               PYTHONPATH=str(REPO), FAKE_SCRIPT=str(REPO / "launch" / "slurm_gpu.sbatch"))
+    return tmp_path, env, out
+
+
+@pytest.mark.slow  # subprocess runs of the scripts and the plan
+def test_sbatch_script_runs_from_anywhere_with_its_cpus_and_planned_memory(fake_slurm):
+    """Submitted from another folder and run as SLURM's spooled copy: the script finds its checkout through
+    scontrol, runs the venv's python, gives srun --cpus-per-task (SLURM >= 22.05 does not pass it on), and the task
+    gets the plan's JAX memory fraction, NVLS off, the coordinator and its process id, without SLURM_LOCALID."""
+    tmp, env, out = fake_slurm
+    spool = tmp / "spool" / "job42"
+    spool.mkdir(parents=True)
+    shutil.copy(REPO / "launch" / "slurm_gpu.sbatch", spool / "slurm_script")
+    env.update(SLURM_JOB_ID="1234567", SLURM_JOB_NODELIST="gpu-node-[1-2]", SLURM_NNODES="2",
+               SLURM_CPUS_PER_TASK="64", SLURM_SUBMIT_DIR=str(tmp))
+    overrides = ["--config.mesh.shape=(2,8,1)", "--config.mesh.device=h100-80gb"]
+    p = subprocess.run(["bash", str(spool / "slurm_script"), "builtin:arpo_qwen25_7b_reasoning", "/shared/runs/7b",
+                        *overrides], cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    srun = (out / "srun_args").read_text().splitlines()
+    assert srun[:4] == ["--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=64", "--kill-on-bad-exit=1"]
+    task = json.loads((out / "task.json").read_text())
+    assert task["argv"] == ["-m", "arpo_jax.cli", "train", "--config=builtin:arpo_qwen25_7b_reasoning",
+                            "--workdir=/shared/runs/7b", *overrides]
+    assert task["cwd"] == str(REPO)
+    from arpo_jax.config import args
+    from arpo_jax.plan import plan
+
+    cfg, _ = args.parse_config_args(["--config=builtin:arpo_qwen25_7b_reasoning", *overrides])
+    e = task["env"]
+    assert float(e["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == plan.jax_mem_fraction(cfg)
+    assert e["NCCL_NVLS_ENABLE"] == "0" and e["ARPO_PROCESS_ID"] == "0" and "SLURM_LOCALID" not in e
+    assert e["ARPO_COORDINATOR"] == f"gpu-node-1:{20000 + 1234567 % 20000}" and e["ARPO_NUM_PROCESSES"] == "2"
+    assert f"repo {REPO}, python {tmp / 'venv' / 'bin' / 'python'}" in p.stdout
+
+
+@pytest.mark.slow  # subprocess runs of the scripts and the plan
+def test_local_script_runs_from_anywhere_and_keeps_a_given_memory_fraction(fake_slurm):
+    tmp, env, out = fake_slurm
+    env.update(XLA_PYTHON_CLIENT_MEM_FRACTION="0.33", NCCL_NVLS_ENABLE="1", ARPO_COMMAND="sft")
+    p = subprocess.run(["bash", str(REPO / "launch" / "local.sh"), "builtin:sft_qwen25_7b", "runs/sft"], cwd=tmp,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    task = json.loads((out / "task.json").read_text())
+    assert task["argv"] == ["-m", "arpo_jax.cli", "sft", "--config=builtin:sft_qwen25_7b", "--workdir=runs/sft"]
+    assert task["cwd"] == str(REPO)
+    assert task["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.33" and task["env"]["NCCL_NVLS_ENABLE"] == "1"
+
+
+@pytest.mark.slow  # subprocess runs of the scripts and the plan
+def test_signal_margin_covers_a_step_and_a_save():
+    """The lead time SLURM's SIGTERM needs: 1.5 x (the step model's step + the checkpoint at 1 GB/s per node) + 60 s;
+    two nodes halve both (half the batch each, each writes its half)."""
+    def lead(*overrides):
+        p = subprocess.run([sys.executable, str(REPO / "launch" / "signal_margin.py"),
+                            "--config=builtin:arpo_qwen25_7b_reasoning", *overrides, "--workdir=ignored"],
+                           env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return int(p.stdout.strip().splitlines()[-1]), p.stderr
+
+    one, words = lead()
+    assert "step ~494 s + save ~91 s on 1 node(s)" in words  # RESULTS.md's 7B step; 7.6B x 12 bytes at 1 GB/s
+    assert one == 938  # ceil(1.5 x (494 + 91.3...) + 60)
+    two, words = lead("--config.mesh.shape=(2,8,1)")
+    assert "save ~46 s on 2 node(s)" in words and two < one
+    assert lead("--write-gbps=0.25")[0] > one
+    # The script's default lead covers the one-node case.
+    sbatch = (REPO / "launch" / "slurm_gpu.sbatch").read_text()
+    assert int(sbatch.split("#SBATCH --signal=TERM@")[1].split()[0]) >= one
+
+
+def test_launch_scripts_parse():
+    for script in ("slurm_gpu.sbatch", "local.sh", "tpu_pod.sh"):
+        subprocess.run(["bash", "-n", str(REPO / "launch" / script)], check=True)
+
+
+@pytest.mark.slow  # subprocess runs of the scripts and the plan
+def test_mem_fraction_prints_the_three_way_split_and_warns_when_it_overflows():
+    def run(*overrides, nvls="0"):
+        p = subprocess.run([sys.executable, str(REPO / "launch" / "mem_fraction.py"),
+                            "--config=builtin:arpo_qwen25_7b_reasoning", "--config.mesh.device=h100-80gb", *overrides],
+                           env=dict(os.environ, PYTHONPATH=str(REPO), NCCL_NVLS_ENABLE=nvls), capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return float(p.stdout.strip().splitlines()[-1]), p.stderr
+
+    fraction, split = run()
+    assert (f"h100-80gb (79.6 GiB): JAX {fraction} + vLLM 0.5 + 4.5 GiB outside both (CUDA contexts, NCCL) = "
+            f"{fraction + 0.5 + 4.5 / 79.6:.2f} of each GPU") in split and "warning" not in split
+    _, split = run("--config.rollout.vllm.gpu_memory_utilization=0.56", nvls="1")
+    assert "+ 7.5 GiB outside both (CUDA contexts, NCCL, NVLS)" in split and "do not fit one GPU" in split
+
+
+@pytest.mark.slow  # a subprocess run of the plan
+def test_mem_fraction_of_a_split_placement_counts_jax_and_the_engines_on_their_own_gpus():
+    """rollout.vllm.placement=split: JAX's fraction of each of its 5 GPUs plus its CUDA context and NCCL buffers,
+    and vLLM's 0.9 of each of the engines' 3 GPUs plus the engine's context; no three-way sum of one GPU."""
+    p = subprocess.run([sys.executable, str(REPO / "launch" / "mem_fraction.py"),
+                        f"--config={REPO / 'configs' / 'arpo_qwen3_14b_deepsearch_8x80gb.py'}",
+                        "--config.mesh.device=h100-80gb", "--workdir=ignored"],
+                       env=dict(os.environ, PYTHONPATH=str(REPO), NCCL_NVLS_ENABLE="0"), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    fraction = float(p.stdout.strip().splitlines()[-1])
+    assert fraction == 0.95  # ceil(67.68 GiB / 0.9 / 79.6 GiB, 2 decimals): the plan's update peak on 5 GPUs
+    line = (f"h100-80gb (79.6 GiB), split: JAX 0.95 + 3.75 GiB outside it (CUDA context, NCCL) = "
+            f"{0.95 + 3.75 / 79.6:.2f} of each of its 5 GPUs; vLLM 0.9 + 0.75 GiB of each of the engines' 3")
+    assert line in p.stderr
+    assert "warning" not in p.stderr
+
+
+@pytest.mark.slow  # subprocess runs of the plan
+def test_signal_margin_of_a_split_placement_counts_its_nodes_and_engines():
+    """With split placement a node's mesh has 5 GPUs: (2, 5, 1) is two nodes (each saves half), not 10 // 8 = 1."""
+    def lead(*overrides):
+        p = subprocess.run([sys.executable, str(REPO / "launch" / "signal_margin.py"),
+                            f"--config={REPO / 'configs' / 'arpo_qwen3_14b_deepsearch_8x80gb.py'}", *overrides],
+                           env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return int(p.stdout.strip().splitlines()[-1]), p.stderr
+
+    one, words = lead()
+    assert "on 1 node(s)" in words
+    two, words = lead("--config.mesh.shape=(2,5,1)")
+    assert "on 2 node(s)" in words and two < one

