@@ -4,8 +4,8 @@
                                   [--algo arpo|grpo] [--seed 0] [--gpu]
 
 Phases (each resumes where it stopped; run the command again after an interruption):
-  data        `python -m arpo_jax.data.math_tool W/data`: train_math.parquet, val.parquet, train_math.jsonl
-  cold_start  `python -m arpo_jax.data.cold_start W/cold_start`: few-shot tool-use samples of GSM8K questions
+  data        `python -m arpo_jax.eval.math_tool W/data`: train_math.parquet, val.parquet, train_math.jsonl
+  cold_start  `python -m arpo_jax.eval.cold_start W/cold_start`: few-shot tool-use samples of GSM8K questions
               300-999 (`math_tool.COLD_START_SLICE`), the correct ones whose calls ran -> W/data/sft.json
   sft         `arpo-jax sft` (LoRA) of the config `arpo_qwen25_coder_05b_gsm8k`, then its adapter as a PEFT folder
               (W/sft_adapter)
@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from arpo_jax.data import cold_start, math_tool
+from arpo_jax.eval import cold_start, math_tool
 
 # This checkout's file (`builtin:arpo_qwen25_coder_05b_gsm8k` is the installed package's copy of it).
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "arpo_qwen25_coder_05b_gsm8k.py")
@@ -59,7 +59,7 @@ def _config(workdir: Path, algo: str, gpu: bool) -> str:
 
 def phase_cold_start(workdir: Path) -> None:
     out = workdir / "cold_start"
-    _run([sys.executable, "-m", "arpo_jax.data.cold_start", str(out), "--questions-file",
+    _run([sys.executable, "-m", "arpo_jax.eval.cold_start", str(out), "--questions-file",
           str(workdir / "data" / math_tool.COLD_START_FILE), "--all-questions", "--batch-size", "32", "--questions",
           str(COLD_START["questions"]), "--k", str(COLD_START["k"]), "--temperature", str(COLD_START["temperature"]),
           "--seed", str(COLD_START["seed"])])

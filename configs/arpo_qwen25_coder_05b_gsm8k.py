@@ -1,9 +1,9 @@
 """ARPO, Qwen2.5-Coder-0.5B-Instruct, the maths rows of train_10k with the Python tool: a recipe that runs on a 2-core
 CPU (LoRA, hours) and on one GPU (minutes), validated on fixed GSM8K and MATH500 subsets (issue 56).
 
-The data (`python -m arpo_jax.data.math_tool DATA`, from ../shared/data): the 5000 maths rows of train_10k to train
+The data (`python -m arpo_jax.eval.math_tool DATA`, from ../shared/data): the 5000 maths rows of train_10k to train
 on, 50 GSM8K + 30 MATH500 questions to validate on (disjoint from the first 300 GSM8K / 200 MATH500 that the
-recipe's evaluation reports), and the cold start's SFT set `DATA/sft.json` (`arpo_jax.data.cold_start`: the model's
+recipe's evaluation reports), and the cold start's SFT set `DATA/sft.json` (`arpo_jax.eval.cold_start`: the model's
 own few-shot tool-use solutions of GSM8K questions 300-999, rejection-sampled; on train_10k's competition maths the
 model solves nothing to keep). `benchmarks/gsm8k_tool.py` runs every phase in order (data,
 cold start, SFT, RL, evaluation), each resumable, and prints the expected durations.

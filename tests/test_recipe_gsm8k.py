@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from arpo_jax import testing
-from arpo_jax.data import cold_start, math_tool
+from arpo_jax.eval import cold_start, math_tool
 from arpo_jax.train import metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,7 +36,7 @@ def test_the_recipe_data_sft_then_one_arpo_step_from_its_adapter(eval_data_dir, 
                                                                                           ("math500", 30)]
     questions = metrics.read_jsonl(files["questions"])
     assert len(questions) == 5000 and math_tool.prepare(data, data_dir=eval_data_dir.parent) == files  # idempotent
-    # A cold-start set as `data.cold_start` writes it (a correct tool-using answer per question).
+    # A cold-start set as `eval.cold_start` writes it (a correct tool-using answer per question).
     answer = ("<think> compute </think>\n<python>\nprint(2 + 2)\n</python> <result>\n4\n</result>\n<think> so 4 "
               "</think>\n<answer> \\boxed{4} </answer>")
     records = [{"id": q["id"], "output": answer, "correct": True, "finish_reason": "stop", "python_calls": 1,

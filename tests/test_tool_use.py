@@ -5,8 +5,8 @@ import json
 import pytest
 
 from arpo_jax import rewards
-from arpo_jax.data import cold_start
 from arpo_jax.data.prompts import REFERENCE_DATA_SYSTEM_PROMPT
+from arpo_jax.eval import cold_start
 from arpo_jax.rewards.tool_use import EMPTY, ERROR, NO_RESULT, OK, TOOL_BONUS, math_tool_score, python_outcomes
 from arpo_jax.tools.executor import empty_text, error_text
 
@@ -106,7 +106,7 @@ def test_sft_rows_are_the_plain_prompt_and_the_first_accepted_answer_per_questio
 
 
 def test_plain_questions_are_word_problems_with_a_numeric_answer(tmp_path):
-    from arpo_jax.data.math_tool import plain_question
+    from arpo_jax.eval.math_tool import plain_question
 
     rows = [{"id": "a", "question": "A van has 4 seats. How many ways can 3 people sit?", "answer": "24"},
             {"id": "b", "question": "Find $\\frac{1}{2} + x$ when $x = 1$.", "answer": "1.5"},  # a LaTeX command

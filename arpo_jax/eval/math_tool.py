@@ -1,5 +1,5 @@
 """The data files of the maths-with-Python recipe (`configs/arpo_qwen25_coder_05b_gsm8k.py`), from the reference's
-own files: ``python -m arpo_jax.data.math_tool DIR`` writes them into DIR (idempotent: a file is rewritten only
+own files: ``python -m arpo_jax.eval.math_tool DIR`` writes them into DIR (idempotent: a file is rewritten only
 when its rows change).
 
 * ``train_math.parquet``: the 5000 ``ability == "math"`` rows of ``rl/train_10k.parquet`` (competition-style maths
@@ -11,7 +11,7 @@ when its rows change).
   hyperparameter is chosen on the reported questions.
 * ``train_math.jsonl``: the same training questions as a file benchmark (`eval.benchmarks.FILE_SPEC`: id,
   question, answer) in a seeded order.
-* ``cold_start_questions.jsonl``: the questions the cold start's rejection sampling (`data.cold_start`) runs on,
+* ``cold_start_questions.jsonl``: the questions the cold start's rejection sampling (`eval.cold_start`) runs on,
   ``COLD_START_SLICE`` (why: there).
 """
 

@@ -12,7 +12,7 @@ disjoint from the reported and the validation questions, standing in for GSM8K's
 problems (``math_tool.plain_question``, the default filter here, ``--all-questions`` to turn it off), at ~10 generated
 tokens a second on a shared 2-core CPU: rejection sampling there yields nothing (benchmarks/RESULTS.md).
 
-The steps (``python -m arpo_jax.data.cold_start WORKDIR --questions-file FILE ...``; every step resumes):
+The steps (``python -m arpo_jax.eval.cold_start WORKDIR --questions-file FILE ...``; every step resumes):
 
 1. sample: ``arpo-jax eval`` on a file of questions with the
    few-shot turns ``SHOTS`` before each question, ``k`` samples each at ``temperature`` (the evaluation's
@@ -138,7 +138,7 @@ def yield_report(records: Sequence[dict], rows: Sequence[dict]) -> dict:
 
 def select_questions(questions_file: str | os.PathLike, out: Path, *, plain: bool) -> Path:
     """The questions to sample (all, or `math_tool.plain_question`'s), in the file's order, as a file benchmark."""
-    from arpo_jax.data.math_tool import plain_question
+    from arpo_jax.eval.math_tool import plain_question
     from arpo_jax.train import metrics
 
     rows = [r for r in metrics.read_jsonl(questions_file) if not plain or plain_question(r)]
@@ -187,11 +187,11 @@ def build(workdir: str | os.PathLike, per_question: int = 1) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="rejection-sampled tool-use SFT data (arpo_jax/data/cold_start.py)")
+    p = argparse.ArgumentParser(description="rejection-sampled tool-use SFT data (arpo_jax/eval/cold_start.py)")
     p.add_argument("workdir", help="samples/ (the resumable evaluation), shots.json, sft.json, cold_start.json")
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--questions-file", required=True, help="file benchmark of training questions "
-                   "(`python -m arpo_jax.data.math_tool DIR` writes DIR/train_math.jsonl)")
+                   "(`python -m arpo_jax.eval.math_tool DIR` writes DIR/train_math.jsonl)")
     p.add_argument("--questions", type=int, default=1000, help="how many of them (from the first)")
     p.add_argument("--k", type=int, default=2, help="samples per question")
     p.add_argument("--temperature", type=float, default=0.7)
