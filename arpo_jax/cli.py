@@ -119,6 +119,7 @@ def _eval(args) -> dict:
     cfg = agent.load_eval_config(args.config_args, no_tools=args.no_tools)
     opts = runner.EvalOptions(
         model=args.model, benchmarks=args.benchmarks, workdir=args.workdir, k=args.k, limit=args.limit,
+        offset=args.offset, adapter=args.adapter, few_shot=args.few_shot,
         engine=args.engine, tokenizer=args.tokenizer, base_url=args.base_url, served_model=args.served_model,
         api_key_env=args.api_key_env, judge_url=args.judge_url, judge_model=args.judge_model,
         judge_api_key_env=args.judge_api_key_env, data_dir=args.data_dir, batch_size=args.batch_size,
@@ -167,9 +168,15 @@ def _add_eval_commands(sub) -> None:
     _add_model_args(ev)
     ev.add_argument("--workdir", required=True, help="output folder (samples.jsonl per benchmark, report.json/md/"
                     "png); an interrupted evaluation there is resumed")
-    ev.add_argument("--benchmarks", required=True, help="comma-separated names (aime24,gsm8k,...) or all")
+    ev.add_argument("--benchmarks", required=True, help="comma-separated names (aime24,gsm8k,...), all, or paths of "
+                    "JSON-lines files of math questions (question/problem, answer, id)")
     ev.add_argument("--k", type=int, default=1, help="samples per question (pass@k)")
-    ev.add_argument("--limit", type=int, default=None, help="only the first N questions of each benchmark")
+    ev.add_argument("--limit", type=int, default=None, help="only N questions of each benchmark (from --offset on)")
+    ev.add_argument("--offset", type=int, default=0, help="leave out the first N questions of each benchmark")
+    ev.add_argument("--adapter", default=None, help="a PEFT LoRA adapter folder on --model (an HF folder or a named "
+                    "model): JAX runs it as LoRA layers, vLLM serves the merged weights")
+    ev.add_argument("--few-shot", default=None, help="JSON list of {question, response} examples shown before each "
+                    "question as earlier chat turns")
     ev.add_argument("--data-dir", default=None, help="folder of <benchmark>/test.jsonl (default $ARPO_EVAL_DATA "
                     "or ../shared/data/eval)")
     ev.add_argument("--batch-size", type=int, default=8, help="questions per chunk (one rollout call; the unit of "

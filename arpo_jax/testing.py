@@ -216,3 +216,18 @@ def assert_equal_on_cpu(actual, desired) -> None:
     tol = 0.0 if jax.default_backend() == "cpu" else 1e-5
     for a, d in zip(jax.tree.leaves(actual), jax.tree.leaves(desired), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(d), atol=tol, rtol=tol)
+
+
+def randomize_lora_b(model, seed: int = 1, scale: float = 0.05):
+    """`model` (with LoRA adapters) with random B matrices: fresh adapters have B = 0 and change nothing, so a test
+    of what an adapter does needs these."""
+    import jax
+    from flax import nnx
+
+    from arpo_jax.models.transformer import LoRAParam
+
+    graphdef, adapters, rest = nnx.split(model, LoRAParam, ...)
+    keys = iter(jax.random.split(jax.random.key(seed), 1000))
+    flat = [(p, v.replace(scale * jax.random.normal(next(keys), v.shape)) if p[-1] == "lora_b" else v)
+            for p, v in nnx.to_flat_state(adapters)]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat), rest)

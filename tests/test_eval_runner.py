@@ -172,7 +172,8 @@ def test_end_to_end_reports_and_counts(evaluated):
     assert summary["chunks"] == {"total": 6, "reused": 0, "run": 6, "failed": 0}
     assert summary["macro_average"] == rep["macro_average"] and rep["macro_average"]["n_benchmarks"] == 3
     md = (workdir / "report.md").read_text()
-    assert "| benchmark | questions | pass@1 (%) | pass@2 (%) | em (%) | f1 (%) | tool calls | failed |" in md
+    assert ("| benchmark | questions | pass@1 (%) | pass@2 (%) | ± s.e. (pass@1) | em (%) | f1 (%) | tool calls | "
+            "Python calls ran (%) | response tokens | failed |") in md
     assert all(f"| {name} | {LIMIT} |" in md for name in BENCHMARKS)
     assert (workdir / "report.png").is_file() == HAS_MATPLOTLIB
     assert json.loads((workdir / runner.RUN_FILE).read_text())["k"] == K

@@ -198,6 +198,19 @@ def test_aggregate_groups_by_id_not_by_order_and_validates():
         aggregate(records, k=0)
 
 
+def test_standard_error_and_the_share_of_python_calls_that_ran():
+    records = [record("a", True) | {"python_ok": 2, "python_errors": 1}, record("b", False) | {"python_empty": 1},
+               record("c", False), record("d", True), record("e", False)]
+    out = aggregate(records, k=1)
+    # pass@1 = 2/5; s.e. = sqrt(0.4 * 0.6 / 5); 3 of the 4 Python calls that got a result ran (one silently)
+    assert out["pass@1_stderr"] == pytest.approx((0.4 * 0.6 / 5) ** 0.5)
+    assert out["python_ran_share"] == pytest.approx(3 / 4)
+    assert aggregate([record("a", True)], k=1)["python_ran_share"] is None  # no call: no share
+    scored = score_output("<python>x</python> <result>\nNameError: x\n</result> <python>1</python> <result>\n1\n"
+                          "</result>" + boxed("1"), math_sample("1"))
+    assert (scored["python_ok"], scored["python_empty"], scored["python_errors"]) == (1, 0, 1)
+
+
 def test_macro_average():
     per = {"x": {"k": 5, "pass@1": 0.2, "pass@k": 0.5}, "y": {"k": 5, "pass@1": 0.4, "pass@k": 0.7}}
     assert macro_average(per) == pytest.approx({"k": 5, "n_benchmarks": 2, "pass@1": 0.3, "pass@k": 0.6})
@@ -220,13 +233,16 @@ def test_markdown_report_has_one_pass_column_for_k_1_and_two_otherwise():
     """With k = 1, pass@k is pass@1: the table shows it once; with k > 1 both, under their names."""
     from arpo_jax.eval.report import markdown_report
 
-    bench = {"n_samples": 4, "pass@1": 0.25, "pass@k": 0.5, "em": 0.25, "f1": 0.3, "tool_calls": 1.5, "failed": 0}
+    bench = {"n_samples": 4, "pass@1": 0.25, "pass@k": 0.5, "em": 0.25, "f1": 0.3, "tool_calls": 1.5, "failed": 0,
+             "pass@1_stderr": 0.217, "python_ran_share": 0.75, "response_tokens": 312.4}
     base = {"model": "m", "engine": "jax", "judge": None, "benchmarks": {"gsm8k": bench},
             "macro_average": {"n_benchmarks": 1, "pass@1": 0.25, "pass@k": 0.5}}
+    extra = "| ± s.e. (pass@1) | em (%) | f1 (%) | tool calls | Python calls ran (%) | response tokens | failed |"
     one = markdown_report(base | {"k": 1}).splitlines()
-    assert one[4] == "| benchmark | questions | pass@1 (%) | em (%) | f1 (%) | tool calls | failed |"
-    assert one[6] == "| gsm8k | 4 | 25.0 | 25.0 | 30.0 | 1.50 | 0 |" and one[5].count("|") == one[4].count("|")
+    assert one[4] == "| benchmark | questions | pass@1 (%) " + extra
+    assert one[6] == "| gsm8k | 4 | 25.0 | 21.7 | 25.0 | 30.0 | 1.50 | 75.0 | 312 | 0 |"
+    assert one[5].count("|") == one[4].count("|")
     four = markdown_report(base | {"k": 4}).splitlines()
-    assert four[4] == "| benchmark | questions | pass@1 (%) | pass@4 (%) | em (%) | f1 (%) | tool calls | failed |"
-    assert four[6] == "| gsm8k | 4 | 25.0 | 50.0 | 25.0 | 30.0 | 1.50 | 0 |"
+    assert four[4] == "| benchmark | questions | pass@1 (%) | pass@4 (%) " + extra
+    assert four[6] == "| gsm8k | 4 | 25.0 | 50.0 | 21.7 | 25.0 | 30.0 | 1.50 | 75.0 | 312 | 0 |"
     assert four[7].count("|") == four[4].count("|")  # the macro row has every column

@@ -33,13 +33,7 @@ def _ids(vocab=512, b=2, t=24, seed=0):
     return jnp.asarray(np.random.RandomState(seed).randint(3, vocab, (b, t)), jnp.int32)
 
 
-def _randomize_b(model, seed=1, scale=0.05):
-    """`model` with random B matrices (fresh adapters have B = 0 and change nothing)."""
-    graphdef, adapters, rest = nnx.split(model, transformer.LoRAParam, ...)
-    keys = iter(jax.random.split(jax.random.key(seed), 1000))
-    flat = [(p, v.replace(scale * jax.random.normal(next(keys), v.shape)) if p[-1] == "lora_b" else v)
-            for p, v in nnx.to_flat_state(adapters)]
-    return nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
+_randomize_b = testing.randomize_lora_b
 
 
 @pytest.fixture(scope="module")

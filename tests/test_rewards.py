@@ -378,9 +378,9 @@ def test_rewards_from_eight_threads_match_main_thread():
 
 
 def test_registry_names_and_unknown_name():
-    assert set(REWARDS) == {"deep_research", "math", "qa_em", "qa_f1"}
+    assert set(REWARDS) == {"deep_research", "math", "math_tool", "qa_em", "qa_f1"}
     assert get_reward_fn() is REWARDS["deep_research"]
-    with pytest.raises(ValueError, match="allowed: auto, deep_research, math, qa_em, qa_f1"):
+    with pytest.raises(ValueError, match="allowed: auto, deep_research, math, math_tool, qa_em, qa_f1"):
         get_reward_fn("nope")
 
 

@@ -275,7 +275,7 @@ def test_run_sft_on_toy_data_learns_checkpoints_exports_and_resumes(tmp_path):
 
     # The same config again (the demo's second algorithm): the finished run's summary, no model built.
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sft_lib.runtime, "load_policy", lambda *a: pytest.fail("a finished SFT was rebuilt"))
+        mp.setattr(sft_lib.policy_lib, "load_policy", lambda *a: pytest.fail("a finished SFT was rebuilt"))
         same = sft_lib.run_sft(_toy_config(8), tmp_path)
     assert same == out | {"start_step": 8, "wall_time_s": same["wall_time_s"]}
     assert [r["step"] for r in metrics.read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 9))

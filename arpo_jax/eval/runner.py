@@ -47,6 +47,7 @@ One process: the evaluation runs on the local devices of the process it is start
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -59,7 +60,7 @@ from ml_collections import ConfigDict
 from arpo_jax.config import redaction
 from arpo_jax.eval import report as report_lib
 from arpo_jax.eval.agent import Agent, build_agent
-from arpo_jax.eval.benchmarks import EvalSample, load_benchmark, parse_benchmarks
+from arpo_jax.eval.benchmarks import EvalSample, benchmark_name, load_benchmark, load_shots, parse_benchmarks
 from arpo_jax.eval.scoring import aggregate, macro_average, score_output
 from arpo_jax.rollout import sampler
 from arpo_jax.train import metrics as metrics_lib
@@ -81,7 +82,11 @@ class EvalOptions:
       benchmarks: benchmark names (``benchmarks.parse_benchmarks``), or one comma-separated string / "all".
       workdir: where samples.jsonl per benchmark and the reports go; an existing evaluation there is resumed.
       k: samples per question (pass@k).
-      limit: only the first ``limit`` questions of each benchmark.
+      limit: only ``limit`` questions of each benchmark (from ``offset`` on).
+      offset: leave out each benchmark's first ``offset`` questions (a slice the training never validated on).
+      adapter: a PEFT LoRA adapter folder applied to ``model`` (an HF folder or a named model): the JAX engine runs
+        the adapters as LoRA layers, vLLM serves the merged weights (written once into the workdir).
+      few_shot: a JSON file of (question, response) examples put before each question (``benchmarks.load_shots``).
       engine: ``jax`` | ``vllm`` | ``openai``; None = the config's ``rollout.engine``.
       tokenizer: tokenizer folder (default: the config's ``model.tokenizer``, the model folder, or for a
         checkpoint the ``tokenizer/`` folder `arpo-jax convert hf-to-orbax` stores next to its steps).
@@ -101,6 +106,9 @@ class EvalOptions:
     workdir: str | os.PathLike
     k: int = 1
     limit: int | None = None
+    offset: int = 0
+    adapter: str | None = None
+    few_shot: str | None = None
     engine: str | None = None
     tokenizer: str | None = None
     base_url: str | None = None
@@ -278,7 +286,15 @@ def _run_settings(opts: EvalOptions, agent: Agent, seed: int) -> dict:
             "max_response_length": cfg.data.max_response_length, "call_limit": cfg.tools.call_limit,
             "python_tool": cfg.tools.python.enabled,
             "search_tool": cfg.tools.search.backend if cfg.tools.search.enabled else None,
-            "judge_model": opts.judge_model if opts.judge_url else None}
+            "judge_model": opts.judge_model if opts.judge_url else None,
+            # Only when set: a workdir from before these options resumes with the same settings.
+            **({"offset": opts.offset} if opts.offset else {}),
+            **({"adapter": agent.adapter} if agent.adapter else {}),
+            **({"few_shot": _file_digest(opts.few_shot)} if opts.few_shot else {})}
+
+
+def _file_digest(path: str | os.PathLike) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
 def _check_run_file(workdir: Path, run: dict) -> None:
@@ -301,6 +317,7 @@ def _check_options(opts: EvalOptions) -> None:
         (opts.k >= 1, f"--k must be >= 1, got {opts.k}"),
         (opts.batch_size >= 1, f"--batch-size must be >= 1, got {opts.batch_size}"),
         (opts.limit is None or opts.limit >= 1, f"--limit must be >= 1, got {opts.limit}"),
+        (opts.offset >= 0, f"--offset must be >= 0, got {opts.offset}"),
         (opts.temperature is None or opts.temperature >= 0, f"--temperature must be >= 0, got {opts.temperature}"),
         (opts.sample_timeout is None or opts.sample_timeout > 0, "--sample-timeout must be > 0"),
         (not opts.judge_url or bool(opts.judge_model), "--judge-url needs --judge-model"),
@@ -325,12 +342,16 @@ def evaluate(cfg: ConfigDict, opts: EvalOptions) -> dict:
     t_start = time.perf_counter()
     _check_options(opts)
     names = parse_benchmarks(opts.benchmarks if isinstance(opts.benchmarks, str) else ",".join(opts.benchmarks))
-    data = {name: load_benchmark(name, opts.data_dir, limit=opts.limit) for name in names}  # fail before the model
+    # Read before the model is loaded: a bad name, file or slice fails in seconds.
+    data = {benchmark_name(name): load_benchmark(name, opts.data_dir, limit=opts.limit, offset=opts.offset)
+            for name in names}
+    shots = load_shots(opts.few_shot) if opts.few_shot else ()
     workdir = Path(opts.workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     agent = build_agent(cfg, opts.model, workdir=workdir, engine=opts.engine, tokenizer=opts.tokenizer,
                         base_url=opts.base_url, served_model=opts.served_model, api_key_env=opts.api_key_env,
-                        concurrency=opts.concurrency, sample_timeout=opts.sample_timeout)
+                        concurrency=opts.concurrency, sample_timeout=opts.sample_timeout, adapter=opts.adapter,
+                        shots=shots)
     judge = None
     try:
         seed = agent.cfg.seed if opts.seed is None else opts.seed

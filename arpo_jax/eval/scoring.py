@@ -19,12 +19,13 @@ from collections.abc import Iterator, Sequence
 from arpo_jax.eval.benchmarks import EvalSample
 from arpo_jax.rewards.math_reward import is_equiv_string, math_equal
 from arpo_jax.rewards.qa import contains_gold, exact_match, extract_boxed, extract_final_answer, token_f1
+from arpo_jax.rewards.tool_use import EMPTY, ERROR, OK, python_outcomes
 
 # Spec 13.2: the reference's `m1m2` bonus denominator: productivity = acc * T / (T + 0.1) * 100.
 _PRODUCTIVITY_EPS = 0.1
 _FALLBACK_LINES = 5  # spec 13.2: an empty prediction is replaced by the last 5 lines of the output
 _MAX_ERROR_CHARS = 500
-_MEAN_KEYS = ("em", "acc", "f1", "math_equal", "python_calls", "search_calls", "output_length")
+_MEAN_KEYS = ("em", "acc", "f1", "math_equal", "python_calls", "search_calls", "output_length", "response_tokens")
 
 
 def _closed_spans(text: str, open_tag: str, close_tag: str) -> Iterator[tuple[int, int]]:
@@ -116,7 +117,9 @@ def score_output(output: str, sample: EvalSample) -> dict:
     ``acc`` (a normalised reference is a substring of the normalised prediction), ``f1`` (token F1),
     ``math_equal`` (math: Hendrycks normalisation then symbolic equivalence in a killable child process;
     qa: Hendrycks string equivalence only, the reference's ``is_equiv``, no sympy on free text), all floats in
-    {0, 1} except ``f1``; ``python_calls``, ``search_calls`` (closed pairs outside results); ``output_length``
+    {0, 1} except ``f1``; ``python_calls``, ``search_calls`` (closed pairs outside results); ``python_ok``,
+    ``python_empty``, ``python_errors`` (Python calls that printed, ran silently, failed: `tool_use.python_outcomes`,
+    read from their result blocks); ``output_length``
     (characters outside ``<result>`` blocks); ``correct`` (bool, the pass@k verdict without an LLM judge:
     math -> ``math_equal``, qa -> ``em``); ``error`` (None, or what went wrong: the output then counts as
     wrong with the metrics computed so far).
@@ -125,12 +128,16 @@ def score_output(output: str, sample: EvalSample) -> dict:
     """
     record: dict = {"benchmark": sample.benchmark, "id": sample.id, "prediction": "", "has_answer": False,
                     "em": 0.0, "acc": 0.0, "f1": 0.0, "math_equal": 0.0, "python_calls": 0, "search_calls": 0,
-                    "output_length": 0, "correct": False, "error": None}
+                    "python_ok": 0, "python_empty": 0, "python_errors": 0, "output_length": 0, "correct": False,
+                    "error": None}
     try:
         if not isinstance(output, str):
             raise TypeError(f"output is a {type(output).__name__}, expected str")
         record["output_length"] = len(strip_results(output))
         record["python_calls"], record["search_calls"] = count_tool_calls(output)
+        outcomes = python_outcomes(output)
+        record.update(python_ok=outcomes.count(OK), python_empty=outcomes.count(EMPTY),
+                      python_errors=outcomes.count(ERROR))
         pred, record["has_answer"] = _extract(output)
         record["prediction"] = pred
         refs = list(sample.answers)
@@ -171,6 +178,12 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
+def _stderr(values: Sequence[float]) -> float:
+    """The standard error of the mean of ``values`` (population variance: sqrt(p (1 - p) / n) for 0/1 values)."""
+    mean = _mean(values)
+    return math.sqrt(_mean([(v - mean) ** 2 for v in values]) / len(values)) if values else 0.0
+
+
 def aggregate(records: list[dict], k: int) -> dict:
     """Benchmark-level figures from the scored outputs of one benchmark.
 
@@ -182,9 +195,12 @@ def aggregate(records: list[dict], k: int) -> dict:
 
     Returns:
       ``k``; ``n_samples`` (questions); ``n_outputs``; ``samples_per_question`` (mean n_i); ``pass@1`` and
-      ``pass@k`` (mean over questions of the unbiased estimator with n_i, c_i); ``accuracy`` (mean ``correct``
+      ``pass@k`` (mean over questions of the unbiased estimator with n_i, c_i); ``pass@1_stderr`` (the standard
+      error of that mean over questions); ``accuracy`` (mean ``correct``
       over outputs); means over outputs of ``em``, ``acc``, ``f1``, ``math_equal``, ``python_calls``,
-      ``search_calls``, ``output_length``; ``tool_calls`` (mean python + search per output);
+      ``search_calls``, ``output_length``, ``response_tokens``; ``tool_calls`` (mean python + search per output);
+      ``python_ran_share`` (of the Python calls that got a result, the share that ran without error, silent ones
+      included; None without such calls);
       ``tool_usage_rate`` (outputs with a call); ``answer_rate`` (outputs with ``has_answer``); ``failed``
       (outputs whose record has an ``error``); ``tool_productivity`` = accuracy * T / (T + 0.1) * 100 with
       T = ``tool_calls`` (spec 13.2, whose accuracy is the judge's mean: here the mean of ``correct``, which is
@@ -206,7 +222,8 @@ def aggregate(records: list[dict], k: int) -> dict:
         "n_samples": len(questions),
         "n_outputs": len(records),
         "samples_per_question": _mean([n for n, _ in counts]),
-        "pass@1": _mean([pass_at_k(n, c, 1) for n, c in counts]),
+        "pass@1": _mean(p1 := [pass_at_k(n, c, 1) for n, c in counts]),
+        "pass@1_stderr": _stderr(p1),
         "pass@k": _mean([pass_at_k(n, c, min(k, n)) for n, c in counts]),
         "accuracy": _mean([float(bool(r["correct"])) for r in records]),
     }
@@ -214,6 +231,9 @@ def aggregate(records: list[dict], k: int) -> dict:
         out[key] = _mean([float(r.get(key) or 0) for r in records])
     calls = [float(r.get("python_calls") or 0) + float(r.get("search_calls") or 0) for r in records]
     out["tool_calls"] = _mean(calls)
+    ran = sum(int(r.get("python_ok") or 0) + int(r.get("python_empty") or 0) for r in records)
+    executed = ran + sum(int(r.get("python_errors") or 0) for r in records)
+    out["python_ran_share"] = ran / executed if executed else None
     out["tool_usage_rate"] = _mean([float(c > 0) for c in calls])
     out["answer_rate"] = _mean([float(bool(r.get("has_answer"))) for r in records])
     out["failed"] = sum(1 for r in records if r.get("error"))

@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from arpo_jax.rewards import deep_research, math_reward, qa
+from arpo_jax.rewards import deep_research, math_reward, qa, tool_use
 from arpo_jax.rewards.qa import (
     contains_gold,
     exact_match,
@@ -43,6 +43,11 @@ def _math(data_source: str, response: str, ground_truth, extra_info: dict | None
     return math_reward.compute_score(response, ground_truth)
 
 
+def _math_tool(data_source: str, response: str, ground_truth, extra_info: dict | None = None) -> dict:
+    """Registry adapter for :func:`tool_use.math_tool_score` (the math reward + a bonus for a Python call that ran)."""
+    return tool_use.math_tool_score(response, ground_truth)
+
+
 def _qa_em(data_source: str, response: str, ground_truth, extra_info: dict | None = None) -> dict:
     """Registry adapter for :func:`qa.qa_em`."""
     return qa.qa_em(response, ground_truth)
@@ -56,6 +61,7 @@ def _qa_f1(data_source: str, response: str, ground_truth, extra_info: dict | Non
 REWARDS: dict[str, RewardFn] = {
     "deep_research": _deep_research,
     "math": _math,
+    "math_tool": _math_tool,
     "qa_em": _qa_em,
     "qa_f1": _qa_f1,
 }
