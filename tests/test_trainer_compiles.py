@@ -91,4 +91,6 @@ def test_no_compiles_after_the_first_step_with_tools_and_branches(agent, tmp_pat
     update_side = ("advantages", "pack", "old_logprob", "update", "weight_sync", "metrics")
     assert [{p: r[f"perf/compiles/{p}"] for p in update_side if f"perf/compiles/{p}" in r} for r in records] == \
         [{}] * STEPS
+    # Before the fixed update programs: [44, 1, 2, 0, 0] (step 3 compiled the update and the log-prob forward again);
+    # with the engine's programs compiled off its mesh: [6, 1, 0, 0, 0] (each compiled again at its first call).
     assert compiles[1:] == [0] * (STEPS - 1), compiles

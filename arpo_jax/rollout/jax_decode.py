@@ -362,8 +362,13 @@ def _constrain_state(ds: DecodeState, rules: str) -> DecodeState:
 
 
 def _abstract(x):
-    return x if isinstance(x, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                                               sharding=getattr(x, "sharding", None))
+    """`x`'s ShapeDtypeStruct as a call sees it: an uncommitted array (one never placed on purpose, e.g. a model
+    built outside a mesh) has no sharding, as the call's lowering gives it none; giving it its device's sharding
+    lowers another program (the same HLO under another cache key: the call would compile it again)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    committed = getattr(x, "committed", False)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if committed else None)
 
 
 def engine_programs(fns: SimpleNamespace, shape: EngineShape, params, ds, *, n_eos: int, vocab: int | None

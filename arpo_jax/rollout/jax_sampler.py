@@ -296,9 +296,16 @@ class JaxSampler(Sampler):
             self._device_state()
             lowered = [fn.lower(*args) for fn, args in self.programs().values()]
             with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
-                list(pool.map(lambda low: low.compile(), lowered))
+                list(pool.map(self._compile, lowered))
         self._warm = True
         return time.perf_counter() - t0
+
+    def _compile(self, lowered):
+        """Compiles on a pool thread under the engine's mesh, as its calls run: a thread starts without the mesh
+        context, and an executable compiled outside it is not the one a call looks up (each call compiled its
+        program again)."""
+        with self._mesh_ctx():
+            lowered.compile()
 
     def _device_state(self):
         if self._ds is None:  # committed where it is, as every program's outputs are (else the first call compiles)
