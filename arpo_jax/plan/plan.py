@@ -464,8 +464,10 @@ def compile_check(cfg, *, devices: int = 8, layers: int = 2, command: str | None
     per_host = host_devices(cfg) if DEVICES[cfg.mesh.device].kind == "gpu" else 0
     compiled = plan(model_cfg, mesh_shape, update_config(cfg), micro=1, rows=rows, seq=sh.seq,
                     forward=sh.command == "train", per_host=per_host)
-    # The model of the same reduced program, for the same single micro-batch and on the CPU backend's attention.
-    one = dataclasses.replace(sh, micro_batches=1, fixed_micro_batches=1, engine="", critic=False, ref_on_device=False)
+    # The model of the same reduced program, for the same single micro-batch and on the CPU backend's attention; flat
+    # as `plan` compiles it (a tree row's batch arrays, T heads and 8T loss entries, are larger).
+    one = dataclasses.replace(sh, micro_batches=1, fixed_micro_batches=1, engine="", critic=False, ref_on_device=False,
+                              tree=False)
     model = itemise(model_cfg, mesh_shape, one, "cpu")["programs"]
     state_keys = ("params", "optimizer_state", "batch")
     upd = model["update"]

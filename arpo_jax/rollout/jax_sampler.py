@@ -201,6 +201,7 @@ class JaxSampler(Sampler):
         if self._unrolled:  # the sampler keeps its own copy of the weights, laid out for the CPU's matmuls
             graphdef = input_major_graphdef(graphdef, state)
         self._graphdef = graphdef
+        self._weight_shardings = None  # the first weights' (`_set_state`): every program is compiled for them
         self._set_state(state)
         self.tokenizer, self.max_len, self.mesh = tokenizer, max_len, mesh
         if logprobs_mode not in ("processed", "raw"):
@@ -235,7 +236,11 @@ class JaxSampler(Sampler):
         state = decode_weights(state, self.config.compute_dtype)
         if self._unrolled:
             state = to_input_major(self._model_graphdef)(state)
-        self._state = jax.block_until_ready(state)
+        if self._weight_shardings is None:
+            self._weight_shardings = jax.tree.map(lambda x: x.sharding, state)
+        # Committed, in the first weights' shardings: the trainer's updated params may come laid out otherwise (the
+        # train step's outputs), and another sharding would compile every program again.
+        self._state = jax.block_until_ready(jax.device_put(state, self._weight_shardings))
 
     def _mesh_ctx(self):
         return jax.set_mesh(self.mesh) if self.mesh is not None else _NullCtx()
@@ -245,8 +250,8 @@ class JaxSampler(Sampler):
     def update_weights(self, params_or_path) -> float:
         """New policy weights: a CausalLM, its nnx.State, a pure dict of it (`nnx.to_pure_dict`), or an HF folder.
 
-        Returns the seconds taken. The arrays are used as given (no copy, no resharding): pass them in the
-        sampler's dtype; another sharding than the last call's only costs a recompile.
+        Returns the seconds taken. The arrays are cast to the compute dtype and put in the first weights' shardings
+        (no copy where they already are): the programs are compiled once, for those.
         """
         t0 = time.perf_counter()
         if isinstance(params_or_path, nnx.Module):

@@ -361,11 +361,13 @@ class Trainer:
         return self.stored.restored(restored.state, restored.meta, self.policy.shardings)  # LoRA: the base put back
 
     def save(self) -> None:
-        state, meta = self.stored.saved(self.state, {"seed": self.cfg.seed, "total_steps": self.total_steps})
-        self.checkpoints.main.save_state(self.step, state, config=self.model_cfg, position=self.position, meta=meta,
-                                         force=True)
-        if self.critic:
-            self.critic.save(self.step)
+        # Its own phase: orbax's first save compiles a slice per replicated array shape (replica-parallel writes).
+        with compile_log.phase("checkpoint"):
+            state, meta = self.stored.saved(self.state, {"seed": self.cfg.seed, "total_steps": self.total_steps})
+            self.checkpoints.main.save_state(self.step, state, config=self.model_cfg, position=self.position,
+                                             meta=meta, force=True)
+            if self.critic:
+                self.critic.save(self.step)
 
     def _done(self, step: int | None = None, position: rl_dataset.DataPosition | None = None) -> bool:
         """`total_steps` trained, or (without trainer.max_steps) `total_epochs` of data used (dynamic sampling can end
