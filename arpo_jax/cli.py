@@ -112,8 +112,10 @@ def _quickstart(args) -> dict:
 
 
 def _eval(args) -> dict:
+    from arpo_jax import distributed
     from arpo_jax.eval import agent, runner
 
+    distributed.enable_compilation_cache()  # a second evaluation loads the JAX engine's programs
     cfg = agent.load_eval_config(args.config_args, no_tools=args.no_tools)
     opts = runner.EvalOptions(
         model=args.model, benchmarks=args.benchmarks, workdir=args.workdir, k=args.k, limit=args.limit,
@@ -133,8 +135,10 @@ def _compare(args) -> dict:
 
 
 def _chat(args) -> dict:
+    from arpo_jax import distributed
     from arpo_jax.eval import agent, chat
 
+    distributed.enable_compilation_cache()
     cfg = agent.load_eval_config(args.config_args, no_tools=args.no_tools)
     return chat.chat(cfg, args.model, workdir=args.workdir, engine=args.engine, tokenizer=args.tokenizer,
                      base_url=args.base_url, served_model=args.served_model, api_key_env=args.api_key_env,

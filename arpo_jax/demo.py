@@ -321,17 +321,15 @@ def _val_summary(record: dict) -> dict:
     return {k: round(float(record[k]), 4) for k in sorted(keys)}
 
 
-def use_compilation_cache() -> str:
-    """Turns on JAX's persistent compilation cache (unless $JAX_COMPILATION_CACHE_DIR already chose one) under
-    $ARPO_CACHE: compiling SFT, the policy update and the log-prob passes for a 30-layer model takes minutes on a
-    CPU, and a second demo run (another --algo or --seed, the tests) reuses them. Returns the directory."""
-    import jax
+def use_compilation_cache() -> str | None:
+    """Turns on JAX's persistent compilation cache (`distributed.enable_compilation_cache`: $JAX_COMPILATION_CACHE_DIR,
+    else $ARPO_COMPILATION_CACHE, else $ARPO_CACHE/jax-compilation, the directory `train`, `sft` and `eval` use too):
+    compiling SFT, the policy update and the log-prob passes for a 30-layer model takes minutes on a CPU, and a second
+    demo run (another --algo or --seed, the tests) reuses them. Returns the directory (None: turned off)."""
+    from arpo_jax import distributed
 
-    from arpo_jax import paths
-
-    directory = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(paths.cache_dir() / "jax_compilation")
-    jax.config.update("jax_compilation_cache_dir", directory)
-    return directory
+    directory = distributed.enable_compilation_cache()
+    return None if directory is None else str(directory)
 
 
 def release_memory() -> None:

@@ -2,8 +2,8 @@
 
 Lowers and compiles, from abstract shapes (no weights are loaded or allocated), what the first RL step compiles:
 the update step (``--micro`` x ``--batch`` x ``--seq`` tokens, PPO-clip + AdamW), the forward log-probs, and the
-JAX sampler's prefill chunk and decode chunk (``--sampler-batch`` rows, a ``--prompt`` token prompt,
-``--new`` new tokens, top-10 log-probs), laid out as `JaxSampler` does on this backend (on CPU its decode runs the
+JAX engine's fixed programs (prefill shapes, row copy, decode: ``--sampler-batch`` rows, a cache of ``--prompt``
++ ``--new`` tokens, top-20 log-probs), laid out as `JaxSampler` does on this backend (on CPU its decode runs the
 layers unrolled in either mode). Wall and CPU seconds of each (CPU seconds are what a loaded machine
 inflates least: XLA compiles on one thread). No persistent compilation cache is used.
 
@@ -28,7 +28,6 @@ from flax import nnx  # noqa: E402
 
 from arpo_jax import models  # noqa: E402
 from arpo_jax.rollout import jax_decode as jd  # noqa: E402
-from arpo_jax.rollout import jax_sampler as js  # noqa: E402
 from arpo_jax.update import jit  # noqa: E402
 from arpo_jax.update import train_step as ts  # noqa: E402
 from arpo_jax.weights import (
@@ -60,27 +59,18 @@ def programs(cfg, args) -> dict[str, tuple[float, float]]:
     mini = {**{k: jax.ShapeDtypeStruct((m, b, t), v.dtype) for k, v in batch.items()},
             **{k: jax.ShapeDtypeStruct((m, b, t), jnp.float32) for k in ("loss_weight", "advantages", "old_logp")}}
     out["update_step"] = _compile(ts.jit_train_step(graphdef, cfg, ucfg, opt), state, mini)
-    # The sampler: its prefill and decode programs, on the shapes of the workload.
+    # The sampler: its fixed programs (every prefill shape, the copy, the decode), on the shapes of the workload.
     sgraph, sstate = nnx.split(models.abstract_model(cfg))
     cpu = jd.unrolled_by_default()  # as JaxSampler lays itself out on this backend (layout auto)
     if cpu:
         sgraph, sstate = jd.input_major_graphdef(sgraph, sstate), jax.eval_shape(jd.to_input_major(sgraph), sstate)
-    fns = jd.jitted(sgraph, cfg, cpu)
-    sb = args.sampler_batch
-    s_len = js.bucket(args.prompt + args.new, js.pow2_buckets(64, 1 << 20, half_steps=True), "cache")
-    t_len = js.bucket(args.prompt, js.pow2_buckets(16, 512, quarter_steps=True), "prefill")
-    cache = jax.eval_shape(lambda: jd.new_cache(cfg, sb, s_len, per_layer=cpu))
-    h = jax.ShapeDtypeStruct((sb, cfg.hidden_size), cfg.compute_dtype)
-    vec = lambda dt: jax.ShapeDtypeStruct((sb,), dt)  # noqa: E731
-    tok = jax.ShapeDtypeStruct((sb, t_len), jnp.int32)
-    out["sampler_prefill"] = _compile(fns.prefill, _abstract(sstate), cache, h, tok, tok,
-                                      jax.ShapeDtypeStruct((sb, t_len), jnp.bool_), vec(jnp.int32), fresh=True)
-    scalar = lambda dt: jax.ShapeDtypeStruct((), dt)  # noqa: E731
-    out["sampler_decode"] = _compile(
-        fns.decode, _abstract(sstate), cache, h, vec(jnp.bool_), vec(jnp.int32), row_ids=vec(jnp.int32),
-        ctx_lens=vec(jnp.int32), limits=vec(jnp.int32), eos_ids=jax.ShapeDtypeStruct((1,), jnp.int32), allowed=None,
-        seed=scalar(jnp.uint32), temperature=scalar(jnp.float32), top_k=scalar(jnp.int32),
-        top_p=scalar(jnp.float32), n_steps=16, greedy=False, truncate=False, n_logprobs=10, raw_logprobs=True)
+    shape = jd.engine_shape(max_len=args.prompt + args.new, slots=args.sampler_batch, prefill_chunk=512,
+                            decode_chunk=16)
+    fns = jd.jitted(sgraph, cfg, shape, cpu, True)
+    programs = jd.engine_programs(fns, shape, _abstract(sstate), jax.eval_shape(fns.init), n_eos=1, vocab=None)
+    for name, (fn, fn_args) in programs.items():
+        if name != "init":
+            out[f"sampler_{name}"] = _compile(fn, *fn_args)
     return out
 
 

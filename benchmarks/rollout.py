@@ -255,6 +255,13 @@ def _random_model(args, work_dir: Path, max_len: int):
     return model_dir, tok
 
 
+def _slots(sampler_cls, batch: int) -> dict:
+    """The engine's rows: the benchmark's batch (an engine with fixed decode slots takes them as `slots`)."""
+    import inspect
+
+    return {"slots": batch} if "slots" in inspect.signature(sampler_cls).parameters else {}
+
+
 def main() -> None:
     hugepages.reexec_with_hugepages()  # as `arpo-jax train` runs: arpo_jax/hugepages.py
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -341,7 +348,7 @@ def main() -> None:
                 name = "jax" if len(layouts) == 1 else f"jax-{layout}"
                 sampler = JaxSampler(arpo_jax.from_pretrained(model_dir, dtype=args.dtype), tok, max_len=max_len,
                                      restrict_to_tokenizer=filled, logprobs_mode="raw", layout=layout,
-                                     decode_chunk=args.decode_chunk)
+                                     decode_chunk=args.decode_chunk, **_slots(JaxSampler, args.batch))
                 before = dict(TRACE_COUNTS)
                 rows[name] = _measure(name, sampler, work, args)
                 extra[f"{name}_compiles"] = {k: v - before.get(k, 0) for k, v in TRACE_COUNTS.items()}

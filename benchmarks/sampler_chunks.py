@@ -1,10 +1,10 @@
-"""The JAX sampler with and without a token budget per call (`rollout.jax.max_tokens_per_call`, issue 31 item 7).
+"""The JAX sampler with and without a token budget (`rollout.jax.max_tokens_per_call`, issue 31 item 7).
 
 The toy config's model (`builtin:tiny`, 2 layers, D = 128) on this host's CPU: `--batch` requests of `--prompt`
 random tokens, `--new` new tokens each (temperature 1, seeded), one call; the same call with budgets of
-`--chunks` rows x the call's cache length, i.e. the batch in chunks run one after another. Reports generated
-tokens/s (best of `--repeats` after a warm-up call that compiles) and checks that every budget samples the same
-tokens as the unchunked call (per-request seeds).
+`--chunks` rows x the engine's cache length, i.e. fewer rows than requests (a finished row takes the next waiting
+request). Reports generated tokens/s (best of `--repeats` after a warm-up call that compiles) and checks that every
+budget samples the same tokens as the one with a row per request (per-request seeds).
 
   python benchmarks/sampler_chunks.py [--batch 32 --prompt 64 --new 64 --chunks 16,8,4 --repeats 3]
 
@@ -34,7 +34,6 @@ def main() -> None:
 
     from arpo_jax import sharding
     from arpo_jax.config import args as args_lib
-    from arpo_jax.rollout.jax_sampler import bucket, pow2_buckets
     from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
     from arpo_jax.train.components import make_sampler
     from arpo_jax.weights import policy as runtime
@@ -50,13 +49,14 @@ def main() -> None:
 
     rows = {}
     ref = None
-    max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-    s_len = bucket(args.prompt + args.new, pow2_buckets(64, max_len, half_steps=True), "cache length")  # the call's S
+    s_len = None  # the engine's cache length (from the config's prompt + response lengths)
     for chunk in [0] + [int(c) for c in args.chunks.split(",")]:
-        budget = chunk * s_len
+        budget = chunk * (s_len or 0)
         run_cfg = args_lib.load_config(["--config=builtin:toy_cpu",
-                                        f"--config.rollout.jax.max_tokens_per_call={budget}"])
+                                        f"--config.rollout.jax.max_tokens_per_call={budget}",
+                                        f"--config.rollout.jax.slots={args.batch}"])
         sampler = make_sampler(run_cfg, tokenizer, model=model, mesh=mesh)
+        s_len = sampler.shape.cache_len
         t0 = time.perf_counter()
         out = sampler.generate(reqs, settings)
         first = time.perf_counter() - t0
@@ -68,8 +68,8 @@ def main() -> None:
         tokens = sum(len(r.token_ids) for r in out)
         ids = [r.token_ids for r in out]
         ref = ids if ref is None else ref
-        rows[chunk or args.batch] = {"budget": budget, "chunks": sampler.last_stats.get("chunks", 1),
-                                     "rows_per_program": sampler.last_stats["batch_bucket"],
+        slots = sampler.shape.slots
+        rows[chunk or args.batch] = {"budget": budget, "chunks": -(-args.batch // slots), "rows_per_program": slots,
                                      "first_call_s": round(first, 2), "seconds": round(best, 3),
                                      "tokens": tokens, "tokens_per_s": round(tokens / best, 1),
                                      "same_tokens_as_unchunked": ids == ref}

@@ -109,11 +109,18 @@ def get_config() -> ConfigDict:
     c.rollout.failures.max_fraction = 0.5
     c.rollout.failures.max_skipped_steps = 3
     c.rollout.jax = ConfigDict()
-    c.rollout.jax.decode_chunk = 16  # sampling steps per jitted call (stop strings are checked in between)
-    c.rollout.jax.prefill_chunk = 512  # longest prefill per call
-    # KV-cache slots (rows x cache length, the whole process) one sampler program may hold; a call with more rows runs
-    # in chunks of the largest batch bucket that fits, one after another (same samples: per-request seeds). Bounds
-    # the cache `arpo-jax plan` counts for the sampler. 0 = no limit (the whole call in one cache).
+    # Rows of the engine's KV cache (its decode batch; every program's shape is fixed by the config): a call with more
+    # requests runs them as rows free up (continuous batching; same samples: per-request seeds). 0 = one worker's
+    # trajectories (data.train_batch_size / workers x rollout.n), rounded up to the mesh's batch devices.
+    c.rollout.jax.slots = 0
+    c.rollout.jax.decode_chunk = 16  # sampling steps per decode call (the host reads one call behind the device)
+    # Decode programs: "all" (one, over every row), "quarters" (also over 1/4 and 1/16 of the rows: a round's tail of a
+    # few live rows costs a few rows' matmuls, which a CPU's compute-bound decode wants), "auto" = quarters on CPU,
+    # all on accelerators (their decode reads the weights whatever the rows; each program is one more compile).
+    c.rollout.jax.decode_rows = "auto"
+    c.rollout.jax.prefill_chunk = 512  # tokens (rows x length) per prefill call, and the longest prefill length
+    # KV-cache slots (rows x cache length, the whole process) the engine may hold: `slots` is cut to fit. Bounds the
+    # cache `arpo-jax plan` counts for the sampler. 0 = no limit.
     c.rollout.jax.max_tokens_per_call = 0
     # The decode program's layout: "unrolled" (per-layer weights and cache buffers: no per-step copies of each
     # layer's slices; 1.76x the scan's tokens/s on an H100), "scanned" (one lax.scan over the stacked layers: compiles

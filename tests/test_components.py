@@ -21,7 +21,10 @@ def test_the_jax_engine_takes_the_config_settings(cfg, tiny_hf_dir):
     model = pretrained.from_pretrained(folder)
     sampler = components.make_sampler(cfg, testing.make_tiny_tokenizer(folder), model=model)
     assert isinstance(sampler, JaxSampler)
-    assert (sampler.max_len, sampler.decode_chunk, sampler.prefill_chunk) == (128, 8, cfg.rollout.jax.prefill_chunk)
+    shape = sampler.shape
+    # slots: one worker's trajectories (4 prompts x n = 4); the longest prefill is cut to the 128-slot cache.
+    assert (sampler.max_len, shape.decode_steps, shape.slots, shape.cache_len) == (128, 8, 16, 128)
+    assert {g * t for g, t in shape.prefill} <= {cfg.rollout.jax.prefill_chunk, 128} and shape.prefill[-1][1] == 128
 
 
 def test_engine_errors_name_what_is_missing(cfg):

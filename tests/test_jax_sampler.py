@@ -10,7 +10,8 @@ import torch
 from flax import nnx
 
 import arpo_jax
-from arpo_jax import sharding, testing
+from arpo_jax import compile_log, sharding, testing
+from arpo_jax.rollout import jax_sampler
 from arpo_jax.rollout.jax_decode import sample_categorical
 from arpo_jax.rollout.jax_sampler import JaxSampler, _Row, pow2_buckets
 from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
@@ -99,10 +100,10 @@ def test_a_failed_call_forgets_the_cached_slots(tiny_hf_dir, tokenizer, monkeypa
     (p0,) = _prompts([9], seed=4)
     first = sampler.generate([SampleRequest(p0, 6, slot_id=0)], GREEDY)
     ctx = p0 + first[0].token_ids + tokenizer.encode(" <result>\n7\n</result>")
-    def failing_prefill(plan):
+    def failing_prefill(call, fills):
         raise RuntimeError("RESOURCE_EXHAUSTED: injected")
 
-    monkeypatch.setattr(sampler, "_prefill_all", failing_prefill)
+    monkeypatch.setattr(jax_sampler._Call, "_prefill", failing_prefill)
     with pytest.raises(RuntimeError, match="injected"):
         sampler.generate([SampleRequest(ctx, 4, slot_id=0)], GREEDY)
     monkeypatch.undo()
@@ -256,7 +257,7 @@ def _first_token_draws(sampler, prompt, settings, n=256):
 
 def test_top_k_and_top_p_restrict_the_support(tiny_hf_dir, tokenizer):
     path, ref = tiny_hf_dir("qwen2")
-    sampler = _sampler(path, tokenizer, restrict_to_tokenizer=True, batch_buckets=(256,))
+    sampler = _sampler(path, tokenizer, restrict_to_tokenizer=True)  # 256 requests through 32 rows
     prompt = _prompts([10], seed=9)[0]
     with torch.no_grad():
         logits = ref(torch.tensor([prompt])).logits[0, -1].double().numpy()
@@ -298,26 +299,26 @@ def test_sampling_is_restricted_to_tokenizer_ids(tiny_hf_dir, tokenizer):
         assert (ids.max() < len(tokenizer)) == restrict
 
 
-@pytest.mark.slow  # > 10 s (compile-bound)
-def test_compiles_are_bounded_by_the_buckets(tiny_hf_dir, tokenizer):
+def test_no_call_compiles_after_the_warm_up(tiny_hf_dir, tokenizer):
+    """The engine's programs follow from its sizes alone: after `warm_up` no call compiles anything, whatever its
+    batch (more requests than rows included), prompt lengths, continuations, branches and sampling settings."""
     path, _ = tiny_hf_dir("qwen2")
-    sampler = _sampler(path, tokenizer, max_len=64, decode_chunk=4, prefill_chunk=64)
+    sampler = _sampler(path, tokenizer, max_len=64, slots=4, decode_chunk=4, prefill_chunk=64)
+    assert sorted(sampler.programs()) == ["copy", "decode_1", "decode_4", "init", "prefill_1x64", "prefill_2x32"]
+    assert sampler.warm_up() > 0 and sampler.warm_up() == 0
     rng = np.random.RandomState(11)
-
-    def run(batch, length, max_tokens):
-        reqs = [SampleRequest(rng.randint(3, 400, length).tolist(), max_tokens) for _ in range(batch)]
-        sampler.generate(reqs, GREEDY)
-        return tuple(sampler.last_stats[k] for k in ("batch_bucket", "cache_len", "prefill_chunk"))
-
-    before = dict(sampler.trace_counts)  # process-wide: other tests may have compiled some shapes already
-    shapes = {run(b, n, m) for b, n, m in [(1, 5, 4), (3, 9, 4), (6, 20, 4), (2, 40, 8)]}
-    counts = dict(sampler.trace_counts)
-    assert counts["prefill"] - before.get("prefill", 0) <= len(shapes)
-    # Other sizes that fall into the same buckets compile nothing new.
-    more = {run(b, n, m) for b, n, m in [(1, 7, 3), (4, 12, 4), (5, 17, 2), (2, 33, 7), (1, 2, 1)]}
-    assert more <= shapes
-    new = {k: v - counts.get(k, 0) for k, v in sampler.trace_counts.items() if v != counts.get(k, 0)}
-    assert set(new) <= {"decode"} and sum(new.values()) <= 2, new  # n_steps buckets 1 and 2 not seen before
+    settings = [GREEDY, SamplingSettings(temperature=0.7, top_k=5, seed=1, stop=("zz",), token_logprobs=True),
+                SamplingSettings(temperature=1.0, top_p=0.9, logprobs=0, stop=("a", "b c"))]
+    before = compile_log.counts()
+    for k, (batch, length, new) in enumerate([(1, 5, 4), (3, 9, 12), (6, 20, 4), (2, 40, 8), (9, 3, 30)]):
+        reqs = [SampleRequest(rng.randint(3, 400, length).tolist(), new, slot_id=i) for i in range(batch)]
+        out = sampler.generate(reqs, settings[k % 3])
+        tool = rng.randint(3, 400, 3 + k).tolist()
+        more = [SampleRequest(r.token_ids + o.token_ids + tool, 5, slot_id=r.slot_id) for r, o in zip(reqs, out)]
+        more.append(SampleRequest(more[0].token_ids, 5, slot_id=100, parent_id=0))  # a branch
+        sampler.generate(more, settings[(k + 1) % 3])
+        assert sampler.last_stats["reused_tokens"] > 0
+    assert compile_log.since(before) == {}
 
 
 def test_update_weights_swaps_the_params(tiny_hf_dir, tokenizer):
@@ -342,12 +343,12 @@ def test_update_weights_swaps_the_params(tiny_hf_dir, tokenizer):
 def test_sharded_equals_unsharded(tiny_hf_dir, tokenizer):
     path, _ = tiny_hf_dir("qwen2")
     mesh = sharding.make_mesh((2, 2, 2))
-    sharded, single = _sampler(path, tokenizer, mesh=mesh), _sampler(path, tokenizer)
+    sharded, single = _sampler(path, tokenizer, mesh=mesh, slots=6), _sampler(path, tokenizer)
     prompts = _prompts([4, 11, 19], seed=13)
     reqs = [SampleRequest(p, 10, slot_id=i) for i, p in enumerate(prompts)]
     got = sharded.generate(reqs, GREEDY)
-    assert sharded.last_stats["batch_bucket"] == 4  # a multiple of data * fsdp
-    k = sharded._cache.k  # [L, B, K, S, H], or on CPU a tuple of L [B, K, S, H]
+    assert sharded.shape.slots == 8  # rounded up to a multiple of data * fsdp
+    k = sharded._ds.cache.k  # [L, B, K, S, H], or on CPU a tuple of L [B, K, S, H]
     rows_spec = k[0].sharding.spec[0] if isinstance(k, tuple) else k.sharding.spec[1]
     assert rows_spec == ("data", "fsdp")  # cache rows split over the batch axes
     _assert_same_results(got, single.generate(reqs, GREEDY))
@@ -389,10 +390,10 @@ def test_bucket_steps():
 
 
 def test_chunked_calls_equal_one_call(tiny_hf_dir, tokenizer):
-    """A token budget of 2 rows x 96 slots runs 4 requests in 2 chunks, greedy, then continues them (tool results,
-    a branch) with seeded sampling: the same tokens, text and log-probs as one unbudgeted call each round
-    (per-request seeds), every program's cache at most 2 rows; the second round reuses only the last chunk's rows
-    (the cache kept between calls is bounded too)."""
+    """A token budget of 2 rows x 96 slots runs 4 requests through 2 rows (each waiting for a free one), greedy,
+    then continues them (tool results, a branch) with seeded sampling: the same tokens, text and log-probs as an
+    engine with a row for each (per-request seeds); the second round reuses only the rows that survived (the cache
+    kept between calls is bounded too)."""
     path, _ = tiny_hf_dir("qwen2")
     kw = dict(prefill_chunk=16)  # one prefill width: fewer compiles
     whole, chunked = _sampler(path, tokenizer, **kw), _sampler(path, tokenizer, max_tokens_per_call=2 * 96, **kw)
@@ -402,7 +403,7 @@ def test_chunked_calls_equal_one_call(tiny_hf_dir, tokenizer):
     for rnd, settings in enumerate((GREEDY, seeded)):
         want, got = whole.generate(reqs, settings), chunked.generate(reqs, settings)
         _assert_same_results(got, want)
-        assert chunked.last_stats["chunks"] == 2 and chunked.last_stats["batch_bucket"] == 2
+        assert chunked.shape.slots == 2 and chunked.last_stats["batch_bucket"] == 2
         assert chunked.last_stats["batch"] == len(reqs) == whole.last_stats["batch"]
         if rnd:  # slot 3 and its branch come from the cache of the last chunk; slots 0 and 1 prefill again
             assert 0 < chunked.last_stats["reused_tokens"] < whole.last_stats["reused_tokens"]
@@ -414,9 +415,8 @@ def test_chunked_calls_equal_one_call(tiny_hf_dir, tokenizer):
 
 def test_a_budget_below_one_row_is_refused(tiny_hf_dir, tokenizer):
     path, _ = tiny_hf_dir("qwen2")
-    sampler = _sampler(path, tokenizer, max_tokens_per_call=50)
-    with pytest.raises(ValueError, match=r"max_tokens_per_call=50 .*allowed: 0 \(no limit\) or >= 64"):
-        sampler.generate([SampleRequest(_prompts([5])[0], 8)], GREEDY)
+    with pytest.raises(ValueError, match=r"max_tokens_per_call=50 .*allowed: 0 \(no limit\) or >= 96"):
+        _sampler(path, tokenizer, max_tokens_per_call=50)
 
 
 @pytest.mark.slow  # > 10 s (compile-bound)
@@ -425,8 +425,6 @@ def test_weights_are_kept_in_the_compute_dtype(tiny_hf_dir, tokenizer, monkeypat
     it did from the float32 weights: the same greedy tokens up to a near-tie, log-probs within bfloat16 rounding
     (XLA's CPU upcasts bf16 dots to float32 and may then read the float32 weights unrounded, so they are not bitwise
     equal here, and a near-tie on a random tiny model may go either way)."""
-    from arpo_jax.rollout import jax_sampler
-
     path, _ = tiny_hf_dir("qwen2")
     model = arpo_jax.from_pretrained(path, dtype="bfloat16", param_dtype="float32")
     reqs = [SampleRequest(p, 12) for p in _prompts([6, 15], seed=23)]
@@ -450,7 +448,7 @@ def test_sleep_frees_the_weights_until_the_next_update(tiny_hf_dir, tokenizer):
     req = [SampleRequest(_prompts([7], seed=24)[0], 6, slot_id=0)]
     before = sampler.generate(req, GREEDY)
     sampler.sleep()
-    assert sampler._state is None and sampler._cache is None
+    assert sampler._state is None and sampler._ds is None
     with pytest.raises(RuntimeError, match="update_weights first"):
         sampler.generate(req, GREEDY)
     sampler.update_weights(arpo_jax.from_pretrained(path))
@@ -478,3 +476,26 @@ def test_scanned_layout_samples_as_the_unrolled_one(tiny_hf_dir, tokenizer):
     assert len({tuple(r.token_ids) for r in runs[0]}) == 4  # not degenerate: four different samples
     with pytest.raises(ValueError, match="layout='stacked'; allowed: auto, unrolled, scanned"):
         _sampler(path, tokenizer, layout="stacked")
+
+
+def test_the_slot_table_keeps_rows_the_next_requests_need():
+    """Rows of trajectories a call does not name are forgotten; a free row is an empty one first, then one whose
+    trajectory no waiting request continues or branches from, least recently used first; a trajectory that moves
+    leaves its old row."""
+    from arpo_jax.rollout.jax_slots import SlotTable
+
+    t = SlotTable(4)
+    t.begin(set())
+    for row, slot in enumerate((10, 11, 12, 13)):
+        t.take(row, slot)
+        t.held[row] = np.arange(row + 1, dtype=np.int32)
+        t.release(row)
+    t.begin({10, 11, 13})  # 12 is over: its row is empty now
+    assert (t.lookup(12), t.lookup(13), len(t.held[2])) == (None, 3, 0)
+    assert t.free_row(protect={10, 11, 13}) == 2
+    t.take(2, 20)
+    assert t.free_row(protect={10, 13}) == 1  # 11 is needed by no waiting request
+    t.take(1, 21)
+    assert t.free_row(protect={13}) == 0  # least recently used of the rest
+    t.take(0, 13)  # trajectory 13 moves to row 0: row 3 no longer holds it
+    assert (t.lookup(13), t.slot[3], t.free_row(protect=set())) == (0, None, 3)

@@ -50,14 +50,14 @@ def test_every_shipped_config_fits_its_device(name):
 
 
 def test_the_14b_v4_config_without_its_token_budget_is_refused_for_its_sampler():
-    """The sampler's programs run at the chunk the budget allows (16 of a worker's 192 trajectories, 256 rows as a
-    bucket); without the budget its KV cache alone is 80 GiB a chip, and the plan finds the budget that fits."""
+    """The engine has the rows the budget allows (16 of a worker's 192 trajectories); without the budget (a row per
+    trajectory) its KV cache alone is 60 GiB a chip, and the plan finds the budget that fits."""
     fits = _analyse("arpo_qwen3_14b_tpu_v4_32")
     assert fits["sampler_batch"] == 16 and fits["programs_gib"]["sampler_prefill"]["kv_cache"] == 5.0
     r = _analyse("arpo_qwen3_14b_tpu_v4_32", "--config.rollout.jax.max_tokens_per_call=0")
-    assert not r["fits"] and r["peak_program"].startswith("sampler") and r["sampler_batch"] == 256
-    assert list(r["items_gib"])[0] == "kv_cache" and r["items_gib"]["kv_cache"] == 80.0
-    assert r["fitting_settings"]["rollout.jax.max_tokens_per_call"] == 16 * 8192
+    assert not r["fits"] and r["peak_program"].startswith("sampler") and r["sampler_batch"] == 192
+    assert list(r["items_gib"])[0] == "kv_cache" and r["items_gib"]["kv_cache"] == 60.0
+    assert r["fitting_settings"]["rollout.jax.max_tokens_per_call"] == 24 * 8192  # of 192, 96, 48, 24 rows
     assert any("kv_cache" in f and "rollout.jax.max_tokens_per_call" in f for f in r["fixes"])
 
 
@@ -260,3 +260,25 @@ def test_plan_names_the_attention_kernel_per_program_and_accounts_tree_packing()
     sampler = _analyse("arpo_qwen25_7b_tpu_v5p8")["attention_by_program"]
     assert sampler["sampler_decode"] == {"kernel": "cached_attention", "skip_blocks": False}
     assert sampler["update"]["skip_blocks"]
+
+
+def test_plan_lists_every_program_the_run_compiles():
+    """`programs`: the update side's (the batch shapes the run fixes, the reference's forward apart only where it is
+    another program) and the JAX engine's, each with its peak."""
+    from arpo_jax.experience import global_batch
+    from arpo_jax.train.components import pack_config
+
+    toy = _analyse("toy_cpu")  # JAX engine, tree training, 8 fake devices: 8 rows a micro-batch
+    names = [p["name"] for p in toy["programs"]]
+    assert names[:2] == ["policy_update", "logprob_forward"] and "sampler_decode" in names
+    assert any(n.startswith("sampler_prefill_") for n in names) and "reference_logprobs" not in names
+    m = global_batch.micro_batches(pack_config(args.load_config(["--config=builtin:toy_cpu"])), 1, 8, tree=True)
+    assert toy["micro_batches"] == m and toy["programs"][0]["shapes"].startswith(f"[{m}, 8, {toy['seq']}] + heads")
+    assert toy["programs"][0]["peak_gib"] == toy["program_peaks_gib"]["update"]
+    kl = ("--config.actor.kl_coef=0.01", "--config.model.ref_on_host=false")
+    gae = _analyse("arpo_qwen25_7b_reasoning", *kl, "--config.algorithm.adv_estimator=gae")
+    names = [p["name"] for p in gae["programs"]]
+    assert names == ["policy_update", "logprob_forward", "critic_values", "critic_update"]  # vLLM: no sampler's
+    assert "(the reference's)" in gae["programs"][1]["runs"]  # the same program on the reference's params
+    for other in ("--config.model.lora.rank=8", "--config.model.ref_on_host=true"):  # the base's; host params
+        assert "reference_logprobs" in [p["name"] for p in _analyse("arpo_qwen25_7b_reasoning", *kl, other)["programs"]]

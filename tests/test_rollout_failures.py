@@ -224,3 +224,30 @@ def test_an_engine_process_ends_with_the_process_that_started_it():
         assert not alive(child), "the engine's own child process outlived the process that started the engine"
     finally:
         proc.kill()
+
+
+def test_an_engine_that_reports_each_and_fails_mid_call_reports_every_request_once():
+    """`BisectingSampler` over an engine that reports results as they finish (`generate_each`): the requests reported
+    before the failure keep those results; the retries report the others, once each, None for the one that raises."""
+    from arpo_jax.rollout.sampler import SampleResult, generate_each
+
+    class Streaming(Sampler):
+        reports_each = True
+
+        def generate(self, requests, settings, on_result=None):
+            out = []
+            for i, r in enumerate(requests):
+                if r.token_ids[0] == 2:
+                    raise RuntimeError("engine: request rejected")
+                out.append(SampleResult([r.token_ids[0], len(requests)], "", "length", None, []))
+                if on_result is not None:
+                    on_result(i, out[-1])
+            return out
+
+    reported = []
+    requests = [SampleRequest([t], 2) for t in (1, 2, 3)]
+    results = generate_each(BisectingSampler(Streaming()), requests, SamplingSettings(), lambda i, r: reported.append(
+        (i, None if r is None else r.token_ids)))
+    # Request 0 came back from the first call (3 requests), request 2 from a retry of one request.
+    assert reported == [(0, [1, 3]), (1, None), (2, [3, 1])]
+    assert [None if r is None else r.token_ids for r in results] == [[1, 3], None, [3, 1]]

@@ -119,6 +119,12 @@ def test_train_writes_metrics_checkpoints_tensorboard(uninterrupted):
         assert r["rollout_corr/tokens"] > 0 and r["rollout_corr/abs_logp_diff_max"] < 1e-4
         assert r["rollout_corr/truncated_fraction"] == 0  # correction off by default with the JAX engine
     assert any(k.startswith("val/") for k in records[-1])  # validation at test_freq
+    # Every program is compiled before the first step (issue 54): the steps after it, validation included, compile
+    # none; only orbax's first save (after step 1, so in step 2's record) compiles a slice per replicated array shape.
+    assert "time/warmup" in records[0] and records[0]["perf/warmup/compiles"] > 0
+    late = [(r["step"], k) for r in records[1:] for k, v in r.items()
+            if k.startswith("perf/compiles/") and k != "perf/compiles/checkpoint" and v]
+    assert not late and [r.get("perf/compiles/checkpoint", 0) for r in records[2:]] == [0] * (STEPS - 2)
     with Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:
         assert ckpt.all_steps() == [1, 2, 3]
         meta = ckpt.read_meta(3)
@@ -320,6 +326,7 @@ def test_vllm_engine_one_step_off_policy_then_ctrl_c_to_the_process_group(shared
 
     records = metrics.read_jsonl(workdir / "metrics.jsonl")[:2]
     assert all(r["time/weight_sync"] > 0 and r["rollout/trajectories"] > 0 for r in records)
+    assert records[1]["perf/compiles"] == 0  # the JAX process compiles nothing after its first step (issue 54)
     assert [(r["rollout/weights_version"], r["rollout/staleness"]) for r in records] == [(0, 0), (0, 1)]
     # The mismatch metrics every step (token TIS with C = 2 by default with vLLM), from vLLM's log-probs.
     for r in records:

@@ -123,6 +123,7 @@ def _direct_enums() -> dict[str, tuple]:
         "rollout.vllm.cuda_graphs": tuple(sampler.CUDA_GRAPHS),
         "rollout.vllm.placement": placement.PLACEMENTS,
         "rollout.jax.layout": jax_decode.LAYOUTS,
+        "rollout.jax.decode_rows": jax_decode.DECODE_ROWS,
         "tools.search.backend": tuple(tools.SEARCH_BACKENDS),
         "reward.name": (*rewards.REWARDS, "auto"),
         "algorithm.adv_estimator": (*algos.ADVANTAGE_ESTIMATORS, "gae"),  # gae: PPO with a critic
@@ -312,6 +313,7 @@ def _check_rollout(ck: _Checker, command: str, process_count: int | None) -> Non
         ck.add("rollout.val_kwargs.n", f"{ck.get('rollout.val_kwargs.n')} greedy samples would all be the same",
                "1, or val_kwargs.do_sample=True")
     ck.require("rollout.workers", at_least(0, "0 (one per process) or a positive count"))
+    ck.require("rollout.jax.slots", at_least(0, "0 (one worker's trajectories) or a row count"))
     budget, p, r = (ck.get(k) for k in ("rollout.jax.max_tokens_per_call", "data.max_prompt_length",
                                         "data.max_response_length"))
     if budget and p and r and budget < p + r:  # one trajectory's row must fit (the sampler checks its buckets)

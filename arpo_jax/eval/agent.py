@@ -136,11 +136,11 @@ class _ChunkDeadline:
         self._sampler, self._seconds = sampler, seconds
         self._deadline = time.monotonic() + seconds
 
-    def generate(self, requests, settings):
+    def generate(self, requests, settings, **kw):  # kw: `on_result` where the engine `reports_each`
         if time.monotonic() > self._deadline:
             raise TimeoutError(f"the chunk ran past --sample-timeout={self._seconds:g} s (in-process engines: the "
                                "budget of a whole chunk)")
-        return self._sampler.generate(requests, settings)
+        return self._sampler.generate(requests, settings, **kw)
 
     def __getattr__(self, name: str):
         return getattr(self._sampler, name)

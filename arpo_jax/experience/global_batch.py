@@ -32,21 +32,27 @@ class GlobalBatch:
         self.rows_per_worker = max(1, math.prod(mesh.shape[a] for a in rules["batch"]) // workers)
         self.row_len = pack.row_len
         self.tree = bool(pack.tree)
+        # The batch's shapes, from the config alone: every step's programs are the first step's (issue 54).
+        self.micro_batches = {t: micro_batches(pack, workers, self.rows_per_worker, tree=t) for t in (False, True)}
+        self.tree_sizes = (self.micro_batches[True], tree_packing.max_heads_per_row(self.row_len),
+                           tree_packing.max_entries_per_row(self.row_len))  # (M, U, E)
 
     def layouts(self, trajs: dict[int, Trajectories], tree: bool | None = None) -> dict:
         """Each worker's layout (`packing.Layout`, or with `tree` (default: `actor.tree_training`) a
-        `tree_packing.TreeLayout`), with the sizes of the largest one over every process (micro-batches; for trees
-        also heads and entries per row), so that every worker's block has one global shape."""
+        `tree_packing.TreeLayout`) in the batch shape the config fixes (micro-batches; for trees also heads and
+        entries per row), so that every worker's block, and every step's batch, has the same shape."""
         tree = self.tree if tree is None else tree
         plan = _LAYOUTS[tree][0]
         mini_prompts = self.pack_config.mini_batch_prompts // self.workers
+        longest, limit = max(len(s) for t in trajs.values() for s in t.sequences), self.pack_config.max_len
+        if limit and longest > limit:
+            raise ValueError(f"a trajectory of {longest} tokens: longer than data.max_prompt_length + "
+                             f"data.max_response_length = {limit}, which fix the batch's shapes")
         layouts = {w: plan(t, self.pack_config, mini_prompts=mini_prompts, rows=self.rows_per_worker,
                            row_len=self.row_len) for w, t in trajs.items()}
         if tree:
-            sizes = distributed.gather(np.array([layouts[w].sizes for w in self.local_workers])).max(0)  # (M, U, E)
-            return {w: lay.with_sizes(*map(int, sizes)) for w, lay in layouts.items()}
-        m = distributed.agree_max(max(layouts[w].shape[1] for w in self.local_workers))
-        return {w: lay.with_micro_batches(m) for w, lay in layouts.items()}
+            return {w: lay.with_sizes(*self.tree_sizes) for w, lay in layouts.items()}
+        return {w: lay.with_micro_batches(self.micro_batches[False]) for w, lay in layouts.items()}
 
     def pack(self, trajs: dict[int, Trajectories], token_arrays: dict[int, dict]) -> tuple[list[dict], dict]:
         """K mini-batches of global [M, B, *] arrays, in optimizer-step order, and the layout's metrics (tree
@@ -88,6 +94,21 @@ class GlobalBatch:
     @staticmethod
     def _side_by_side(blocks: list[dict], keys) -> dict[str, np.ndarray]:
         return {k: np.concatenate([b[k] for b in blocks], axis=-2) for k in keys}
+
+
+def micro_batches(pack: packing.PackConfig, workers: int, rows: int, *, tree: bool) -> int:
+    """M, the micro-batches of every mini-batch, from the config alone: enough for the most rows a worker's share of
+    a mini-batch can need (ppo_mini_batch_size / workers prompts x n trajectories of at most P + R tokens:
+    `packing.max_rows`, `tree_packing.max_tree_rows`), `rows` rows each. The update and the forward passes skip an
+    empty micro-batch (no tokens, no loss weight), so the room for the worst case costs its batch arrays only,
+    where buckets would cost a program each (benchmarks/RESULTS.md, "Fixed update programs")."""
+    n = pack.mini_batch_prompts // workers * pack.group_size
+    max_len = pack.max_len or pack.row_len
+    if tree:
+        need = tree_packing.max_tree_rows(n, pack.row_len, max_len)
+    else:
+        need = packing.max_rows(n, pack.row_len, max_len) if pack.pack else n
+    return max(1, -(-need // rows))
 
 
 def layout(traj: Trajectories, pack: packing.PackConfig, *, mini_prompts: int, rows: int,

@@ -51,6 +51,7 @@ class PackConfig:
     micro_norm: str = knobs.knob("actor.micro_norm", knobs.one_of(MICRO_NORMS))
     norm_len: int = knobs.knob("data.max_response_length", knobs.POSITIVE)  # seq-mean-token-sum-norm's divisor
     row_len: int = knobs.knob("actor.max_token_len_per_device", knobs.NONNEG)  # tokens per row; 0: 2 x (P + R)
+    max_len: int = 0  # the longest trajectory, P + R (it fixes the batch's micro-batch count); 0: row_len
 
     def __post_init__(self):
         knobs.validate(self)
@@ -79,22 +80,37 @@ class Layout:
         return dataclasses.replace(self, shape=(self.shape[0], m, *self.shape[2:]))
 
 
-def fill_rows(lengths: np.ndarray, row_len: int, pack: bool) -> list[list[int]]:
-    """Sequence indices per row: first-fit decreasing into rows of ``row_len`` tokens, or one per row."""
+def fill_rows(lengths: np.ndarray, row_len: int, pack: bool, *, entries: np.ndarray | None = None,
+              max_entries: int = 0) -> list[list[int]]:
+    """Sequence indices per row: first-fit decreasing into rows of ``row_len`` tokens, or one per row. With
+    ``entries`` (per item) and ``max_entries``, a row also holds at most that many entries (tree training's loss
+    entries: ``tree_packing``)."""
     if not pack:
         return [[i] for i in range(len(lengths))]
+    entries = np.zeros(len(lengths), np.int64) if entries is None else np.asarray(entries)
+    cap = max_entries or int(entries.sum())
     rows: list[list[int]] = []
-    free: list[int] = []
+    free: list[list[int]] = []  # per row: [tokens, entries] left
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: ties keep rollout order
         for r, f in enumerate(free):
-            if lengths[i] <= f:
+            if lengths[i] <= f[0] and entries[i] <= f[1]:
                 rows[r].append(i)
-                free[r] -= lengths[i]
+                f[0] -= lengths[i]
+                f[1] -= entries[i]
                 break
         else:
             rows.append([i])
-            free.append(row_len - lengths[i])
+            free.append([row_len - lengths[i], cap - entries[i]])
     return [sorted(r) for r in rows]
+
+
+def max_rows(sequences: int, row_len: int, max_len: int) -> int:
+    """The most rows ``fill_rows`` can need for ``sequences`` sequences of at most ``max_len`` tokens each: with
+    k = row_len // max_len, every row but the last holds at least k of them (first fit opens a row only when the
+    sequence fits no open row, so each open row has less than max_len tokens free: more than (k - 1) max_len
+    tokens placed, hence k sequences). The default row (2 (P + R)) gives half the sequences; any layout of that many
+    rows fits the batch shape the config fixes (``global_batch.GlobalBatch``)."""
+    return -(-sequences // max(1, row_len // max_len))
 
 
 def plan_layout(lengths: Sequence[int], *, mini_batch_size: int, row_len: int, rows_per_micro: int,

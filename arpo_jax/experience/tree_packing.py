@@ -52,24 +52,28 @@ def _lcp(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-def split_tree(sequences: Sequence[np.ndarray], row_len: int) -> list[tuple[list[int], list[int]]]:
+def split_tree(sequences: Sequence[np.ndarray], row_len: int, entries: Sequence[int] | None = None,
+               max_entries: int = 0) -> list[tuple[list[int], list[int]]]:
     """One group's trie in parts that fit a row: [(members in depth-first order, LCP of each with the previous
-    member of its part (0 for the first))]. A part holds ``sum(len - lcp)`` tokens <= row_len."""
+    member of its part (0 for the first))]. A part holds ``sum(len - lcp)`` tokens <= row_len and, with
+    ``max_entries``, at most that many of the members' ``entries`` (their loss tokens)."""
     order = sorted(range(len(sequences)), key=lambda i: sequences[i].tolist())  # lexicographic = depth-first
+    entries = [0] * len(sequences) if entries is None else entries
     parts: list[tuple[list[int], list[int]]] = []
-    size = 0
+    size = held = 0
     for pos, i in enumerate(order):
         n = len(sequences[i])
         if n > row_len:
             raise ValueError(f"a sequence of {n} tokens does not fit a row of row_len={row_len}; raise row_len")
         lcp = _lcp(sequences[order[pos - 1]], sequences[i]) if pos else 0
-        if parts and size + n - lcp <= row_len:
+        if parts and size + n - lcp <= row_len and (not max_entries or held + entries[i] <= max_entries):
             parts[-1][0].append(i)
             parts[-1][1].append(lcp)
             size += n - lcp
+            held += entries[i]
         else:  # a new part repeats the shared prefix
             parts.append(([i], [0]))
-            size = n
+            size, held = n, entries[i]
     return parts
 
 
@@ -167,8 +171,39 @@ def bucket(n: int, quantum: int) -> int:
     return max(quantum, -(-n // quantum) * quantum)
 
 
+def max_tree_rows(trajectories: int, row_len: int, max_len: int) -> int:
+    """The most rows `plan_tree_layout` can need for `trajectories` of at most `max_len` tokens each with
+    `max_entries` = `max_entries_per_row(row_len)` (cf. `packing.max_rows`). With k = row_len // max_len, first fit
+    leaves at most one row with at most half its tokens and half its entries: a part that fits such a row would
+    have gone into the first of two of them. A row more than half full in tokens holds more than k / 2
+    trajectories (each adds at most max_len tokens to its part); one more than half full in entries (>= row_len
+    entries) more than k (each has fewer than max_len loss tokens). So every row but one holds k // 2 + 1 or more:
+    half the trajectories at the default row of 2 (P + R), as the flat layout."""
+    k = max(1, row_len // max_len)
+    return 1 + max(0, trajectories - 1) // (k // 2 + 1)
+
+
+def max_heads_per_row(row_len: int) -> int:
+    """The heads a row can need (``TreeLayout.heads``): one per distinct loss slot, at most ``row_len``, bucketed."""
+    return bucket(row_len, max(1, row_len // 4))
+
+
+ENTRIES_PER_TOKEN = 8
+
+
+def max_entries_per_row(row_len: int) -> int:
+    """The loss entries a tree row may hold (``plan_tree_layout``'s ``max_entries``): ``ENTRIES_PER_TOKEN`` x its
+    tokens. A row's trajectories share prefixes, so their loss tokens (entries) outnumber its tokens wherever they
+    share responses: after the demo's SFT most of a group's 8 trajectories are identical (entropy 0.02-0.07 nats a
+    token), ~8 x 150 loss tokens over ~250 tree tokens, so three groups in a 768-token row hold ~3,600 entries, 4.7x
+    its tokens. Entries cost little (per entry a gather and the elementwise loss, ~9 int32/float32 values in the
+    batch), so the cap leaves that room; a row past it starts a new part of the tree (its shared prefix computed
+    again). Any cap of at least 2 x row_len keeps `max_tree_rows`."""
+    return ENTRIES_PER_TOKEN * row_len
+
+
 def plan_tree_layout(sequences: Sequence[np.ndarray], groups: Sequence[int], loss_masks: Sequence[np.ndarray], *,
-                     mini_batch_size: int, row_len: int, rows_per_micro: int) -> TreeLayout:
+                     mini_batch_size: int, row_len: int, rows_per_micro: int, max_entries: int = 0) -> TreeLayout:
     """Builds each (mini-batch, group)'s tree, packs the parts into rows and lists the heads and entries.
 
     Args:
@@ -177,12 +212,14 @@ def plan_tree_layout(sequences: Sequence[np.ndarray], groups: Sequence[int], los
       loss_masks: N token-aligned 0/1 arrays (which tokens get entries).
       mini_batch_size: trajectories per optimizer step, consecutive in order (as ``packing.plan_layout``).
       row_len, rows_per_micro: T and B.
+      max_entries: loss entries a row may hold (0: any number); a trajectory has fewer than row_len.
     """
     sequences = [np.asarray(s) for s in sequences]
     groups = np.asarray(groups)
     n = len(sequences)
     if n == 0 or min(len(s) for s in sequences) < 1:
         raise ValueError("need at least one sequence, each with at least one token")
+    loss_tokens = [int((np.asarray(m)[1:] > 0).sum()) for m in loss_masks]  # token 0 is never predicted
     mini, micro, row = (np.zeros(n, np.int64) for _ in range(3))
     slots: list[np.ndarray] = [np.zeros(0, np.int64)] * n
     placed = []  # (k, r, offset, ids, positions, ends)
@@ -192,10 +229,13 @@ def plan_tree_layout(sequences: Sequence[np.ndarray], groups: Sequence[int], los
         parts = []
         for g in dict.fromkeys(groups[idx].tolist()):  # groups in order of first appearance
             members = idx[groups[idx] == g]
-            for local, lcps in split_tree([sequences[i] for i in members], row_len):
+            for local, lcps in split_tree([sequences[i] for i in members], row_len,
+                                          [loss_tokens[i] for i in members], max_entries):
                 parts.append(([int(members[j]) for j in local], lcps))
         laid = [lay_out_part(sequences, m, lcps) for m, lcps in parts]
-        rows = packing.fill_rows(np.array([len(p[0]) for p in laid]), row_len, pack=True)
+        rows = packing.fill_rows(np.array([len(p[0]) for p in laid]), row_len, pack=True,
+                                 entries=np.array([sum(loss_tokens[i] for i in m) for m, _ in parts]),
+                                 max_entries=max_entries)
         num_micro = max(num_micro, -(-len(rows) // rows_per_micro))
         for r, in_row in enumerate(rows):
             offset = 0
@@ -320,9 +360,9 @@ def tree_metrics(layouts: Sequence[TreeLayout]) -> dict[str, float]:
 
 def worker_tree_layout(traj, pack, *, mini_prompts: int, rows: int, row_len: int) -> TreeLayout:
     """``global_batch.layout`` for tree training: the worker's trajectories (``experience.Trajectories``: sequences,
-    group, loss_masks) as trees in its [K, M, rows, row_len] block."""
+    group, loss_masks) as trees in its [K, M, rows, row_len] block, at most ``max_entries_per_row`` entries a row."""
     return plan_tree_layout(traj.sequences, traj.group, traj.loss_masks, mini_batch_size=mini_prompts * pack.group_size,
-                            row_len=row_len, rows_per_micro=rows)
+                            row_len=row_len, rows_per_micro=rows, max_entries=max_entries_per_row(row_len))
 
 
 def worker_tree_batch(traj, token_arrays: dict[str, list[np.ndarray]], layout: TreeLayout, pack, *,

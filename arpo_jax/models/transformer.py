@@ -322,15 +322,16 @@ def _write_positions(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Ar
     return buf.at[jnp.arange(buf.shape[0])[:, None], _slots(start, new.shape[1])].set(new, mode="drop")
 
 
-def _write_kv(buf: jax.Array, new: jax.Array, start: jax.Array, layer) -> jax.Array:
-    """Cache buf [L, B, K, S, H] <- new [B, T, K, H] of layer `layer` at slots start[b] ... (`layer` None: buf is
-    one layer's cache [B, K, S, H]).
+def _write_kv(buf: jax.Array, new: jax.Array, start: jax.Array, layer, rows=None) -> jax.Array:
+    """Cache buf [L, B, K, S, H] <- new [B', T, K, H] of layer `layer` at slots start[b] ... of rows `rows` [B']
+    (None: all B rows; an index past the end is dropped) (`layer` None: buf is one layer's cache [B, K, S, H]).
 
     One scatter straight into `buf` (in place when the buffer is donated or a loop carry); slots at or past S are
     dropped, so a right-padded chunk may run over the end of a row whose real tokens fit.
     """
     b, t, k = new.shape[:3]
-    rows, heads = jnp.arange(b)[:, None, None], jnp.arange(k)[None, :, None]
+    rows = (jnp.arange(b) if rows is None else rows)[:, None, None]
+    heads = jnp.arange(k)[None, :, None]
     idx = (rows, heads, _slots(start, t)[:, None, :])
     return buf.at[idx if layer is None else (layer, *idx)].set(new.transpose(0, 2, 1, 3), mode="drop")
 
@@ -487,19 +488,22 @@ class DecoderLayer(nnx.Module):
         x = x + self.mlp(self.post_attention_layernorm(x))
         return constrain(x, ("batch", "seq", "act_embed"), self.cfg.sharding_rules)
 
-    def extend(self, x, positions, mask, k_all, v_all, i, start, self_mask=None):
+    def extend(self, x, positions, mask, k_all, v_all, i, start, self_mask=None, rows=None):
         """Cached step of layer i: writes this chunk's k/v at slots `start` [B] of the cache, attends over it.
         `k_all`, `v_all`: every layer's cache [L, B, K, S, H], or (i None) this layer's own [B, K, S, H].
         `self_mask` [B, 1, T, T] (a chunk that starts every row: nothing cached before it): the chunk attends to
-        its own keys only, as the training forward does, instead of reading the whole cache."""
+        its own keys only, as the training forward does, instead of reading the whole cache. `rows` [B']: the chunk
+        extends these rows of the cache (`CausalLM.extend_hidden`)."""
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions)
-        k_all = _write_kv(k_all, k.astype(k_all.dtype), start, i)
-        v_all = _write_kv(v_all, v.astype(v_all.dtype), start, i)
+        k_all = _write_kv(k_all, k.astype(k_all.dtype), start, i, rows)
+        v_all = _write_kv(v_all, v.astype(v_all.dtype), start, i, rows)
         if self_mask is not None:
             x = x + self.self_attn.attend(q, k, v, self_mask, causal_self=True)
         else:
             dt = self.cfg.compute_dtype
             k_i, v_i = (k_all, v_all) if i is None else (k_all[i], v_all[i])
+            if rows is not None:  # this layer's rows only: one layer's [B', K, S, H] at a time
+                k_i, v_i = (jnp.take(a, rows, axis=0, mode="fill", fill_value=0) for a in (k_i, v_i))
             x = x + self.self_attn.attend(q, k_i.astype(dt), v_i.astype(dt), mask, cached=True)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_all, v_all
@@ -779,8 +783,8 @@ class CausalLM(nnx.Module):
         hidden, cache = self.extend_hidden(input_ids, positions, cache, valid)
         return self.logits(hidden), cache
 
-    def extend_hidden(self, input_ids, positions, cache: KVCache, valid=None, layers=None, fresh: bool = False
-                      ) -> tuple[jax.Array, KVCache]:
+    def extend_hidden(self, input_ids, positions, cache: KVCache, valid=None, layers=None, fresh: bool = False,
+                      rows=None) -> tuple[jax.Array, KVCache]:
         """`extend` without the vocab projection: (final-norm hidden states [B, T, D], cache). A sampler that
         needs logits at one position per row projects only those ([B, T, V] would dominate prefill memory).
         `layers`: `stacked_layers()` taken once by a caller that extends many times (scan_layers only).
@@ -793,12 +797,20 @@ class CausalLM(nnx.Module):
         `fresh` (static): the caller guarantees that every row of the cache is empty before this chunk (a first
         prefill chunk), so the chunk's own keys are all a query can see: attention runs
         causal over the chunk (`DecoderLayer.extend`'s `self_mask`; blockwise on CPU) instead of over all S
-        slots of the cache, most of them empty. Same result up to float rounding."""
+        slots of the cache, most of them empty. Same result up to float rounding.
+
+        `rows` [B] (an engine's prefill): the chunk's rows are these rows of the cache (an index past its end: a
+        padding row, dropped), written in place; each layer reads only its own rows (a [B, K, S, H] gather per
+        layer, not a copy of the rows' whole cache)."""
         b, t = input_ids.shape
         if valid is None:
             valid = jnp.ones((b, t), bool)
-        start = cache.lengths
-        kv_pos = _write_positions(cache.positions, jnp.where(valid, positions, -1).astype(jnp.int32), start)
+        cache_pos, cache_len = cache.positions, cache.lengths
+        if rows is not None:
+            cache_pos = jnp.take(cache_pos, rows, axis=0, mode="fill", fill_value=-1)
+            cache_len = jnp.take(cache_len, rows, axis=0, mode="fill", fill_value=0)
+        start = cache_len
+        kv_pos = _write_positions(cache_pos, jnp.where(valid, positions, -1).astype(jnp.int32), start)
         # Attend to every filled slot at or before the query's position (positions are increasing along a row).
         mask = (kv_pos[:, None, :] >= 0) & (kv_pos[:, None, :] <= positions[:, :, None])  # [B, T, S]
         mask = mask[:, None]
@@ -808,7 +820,8 @@ class CausalLM(nnx.Module):
         if isinstance(k_all, tuple):
             k_all, v_all = list(k_all), list(v_all)
             for i, layer in enumerate(self.layer_modules()):
-                x, k_all[i], v_all[i] = layer.extend(x, positions, mask, k_all[i], v_all[i], None, start, self_mask)
+                x, k_all[i], v_all[i] = layer.extend(x, positions, mask, k_all[i], v_all[i], None, start, self_mask,
+                                                     rows)
             k_all, v_all = tuple(k_all), tuple(v_all)
         elif self.config.scan_layers:
             graphdef, stacked = layers if layers is not None else self.stacked_layers()
@@ -817,15 +830,19 @@ class CausalLM(nnx.Module):
                 x, k_all, v_all = carry
                 layer_state, i = xs
                 return nnx.merge(graphdef, layer_state).extend(x, positions, mask, k_all, v_all, i, start,
-                                                               self_mask), None
+                                                               self_mask, rows), None
 
             n = self.config.num_layers
             (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (stacked, jnp.arange(n, dtype=jnp.int32)))
         else:
             for i, layer in enumerate(self.layer_modules()):
-                x, k_all, v_all = layer.extend(x, positions, mask, k_all, v_all, i, start, self_mask)
+                x, k_all, v_all = layer.extend(x, positions, mask, k_all, v_all, i, start, self_mask, rows)
         last_valid = jnp.max(jnp.where(valid, jnp.arange(t)[None] + 1, 0), axis=1)
-        return self.model.norm(x), KVCache(k_all, v_all, kv_pos, cache.lengths + last_valid.astype(jnp.int32))
+        lengths = cache_len + last_valid.astype(jnp.int32)
+        if rows is not None:
+            kv_pos = cache.positions.at[rows].set(kv_pos, mode="drop")
+            lengths = cache.lengths.at[rows].set(lengths, mode="drop")
+        return self.model.norm(x), KVCache(k_all, v_all, kv_pos, lengths)
 
 
 def _remat_layer(policy_name: str):

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from arpo_jax import models, sharding
+from arpo_jax.experience import tree_packing
 from arpo_jax.models.transformer import blockwise_blocks, resolve_attention
 from arpo_jax.sharding import DEVICES
 
@@ -165,7 +166,7 @@ class Shapes:
     command: str  # "train" | "sft"
     rows: float  # rows of one micro-batch per batch device
     seq: int  # T, tokens per row
-    micro_batches: int  # upper bound of M in one mini-batch (sizes the batch arrays only)
+    micro_batches: int  # micro-batches a mini-batch computes (an estimate: one trajectory a row, the tree saving)
     logprob_chunk: int
     engine: str  # "vllm" | "jax" | "" (sft)
     gpu_memory_utilization: float
@@ -177,9 +178,10 @@ class Shapes:
     prefill_chunk: int
     min_seq: int = 1  # the smallest token budget a row may have (one whole trajectory / SFT example)
     # Tree training (`actor.tree_training`, `tree_packing`): rows of T tree tokens, attention by the tree rule (no
-    # [T, T] mask), and per row up to `tree_saving` x T loss entries; `micro_batches` is then the tree layout's.
+    # [T, T] mask), per row T heads and 8T loss entries (`tree_packing.max_entries_per_row`).
     tree: bool = False
     tree_saving: float = 1.0  # flat tokens / tree tokens: a lower bound from the config (`plan.tree_saving`)
+    fixed_micro_batches: int = 0  # M of the batch arrays, as the run fixes it (`global_batch.micro_batches`); 0: above
     engine_tp: int = 1  # GPUs per vLLM engine (rollout.vllm.tensor_parallel_size): > 1 adds its NCCL buffers
     # A KL loss with model.ref_on_host: the reference lives in pinned host memory and is put back on the devices,
     # sharded as the params, for each log-prob pass (train/trainer.py `offload`): on device during that pass only.
@@ -226,10 +228,15 @@ def attention_workspace(model_cfg: models.Config, impl: str, t: int, rows: float
 
 def batch_bytes(sh: Shapes, arrays: int) -> float:
     """The micro-batches' arrays on one device: `arrays` int32/float32 [M, rows, T] arrays flat; with tree training
-    the token arrays (ids, positions, tree_end), the heads (<= T: slot, target) and the loss entries (<= saving x T
-    per row: index, segment and `arrays - 3` float arrays)."""
-    per_row = arrays * sh.seq if not sh.tree else (5 + (arrays - 1) * sh.tree_saving) * sh.seq
-    return sh.micro_batches * sh.rows * per_row * 4
+    the token arrays (ids, positions, tree_end), the heads (U: slot, target) and the loss entries (E per row: index,
+    segment and `arrays - 3` float arrays), U and E as the run fixes them (`tree_packing.max_heads_per_row`,
+    `max_entries_per_row`)."""
+    micro = sh.fixed_micro_batches or sh.micro_batches
+    if not sh.tree:
+        return micro * sh.rows * arrays * sh.seq * 4
+    per_row = 3 * sh.seq + 2 * tree_packing.max_heads_per_row(sh.seq) + \
+        (arrays - 1) * tree_packing.max_entries_per_row(sh.seq)
+    return micro * sh.rows * per_row * 4
 
 
 def _per_layer_widths(c: models.Config, tensor: int) -> tuple[int, int, int]:
@@ -286,23 +293,25 @@ def kv_cache_bytes(c: models.Config, sh: Shapes, local_devices: int) -> float:
 
 
 def sampler_items(c: models.Config, s: Sizes, sh: Shapes, local_devices: int) -> dict[str, dict[str, float]]:
-    """Bytes per device of the JAX sampler's programs (prefill, regather, decode) for one chunk of `sampler_batch`
-    rows (`rollout.jax.max_tokens_per_call` bounds it), train state resident.
+    """Bytes per device of the JAX engine's programs (prefill, decode; `jax_decode.engine_programs`) for an engine
+    of `sampler_batch` rows (`rollout.jax.max_tokens_per_call` bounds it), train state resident.
 
-    The sampler holds a copy of the weights in the compute dtype (`jax_sampler.decode_weights`: the whole model over
-    each process's local devices; the layers stored stacked, so no per-call copy) and its cache between calls; a
-    prefill chunk attends over the whole cache (`cached_attention`): float32 scores [B, N, chunk, S]; the regather
-    builds the new cache beside the old one."""
+    The engine holds a copy of the weights in the compute dtype (`jax_sampler.decode_weights`: the whole model over
+    each process's local devices; the layers stored stacked, so no per-call copy) and its cache between calls. A
+    prefill call takes `prefill_chunk` tokens (G rows x T, G at most `prefill_chunk / 32`, the shortest length's),
+    written into the cache in place; each layer reads its G rows ([G, K, S, H], one layer at a time) and attends over
+    them: float32 scores [G, N, T, S]."""
     pb, cb = jnp.dtype(c.param_dtype).itemsize, jnp.dtype(c.dtype).itemsize
     resident = {"params": s.params * pb, "optimizer_state": 2 * s.params * pb,
                 "sampler_params": s.total_params * cb / local_devices}
     kv = kv_cache_bytes(c, sh, local_devices)
+    rows = min(sh.sampler_batch, max(1, sh.prefill_chunk // 32))  # the most rows one prefill call gathers
     b_dev = sh.sampler_batch / local_devices
     return {
         "sampler_prefill": resident | {
             "kv_cache": kv,
-            "prefill_scores": 2 * 4 * b_dev * c.num_heads * sh.prefill_chunk * sh.sampler_len},
-        "sampler_regather": resident | {"kv_cache": kv, "kv_cache_new": kv},
+            "kv_rows_gathered": kv / c.num_layers / max(b_dev, 1.0) * rows,
+            "prefill_scores": 2 * 4 * c.num_heads * sh.prefill_chunk * sh.sampler_len},
         "sampler_decode": resident | {
             "kv_cache": kv,
             "decode_logits": 3 * 4 * b_dev * c.vocab_size},

@@ -32,10 +32,12 @@ buffer assignment keeps alive at once; RESULTS.md records how they compare with 
 saves time, not memory beyond the block size: the plan counts one block pair whatever is skipped.
 
 Tree training (`actor.tree_training`): rows keep T tokens, now tree tokens, so the per-row activations are the
-flat ones; what changes is the mask (the tree rule, no [T, T] array), the batch arrays (token, head and loss-entry
-arrays: a row's entries are its trajectories' loss tokens, at most `tree_saving` x T) and the number of
-micro-batches (divided by `tree_saving`). `tree_saving` is the lower bound the config guarantees (the prompt shared
-by the n trajectories of a group); ARPO's mid-response branches save more, which only lowers the real figures.
+flat ones; what changes is the mask (the tree rule, no [T, T] array) and the batch arrays (T heads and 8T loss
+entries a row). `tree_saving` is the saving the config guarantees (the prompt shared by the n trajectories of a
+group); ARPO's mid-response branches save more. The micro-batch count the run compiles holds the worst case
+(`global_batch.micro_batches`; `micro_batches` here): it sizes the batch arrays. Empty micro-batches are skipped, so
+the communication per step counts those the trajectories fill, estimated (`tree_training.micro_batches`: one
+trajectory a row, fewer by the tree saving). `programs`: every program the run compiles before its first step.
 
 Fit (`fit.py`): JAX's budget per device is what the device gives it (the whole HBM on TPU; on a GPU what a co-located
 vLLM engine and the CUDA contexts and NCCL buffers leave, or with `rollout.vllm.placement=split` the whole GPU less
@@ -61,9 +63,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from arpo_jax import models, sharding
+from arpo_jax.experience import global_batch
 from arpo_jax.models.published import REAL_CONFIGS
 from arpo_jax.models.transformer import resolve_attention
-from arpo_jax.plan import collectives
+from arpo_jax.plan import collectives, programs
 from arpo_jax.plan.fit import (
     budget_gib,  # noqa: F401 (plan's API)
     engine_memory,
@@ -124,16 +127,11 @@ def is_sft(cfg) -> bool:
     return bool(cfg.sft.train_files) and not cfg.data.train_files
 
 
-def _pow2_at_least(n: int, multiple: int) -> int:
-    b = multiple
-    while b < n:
-        b *= 2
-    return b
-
-
 def shapes_of(cfg, mesh_shape: tuple[int, int, int], rules_name: str, command: str | None = None) -> Shapes:
     """The sizes a config's run gives its programs (as the trainer / SFT and the sampler compute them)."""
-    from arpo_jax.rollout.jax_sampler import bucket, pow2_buckets
+    from arpo_jax.rollout.jax_decode import engine_shape
+    from arpo_jax.rollout.jax_sampler import engine_kwargs
+    from arpo_jax.train.components import pack_config
 
     command = command or ("sft" if is_sft(cfg) else "train")
     mesh = dict(zip(sharding.MESH_AXES, mesh_shape))
@@ -148,21 +146,25 @@ def shapes_of(cfg, mesh_shape: tuple[int, int, int], rules_name: str, command: s
     workers = cfg.rollout.workers or processes
     rows_per_worker = max(1, batch_devices // workers)
     rows = workers * rows_per_worker / batch_devices
-    seq = cfg.actor.max_token_len_per_device or 2 * (p + r)
+    pack = pack_config(cfg)
+    seq = pack.row_len
     micro = max(1, -(-cfg.actor.ppo_mini_batch_size * cfg.rollout.n // (workers * rows_per_worker)))
     tree = bool(cfg.actor.tree_training)
     saving = tree_saving(p, r, cfg.rollout.n) if tree else 1.0
     micro = max(1, math.ceil(micro / saving))  # the same tokens in fewer rows
+    fixed = global_batch.micro_batches(pack, workers, rows_per_worker, tree=tree)  # the run's M, room for the worst
     local = max(1, math.prod(mesh_shape) // processes)
-    # One sampler call carries one worker's prompts, at most n live trajectories each (branching fills up to n).
-    trajectories = cfg.data.train_batch_size // workers * cfg.rollout.n
-    s_len = bucket(p + r, pow2_buckets(64, p + r, half_steps=True), "cache length")
+    # The JAX engine's rows (`rollout.jax.slots`; default one worker's trajectories) and cache length, as it sizes them.
+    kw = engine_kwargs(cfg, processes)
+    engine = engine_shape(max_len=p + r, slots=kw["slots"], prefill_chunk=kw["prefill_chunk"],
+                          decode_chunk=kw["decode_chunk"], batch_multiple=local, max_tokens_per_call=0,
+                          decode_rows="all")
     return Shapes("train", rows, seq, micro, cfg.actor.logprob_chunk, cfg.rollout.engine,
                   cfg.rollout.vllm.gpu_memory_utilization, cfg.algorithm.adv_estimator == "gae",
                   bool(cfg.actor.kl_coef) and not cfg.model.ref_on_host, processes,
-                  sampler_chunk(_pow2_at_least(trajectories, local), s_len, local, cfg.rollout.jax.max_tokens_per_call),
-                  s_len, cfg.rollout.jax.prefill_chunk, p + r, tree, saving, cfg.rollout.vllm.tensor_parallel_size,
-                  bool(cfg.actor.kl_coef) and cfg.model.ref_on_host,
+                  sampler_chunk(engine.slots, engine.cache_len, local, cfg.rollout.jax.max_tokens_per_call),
+                  engine.cache_len, cfg.rollout.jax.prefill_chunk, p + r, tree, saving, fixed,
+                  cfg.rollout.vllm.tensor_parallel_size, bool(cfg.actor.kl_coef) and cfg.model.ref_on_host,
                   "split" if placement.is_split(cfg) else "colocated", 4 if cfg.rollout.vllm.dtype == "float32" else 2)
 
 
@@ -171,15 +173,12 @@ def host_devices(cfg) -> int:
     return placement.trainer_gpus(cfg, DEVICES[cfg.mesh.device].per_host)
 
 
-def sampler_chunk(batch: int, s_len: int, local: int, budget: int) -> int:
-    """Rows of one sampler program: the call's batch bucket, or with a token budget the largest bucket (a power of
-    two times the local devices, `JaxSampler._chunks`) whose cache of `s_len` slots a row fits it (at least one)."""
+def sampler_chunk(slots: int, s_len: int, local: int, budget: int) -> int:
+    """The JAX engine's rows: `slots`, or with a token budget the most (a multiple of the local devices, at least
+    one) whose cache of `s_len` slots a row fits it (`jax_decode.engine_shape`)."""
     if not budget:
-        return batch
-    b = local
-    while b * 2 <= batch and b * 2 * s_len <= budget:
-        b *= 2
-    return b
+        return slots
+    return min(slots, max(local, budget // s_len // local * local))
 
 
 def tree_saving(prompt: int, response: int, n: int) -> float:
@@ -197,9 +196,9 @@ _FIXES = {
     "optimizer_state": "more devices in mesh.shape (FSDP), or mesh.rules=fsdp_tp with a tensor axis",
     "params": "more devices in mesh.shape", "grad_accumulator": "more devices in mesh.shape",
     "micro_batch_grads": "more devices in mesh.shape",
-    "kv_cache": "a smaller rollout.jax.max_tokens_per_call (the sampler's batch in chunks)",
-    "kv_cache_new": "a smaller rollout.jax.max_tokens_per_call (the sampler's batch in chunks)",
-    "prefill_scores": "a smaller rollout.jax.prefill_chunk or rollout.jax.max_tokens_per_call",
+    "kv_cache": "a smaller rollout.jax.max_tokens_per_call or rollout.jax.slots (fewer cache rows)",
+    "kv_rows_gathered": "a smaller rollout.jax.prefill_chunk (fewer rows per prefill call)",
+    "prefill_scores": "a smaller rollout.jax.prefill_chunk",
     "sampler_params": "more devices per host (each host's sampler holds the whole model in the compute dtype)",
     "critic_params_and_optimizer": "more devices in mesh.shape",
 }
@@ -259,7 +258,10 @@ def analyse(cfg, *, devices: int = 8, command: str | None = None) -> dict:
                             "micro_batches": sh.micro_batches} if sh.command == "train" else None,
           "sampler_batch": sh.sampler_batch, "sampler_len": sh.sampler_len, "host_devices": host_devices(cfg),
           "programs_gib": {p: {k: round(v / GB, 3) for k, v in items.items()}
-                           for p, items in plan["programs"].items()}}
+                           for p, items in plan["programs"].items()},
+          "micro_batches": sh.fixed_micro_batches or sh.micro_batches,
+          "programs": programs.run_programs(cfg, sh, model_cfg, mesh_shape,
+                                            {p: sum(items.values()) for p, items in plan["programs"].items()})}
     r["jax_fits"] = r["fits"]
     if sh.engine == "vllm" and DEVICES[device].kind == "gpu":  # the engines' share must hold the model
         r["engines"] = engine_memory(model_cfg, r["params"], sh, device)
@@ -408,10 +410,9 @@ def plan(model_cfg: models.Config, mesh_shape, update_cfg: ts.UpdateConfig, *, m
 
 
 def compile_sampler(model_cfg: models.Config, sh: Shapes, local_devices: int) -> dict:
-    """The JAX sampler's prefill chunk and decode chunk (`jax_decode._prefill_chunk` / `_decode_chunk`, stacked
-    cache and scanned layers as on a TPU; a GPU's default unrolled layout holds the same weight and cache bytes,
-    per layer) compiled for one call of B x S rows on a process's local devices, abstract inputs: {program: XLA
-    bytes per device}."""
+    """The JAX engine's longest prefill and its decode (`jax_decode.engine_programs`; stacked cache and scanned
+    layers as on a TPU; a GPU's default unrolled layout holds the same weight and cache bytes, per layer) compiled for
+    an engine of B x S rows on a process's local devices, abstract inputs: {program: XLA bytes per device}."""
     from arpo_jax.models.transformer import KVCache
     from arpo_jax.rollout import jax_decode as jd
 
@@ -420,30 +421,29 @@ def compile_sampler(model_cfg: models.Config, sh: Shapes, local_devices: int) ->
     p_sh = sharding.state_shardings(abstract, mesh, sharding.get_rules(model_cfg.sharding_rules))
     abstract = jax.eval_shape(lambda a: jd.decode_weights(a, model_cfg.compute_dtype), abstract)  # the sampler's copy
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, p_sh)
-    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("fsdp",)))
-    rows2 = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("fsdp",), None))
+    shape = jd.engine_shape(max_len=sh.sampler_len, slots=sh.sampler_batch, prefill_chunk=sh.prefill_chunk,
+                            decode_chunk=16, decode_rows="all")  # the decode over every row: the most memory
+    b, s = shape.slots, shape.cache_len
+
+    def rows(*tail, dtype=jnp.int32):  # [B, ...] split over the local devices
+        spec = jax.sharding.PartitionSpec(("fsdp",), *([None] * len(tail)))
+        return jax.ShapeDtypeStruct((b, *tail), dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+
     kv_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ("fsdp",), None, None, None))
-    b, s, t = sh.sampler_batch, sh.sampler_len, sh.prefill_chunk
     kv = jax.ShapeDtypeStruct((model_cfg.num_layers, b, model_cfg.num_kv_heads, s, model_cfg.head_dim),
                               model_cfg.compute_dtype, sharding=kv_sh)
-    cache = KVCache(kv, kv, jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=rows2),
-                    jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows))
-    h = jax.ShapeDtypeStruct((b, model_cfg.hidden_size), model_cfg.compute_dtype, sharding=rows2)
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows2 if len(shape) == 2 else rows)
-    fns = jd.jitted(graphdef, model_cfg)
+    ds = jd.DecodeState(KVCache(kv, kv, rows(s), rows()), rows(model_cfg.hidden_size, dtype=model_cfg.compute_dtype),
+                        rows(dtype=bool), rows(), rows(shape.stop_len))
+    fns = jd.jitted(graphdef, model_cfg, shape)
+    programs = jd.engine_programs(fns, shape, state, ds, n_eos=1, vocab=None)
+    longest = max((n for n in programs if n.startswith("prefill")), key=lambda n: int(n.rsplit("x", 1)[1]))
     out = {}
     with jax.set_mesh(mesh):
-        t0 = time.perf_counter()
-        c = fns.prefill.lower(state, cache, h, i32(b, t), i32(b, t),
-                              jax.ShapeDtypeStruct((b, t), bool, sharding=rows2), i32(b), fresh=False).compile()
-        out["sampler_prefill"] = {"compile_s": round(time.perf_counter() - t0, 1), **_memory(c)}
-        scalar = lambda dt: jax.ShapeDtypeStruct((), dt)
-        t0 = time.perf_counter()
-        c = fns.decode.lower(state, cache, h, jax.ShapeDtypeStruct((b,), bool, sharding=rows), i32(b), i32(b), i32(b),
-                             i32(b), jax.ShapeDtypeStruct((1,), jnp.int32), None, scalar(jnp.uint32),
-                             scalar(jnp.float32), scalar(jnp.int32), scalar(jnp.float32), n_steps=16, greedy=False,
-                             truncate=False, n_logprobs=0, raw_logprobs=False, tok_logprobs=True).compile()
-        out["sampler_decode"] = {"compile_s": round(time.perf_counter() - t0, 1), **_memory(c)}
+        for name, program in (("sampler_prefill", longest), ("sampler_decode", f"decode_{shape.slots}")):
+            fn, args = programs[program]
+            t0 = time.perf_counter()
+            c = fn.lower(*args).compile()
+            out[name] = {"compile_s": round(time.perf_counter() - t0, 1), **_memory(c)}
     return out
 
 
@@ -464,9 +464,11 @@ def compile_check(cfg, *, devices: int = 8, layers: int = 2, command: str | None
     per_host = host_devices(cfg) if DEVICES[cfg.mesh.device].kind == "gpu" else 0
     compiled = plan(model_cfg, mesh_shape, update_config(cfg), micro=1, rows=rows, seq=sh.seq,
                     forward=sh.command == "train", per_host=per_host)
-    # The model of the same reduced program, for the same single micro-batch and on the CPU backend's attention.
-    model = itemise(model_cfg, mesh_shape, dataclasses.replace(sh, micro_batches=1, engine="", critic=False,
-                                                               ref_on_device=False), "cpu")["programs"]
+    # The model of the same reduced program, for the same single micro-batch and on the CPU backend's attention; flat
+    # as `plan` compiles it (a tree row's batch arrays, T heads and 8T loss entries, are larger).
+    one = dataclasses.replace(sh, micro_batches=1, fixed_micro_batches=1, engine="", critic=False, ref_on_device=False,
+                              tree=False)
+    model = itemise(model_cfg, mesh_shape, one, "cpu")["programs"]
     state_keys = ("params", "optimizer_state", "batch")
     upd = model["update"]
     out = {"layers": layers, "compile_s": compiled["compile_s"],
@@ -575,6 +577,7 @@ def format_plan(r: dict) -> str:
         lines.append(engine_words(r["engines"], r["host_devices"]))
     for fix in r.get("fixes", []):
         lines.append(f"  fix: {fix}")
+    lines += programs.format_programs(r.get("programs", []))
     if "compiled" in r:
         c = r["compiled"]
         lines.append(f"compiled check ({c['layers']} layers, fake CPU devices, {c['compile_s']} s): "

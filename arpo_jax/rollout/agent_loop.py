@@ -3,11 +3,17 @@
 `rollout(prompts, sampler, executor, tokenizer, config, settings, rng)` runs rounds until no trajectory slot is
 active. Each round: one batched `sampler.generate` over the active slots (max_tokens = the largest remaining
 budget, 3.3.1); the segment entropy of every slot (4.1); tool calls detected by the matched stop string, the
-call limit (the extra call appends EOS, mask 1), empty tool content (the slot ends silently); all tool calls of the
-round executed concurrently by the executor, results appended as `" <result>\\n{text}\\n</result>"` with loss-mask
-0; then branching (ARPO 4.2 / AEPO 5.2) and the refill rule (4.3), until every prompt has exactly n trajectories.
-The output (`rollout/output.py`) is padded numpy arrays (3.4) plus per-trajectory metadata, branching trees
-and metrics.
+call limit (the extra call appends EOS, mask 1), empty tool content (the slot ends silently); the round's tool calls
+executed concurrently, results appended as `" <result>\\n{text}\\n</result>"` with loss-mask 0; then branching
+(ARPO 4.2 / AEPO 5.2) and the refill rule (4.3), until every prompt has exactly n trajectories. The output
+(`rollout/output.py`) is padded numpy arrays (3.4) plus per-trajectory metadata, branching trees and metrics.
+
+Overlap: an engine that reports each request as it finishes (the JAX engine, `sampler.generate_each`) hands a
+segment over while the round's other requests still decode; its entropy and tool call are taken then, and with an
+executor that runs calls one by one (`run_batch`, the real one) the call starts at once. The overlap stops at the
+round's end: the next round starts when the round's last tool result is back, since branching, the refill rule and
+AEPO's counter read the whole round (a trajectory re-entering the engine early would change which round its
+segments belong to, hence the branching draws).
 
 `RolloutConfig.reference_compat` (default False = the intended algorithm), quirk by quirk (spec section 14):
 
@@ -43,6 +49,8 @@ out of the loss. Without isolation an engine error propagates, as before.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -55,7 +63,9 @@ from arpo_jax.rollout import branching
 from arpo_jax.rollout.bisecting_sampler import BisectingSampler
 from arpo_jax.rollout.branching import BranchParams, EntropyBaselines
 from arpo_jax.rollout.output import PromptTree, RolloutOutput, TreeNode, pad_rows
-from arpo_jax.rollout.sampler import Sampler, SampleRequest, SampleResult, SamplingSettings
+from arpo_jax.rollout.sampler import Sampler, SampleRequest, SampleResult, SamplingSettings, generate_each
+
+_Queued = tuple  # a round's tool call: ((slot, tag, content), its Future when started at once, else None)
 
 PREMONITOR_SLOT_BASE = 1 << 30  # slot ids of AEPO's pre-monitoring requests (kept apart from the rollout's)
 
@@ -237,6 +247,52 @@ def rollout(prompts_token_ids: Sequence[Sequence[int]], sampler: Sampler, execut
                  state or RolloutState()).run()
 
 
+class _ToolCalls:
+    """A rollout's tool calls. With an executor that runs calls one by one (`run_batch`: the real one), each starts
+    as soon as its segment is back, on a thread of its own that waits for it; else the round's calls run together at
+    its end. Either way the results are appended in the round's slot order."""
+
+    def __init__(self, executor: Executor, tokenizer, compat: bool, isolate: bool):
+        self.executor, self.tok, self.compat, self.isolate = executor, tokenizer, compat, isolate
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @contextlib.contextmanager
+    def running(self):
+        if not hasattr(self.executor, "run_batch"):
+            yield
+            return
+        workers = getattr(getattr(self.executor, "config", None), "max_workers", 32)
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="rollout-call") as pool:
+            self.pool = pool
+            try:
+                yield
+            finally:
+                self.pool = None
+
+    def start(self, call: tuple[_Slot, str, str], queued: list[_Queued]) -> None:
+        queued.append((call, self.pool.submit(_run_calls, self.executor, [call[1:]]) if self.pool else None))
+
+    def end(self, active: list[_Slot], queued: list[_Queued], max_len: int | None = None) -> int:
+        """The round's tool results (the calls not started yet run now, all at once) appended with mask 0; returns
+        the number of calls. The next round starts when the last is back: its branching and refill rules (4.2, 4.3)
+        read the whole round. `max_len` is pre-monitoring's guard: a context that a result would push past it is
+        first cut to `max_len - len(result) - 100` tokens, as in the reference."""
+        order = {s.id: k for k, s in enumerate(active)}
+        queued = sorted(queued, key=lambda q: order[q[0][0].id])
+        later = [q for q, future in queued if future is None]
+        batch = iter(_run_calls(self.executor, [(tag, content) for _, tag, content in later]) if later else ())
+        for (s, _, _), future in queued:
+            text, failure = future.result()[0] if future is not None else next(batch)
+            if failure and self.isolate:
+                s.fail(failure)
+            ids = encode_tool_result(self.tok, text, self.compat)
+            if max_len is not None and len(s.tokens) + len(ids) > max_len:
+                del s.tokens[max(0, max_len - len(ids) - 100):]  # a probe's mask and log-probs are never read
+            s.append(ids, 0)
+            s.post_tool = True
+        return len(queued)
+
+
 class _Loop:
     """One `rollout` call's state. Methods follow the round structure of spec 3.3."""
 
@@ -264,9 +320,14 @@ class _Loop:
         self.m = {k: 0.0 for k in ("rounds", "tool_calls", "branches", "branch_attempts", "refills",
                                    "call_limit_reached", "empty_tool_content", "premonitor_tool_calls")}
         self.times = {k: 0.0 for k in ("generate", "tools", "branching", "premonitor", "finalize")}
+        self.calls = _ToolCalls(executor, tokenizer, self.compat, config.isolate_failures)
 
     # ------------------------------------------------------------------------------------------ the loop
     def run(self) -> RolloutOutput:
+        with self.calls.running():
+            return self._rounds()
+
+    def _rounds(self) -> RolloutOutput:
         t0 = time.perf_counter()
         initial = self._initial_rollouts()
         for b, m in enumerate(initial):
@@ -276,9 +337,9 @@ class _Loop:
         active = list(self.slots)
         r = 0
         while active:
-            results = self._generate(active)
+            queued = self._generate(active)
             t = time.perf_counter()
-            self._tool_round(active, results)
+            self._end_calls(active, queued)
             self.times["tools"] += time.perf_counter() - t
             keep = []
             budget, now = self.cfg.trajectory_timeout_s, time.monotonic()
@@ -313,32 +374,40 @@ class _Loop:
         return branching.segment_entropy(res.top_logprobs, self.vocab_size, window=self.cfg.entropy_window,
                                          reduce=self.cfg.entropy_reduce)
 
-    def _generate(self, active: list[_Slot]) -> list[SampleResult]:
-        """Spec 3.3 steps 1-2: one batched call with the largest remaining budget; segment entropies."""
+    def _generate(self, active: list[_Slot]) -> list[_Queued]:
+        """Spec 3.3 steps 1-3: one batched call with the largest remaining budget; as each segment comes back, its
+        entropy, its absorption and, where the executor runs calls one by one, its tool call's start (the other
+        requests still decoding). Returns the round's tool calls."""
         max_tokens = max(1, max(self.R - s.resp_len for s in active))
         requests = []
         for s in active:
             parent = s.parent if not s.requested else None  # a branch's first request: copy the parent's cache
             requests.append(SampleRequest(list(s.tokens), max_tokens, slot_id=s.id, parent_id=parent))
             s.requested = True
-        t = time.perf_counter()
-        results = self._sample(requests)
-        self.times["generate"] += time.perf_counter() - t
-        for s, res in zip(active, results):
+        queued: list[_Queued] = []
+
+        def each(k: int, res: SampleResult | None) -> None:
+            s = active[k]
             if res is None:  # the engine failed on this request: the trajectory ends here
                 s.fail("engine_error", end=True)
-                continue
+                return
             s.entropy = self._entropy(res)
             s.entropies.append(s.entropy)
             if self.compat:
                 self.state.baselines.observe(s.id, s.entropy)  # B1: set only for never-seen slot ids
             elif s.baseline is None:
                 s.baseline = s.entropy  # the first segment from the prompt (branches inherit theirs)
-        return results
+            self._start_call(s, res, queued)
 
-    def _sample(self, requests: list[SampleRequest]) -> list[SampleResult | None]:
-        """One batched engine call (None for a request that failed on its own: `BisectingSampler`, isolation)."""
-        results = self.sampler.generate(requests, self.settings)
+        t = time.perf_counter()
+        self._sample(requests, each)
+        self.times["generate"] += time.perf_counter() - t
+        return queued
+
+    def _sample(self, requests: list[SampleRequest], on_result=None) -> list[SampleResult | None]:
+        """One batched engine call (None for a request that failed on its own: `BisectingSampler`, isolation);
+        `on_result(i, result)` as each comes back (`sampler.generate_each`)."""
+        results = generate_each(self.sampler, requests, self.settings, on_result or (lambda i, res: None))
         if len(results) != len(requests):
             raise RuntimeError(f"sampler returned {len(results)} results for {len(requests)} requests")
         return results
@@ -370,27 +439,16 @@ class _Loop:
             s.finish = "eos" if res.finish_reason == "eos" else "stop"
         return None
 
-    def _tool_round(self, active: list[_Slot], results: list[SampleResult | None], counter: str = "tool_calls",
-                    max_len: int | None = None) -> None:
-        """Spec 3.3 steps 3-4, for the rollout and for AEPO's pre-monitoring (5.1): each slot appends its segment
-        (`_absorb`), then all tool calls of the round run at once and their results are appended with mask 0.
+    def _start_call(self, s: _Slot, res: SampleResult | None, queued: list[_Queued]) -> None:
+        """Spec 3.3 step 3 for one segment (`_absorb`); its tool call starts at once where it can (`_ToolCalls`)."""
+        q = self._absorb(s, res)
+        if q is not None:
+            self.calls.start(q, queued)
 
-        `counter` is the metric that counts the calls. `max_len` is pre-monitoring's guard: a context that a result
-        would push past it is first cut to `max_len - len(result) - 100` tokens, as in the reference.
-        """
-        queued = [q for s, res in zip(active, results) if (q := self._absorb(s, res)) is not None]
-        if not queued:
-            return
-        outcomes = _run_calls(self.executor, [(tag, content) for _, tag, content in queued])
-        self.m[counter] += len(queued)
-        for (s, _, _), (text, failure) in zip(queued, outcomes):
-            if failure and self.cfg.isolate_failures:
-                s.fail(failure)
-            ids = encode_tool_result(self.tok, text, self.compat)
-            if max_len is not None and len(s.tokens) + len(ids) > max_len:
-                del s.tokens[max(0, max_len - len(ids) - 100):]  # a probe's mask and log-probs are never read
-            s.append(ids, 0)
-            s.post_tool = True
+    def _end_calls(self, active: list[_Slot], queued: list[_Queued], counter: str = "tool_calls",
+                   max_len: int | None = None) -> None:
+        """Spec 3.3 step 4 (`_ToolCalls.end`), rollout and pre-monitoring (5.1); `counter` counts the calls."""
+        self.m[counter] += self.calls.end(active, queued, max_len)
 
     def _branch_and_refill(self, active: list[_Slot], keep: list[_Slot], r: int) -> list[_Slot]:
         """Spec 4.2 / 5.2 branching, then the 4.3 refill, then AEPO's counter update; returns the new slots."""
@@ -483,14 +541,19 @@ class _Loop:
         while active:
             budget = max(1, max(self.R - s.resp_len for s in active))
             cap = max_len - max(len(s.tokens) for s in active)  # extra guard of this phase only
-            results = self._sample([SampleRequest(list(s.tokens), max(1, min(budget, cap)), slot_id=s.id)
-                                    for s in active])
-            for s, res in zip(active, results):
+            queued: list[_Queued] = []
+
+            def each(k: int, res: SampleResult | None, active=active, queued=queued) -> None:
+                s = active[k]
                 if res is None:  # the engine failed: this prompt's pre-monitoring ends with what it has
                     s.finish = "engine_error"
-                else:
-                    s.entropies.append(self._entropy(res))
-            self._tool_round(active, results, "premonitor_tool_calls", max_len)
+                    return
+                s.entropies.append(self._entropy(res))
+                self._start_call(s, res, queued)
+
+            self._sample([SampleRequest(list(s.tokens), max(1, min(budget, cap)), slot_id=s.id) for s in active],
+                         each)
+            self._end_calls(active, queued, "premonitor_tool_calls", max_len)
             active = [s for s in active if not s.finish and s.resp_len < self.R and len(s.tokens) < max_len]
         return {s.prompt: s.entropies for s in probes}
 

@@ -8,9 +8,9 @@ the wrapper an engine error propagates, as in the reference.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from arpo_jax.rollout.sampler import Sampler, SampleRequest, SampleResult, SamplingSettings
+from arpo_jax.rollout.sampler import Sampler, SampleRequest, SampleResult, SamplingSettings, generate_each
 
 log = logging.getLogger(__name__)
 
@@ -26,16 +26,39 @@ class BisectingSampler(Sampler):
     def __init__(self, inner: Sampler):
         self.inner = inner
 
-    def generate(self, requests: Sequence[SampleRequest],
-                 settings: SamplingSettings) -> list[SampleResult | None]:
+    @property
+    def reports_each(self) -> bool:
+        return getattr(self.inner, "reports_each", False)
+
+    def generate(self, requests: Sequence[SampleRequest], settings: SamplingSettings,
+                 on_result: Callable[[int, SampleResult | None], None] | None = None) -> list[SampleResult | None]:
+        """With `on_result`, each result as the engine reports it; after a failure, the retries' results of the
+        requests not reported yet (a reported one keeps the result it was reported with)."""
+        reported: dict[int, SampleResult | None] = {}
+
+        def report(i: int, res: SampleResult | None) -> None:
+            reported[i] = res
+            if on_result is not None:
+                try:
+                    on_result(i, res)
+                except Exception as e:  # the caller's error, not the engine's: no retry
+                    raise _CallerError() from e
+
         try:
-            return self.inner.generate(requests, settings)
+            return generate_each(self.inner, requests, settings, report)
+        except _CallerError as e:
+            raise e.__cause__ from None
         except Exception as e:
             log.warning("engine call of %d requests raised %s: %s; retrying its halves", len(requests),
                         type(e).__name__, e)
             results = self._halves(requests, settings)
             self.inner.reset_cache()  # nothing the retries cached may leak into the next call
-            return results
+        for i, res in enumerate(results):
+            if i in reported:
+                results[i] = reported[i]
+            elif on_result is not None:
+                on_result(i, res)
+        return results
 
     def _halves(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[SampleResult | None]:
         half = len(requests) // 2
@@ -65,3 +88,7 @@ class BisectingSampler(Sampler):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class _CallerError(Exception):
+    """An exception raised by the caller's `on_result` (its cause), carried through the engine."""

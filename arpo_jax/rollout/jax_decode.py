@@ -1,14 +1,26 @@
-"""The JAX sampler's device side: its jitted programs (prefill, decode steps, cache regather and init) and the
-sampling maths they run (`process_logits`, `sample_categorical`), over a `KVCache` whose rows the host side
-(jax_sampler.py) plans. Each program counts its traces in `TRACE_COUNTS`; `jitted` caches them per architecture,
-so samplers of one model share them.
+"""The JAX engine's device side: a fixed set of jitted programs over one persistent cache of `slots` rows.
+
+The programs, every shape fixed by `EngineShape` (so by the config alone):
+  * `init`: the `DecodeState` (KV cache [slots, cache_len], each row's last hidden state, the decode's row flags);
+  * `prefill` at each (rows G, length T) of `EngineShape.prefill`: the next chunk of G rows' contexts, the rows
+    picked by an index vector (the cache gathered by row and written back in place); a row's first chunk first cuts
+    it to the tokens the host knows it shares with the request (`keep`);
+  * `copy`: rows of the cache into other rows in place (an ARPO branch starts from its parent's cache);
+  * `decode` at each row count of `EngineShape.decode_rows`: `decode_steps` sampling steps of every row, or of the
+    live rows picked by an index vector. Sampling settings are traced values (greedy, top-k/top-p, the log-prob
+    window), so validation and training run the same program; EOS, each row's token limit and the stop strings'
+    token sequences stop a row on the device; a chunk in which no row is active does nothing.
+`engine_programs` lists them with abstract arguments, so a caller compiles them all ahead (`JaxSampler.warm_up`;
+`arpo-jax plan`). Each program also counts its traces in `TRACE_COUNTS`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import Counter
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +28,85 @@ from flax import nnx
 
 from arpo_jax.models.transformer import KVCache, input_major_linears
 from arpo_jax.sharding import constrain
+
+PREFILL_LENGTHS = (32, 128)  # prefill chunk lengths below `prefill_chunk` (which is the longest)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineShape:
+    """The engine's fixed sizes; every program's shapes follow from them."""
+
+    slots: int  # rows of the persistent KV cache: the decode batch
+    cache_len: int  # slots per row (S): the longest context + new tokens, rounded up
+    prefill: tuple[tuple[int, int], ...]  # (rows G, length T) of each prefill program, shortest first
+    decode_steps: int  # sampling steps per decode call
+    copy_rows: int  # rows one copy call moves
+    max_logprobs: int  # top-k log-probs the decode program returns per position
+    decode_rows: tuple[int, ...] = ()  # rows of each decode program, fewest first (the last: all `slots`)
+    stop_seqs: int = 8  # stop-string token sequences the decode checks (Q)
+    stop_len: int = 16  # tokens of the longest one (M)
+
+
+def engine_shape(*, max_len: int, slots: int, prefill_chunk: int, decode_chunk: int, max_logprobs: int = 20,
+                 batch_multiple: int = 1, max_tokens_per_call: int = 0, decode_rows: str = "auto") -> EngineShape:
+    """The sizes for contexts up to `max_len` tokens: `slots` rows (a multiple of `batch_multiple`, the mesh's
+    batch devices; with `max_tokens_per_call`, at most that many cache slots in all), prefill programs of
+    `prefill_chunk` tokens each (G x T: T in 32, 128 and `prefill_chunk`, at most the cache length), and decode
+    programs of `DECODE_ROWS[decode_rows]` rows (`decode_row_counts`)."""
+    cache_len = -(-max_len // 32) * 32
+    slots = -(-max(slots, 1) // batch_multiple) * batch_multiple
+    if max_tokens_per_call:
+        fit = max_tokens_per_call // cache_len // batch_multiple * batch_multiple
+        if fit < 1:
+            raise ValueError(f"max_tokens_per_call={max_tokens_per_call} holds no {batch_multiple} row(s) of "
+                             f"{cache_len} slots (a multiple of the mesh's batch devices); allowed: 0 (no limit) or "
+                             f">= {batch_multiple * cache_len}")
+        slots = min(slots, fit)
+    longest = max(1, min(prefill_chunk, cache_len))
+    lengths = sorted({min(t, longest) for t in PREFILL_LENGTHS} | {longest})
+    prefill = tuple((max(1, min(slots, prefill_chunk // t)), t) for t in lengths)
+    rows = decode_row_counts(decode_rows, slots, batch_multiple)
+    return EngineShape(slots, cache_len, prefill, decode_chunk, min(slots, 8), max_logprobs, rows)
+
+
+DECODE_ROWS = ("auto", "all", "quarters")  # rollout.jax.decode_rows
+
+
+def decode_row_counts(mode: str, slots: int, multiple: int = 1) -> tuple[int, ...]:
+    """Rows of the decode programs: "all" = one program over every row; "quarters" = also 1/4 and 1/16 of them (the
+    live rows gathered, so a round's tail of a few rows costs a few rows' matmuls: what a CPU's compute-bound decode
+    wants); "auto" = quarters on CPU, all elsewhere (an accelerator's decode reads the weights whatever the rows,
+    and each program is one more compile)."""
+    if mode not in DECODE_ROWS:
+        raise ValueError(f"decode_rows={mode!r}; allowed: {', '.join(DECODE_ROWS)}")
+    if mode == "all" or (mode == "auto" and jax.default_backend() != "cpu"):
+        return (slots,)
+    fewer = {-(-slots // d // multiple) * multiple for d in (4, 16)}
+    return tuple(sorted(r for r in fewer | {slots} if r <= slots))
+
+
+class DecodeState(NamedTuple):
+    """What the device keeps between calls (donated through every program)."""
+
+    cache: KVCache  # [slots, S] rows
+    h: jax.Array  # [slots, D] hidden state of each row's last token (its next logits)
+    active: jax.Array  # [slots] bool: the row samples
+    ngen: jax.Array  # [slots] int32: tokens the row has sampled since it was admitted
+    recent: jax.Array  # [slots, M] int32: its last M sampled tokens (-1: none), for the stop sequences
+
+
+class Knobs(NamedTuple):
+    """A decode call's sampling settings, as traced scalars (one program for every setting)."""
+
+    seed: jax.Array  # uint32
+    temperature: jax.Array  # float32, > 0
+    top_k: jax.Array  # int32, <= 0: off
+    top_p: jax.Array  # float32
+    greedy: jax.Array  # bool
+    truncate: jax.Array  # bool: top-k or top-p applies
+    window: jax.Array  # int32: positions that need top-k log-probs
+    want_top: jax.Array  # bool: top-k log-probs requested
+    want_token_lp: jax.Array  # bool: the sampled token's log-prob at every position
 
 
 def _constrain_cache(cache: KVCache, rules: str) -> KVCache:
@@ -26,6 +117,7 @@ def _constrain_cache(cache: KVCache, rules: str) -> KVCache:
         k, v = constrain(cache.k, kv_axes, rules), constrain(cache.v, kv_axes, rules)
     return KVCache(k, v, constrain(cache.positions, ("batch", None), rules),
                    constrain(cache.lengths, ("batch",), rules))
+
 
 
 def process_logits(logits, allowed, temperature, top_k, top_p, *, greedy: bool, truncate: bool):
@@ -83,88 +175,137 @@ def sample_categorical(keys: jax.Array, z: jax.Array, block: int = 256) -> jax.A
     return blk * block + j
 
 
-def _decode_chunk(graphdef, state, cache, h, active, ngen, row_ids, ctx_lens, limits, eos_ids, allowed, seed,
-                  temperature, top_k, top_p, *, n_steps, greedy, truncate, n_logprobs, raw_logprobs, rules,
-                  tok_logprobs=False):
-    """`n_steps` sampling steps. Each: logits from the carried hidden state -> sample -> feed the token.
+def _processed(logits, allowed, k: Knobs):
+    """`process_logits` with greedy and truncation as traced switches (only the branch taken runs)."""
 
-    A row samples while `active`; a sampled token is written to the cache unless it ends the row (EOS or the
-    row's limit), so a row holds context + its generated tokens but the last. Per-row PRNG key of generated
-    position t: fold_in(fold_in(fold_in(key(seed), row_ids = the request's seed), context length), t), independent
-    of batching.
-    A per-layer cache (`KVCache.per_layer`, `unrolled_layout`) runs the layers unrolled over it, each step reading and
-    writing every layer's buffer in place; a stacked one runs them as the model's config says.
+    def z(greedy: bool, truncate: bool):
+        return lambda x: process_logits(x, allowed, k.temperature, k.top_k, k.top_p, greedy=greedy, truncate=truncate)
+
+    sampled = lambda x: jax.lax.cond(k.truncate, z(False, True), z(False, False), x)  # noqa: E731
+    return jax.lax.cond(k.greedy, z(True, False), sampled, logits)
+
+
+def _stop_hit(recent, seqs, on):
+    """[B] bool: a row's last tokens recent [B, M] end with one of the enabled (`on` [Q]) sequences seqs [Q, M]
+    (right-aligned, -1 = no token there)."""
+    same = (seqs[None] < 0) | (recent[:, None] == seqs[None])  # [B, Q, M]
+    return (same.all(-1) & on[None]).any(-1)
+
+
+def _logprobs(logits, z, allowed, tok, *, n_logprobs: int, raw: bool) -> dict:
+    """Top-`n_logprobs` log-probs [B, K] and the sampled token's [B]: of the distribution sampled from (z), or
+    with `raw` of the model's over the tokenizer ids."""
+    if raw:
+        lp = jax.nn.log_softmax(logits if allowed is None else jnp.where(allowed[None], logits, -jnp.inf), axis=-1)
+    else:
+        lp = jax.nn.log_softmax(z, axis=-1)
+    vals, ids = jax.lax.top_k(lp, n_logprobs)
+    return {"top_vals": vals, "top_ids": ids, "tok_lp": jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]}
+
+
+def _decode(graphdef, params, ds: DecodeState, rows, admit, stop_host, limits, ctx_lens, seeds, eos_ids, stop_seqs,
+            stop_on, allowed, knobs: Knobs, *, n_steps, n_logprobs, raw_logprobs, rules):
+    """`n_steps` sampling steps of the rows `rows` [G] (None: every row; an index past the end: padding). Each:
+    logits from the row's hidden state -> sample -> feed the token. The per-row inputs are the G rows'.
+
+    Rows in `admit` start (their prefill is done), rows in `stop_host` stop (the host found a stop string). A row
+    samples while active; a sampled token is written to the cache unless it ends the row (EOS, the row's limit, a
+    stop sequence), so a row holds context + its generated tokens but the last. Per-row PRNG key of generated
+    position t: fold_in(fold_in(fold_in(key(seed), the request's seed), context length), t), independent of the
+    row, the number of rows and the order of admission.
     """
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, params)
     layers = None
-    if not isinstance(cache.k, tuple) and model.config.scan_layers:
+    if not isinstance(ds.cache.k, tuple) and model.config.scan_layers:
         layers = model.stacked_layers()  # the stored stacked params (no copy), split once per call
-    base = jax.random.key(seed)
-    row_keys = jax.vmap(lambda i, c: jax.random.fold_in(jax.random.fold_in(base, i), c))(row_ids, ctx_lens)
+    base = jax.random.key(knobs.seed)
+    row_keys = jax.vmap(lambda i, c: jax.random.fold_in(jax.random.fold_in(base, i), c))(seeds, ctx_lens)
+    lp_fn = functools.partial(_logprobs, allowed=allowed, n_logprobs=n_logprobs, raw=raw_logprobs)
+    pick = (lambda x, fill=0: x) if rows is None else (  # noqa: E731
+        lambda x, fill=0: jnp.take(x, rows, axis=0, mode="fill", fill_value=fill))
 
     def step(carry, _):
-        cache, h, active, ngen = carry
-        logits = model.logits(h[:, None])[:, 0]  # [B, V] float32
-        z = process_logits(logits, allowed, temperature, top_k, top_p, greedy=greedy, truncate=truncate)
-        if greedy:
-            tok = jnp.argmax(z, axis=-1)
-        else:
-            keys = jax.vmap(jax.random.fold_in)(row_keys, ngen)
-            tok = sample_categorical(keys, z)
+        cache, h, active, ngen, recent = carry
+        logits = model.logits(h[:, None])[:, 0]  # [G, V] float32
+        z = _processed(logits, allowed, knobs)
+        keys = jax.vmap(jax.random.fold_in)(row_keys, ngen)
+        tok = jax.lax.cond(knobs.greedy, lambda x: jnp.argmax(x, axis=-1), lambda x: sample_categorical(keys, x), z)
         tok = tok.astype(jnp.int32)
-        sampled = active
+        in_window = active & (ngen < knobs.window)
         ngen = ngen + active.astype(jnp.int32)
-        done = jnp.isin(tok, eos_ids) | (ngen >= limits)
+        recent = jnp.where(active[:, None], jnp.concatenate([recent[:, 1:], tok[:, None]], axis=1), recent)
+        done = jnp.isin(tok, eos_ids) | (ngen >= limits) | _stop_hit(recent, stop_seqs, stop_on)
         written = active & ~done
         hidden, cache = model.extend_hidden(tok[:, None], (ctx_lens + ngen - 1)[:, None], cache, written[:, None],
-                                            layers)
+                                            layers, rows=rows)
         h = jnp.where(written[:, None], hidden[:, 0], h)
-        out = {"tok": tok, "sampled": sampled, "written": written}
-        if n_logprobs or tok_logprobs:  # tok_logprobs: the sampled token's log-prob at every step
-            if raw_logprobs:  # the model's distribution over tokenizer ids
-                lp = jax.nn.log_softmax(logits if allowed is None else jnp.where(allowed[None], logits, -jnp.inf))
-            else:  # the distribution sampled from
-                lp = jax.nn.log_softmax(z, axis=-1)
-            if n_logprobs:
-                out["top_vals"], out["top_ids"] = jax.lax.top_k(lp, n_logprobs)
-            out["tok_lp"] = jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
-        return (cache, h, active & ~done, ngen), out
+        need = (knobs.want_top & in_window.any()) | knobs.want_token_lp
+        shapes = jax.eval_shape(lp_fn, logits, z, tok=tok)
+        lps = jax.lax.cond(need, lambda: lp_fn(logits, z, tok=tok),
+                           lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+        out = {"tok": tok, "sampled": active, "written": written, **lps}
+        return (cache, h, active & ~done, ngen, recent), out
 
-    (cache, h, active, ngen), outs = jax.lax.scan(step, (cache, h, active, ngen), None, length=n_steps)
-    outs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outs)  # [n, B, ...] -> [B, n, ...]
-    return _constrain_cache(cache, rules), h, active, ngen, outs
+    def run(carry):
+        return jax.lax.scan(step, carry, None, length=n_steps)
 
-
-def _prefill_chunk(graphdef, state, cache, h, ids, positions, valid, last_idx, *, rules, fresh):
-    """Appends one right-padded chunk [B, T]; keeps the hidden state of each row's last prompt token. `fresh`: no
-    row holds anything yet, so the chunk attends to itself only (`CausalLM.extend_hidden`)."""
-    model = nnx.merge(graphdef, state)
-    hidden, cache = model.extend_hidden(ids, positions, cache, valid, fresh=fresh)
-    sel = jnp.take_along_axis(hidden, jnp.maximum(last_idx, 0)[:, None, None], axis=1)[:, 0]  # [B, D]
-    h = jnp.where((last_idx >= 0)[:, None], sel.astype(h.dtype), h)
-    return _constrain_cache(cache, rules), h
+    carry = (ds.cache, pick(ds.h), admit | (pick(ds.active) & ~stop_host), jnp.where(admit, 0, pick(ds.ngen)),
+             jnp.where(admit[:, None], -1, pick(ds.recent, -1)))
+    idle = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run, carry)[1])
+    # A chunk with no active row (the host dispatches one chunk ahead of what it has read) costs nothing.
+    (cache, h, active, ngen, recent), outs = jax.lax.cond(carry[2].any(), run, lambda c: (c, idle), carry)
+    outs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outs)  # [n, G, ...] -> [G, n, ...]
+    put = (lambda full, x: x) if rows is None else (lambda full, x: full.at[rows].set(x, mode="drop"))  # noqa: E731
+    ds = DecodeState(_constrain_cache(cache, rules), put(ds.h, h), put(ds.active, active), put(ds.ngen, ngen),
+                     put(ds.recent, recent))
+    return ds, outs | {"active": active}
 
 
-def _regather(cache, rows, keep, *, s_new, rules):
-    """New cache [B', s_new] from rows `rows` of the old one, row b truncated to its first keep[b] tokens."""
-    s_old = cache.positions.shape[1]
+def _prefill(graphdef, params, ds: DecodeState, rows, ids, positions, valid, last, keep, *, rules):
+    """Appends one right-padded chunk ids [G, T] to rows `rows` [G] of the cache, in place (a row past the end is
+    padding); keeps the hidden state of a row's last context token when the chunk holds it (`last` >= 0: its index).
+    A row with keep >= 0 (its first chunk) is first cut to its first `keep` slots: what the host knows it shares with
+    the request."""
+    model = nnx.merge(graphdef, params)
+    cache = ds.cache
+    s = cache.positions.shape[1]
+    pos = jnp.take(cache.positions, rows, axis=0, mode="fill", fill_value=-1)
+    lengths = jnp.take(cache.lengths, rows, axis=0, mode="fill", fill_value=0)
+    cut = keep >= 0
+    pos = jnp.where(cut[:, None] & (jnp.arange(s)[None] >= keep[:, None]), -1, pos)
+    cache = cache._replace(positions=cache.positions.at[rows].set(pos, mode="drop"),
+                           lengths=cache.lengths.at[rows].set(jnp.where(cut, keep, lengths), mode="drop"))
+    hidden, cache = model.extend_hidden(ids, positions, cache, valid, rows=rows)
+    sel = jnp.take_along_axis(hidden, jnp.maximum(last, 0)[:, None, None], axis=1)[:, 0]  # [G, D]
+    old = jnp.take(ds.h, rows, axis=0, mode="fill", fill_value=0)
+    h = ds.h.at[rows].set(jnp.where((last >= 0)[:, None], sel.astype(ds.h.dtype), old), mode="drop")
+    return ds._replace(cache=_constrain_cache(cache, rules), h=h)
 
-    def fit(x, fill=0):  # k / v [(L,) B, K, S, H] or positions [B, S]: rows `rows`, S cut or padded to s_new
-        b_axis, s_axis = (0, 1) if x.ndim == 2 else (x.ndim - 4, x.ndim - 2)
-        x = jnp.take(x, rows, axis=b_axis)
-        if s_new <= s_old:
-            return jax.lax.slice_in_dim(x, 0, s_new, axis=s_axis)
-        pad = [(0, 0)] * x.ndim
-        pad[s_axis] = (0, s_new - s_old)
-        return jnp.pad(x, pad, constant_values=fill)
 
-    k, v = jax.tree.map(fit, (cache.k, cache.v))  # stacked [L, B, K, S, H] or tuples of [B, K, S, H]
-    pos = fit(cache.positions, -1)
-    pos = jnp.where(jnp.arange(s_new)[None] < keep[:, None], pos, -1)
-    return _constrain_cache(KVCache(k, v, pos, keep.astype(jnp.int32)), rules)
+def _copy(ds: DecodeState, src, dst, *, rules):
+    """Cache rows dst [W] <- rows src [W], in place, one layer at a time (a dst past the end is dropped): a branch
+    starts from its parent's row."""
+    move = lambda x: x.at[dst].set(x[src], mode="drop")  # noqa: E731  [B, ...] -> [B, ...]
+    cache = ds.cache
+    if isinstance(cache.k, tuple):  # per layer [B, K, S, H]
+        k, v = tuple(map(move, cache.k)), tuple(map(move, cache.v))
+    else:  # stacked [L, B, K, S, H]: a loop over the layers, so that one layer's rows are in flight at a time
+        def layer(i, kv):
+            return tuple(jax.lax.dynamic_update_index_in_dim(x, move(x[i]), i, 0) for x in kv)
+
+        k, v = jax.lax.fori_loop(0, cache.k.shape[0], layer, (cache.k, cache.v))
+    cache = KVCache(k, v, move(cache.positions), move(cache.lengths))
+    return ds._replace(cache=_constrain_cache(cache, rules))
 
 
-# Traces (= compiles) of the jitted sampler functions, process-wide: samplers of the same model share them.
+def _init(cfg, shape: EngineShape, per_layer: bool) -> DecodeState:
+    b = shape.slots
+    h = jnp.zeros((b, cfg.hidden_size), cfg.compute_dtype)
+    return DecodeState(new_cache(cfg, b, shape.cache_len, per_layer), h, jnp.zeros((b,), bool),
+                       jnp.zeros((b,), jnp.int32), jnp.full((b, shape.stop_len), -1, jnp.int32))
+
+
+# Traces (= compiles) of the jitted engine functions, process-wide: samplers of the same model share them.
 TRACE_COUNTS: Counter[str] = Counter()
 
 
@@ -201,22 +342,57 @@ def unrolled_layout(layout: str) -> bool:
 
 
 @functools.lru_cache(maxsize=8)
-def jitted(graphdef, cfg, per_layer_cache: bool = False) -> SimpleNamespace:
-    """The jitted prefill / decode / regather / init functions of one model architecture (cache donated)."""
+def jitted(graphdef, cfg, shape: EngineShape, per_layer_cache: bool = False, raw_logprobs: bool = False
+           ) -> SimpleNamespace:
+    """The jitted init / prefill / copy / decode functions of one model architecture and engine shape (the
+    `DecodeState` donated through each)."""
     rules = cfg.sharding_rules
+    decode = functools.partial(_decode, graphdef, rules=rules, n_steps=shape.decode_steps,
+                               n_logprobs=shape.max_logprobs, raw_logprobs=raw_logprobs)
     return SimpleNamespace(
-        prefill=jax.jit(_counted("prefill", functools.partial(_prefill_chunk, graphdef, rules=rules)),
-                        static_argnames=("fresh",), donate_argnums=(1, 2)),
-        decode=jax.jit(_counted("decode", functools.partial(_decode_chunk, graphdef, rules=rules)),
-                       static_argnames=("n_steps", "greedy", "truncate", "n_logprobs", "raw_logprobs",
-                                        "tok_logprobs"),
-                       donate_argnums=(1, 2, 4)),
-        # Not donated: the new cache has another shape, so XLA could not reuse the old buffers anyway.
-        regather=jax.jit(_counted("regather", functools.partial(_regather, rules=rules)), static_argnames=("s_new",)),
-        init_cache=jax.jit(_counted("init_cache", lambda b, s: _constrain_cache(new_cache(cfg, b, s, per_layer_cache),
-                                                                                rules)),
-                           static_argnums=(0, 1)),
+        init=jax.jit(_counted("init", lambda: _constrain_state(_init(cfg, shape, per_layer_cache), rules))),
+        prefill=jax.jit(_counted("prefill", functools.partial(_prefill, graphdef, rules=rules)), donate_argnums=(1,)),
+        copy=jax.jit(_counted("copy", functools.partial(_copy, rules=rules)), donate_argnums=(0,)),
+        decode=jax.jit(_counted("decode", decode), donate_argnums=(1,)),
     )
+
+
+def _constrain_state(ds: DecodeState, rules: str) -> DecodeState:
+    return ds._replace(cache=_constrain_cache(ds.cache, rules))
+
+
+def _abstract(x):
+    """`x`'s ShapeDtypeStruct as a call sees it: an uncommitted array (one never placed on purpose, e.g. a model
+    built outside a mesh) has no sharding, as the call's lowering gives it none; giving it its device's sharding
+    lowers another program (the same HLO under another cache key: the call would compile it again)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    committed = getattr(x, "committed", False)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if committed else None)
+
+
+def engine_programs(fns: SimpleNamespace, shape: EngineShape, params, ds, *, n_eos: int, vocab: int | None
+                    ) -> dict[str, tuple]:
+    """Every program the engine runs, as {name: (jitted function, abstract arguments)}: `fn.lower(*args)` compiles
+    it without running it. `params` / `ds`: the weights and the `DecodeState` (arrays or ShapeDtypeStructs; e.g.
+    `jax.eval_shape(fns.init)`); `n_eos`: the EOS ids; `vocab`: the allowed-ids mask's length (None: no mask)."""
+    params, ds = jax.tree.map(_abstract, params), jax.tree.map(_abstract, ds)
+    sds = jax.ShapeDtypeStruct
+    b, i32, u32, f32, bool_ = shape.slots, jnp.int32, jnp.uint32, jnp.float32, jnp.bool_
+    out = {"init": (fns.init, ())}
+    for g, t in shape.prefill:
+        out[f"prefill_{g}x{t}"] = (fns.prefill, (params, ds, sds((g,), i32), sds((g, t), i32), sds((g, t), i32),
+                                                 sds((g, t), bool_), sds((g,), i32), sds((g,), i32)))
+    w = shape.copy_rows
+    out["copy"] = (fns.copy, (ds, sds((w,), i32), sds((w,), i32)))
+    knobs = Knobs(*(sds((), dt) for dt in (u32, f32, i32, f32, bool_, bool_, i32, bool_, bool_)))
+    q, m = shape.stop_seqs, shape.stop_len
+    for g in shape.decode_rows:  # the all-rows program takes no index vector (no gathers)
+        rows = None if g == b else sds((g,), i32)
+        out[f"decode_{g}"] = (fns.decode, (params, ds, rows, sds((g,), bool_), sds((g,), bool_), sds((g,), i32),
+                                           sds((g,), i32), sds((g,), u32), sds((n_eos,), i32), sds((q, m), i32),
+                                           sds((q,), bool_), None if vocab is None else sds((vocab,), bool_), knobs))
+    return out
 
 
 def new_cache(cfg, b: int, s: int, per_layer: bool) -> KVCache:

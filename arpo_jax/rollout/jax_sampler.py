@@ -1,34 +1,35 @@
-"""The JAX KV-cache sampler: the embedded rollout engine (and the TPU path) behind `rollout.sampler.Sampler`.
+"""The JAX KV-cache engine: the embedded rollout engine (and the TPU path) behind `rollout.sampler.Sampler`.
 
-One `generate` call runs, for a batch of trajectories:
-  1. regather: the new call's cache rows are gathered from the previous call's cache (a continuing slot keeps its
-     row, a branch copies its parent's row, a new trajectory gets an empty row), each truncated to the longest
-     prefix that provably equals the request's token ids (host bookkeeping of what every row holds);
-  2. prefill: only the uncached suffix of each request (a tool result, or the whole prompt), in right-padded
-     chunks;
-  3. decode: `decode_chunk` steps per jitted call (a `lax.scan` over the donated cache); EOS and max_tokens are
-     detected on device, stop strings on the host between chunks, on incrementally decoded text (as vLLM does).
+A fixed set of programs, known from the engine's sizes alone (`jax_decode.EngineShape`: `slots` rows x a cache
+length from `max_len`, a few prefill lengths, one to three decode row counts), compiled once (`warm_up`, or the
+first call), so no call compiles anything whatever its batch, prompt lengths, tool results or sampling settings:
 
-Shapes are bucketed so compiles stay bounded: batch B to powers of two (a multiple of the mesh's batch axes), the
-cache length S (the longest context + new tokens; padding is never stored past it) and prefill chunks T (up to
-`prefill_chunk`) in 1.5x / 2x steps. Each jitted function (jax_decode.py: the device side) counts its traces in
-`TRACE_COUNTS` (a trace = a compile); samplers of one model share the compiled functions. On CPU and GPU the
-model's layers run unrolled over per-layer weights and cache buffers (`jax_decode.unrolled_by_default`: a scan
-copies every layer's weights and cache at every step), compiled in a few seconds at 30 layers on CPU, 21 s on an
-H100; on TPU they run as one `lax.scan` (`Config.scan_layers`), whose compile costs about one layer's at any depth.
+* one persistent KV cache of `slots` rows: a request runs in a row; a trajectory's next request continues in its
+  row (only the new suffix, e.g. a tool result, is prefilled), an ARPO branch copies its parent's row into a free
+  one in place; each row is cut to the longest prefix that provably equals the request's token ids (host
+  bookkeeping, `jax_slots.SlotTable`);
+* continuous batching: a call may hold more requests than rows; a row whose request finishes takes the next
+  waiting one (copy, prefill) while the other rows keep decoding;
+* prefill in chunks of a few fixed (rows, length) shapes, every chunk picking the rows it advances;
+* decode in calls of `decode_chunk` steps over every row (on CPU, over the live rows when 1/4 or 1/16 of the rows
+  hold them: `decode_rows`); EOS, each row's token limit and the stop strings' usual token sequences stop a row on
+  the device. The host dispatches decode call k + 1 before it reads call k, then reads k's tokens and checks the
+  stop strings on their incrementally decoded text (as vLLM does; authoritative: a stop string the device did not
+  see ends its row at most one call later, the extra tokens dropped).
 
-Memory: the weights are kept in the compute dtype (`decode_weights`, once per `update_weights`: every weight is
-cast to it before use anyway; half the bytes of float32 masters), and with
-`max_tokens_per_call` the requests of a call run in chunks, one after another, each chunk's cache at most that many
-slots (rows bucket x cache length): the peak is set by the budget, not by the call's size. Outputs do not depend on
-the chunking (per-request seeds, per-row computation). Only the last chunk's cache is kept for the next call (the
-memory bound holds between calls too); requests that continue its rows run first, the others prefill their whole
-context again (compute, where the alternative is memory that is not there). Finished rows are dropped between
-chunks and between calls: a cache holds only its chunk's rows, and the next call gathers only the rows it continues.
-`sleep` frees the weights and the cache until the next `update_weights` (the trainer's update runs meanwhile).
+Outputs depend on neither the number of rows nor the order of admission: each request's PRNG keys fold in its own
+seed (`sampler.request_seed`), context length and position; rows never mix.
 
-Cache invariant: every row is contiguous from slot 0 and slot index == RoPE position. Slots >= the row's
-`lengths` are free (position -1). The host records, per saved slot, the token ids its row holds.
+On CPU and GPU the model's layers run unrolled over per-layer weights and cache buffers
+(`jax_decode.unrolled_by_default`: a scan copies every layer's weights and cache at every step); on TPU as one
+`lax.scan` (`Config.scan_layers`), whose compile costs about one layer's at any depth.
+
+Memory: the weights are kept in the compute dtype (`decode_weights`, once per `update_weights`), and the cache is
+`slots` x cache length (with `max_tokens_per_call`, `slots` is cut to fit that many cache slots). `sleep` frees the
+weights and the cache until the next `update_weights` (the trainer's update runs meanwhile).
+
+Cache invariant: every row is contiguous from slot 0 and slot index == RoPE position. Slots >= the row's `lengths`
+are free (position -1).
 
 Log-probs (`settings.logprobs` > 0): top-k of the *processed* distribution, as vLLM V0 (the reference, spec 3.5)
 returns them: log_softmax over the logits restricted to tokenizer ids, divided by the temperature and with
@@ -41,34 +42,35 @@ log_softmax (restricted to tokenizer ids) regardless of temperature/top-k/top-p 
 
 from __future__ import annotations
 
-import dataclasses
-import math
+import concurrent.futures
 import os
 import time
-from collections import Counter
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from arpo_jax.models.transformer import KVCache
 from arpo_jax.rollout.jax_decode import (
     TRACE_COUNTS,
+    Knobs,
     decode_weights,
+    engine_programs,
+    engine_shape,
     input_major_graphdef,
     jitted,
     to_input_major,
     unrolled_layout,
 )
+from arpo_jax.rollout.jax_slots import SlotTable, common_prefix
 from arpo_jax.rollout.sampler import Sampler, SampleRequest, SampleResult, SamplingSettings, find_stop, request_seed
 from arpo_jax.sharding import get_rules
 
 _SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's threshold)
-_SUMMED_STATS = ("batch", "reused_tokens", "prefill_tokens")  # `last_stats` that add up over a call's chunks
 _DETOK_PRIME = 5  # prompt tokens that prime the incremental detokenizer (vLLM's initial offset)
+_STOP_PREFIXES = ("", " ", "\n")  # a stop string's token sequences checked on the device: alone and after these
 
 
 def pow2_buckets(lo: int, hi: int, *, half_steps: bool = False, quarter_steps: bool = False) -> tuple[int, ...]:
@@ -86,6 +88,38 @@ def bucket(n: int, buckets: Sequence[int], what: str) -> int:
         if b >= n:
             return b
     raise ValueError(f"{what} {n} exceeds the largest bucket {buckets[-1]}")
+
+
+
+def engine_kwargs(cfg, processes: int) -> dict:
+    """`JaxSampler`'s settings from an experiment config (`rollout.jax`, `rollout.entropy_top_k`), `processes` the
+    run's process count: `slots` = 0 means one rollout worker's trajectories (its prompts x rollout.n)."""
+    j = cfg.rollout.jax
+    workers = cfg.rollout.workers or processes
+    slots = j.slots or max(1, cfg.data.train_batch_size // workers) * cfg.rollout.n
+    return dict(slots=slots, decode_chunk=j.decode_chunk, prefill_chunk=j.prefill_chunk,
+                max_tokens_per_call=j.max_tokens_per_call, layout=j.layout,
+                max_logprobs=max(20, cfg.rollout.entropy_top_k), decode_rows=j.decode_rows)
+
+
+def config_programs(cfg, graphdef, abstract_state, *, processes: int = 1, batch_multiple: int = 1, n_eos: int = 1,
+                    vocab_mask: bool = True) -> dict[str, tuple]:
+    """The programs a run's JAX engine compiles, from the config and the model's abstract state alone (nothing is
+    allocated): {name: (jitted function, abstract arguments)} as `JaxSampler.programs`, for `arpo-jax plan`.
+    `n_eos` / `vocab_mask`: what the tokenizer gives (its EOS ids; a mask when it covers less than the vocab)."""
+    kw = engine_kwargs(cfg, processes)
+    shape = engine_shape(max_len=cfg.data.max_prompt_length + cfg.data.max_response_length, slots=kw["slots"],
+                         prefill_chunk=kw["prefill_chunk"], decode_chunk=kw["decode_chunk"],
+                         max_logprobs=kw["max_logprobs"], batch_multiple=batch_multiple,
+                         max_tokens_per_call=kw["max_tokens_per_call"], decode_rows=kw["decode_rows"])
+    model_cfg = nnx.merge(graphdef, abstract_state).config
+    unrolled = unrolled_layout(kw["layout"])
+    state = jax.eval_shape(lambda s: decode_weights(s, model_cfg.compute_dtype), abstract_state)  # as `_set_state`
+    if unrolled:
+        graphdef, state = input_major_graphdef(graphdef, state), jax.eval_shape(to_input_major(graphdef), state)
+    fns = jitted(graphdef, model_cfg, shape, unrolled)
+    return engine_programs(fns, shape, state, jax.eval_shape(fns.init), n_eos=n_eos,
+                           vocab=model_cfg.vocab_size if vocab_mask else None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -132,42 +166,34 @@ class _Row:
             self.finish = "length"
 
 
-@dataclasses.dataclass
-class _Slot:
-    row: int  # row of the cache kept from the last call
-    tokens: np.ndarray  # the token ids that row holds, slot by slot
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    m = min(len(a), len(b))
-    diff = np.flatnonzero(a[:m] != b[:m])
-    return int(diff[0]) if len(diff) else m
-
-
 class JaxSampler(Sampler):
-    """Batched KV-cache sampler over a CausalLM (see the module docstring).
+    """KV-cache engine over a CausalLM with fixed decode slots (see the module docstring).
 
     Args:
       model: a CausalLM or its `(graphdef, state)` split (params may be sharded, as `from_pretrained(mesh=...)`).
       tokenizer: a HF fast tokenizer (decoding for stop strings, EOS ids, the ids sampling is restricted to).
       max_len: longest sequence (context + new tokens) a row may reach; generation stops there ("length").
-      mesh: run sharded over this mesh: the batch over the `batch` mesh axes, KV heads over `tensor`.
+      mesh: run sharded over this mesh: the rows over the `batch` mesh axes, KV heads over `tensor`.
       eos_ids: token ids that end generation; default: the tokenizer's EOS plus the model config's.
-      decode_chunk: sampling steps per jitted decode call (the host checks stop strings in between).
-      prefill_chunk: longest prefill chunk; longer suffixes are prefilled in several.
-      batch_buckets / length_buckets: allowed B and S (cache length); default powers of two.
+      slots: rows of the KV cache (the decode batch), rounded up to a multiple of the mesh's batch devices; a call
+        with more requests runs them as rows free up.
+      decode_chunk: sampling steps per decode call.
+      prefill_chunk: tokens (rows x length) per prefill call, and the longest prefill length.
       logprobs_mode: "processed" (vLLM V0, the reference) or "raw" (see the module docstring).
       restrict_to_tokenizer: sample only ids the tokenizer knows (the reference's allowed_token_ids).
-      max_tokens_per_call: KV-cache slots (rows bucket x cache length, the whole process) one program may hold;
-        a call with more runs in chunks (module docstring). 0 = no limit.
+      max_tokens_per_call: KV-cache slots (rows x cache length) the engine may hold; `slots` is cut to fit it.
+        0 = no limit.
       layout: "unrolled", "scanned" or "auto" (`jax_decode.unrolled_layout`); the same samples either way.
+      max_logprobs: the most top log-probs per position a call may ask for (vLLM's max_logprobs).
+      decode_rows: "all" (one decode program over every row), "quarters" (also over 1/4 and 1/16 of the rows, for
+        a round's tail) or "auto" (quarters on CPU; `jax_decode.decode_row_counts`).
     """
 
     def __init__(self, model, tokenizer, *, max_len: int, mesh: Mesh | None = None,
-                 eos_ids: Sequence[int] | None = None, decode_chunk: int = 16, prefill_chunk: int = 512,
-                 batch_buckets: Sequence[int] | None = None, length_buckets: Sequence[int] | None = None,
-                 logprobs_mode: str = "processed", restrict_to_tokenizer: bool = True, max_tokens_per_call: int = 0,
-                 layout: str = "auto"):
+                 eos_ids: Sequence[int] | None = None, slots: int = 32, decode_chunk: int = 16,
+                 prefill_chunk: int = 512, logprobs_mode: str = "processed", restrict_to_tokenizer: bool = True,
+                 max_tokens_per_call: int = 0, layout: str = "auto", max_logprobs: int = 20,
+                 decode_rows: str = "auto"):
         graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
         self.config = cfg = nnx.merge(graphdef, state).config
         self._model_graphdef, self._unrolled = graphdef, unrolled_layout(layout)
@@ -175,24 +201,17 @@ class JaxSampler(Sampler):
         if self._unrolled:  # the sampler keeps its own copy of the weights, laid out for the CPU's matmuls
             graphdef = input_major_graphdef(graphdef, state)
         self._graphdef = graphdef
+        self._weight_shardings = None  # the first weights' (`_set_state`): every program is compiled for them
         self._set_state(state)
         self.tokenizer, self.max_len, self.mesh = tokenizer, max_len, mesh
         if logprobs_mode not in ("processed", "raw"):
             raise ValueError(f"logprobs_mode={logprobs_mode!r}; allowed: 'processed', 'raw'")
-        self.logprobs_mode = logprobs_mode
-        self.decode_chunk, self.prefill_chunk = decode_chunk, prefill_chunk
         if max_tokens_per_call < 0:
             raise ValueError(f"max_tokens_per_call={max_tokens_per_call}; allowed: 0 (no limit) or > 0")
-        self.max_tokens_per_call = max_tokens_per_call
-        self._batch_multiple = 1
-        if mesh is not None:
-            self._batch_multiple = math.prod(mesh.shape[a] for a in get_rules(cfg.sharding_rules)["batch"])
-        self.batch_buckets = tuple(batch_buckets or pow2_buckets(self._batch_multiple, 1 << 16))
-        if any(b % self._batch_multiple for b in self.batch_buckets):
-            raise ValueError(f"batch buckets {self.batch_buckets} must be multiples of {self._batch_multiple} "
-                             "(the mesh's batch axes)")
-        # Cache lengths step by 1.5x / 2x: attention cost per decode step is linear in S.
-        self.length_buckets = tuple(length_buckets or pow2_buckets(64, max_len, half_steps=True))
+        multiple = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in get_rules(cfg.sharding_rules)["batch"]]))
+        self.shape = engine_shape(max_len=max_len, slots=slots, prefill_chunk=prefill_chunk,
+                                  decode_chunk=decode_chunk, max_logprobs=max_logprobs, batch_multiple=multiple,
+                                  max_tokens_per_call=max_tokens_per_call, decode_rows=decode_rows)
         if eos_ids is None:
             eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
             cfg_eos = cfg.eos_token_id
@@ -201,13 +220,14 @@ class JaxSampler(Sampler):
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self._eos_arr = np.asarray(sorted(self.eos_ids) or [-1], np.int32)
         allowed = np.zeros(cfg.vocab_size, bool)
-        ids = [i for i in tokenizer.get_vocab().values() if i < cfg.vocab_size]
-        allowed[ids] = True
-        self._allowed = jnp.asarray(allowed) if restrict_to_tokenizer and not allowed.all() else None
+        allowed[[i for i in tokenizer.get_vocab().values() if i < cfg.vocab_size]] = True
+        self._allowed = allowed if restrict_to_tokenizer and not allowed.all() else None
         self.trace_counts = TRACE_COUNTS
-        self._fns = jitted(graphdef, cfg, self._unrolled)
-        self._cache: KVCache | None = None
-        self._slots: dict[int, _Slot] = {}
+        self._fns = jitted(graphdef, cfg, self.shape, self._unrolled, logprobs_mode == "raw")
+        self.table = SlotTable(self.shape.slots)
+        self._ds = None  # the device's `DecodeState`, allocated at the first call (or `warm_up`)
+        self._warm = False
+        self._stops: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray]] = {}
         self.last_stats: dict[str, int] = {}
 
     def _set_state(self, state) -> None:
@@ -216,7 +236,11 @@ class JaxSampler(Sampler):
         state = decode_weights(state, self.config.compute_dtype)
         if self._unrolled:
             state = to_input_major(self._model_graphdef)(state)
-        self._state = jax.block_until_ready(state)
+        if self._weight_shardings is None:
+            self._weight_shardings = jax.tree.map(lambda x: x.sharding, state)
+        # Committed, in the first weights' shardings: the trainer's updated params may come laid out otherwise (the
+        # train step's outputs), and another sharding would compile every program again.
+        self._state = jax.block_until_ready(jax.device_put(state, self._weight_shardings))
 
     def _mesh_ctx(self):
         return jax.set_mesh(self.mesh) if self.mesh is not None else _NullCtx()
@@ -226,8 +250,8 @@ class JaxSampler(Sampler):
     def update_weights(self, params_or_path) -> float:
         """New policy weights: a CausalLM, its nnx.State, a pure dict of it (`nnx.to_pure_dict`), or an HF folder.
 
-        Returns the seconds taken. The arrays are used as given (no copy, no resharding): pass them in the
-        sampler's dtype; another sharding than the last call's only costs a recompile.
+        Returns the seconds taken. The arrays are cast to the compute dtype and put in the first weights' shardings
+        (no copy where they already are): the programs are compiled once, for those.
         """
         t0 = time.perf_counter()
         if isinstance(params_or_path, nnx.Module):
@@ -244,206 +268,297 @@ class JaxSampler(Sampler):
             raise ValueError("update_weights: the new params do not have the structure of the sampler's model")
         self._set_state(state)
         # The cached keys/values were computed by the old weights: no cached row may be reused.
-        self._slots.clear()
+        self.table.clear()
         return time.perf_counter() - t0
 
     def reset_cache(self) -> None:
-        """Forgets every cached slot, so that a call does not depend on what earlier calls left in the cache."""
-        self._slots.clear()
-        self._cache = None  # a cache no slot points into is never read again: free it now
+        """Forgets every cached row, so that a call does not depend on what earlier calls left in the cache (the
+        cache's memory stays: its shape never changes)."""
+        self.table.clear()
 
     def sleep(self) -> None:
         """Frees the weights and cache until the next `update_weights` (the trainer's update gives new ones)."""
-        self._state = self._cache = None
-        self._slots.clear()
+        self._state = self._ds = None
+        self.table.clear()
 
-    def generate(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[SampleResult]:
+    # -- the fixed programs ----------------------------------------------------------------------------------
+
+    def programs(self) -> dict[str, tuple]:
+        """Every program this engine runs: {name: (jitted function, abstract arguments)} (`engine_programs`)."""
+        ds = self._ds if self._ds is not None else jax.eval_shape(self._fns.init)
+        vocab = None if self._allowed is None else len(self._allowed)
+        return engine_programs(self._fns, self.shape, self._state, ds, n_eos=len(self._eos_arr), vocab=vocab)
+
+    def warm_up(self) -> float:
+        """Compiles every program (lowered one after another, compiled in parallel) and allocates the cache, so that
+        no call compiles; returns the seconds taken (0 once done). The first `generate` calls it."""
+        if self._warm:
+            return 0.0
+        if self._state is None:
+            raise RuntimeError("JaxSampler.warm_up after sleep(): update_weights first")
+        t0 = time.perf_counter()
+        with self._mesh_ctx():
+            self._device_state()
+            lowered = [fn.lower(*args) for fn, args in self.programs().values()]
+            with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
+                list(pool.map(self._compile, lowered))
+        self._warm = True
+        return time.perf_counter() - t0
+
+    def _compile(self, lowered):
+        """Compiles on a pool thread under the engine's mesh, as its calls run: a thread starts without the mesh
+        context, and an executable compiled outside it is not the one a call looks up (each call compiled its
+        program again)."""
+        with self._mesh_ctx():
+            lowered.compile()
+
+    def _device_state(self):
+        if self._ds is None:  # committed where it is, as every program's outputs are (else the first call compiles)
+            self._ds = jax.tree.map(lambda x: jax.device_put(x, x.sharding), self._fns.init())
+        return self._ds
+
+    def _stop_arrays(self, stop: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """The stop strings' token sequences the device checks ([Q, M] right-aligned, -1 = none; [Q] enabled): each
+        string's tokens alone and after a space or newline, where they decode to text ending with it."""
+        if stop not in self._stops:
+            q, m = self.shape.stop_seqs, self.shape.stop_len
+            seqs: list[list[int]] = []
+            for s in (s for s in stop if s):
+                for prefix in _STOP_PREFIXES:
+                    ids = list(self.tokenizer.encode(prefix + s, add_special_tokens=False))
+                    if 0 < len(ids) <= m and ids not in seqs and self.tokenizer.decode(ids).endswith(s):
+                        seqs.append(ids)
+            arr, on = np.full((q, m), -1, np.int32), np.zeros(q, bool)
+            for k, ids in enumerate(seqs[:q]):
+                arr[k, m - len(ids):], on[k] = ids, True
+            self._stops[stop] = (arr, on)
+        return self._stops[stop]
+
+    reports_each = True  # `generate(..., on_result=...)` reports each request as it finishes (`generate_each`)
+
+    def generate(self, requests: Sequence[SampleRequest], settings: SamplingSettings,
+                 on_result: Callable[[int, SampleResult], None] | None = None) -> list[SampleResult]:
+        """One result per request, in order; `on_result(i, result)` is called as each request finishes (while the
+        others go on decoding)."""
         if not requests:
-            self._slots.clear()
+            self.table.begin(set())
             return []
         _check_settings(settings)
+        if settings.logprobs > self.shape.max_logprobs:
+            raise ValueError(f"logprobs={settings.logprobs} exceeds the engine's max_logprobs="
+                             f"{self.shape.max_logprobs}")
         if self._state is None:
             raise RuntimeError("JaxSampler.generate after sleep(): update_weights first")
-        rows: list[_Row | None] = [None] * len(requests)
-        stats: Counter[str] = Counter()
         try:
             with self._mesh_ctx():
-                chunks = self._chunks(requests)
-                for idx in chunks:
-                    sub = [requests[i] for i in idx]
-                    plan = self._plan(sub, idx)
-                    h = self._prefill_all(plan)
-                    for i, row in zip(idx, self._decode_all(plan, h, settings)):
-                        rows[i] = row
-                    self._save_slots(sub, plan)
-                    for k, v in self.last_stats.items():  # counts add up, sizes are the largest chunk's
-                        stats[k] = stats[k] + v if k in _SUMMED_STATS else max(stats[k], v)
+                self.warm_up()
+                self._device_state()
+                call = _Call(self, requests, settings, on_result)
+                results = call.run()
         except BaseException:
-            # `_plan` has already taken the cache: slots kept now would point into a cache that is gone, and the
-            # next call would prefill only their suffixes onto empty rows.
-            self._slots.clear()
-            self._cache = None
+            # The cache may be half written (or donated to a program that failed): forget and reallocate it.
+            self.table.clear()
+            self._ds = None
             raise
-        self.last_stats = dict(stats) | {"chunks": len(chunks)}
-        return [SampleResult(r.gen, r.text, r.finish, r.stop_string, r.top_logprobs,
-                             r.token_logprobs if settings.token_logprobs else None) for r in rows]
+        self.last_stats = dict(call.stats)
+        return results
 
-    def _chunks(self, requests: Sequence[SampleRequest]) -> list[list[int]]:
-        """The requests' indices in the order they run, one list per chunk: all at once without a budget; with
-        `max_tokens_per_call` as many rows as the largest batch bucket whose cache (rows x the call's longest cache
-        length) fits it, the requests that continue a row of the cache kept from the last call first."""
-        n = len(requests)
-        if not self.max_tokens_per_call:
-            return [list(range(n))]
-        s = bucket(max(min(len(r.token_ids) + max(r.max_tokens, 1), self.max_len) for r in requests),
-                    self.length_buckets, "cache length")
-        fits = [b for b in self.batch_buckets if b * s <= self.max_tokens_per_call]
-        if not fits:
-            raise ValueError(f"max_tokens_per_call={self.max_tokens_per_call} holds no batch bucket of {s}-slot rows "
-                             f"(the smallest is {self.batch_buckets[0]} rows, a multiple of the mesh's batch "
-                             f"devices); allowed: 0 (no limit) or >= {self.batch_buckets[0] * s}")
-        size = fits[-1]
-        cached = [i for i, r in enumerate(requests)
-                  if any(k is not None and k in self._slots for k in (r.slot_id, r.parent_id))]
-        first = set(cached)
-        order = cached + [i for i in range(n) if i not in first]
-        return [order[k:k + size] for k in range(0, n, size)]
 
-    # -- the three phases ---------------------------------------------------------------------------------------
+class _Call:
+    """One `generate` call: requests wait for a row, are admitted (a copy of a parent's row, a prefill of what the
+    row lacks), decode in calls dispatched one ahead of the host's reading, and give their row back when they
+    finish, to the next waiting request."""
 
-    def _plan(self, requests: Sequence[SampleRequest], index: Sequence[int]) -> dict:
-        """Decides rows, reusable prefixes and bucket sizes; builds this chunk's cache from the last one's.
-        `index`: the requests' positions in the call (their seeds)."""
-        n = len(requests)
-        contexts = [np.asarray(r.token_ids, np.int32) for r in requests]
-        src, keep = np.zeros(n, np.int32), np.zeros(n, np.int32)
-        limits = np.zeros(n, np.int32)
-        for i, (r, ctx) in enumerate(zip(requests, contexts)):
-            if len(ctx) == 0 or len(ctx) >= self.max_len:
-                raise ValueError(f"request {index[i]}: {len(ctx)} context tokens; need 1 .. max_len - 1 = "
-                                 f"{self.max_len - 1}")
-            if r.max_tokens < 1:
-                raise ValueError(f"request {index[i]}: max_tokens={r.max_tokens} (must be >= 1)")
-            limits[i] = min(r.max_tokens, self.max_len - len(ctx))
-            slot = self._slots.get(r.slot_id) if r.slot_id is not None else None
-            if slot is None and r.parent_id is not None:
-                slot = self._slots.get(r.parent_id)
-            if slot is not None:
-                # At least one token must be fed to get next-token logits.
-                src[i], keep[i] = slot.row, min(_common_prefix(slot.tokens, ctx), len(ctx) - 1)
-        ctx_lens = np.asarray([len(c) for c in contexts], np.int32)
-        suffix_max = int((ctx_lens - keep).max())
-        # Prefill is compute bound (every padding token costs a real one's FLOPs): 1.25x steps, at the price of up
-        # to twice as many (cheap: the layers are scanned) prefill compiles as 1.5x steps. A 150-token prompt takes
-        # 160 instead of 192.
-        t_buckets = pow2_buckets(16, self.prefill_chunk, quarter_steps=True)
-        t = min(bucket(min(suffix_max, self.prefill_chunk), t_buckets, "prefill length"), self.prefill_chunk)
-        # A prefill chunk's padding past the end of the cache is dropped (`_write_rows`), so S covers the real tokens
-        # only: attention per decode step is linear in S.
-        s = bucket(int((ctx_lens + limits).max()), self.length_buckets, "cache length")
-        b = bucket(n, self.batch_buckets, "batch size")
-        pad = b - n
-        src_b, keep_b = np.pad(src, (0, pad)), np.pad(keep, (0, pad))
-        if self._cache is None or not keep.any():
-            self._cache = None  # nothing reusable: free the old cache before allocating
-            cache = self._fns.init_cache(b, s)
-        else:
-            cache = self._fns.regather(self._cache, jnp.asarray(src_b), jnp.asarray(keep_b), s_new=s)
-        self._cache = None
-        self.last_stats = {"batch": n, "batch_bucket": b, "cache_len": s, "prefill_chunk": t,
-                           "reused_tokens": int(keep.sum()), "prefill_tokens": int((ctx_lens - keep).sum())}
-        return {"n": n, "b": b, "t": t, "s": s, "contexts": contexts, "keep": keep, "ctx_lens": ctx_lens,
-                "limits": limits, "cache": cache, "index": list(index)}
+    def __init__(self, engine: JaxSampler, requests: Sequence[SampleRequest], settings: SamplingSettings,
+                 on_result: Callable[[int, SampleResult], None] | None = None):
+        self.e, self.reqs, self.settings, self.on_result = engine, requests, settings, on_result
+        self.ctx = [np.asarray(r.token_ids, np.int32) for r in requests]
+        self.limits = [_limit(i, r, c, engine.max_len) for i, (r, c) in enumerate(zip(requests, self.ctx))]
+        self.seeds = [request_seed(settings.seed, i, c) for i, c in enumerate(self.ctx)]
+        self.rows: list[_Row | None] = [None] * len(requests)
+        self.results: list[SampleResult | None] = [None] * len(requests)
+        b = engine.shape.slots
+        self.occ: list[int | None] = [None] * b  # the request each row runs (or last ran) in this call
+        self.row_limit, self.row_ctx = np.zeros(b, np.int32), np.zeros(b, np.int32)
+        self.row_seed = np.zeros(b, np.uint32)
+        self.admit, self.stop = np.zeros(b, bool), np.zeros(b, bool)  # for the next decode call
+        self.live: set[int] = set()  # rows whose request the host has not seen finish
+        self.knobs, self.stops = _knobs(settings), engine._stop_arrays(tuple(settings.stop))
+        self.stats: Counter[str] = Counter(batch=len(requests), batch_bucket=b, cache_len=engine.shape.cache_len)
 
-    def _prefill_all(self, plan: dict) -> jax.Array:
-        """Prefills every row's uncached suffix; returns the hidden state [B, D] of each row's last token."""
-        b, t, keep, ctx_lens = plan["b"], plan["t"], plan["keep"], plan["ctx_lens"]
-        lens = ctx_lens - keep
-        n_chunks = -(-int(lens.max()) // t)
-        width = n_chunks * t
-        ids = np.zeros((b, width), np.int32)
-        valid = np.zeros((b, width), bool)
-        for i, ctx in enumerate(plan["contexts"]):
-            ids[i, :lens[i]] = ctx[keep[i]:]
-            valid[i, :lens[i]] = True
-        positions = np.pad(keep, (0, b - plan["n"]))[:, None] + np.arange(width)[None]
-        last = np.pad(lens - 1, (0, b - plan["n"]), constant_values=-1)  # index of each row's last token
-        cache = plan.pop("cache")
-        h = jnp.zeros((b, self.config.hidden_size), self.config.compute_dtype)
-        for c in range(n_chunks):
-            sl = slice(c * t, (c + 1) * t)
-            last_c = np.where((last >= c * t) & (last < (c + 1) * t), last - c * t, -1).astype(np.int32)
-            cache, h = self._fns.prefill(self._state, cache, h, jnp.asarray(ids[:, sl]),
-                                         jnp.asarray(positions[:, sl].astype(np.int32)), jnp.asarray(valid[:, sl]),
-                                         jnp.asarray(last_c), fresh=c == 0 and not keep.any())
-        plan["cache"] = cache
-        return h
+    def run(self) -> list[SampleResult]:
+        t = self.e.table
+        t.begin({x for r in self.reqs for x in (r.slot_id, r.parent_id) if x is not None})
+        own = [i for i, r in enumerate(self.reqs) if t.lookup(r.slot_id) is not None]
+        self.waiting = deque(own + sorted(set(range(len(self.reqs))) - set(own)))  # rows of their own first
+        inflight: deque = deque()
+        while True:
+            self._admit()
+            if self.live:
+                inflight.append(self._dispatch())
+            if not inflight:
+                break
+            if len(inflight) > 1 or not self.live:
+                self._read(*inflight.popleft())
+        return self.results
 
-    def _decode_all(self, plan: dict, h: jax.Array, settings: SamplingSettings) -> list[_Row]:
-        n, b = plan["n"], plan["b"]
-        rows = [_Row(self.tokenizer, ctx, int(lim), tuple(settings.stop))
-                for ctx, lim in zip(plan["contexts"], plan["limits"])]
-        written: list[list[int]] = [[] for _ in range(n)]
-        greedy = settings.temperature < _SAMPLING_EPS
-        truncate = not greedy and (settings.top_k > 0 or settings.top_p < 1.0)
-        pad = (0, b - n)
-        fixed = {
-            "row_ids": jnp.asarray(self._row_seeds(plan["contexts"], plan["index"], settings.seed, b)),
-            "ctx_lens": jnp.asarray(np.pad(plan["ctx_lens"], pad)),
-            "limits": jnp.asarray(np.pad(plan["limits"], pad)), "eos_ids": jnp.asarray(self._eos_arr),
-            "allowed": self._allowed, "seed": jnp.uint32(settings.seed & 0xFFFFFFFF),
-            "temperature": jnp.float32(max(settings.temperature, _SAMPLING_EPS)), "top_k": jnp.int32(settings.top_k),
-            "top_p": jnp.float32(settings.top_p)}
-        cache, ngen = plan.pop("cache"), jnp.zeros((b,), jnp.int32)
-        active = np.zeros(b, bool)
-        active[:n] = True
-        step0, max_limit = 0, int(plan["limits"].max())
-        while active.any():
-            lp_k = settings.logprobs if step0 < settings.logprob_positions else 0
-            remaining = min(max_limit - step0, self.decode_chunk)
-            n_steps = min(self.decode_chunk, bucket(remaining, pow2_buckets(1, self.decode_chunk), "steps"))
-            cache, h, dev_active, ngen, out = self._fns.decode(
-                self._state, cache, h, jnp.asarray(active), ngen, **fixed, n_steps=n_steps, greedy=greedy,
-                truncate=truncate, n_logprobs=lp_k, raw_logprobs=self.logprobs_mode == "raw",
-                tok_logprobs=settings.token_logprobs)
-            out = jax.device_get(out)
-            for i in np.flatnonzero(active):
-                row = rows[i]
-                written[i].extend(out["tok"][i][out["written"][i]].tolist())
-                for j in np.flatnonzero(out["sampled"][i]):
-                    lps = None
-                    if lp_k and len(row.gen) < settings.logprob_positions:
-                        lps = _logprob_dict(out["top_vals"][i, j], out["top_ids"][i, j], out["tok"][i, j],
-                                            out["tok_lp"][i, j])
-                    if settings.token_logprobs:
-                        row.token_logprobs.append(float(out["tok_lp"][i, j]))
-                    row.add(int(out["tok"][i, j]), self.eos_ids, lps)
-                    if row.finish is not None:
-                        active[i] = False
-                        break
-            active &= np.asarray(dev_active)
-            step0 += n_steps
-        self._cache = cache
-        plan["written"] = written
-        return rows
+    # -- admission: rows, copies, prefill ----------------------------------------------------------------------
 
-    @staticmethod
-    def _row_seeds(contexts, index, seed: int, b: int) -> np.ndarray:
-        """Each row's `sampler.request_seed` (of its position `index` in the call; the padding rows' are 0): what
-        its PRNG keys fold in, so a request samples the same in any chunk."""
-        seeds = np.zeros(b, np.uint32)
-        seeds[:len(contexts)] = [request_seed(seed, i, ctx) for i, ctx in zip(index, contexts)]
-        return seeds
+    def _admit(self) -> None:
+        """Waiting requests into rows, in order, while rows are free: a request continues in its trajectory's row,
+        or takes a free row, copying its parent's row there when that shares a prefix with it."""
+        t, plans, changed = self.e.table, [], set()
+        protect = {x for i in self.waiting for x in (self.reqs[i].slot_id, self.reqs[i].parent_id) if x is not None}
+        while self.waiting:
+            r = self.reqs[self.waiting[0]]
+            own = t.lookup(r.slot_id, changed)
+            own = None if own is not None and t.busy[own] else own  # (a slot id named twice in one call)
+            src = own if own is not None else t.lookup(r.parent_id, changed)
+            row = own if own is not None else t.free_row(protect)
+            if row is None:
+                break
+            i = self.waiting.popleft()
+            # Against what the rows hold before this batch: its copies run before any of its prefills.
+            keep = min(common_prefix(t.held[src], self.ctx[i]), len(self.ctx[i]) - 1) if src is not None else 0
+            if row != own:
+                changed.add(row)
+            t.take(row, r.slot_id)
+            plans.append((i, row, src, keep))
+        self._copy([(src, row) for _, row, src, keep in plans if src is not None and src != row and keep])
+        for i, row, _, keep in plans:
+            t.held[row] = self.ctx[i]
+            self.occ[row] = i
+            self.row_limit[row], self.row_ctx[row], self.row_seed[row] = self.limits[i], len(self.ctx[i]), self.seeds[i]
+            self.rows[i] = _Row(self.e.tokenizer, self.ctx[i], self.limits[i], tuple(self.settings.stop))
+            self.admit[row] = True
+            self.live.add(row)
+            self.stats["reused_tokens"] += keep
+            self.stats["prefill_tokens"] += len(self.ctx[i]) - keep
+        self._prefill([(row, self.ctx[i], keep) for i, row, _, keep in plans])
 
-    def _save_slots(self, requests: Sequence[SampleRequest], plan: dict) -> None:
-        """Remembers what each slot's row holds; slots absent from this chunk are dropped (their rows freed)."""
-        self._slots = {}
-        for i, r in enumerate(requests):
-            if r.slot_id is not None:
-                held = np.concatenate([plan["contexts"][i], np.asarray(plan["written"][i], np.int32)])
-                self._slots[r.slot_id] = _Slot(i, held)
-        if not self._slots:
-            self._cache = None
+    def _copy(self, pairs: list[tuple[int, int]]) -> None:
+        e, w = self.e, self.e.shape.copy_rows
+        for k in range(0, len(pairs), w):
+            src, dst = np.zeros(w, np.int32), np.full(w, e.shape.slots, np.int32)  # dst past the end: no copy
+            for j, (s, d) in enumerate(pairs[k:k + w]):
+                src[j], dst[j] = s, d
+            e._ds = e._fns.copy(e._ds, src, dst)
+            self.stats["copies"] += min(w, len(pairs) - k)
+
+    def _prefill(self, fills: list[tuple[int, np.ndarray, int]]) -> None:
+        """Prefills each row's context from its `keep` on, in calls of the engine's fixed (rows, length) shapes."""
+        e = self.e
+        pending = [[row, ctx, keep, keep] for row, ctx, keep in fills]  # row, context, kept, done so far
+        while pending:
+            pending.sort(key=lambda p: p[3] - len(p[1]))  # the longest remainders first
+            g, t = _prefill_shape(e.shape.prefill, [len(p[1]) - p[3] for p in pending])
+            rows, last, keep = np.full(g, e.shape.slots, np.int32), np.full(g, -1, np.int32), np.full(g, -1, np.int32)
+            ids, valid = np.zeros((g, t), np.int32), np.zeros((g, t), bool)
+            positions = np.zeros((g, t), np.int32)
+            for k, p in enumerate(pending[:g]):
+                row, ctx, kept, done = p
+                n = min(t, len(ctx) - done)
+                rows[k], ids[k, :n], valid[k, :n] = row, ctx[done:done + n], True
+                positions[k] = done + np.arange(t)
+                keep[k] = kept if done == kept else -1  # its first chunk cuts the row to what it shares
+                last[k] = n - 1 if done + n == len(ctx) else -1
+                p[3] += n
+            e._ds = e._fns.prefill(e._state, e._ds, rows, ids, positions, valid, last, keep)
+            self.stats["prefill_calls"] += 1
+            pending = [p for p in pending if p[3] < len(p[1])]
+
+    # -- decode: dispatch one call ahead, read the one before -------------------------------------------------
+
+    def _dispatch(self):
+        """One decode call over the live rows: the program with the fewest rows that holds them all (the live rows
+        picked by an index vector), or the one over every row."""
+        e, b = self.e, self.e.shape.slots
+        g = next(n for n in e.shape.decode_rows if n >= len(self.live))
+        rows = None if g == b else np.asarray(sorted(self.live) + [b] * (g - len(self.live)), np.int32)
+        sel = np.arange(b) if rows is None else np.minimum(rows, b - 1)  # (copies: the host edits its arrays)
+        pad = np.zeros(b, bool) if rows is None else rows == b  # padding entries take nothing
+        admit, stop = self.admit[sel] & ~pad, self.stop[sel] & ~pad
+        e._ds, outs = e._fns.decode(e._state, e._ds, rows, admit, stop, self.row_limit[sel], self.row_ctx[sel],
+                                    self.row_seed[sel], e._eos_arr, *self.stops, e._allowed, self.knobs)
+        delivered = np.arange(b) if rows is None else rows[~pad]
+        self.admit[delivered], self.stop[delivered] = False, False  # a stop for a row not in this call waits
+        self.stats["decode_calls"] += 1
+        return outs, list(range(b)) if rows is None else [None if r == b else int(r) for r in rows], list(self.occ)
+
+    def _read(self, outs, rows: list[int | None], occ: list[int | None]) -> None:
+        """A decode call's tokens (output k is row rows[k]): into each row's record and its request's result; a
+        request that ends frees its row (and stops it on the device, in case only the host saw its stop string)."""
+        outs = jax.device_get(outs)
+        for k, row in enumerate(rows):
+            i = None if row is None else occ[row]
+            if i is None or self.occ[row] != i:  # padding, no request, or the row has a new one since
+                continue
+            out = {key: v[k] for key, v in outs.items()}
+            if out["written"].any():
+                self.e.table.append(row, out["tok"][out["written"]])
+            if self.results[i] is None:
+                self._feed(i, row, out)
+            if self.results[i] is None and not out["active"]:
+                self._finish(i, row, device_stop=True)
+
+    def _feed(self, i: int, row: int, out: dict) -> None:
+        r, s = self.rows[i], self.settings
+        for j in np.flatnonzero(out["sampled"]):
+            tok, tok_lp = out["tok"][j], out["tok_lp"][j]
+            lps = None
+            if s.logprobs and len(r.gen) < s.logprob_positions:
+                lps = _logprob_dict(out["top_vals"][j, :s.logprobs], out["top_ids"][j, :s.logprobs], tok, tok_lp)
+            if s.token_logprobs:
+                r.token_logprobs.append(float(tok_lp))
+            r.add(int(tok), self.e.eos_ids, lps)
+            if r.finish is not None:
+                self._finish(i, row)
+                return
+
+    def _finish(self, i: int, row: int, device_stop: bool = False) -> None:
+        r = self.rows[i]
+        if device_stop:  # a stop sequence matched on the device, whose text the host's check did not see
+            r.finish, r.stop_string = "stop", _matched_stop(r.gen, self.settings.stop, self.e.tokenizer)
+            cut = r.text.rfind(r.stop_string) if r.stop_string else -1
+            r.text = r.text[:cut] if cut >= 0 else r.text
+        self.results[i] = SampleResult(r.gen, r.text, r.finish, r.stop_string, r.top_logprobs,
+                                       r.token_logprobs if self.settings.token_logprobs else None)
+        self.live.discard(row)
+        self.stop[row] = True
+        self.e.table.release(row)
+        if self.on_result is not None:
+            self.on_result(i, self.results[i])
+
+
+def _limit(i: int, r: SampleRequest, ctx: np.ndarray, max_len: int) -> int:
+    if len(ctx) == 0 or len(ctx) >= max_len:
+        raise ValueError(f"request {i}: {len(ctx)} context tokens; need 1 .. max_len - 1 = {max_len - 1}")
+    if r.max_tokens < 1:
+        raise ValueError(f"request {i}: max_tokens={r.max_tokens} (must be >= 1)")
+    return min(r.max_tokens, max_len - len(ctx))
+
+
+def _prefill_shape(shapes: tuple[tuple[int, int], ...], remaining: list[int]) -> tuple[int, int]:
+    """The (rows, length) program that advances the most tokens (every call costs about rows x length), the
+    longest on a tie; `remaining` sorted longest first."""
+    return max(shapes, key=lambda gt: (sum(min(gt[1], n) for n in remaining[:gt[0]]), gt[1]))
+
+
+def _knobs(s: SamplingSettings) -> Knobs:
+    greedy = s.temperature < _SAMPLING_EPS
+    return Knobs(np.uint32(s.seed & 0xFFFFFFFF), np.float32(max(s.temperature, _SAMPLING_EPS)), np.int32(s.top_k),
+                 np.float32(s.top_p), np.bool_(greedy), np.bool_(not greedy and (s.top_k > 0 or s.top_p < 1.0)),
+                 np.int32(s.logprob_positions), np.bool_(s.logprobs > 0), np.bool_(s.token_logprobs))
+
+
+def _matched_stop(gen: list[int], stop: Sequence[str], tokenizer) -> str | None:
+    """The stop string whose token sequence (`JaxSampler._stop_arrays`) ends `gen`."""
+    for s in (s for s in stop if s):
+        for prefix in _STOP_PREFIXES:
+            ids = list(tokenizer.encode(prefix + s, add_special_tokens=False))
+            if ids and gen[-len(ids):] == ids:
+                return s
+    return None
 
 
 def _logprob_dict(vals, ids, tok, tok_lp) -> dict[int, float]:

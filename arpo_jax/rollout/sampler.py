@@ -9,14 +9,15 @@ Token ids of a matched stop string are *kept* in `token_ids` (the reference reli
 string removed, as vLLM returns it.
 
 The rules every engine shares live here: `find_stop` (where a stop string matches), `request_seed` (the seed of
-one request) and `finish_generation` (text, finish reason and stop string of a finished generation).
+one request) and `finish_generation` (text, finish reason and stop string of a finished generation); and
+`generate_each`, which hands each result over as soon as the engine has it (the agent loop starts a tool call there).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Literal, Protocol
 
 import numpy as np
@@ -101,6 +102,19 @@ class Sampler(Protocol):
 
     def close(self) -> None:
         """Releases the engine's processes, threads and connections. Safe to call twice."""
+
+
+def generate_each(sampler, requests: Sequence[SampleRequest], settings: SamplingSettings,
+                  on_result: Callable[[int, SampleResult | None], None]) -> list:
+    """`sampler.generate`, calling `on_result(i, result)` with each request's result as soon as it is known: as each
+    finishes on an engine that reports them one by one (`reports_each`: `generate(..., on_result=...)`, the JAX
+    engine), else once all are done, in order."""
+    if getattr(sampler, "reports_each", False):
+        return sampler.generate(requests, settings, on_result=on_result)
+    results = sampler.generate(requests, settings)
+    for i, res in enumerate(results):
+        on_result(i, res)
+    return results
 
 
 def find_stop(text: str, stop: Sequence[str], new_chars: int | None = None) -> tuple[int, str] | None:

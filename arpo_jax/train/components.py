@@ -92,11 +92,11 @@ def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=
         what = {"jax": "model", "vllm": "folder", "transformers": "folder", "openai": "server"}[engine]
         raise ValueError(f"make_sampler(engine={engine!r}) needs `{what}`")
     if engine == "jax":
-        from arpo_jax.rollout.jax_sampler import JaxSampler
+        import jax
 
-        return JaxSampler(model, tokenizer, max_len=max_len, mesh=mesh, decode_chunk=cfg.rollout.jax.decode_chunk,
-                          prefill_chunk=cfg.rollout.jax.prefill_chunk,
-                          max_tokens_per_call=cfg.rollout.jax.max_tokens_per_call, layout=cfg.rollout.jax.layout)
+        from arpo_jax.rollout.jax_sampler import JaxSampler, engine_kwargs
+
+        return JaxSampler(model, tokenizer, max_len=max_len, mesh=mesh, **engine_kwargs(cfg, jax.process_count()))
     if engine == "vllm":
         from arpo_jax.rollout import placement
         from arpo_jax.rollout.vllm_sampler import VllmSampler, engine_devices
@@ -152,10 +152,11 @@ def rollout_correction_mode(cfg) -> str:
 
 def pack_config(cfg) -> PackConfig:
     """How the step's trajectories are packed: its knobs, the row length resolved (`actor.max_token_len_per_device`,
-    0: twice the longest trajectory, P + R)."""
+    0: twice the longest trajectory, P + R) and the longest trajectory (which fixes the batch's shapes)."""
     d = cfg.data
-    row_len = cfg.actor.max_token_len_per_device or 2 * (d.max_prompt_length + d.max_response_length)
-    return knobs.from_config(PackConfig, cfg, row_len=row_len)
+    max_len = d.max_prompt_length + d.max_response_length
+    return knobs.from_config(PackConfig, cfg, row_len=cfg.actor.max_token_len_per_device or 2 * max_len,
+                             max_len=max_len)
 
 
 def shaping_config(cfg) -> ShapingConfig:

@@ -300,10 +300,14 @@ def _init_wandb(wandb, workdir: Path, project: str, name: str, config: dict):
 
 
 class PhaseTimer:
-    """Seconds per named phase, accumulated across ``with timers("rollout"): ...`` blocks until ``reset()``."""
+    """Seconds per named phase, accumulated across ``with timers("rollout"): ...`` blocks until ``reset()``.
 
-    def __init__(self):
+    ``scope``: a context manager factory entered with each phase's name around its block (the trainer passes
+    ``compile_log.phase``, so the programs a phase compiles are counted under its name)."""
+
+    def __init__(self, scope=None):
         self.seconds: dict[str, float] = {}
+        self.scope = scope
 
     def __call__(self, phase: str) -> _Phase:
         return _Phase(self, phase)
@@ -324,12 +328,17 @@ class _Phase:
         self.timers, self.phase = timers, phase
 
     def __enter__(self) -> _Phase:
+        self._scope = self.timers.scope(self.phase) if self.timers.scope else None
+        if self._scope is not None:
+            self._scope.__enter__()
         self._start = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> bool:
         # Counted even when the block raises: a failing phase still cost its time.
         self.timers.add(self.phase, time.perf_counter() - self._start)
+        if self._scope is not None:
+            self._scope.__exit__(*exc)
         return False
 
 

@@ -51,7 +51,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from arpo_jax import distributed, knobs, paths, rewards
+from arpo_jax import compile_log, distributed, knobs, paths, rewards
 from arpo_jax.config import validate as config_lib
 from arpo_jax.data import rl_dataset, toy
 from arpo_jax.experience import advantages, collection, global_batch, reward
@@ -61,7 +61,7 @@ from arpo_jax.rollout import placement
 from arpo_jax.rollout.agent_loop import RolloutState, greedy_settings, rollout
 from arpo_jax.rollout.output import RolloutOutput
 from arpo_jax.rollout.sampler import worker_seed
-from arpo_jax.train import critic, run_guard, schedule, skeleton
+from arpo_jax.train import critic, run_guard, schedule, skeleton, warmup
 from arpo_jax.train import metrics as metrics_lib
 from arpo_jax.train.components import (
     make_rollout_sampler,
@@ -169,6 +169,8 @@ class Trainer:
         tr, self.stop = self.cfg.trainer, stop
         t_start = time.perf_counter()
         val, last = {}, {}
+        # Every program compiled before the first step; then each step's compiles, its validation's included.
+        compiles = warmup.warm_up(self) if not self._done() else warmup.CompileWatch()
         if tr.val_before_train and self.step == 0:
             val = self.validate()
             self.logger.log(0, val)
@@ -184,15 +186,12 @@ class Trainer:
             except Exception as e:
                 if stop is None or stop.signum is None or int(self.state.step) != updates:
                     raise
-                # The signal also reached this step's helper processes (a Ctrl-C goes to the whole process group,
-                # e.g. the vLLM engine) and the step failed before any update: abandon it, keep the last step.
                 bar.close()
-                raise stop.stopped(f"the step in progress was abandoned ({type(e).__name__}: "
-                                   f"{str(e).splitlines()[0][:200] if str(e) else ''}); "
-                                   f"{self.checkpoints.save_for_stop(self.step, self.save)}") from None
+                raise abandoned_step(stop, e, self.checkpoints.save_for_stop(self.step, self.save)) from None
             stopping = stop is not None and stop.requested()  # no validation: its engine may have had the signal too
             if tr.test_freq and (self.step % tr.test_freq == 0 or self._done()) and not stopping:
                 last |= (val := self.validate())
+            last |= compiles.take()
             self.logger.log(self.step, last)
             if self._done() and self.engine.ahead.idle():  # the engine's work is over: its memory goes back before the
                 self.sampler.sleep()  # final save and export (a CPU host's RAM is shared)
@@ -211,8 +210,9 @@ class Trainer:
     def train_step(self) -> dict:
         """One RL step, phase by phase (each timed under its name: `time/<phase>`). Returns its metrics. With
         `rollout.max_staleness` > 0 the next step's rollout runs in the background from its start to the sync."""
-        timers, t0 = metrics_lib.PhaseTimer(), time.perf_counter()
-        got = self.engine.take_rollout(self.step, self.position, self._collect, self._more, timers)
+        timers, t0 = metrics_lib.PhaseTimer(compile_log.phase), time.perf_counter()
+        got = self.engine.take_rollout(self.step, self.position, self._collect,
+                                       lambda step, position: not self._done(step, position), timers)
         trajs = got.trajs
         failed = distributed.gather(np.concatenate([t.failed for t in trajs.values()]).astype(np.float32))
         skip = self.failures.skip(failed, self.step + 1)
@@ -250,7 +250,7 @@ class Trainer:
     def _collect(self, step: int, position: rl_dataset.DataPosition) -> collection.Collected:
         """Step `step`'s rollout -> reward from `position`, per draw (dynamic sampling needs the rewards to decide
         whether to draw again). Thread-safe against the update: it may run in the background (`RolloutAhead`)."""
-        cfg, timers, version = self.cfg, metrics_lib.PhaseTimer(), self.engine.weights_version
+        cfg, timers, version = self.cfg, metrics_lib.PhaseTimer(compile_log.phase), self.engine.weights_version
 
         def rollout_and_reward(examples, worker: int, extra_round: int) -> Trajectories:
             with timers("rollout"):
@@ -343,10 +343,11 @@ class Trainer:
         t0 = time.perf_counter()
         n, bs = self.cfg.rollout.val_kwargs.n, self.cfg.data.val_batch_size
         scores, sources = [], []
-        for w, chunk in validation_chunks(self.val_data, self.workers, self.local_workers, bs):
-            t = self._reward(self._rollout(chunk, w, validation=True), chunk, shape=False)
-            scores += list(t.scores)
-            sources += [chunk[int(p)].data_source for p in t.group]
+        with compile_log.phase("validation"):
+            for w, chunk in validation_chunks(self.val_data, self.workers, self.local_workers, bs):
+                t = self._reward(self._rollout(chunk, w, validation=True), chunk, shape=False)
+                scores += list(t.scores)
+                sources += [chunk[int(p)].data_source for p in t.group]
         scores, sources = distributed.gather_ragged(np.asarray(scores, np.float32), sources,
                                                     sorted(set(self.val_data.data_sources)),
                                                     width=len(self.val_data) * n)
@@ -360,15 +361,13 @@ class Trainer:
         return self.stored.restored(restored.state, restored.meta, self.policy.shardings)  # LoRA: the base put back
 
     def save(self) -> None:
-        state, meta = self.stored.saved(self.state, {"seed": self.cfg.seed, "total_steps": self.total_steps})
-        self.checkpoints.main.save_state(self.step, state, config=self.model_cfg, position=self.position, meta=meta,
-                                         force=True)
-        if self.critic:
-            self.critic.save(self.step)
-
-    def _more(self, step: int, position: rl_dataset.DataPosition) -> bool:
-        """Whether a run at `step` and `position` has steps left."""
-        return not self._done(step, position)
+        # Its own phase: orbax's first save compiles a slice per replicated array shape (replica-parallel writes).
+        with compile_log.phase("checkpoint"):
+            state, meta = self.stored.saved(self.state, {"seed": self.cfg.seed, "total_steps": self.total_steps})
+            self.checkpoints.main.save_state(self.step, state, config=self.model_cfg, position=self.position,
+                                             meta=meta, force=True)
+            if self.critic:
+                self.critic.save(self.step)
 
     def _done(self, step: int | None = None, position: rl_dataset.DataPosition | None = None) -> bool:
         """`total_steps` trained, or (without trainer.max_steps) `total_epochs` of data used (dynamic sampling can end
@@ -382,10 +381,18 @@ class Trainer:
             self.engine.close()
             self.checkpoints.close()
         finally:
+            compile_log.arm(False)  # the run is over: later compiles (another run's warm-up) are not late
             self.logger.close()
             self.executor.close()
             self.sampler.close()
             self.lock.release()
+
+
+def abandoned_step(stop: run_guard.StopSignals, error: Exception, saved: str) -> Exception:
+    """The stop for a step that failed before any update because the signal also reached its helper processes (a
+    Ctrl-C goes to the whole process group, e.g. the vLLM engine): the step is abandoned, the last one kept."""
+    first_line = str(error).splitlines()[0][:200] if str(error) else ""
+    return stop.stopped(f"the step in progress was abandoned ({type(error).__name__}: {first_line}); {saved}")
 
 
 def step_record(got: collection.Collected, step: int, step_metrics: list[dict], critic_metrics: list[dict],
@@ -500,12 +507,36 @@ def reference_logprobs(params, cfg, model_cfg, logprob_fn, temperature: float, m
     if model_cfg.lora_rank:
         base_fn = lora.jit_reference_logprobs(model_cfg, temperature=temperature, chunk=cfg.actor.logprob_chunk,
                                               mesh=mesh, tree=cfg.actor.tree_training)
-        return lambda policy, batch: base_fn(policy, batch)[0]
+        return ReferenceLogprobs(base_fn)
     if cfg.model.ref_on_host:
-        host, on_device = offload(params)
-        return lambda policy, batch: logprob_fn(jax.device_put(host, on_device), batch)[0]
-    ref = jax.tree.map(jnp.copy, params)
-    return lambda policy, batch: logprob_fn(ref, batch)[0]
+        return ReferenceLogprobs(logprob_fn, *offload(params))
+    return ReferenceLogprobs(logprob_fn, jax.tree.map(jnp.copy, params))
+
+
+class ReferenceLogprobs:
+    """`(policy params, batch) -> reference log-probs`: `fn` (a jitted log-prob forward) on the reference's own
+    params `ref` (on the devices, or in pinned host memory with `on_device` their device shardings, put back for
+    each call), or with `ref` None (LoRA) on the policy's, whose base it reads with the adapters off. `lower` lowers
+    the program a call runs (the warm-up compiles it)."""
+
+    def __init__(self, fn, ref=None, on_device=None):
+        self.fn, self.ref, self.on_device = fn, ref, on_device
+
+    def __call__(self, policy, batch):
+        return self.fn(self._params(policy), batch)[0]
+
+    def lower(self, policy, batch):
+        if self.on_device is None:
+            return self.fn.lower(self._params(policy), batch)
+        spec = lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        return self.fn.lower(jax.tree.map(spec, self.ref, self.on_device), batch)
+
+    def _params(self, policy):
+        if self.ref is None:
+            return policy
+        if self.on_device is None:
+            return self.ref
+        return jax.device_put(self.ref, self.on_device)
 
 
 def offload(params):

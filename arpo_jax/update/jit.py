@@ -123,10 +123,26 @@ def jit_step(fn, model_cfg: ModelConfig, mesh: Mesh | None = None, shardings: Tr
 def map_micro_batches(fn, batch: Batch, keys: tuple[str, ...]):
     """``fn(mb)`` of each [B, T] micro-batch of ``batch``'s [..., B, T] arrays (e.g. [K, M, B, T] for a whole
     rollout), one at a time with ``lax.map``, so peak memory is that of one micro-batch; each output [B, T, ...] is
-    reshaped back to the batch's leading axes. Only ``keys`` are read."""
+    reshaped back to the batch's leading axes. Only ``keys`` are read. A micro-batch without a token (the batch's
+    shape has room for the worst case: `global_batch.micro_batches`) is not computed: its outputs are zeros."""
     lead = batch[keys[0]].shape[:-2]
     flat = {k: batch[k].reshape((-1,) + batch[k].shape[-2:]) for k in keys}  # [prod(lead), B, T]
-    return jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), jax.lax.map(micro_batch_scope(fn), flat))
+    return jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), jax.lax.map(micro_batch_scope(skip_empty(fn)), flat))
+
+
+def skip_empty(fn):
+    """``fn(mb)``, or zeros shaped like its outputs for a micro-batch without tokens (segment ids all 0, or a tree
+    micro-batch's ``tree_end`` all -1): a ``lax.cond``, so the padding of a fixed-size batch costs no compute."""
+    def run(mb):
+        if "segment_ids" in mb:
+            occupied = jnp.any(mb["segment_ids"] != 0)
+        elif "tree_end" in mb:
+            occupied = jnp.any(mb["tree_end"] >= 0)
+        else:
+            return fn(mb)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, mb))
+        return jax.lax.cond(occupied, fn, lambda _: zeros, mb)
+    return run
 
 
 def jit_forward(forward, keys: tuple[str, ...], model_cfg: ModelConfig, mesh: Mesh | None = None) -> MeshJit:

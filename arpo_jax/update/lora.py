@@ -111,7 +111,20 @@ def jit_reference_logprobs(cfg: Config, *, temperature: float = 1.0, chunk: int 
 
     fwd = ts.jit_forward_logprobs(base_graphdef(cfg), base_config(cfg), temperature=temperature, chunk=chunk,
                                   mesh=mesh, tree=tree)
-    return lambda params, batch: fwd(base_params(params, cfg), batch)
+    return OnBase(fwd, cfg)
+
+
+class OnBase:
+    """`fn(params, batch)` of a jitted forward on the base weights of a LoRA model's params; `lower` lowers it."""
+
+    def __init__(self, fn, cfg: Config):
+        self.fn, self.cfg = fn, cfg
+
+    def __call__(self, params, batch):
+        return self.fn(base_params(params, self.cfg), batch)
+
+    def lower(self, params, batch):
+        return self.fn.lower(base_params(params, self.cfg), batch)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -203,8 +203,11 @@ def _entropy_stats(graphdef, params, batch: Batch, cfg: UpdateConfig) -> tuple[A
         frac = n_b / jnp.maximum(n, 1.0)
         return (n, mean_a + delta * frac, m2_a + m2_b + jnp.square(delta) * n_a * frac), None
 
+    def skip_empty(carry, mb):  # the fixed-size mini-batch's empty micro-batches: nothing to add, no forward
+        return jax.lax.cond(jnp.any(mb["loss_weight"] != 0), body, lambda c, _: (c, None), carry, mb)
+
     zero = jnp.zeros((), jnp.float32)
-    (n, mean, m2), _ = jax.lax.scan(body, (zero, zero, zero), batch)
+    (n, mean, m2), _ = jax.lax.scan(skip_empty, (zero, zero, zero), batch)
     std = jnp.sqrt(m2 / jnp.maximum(n - 1.0, 1.0))
     # As algos.entropy_aware_advantages: std 0 up to rounding (or fewer than two tokens) -> 1.
     return mean, algos.robust_std(std, mean, n)
