@@ -121,7 +121,7 @@ def test_the_14b_configs_on_80gb_gpus_split_and_colocated(name):
     3 for one engine each. Its JAX plan is the co-located one's state over 5 instead of 8."""
     for device in ("a100-80gb", "h100-80gb"):
         colocated = _analyse(name, f"--config.mesh.device={device}")
-        assert not colocated["fits"] and not colocated["jax_fits"] and colocated["peak_gib"] == 49.16
+        assert not colocated["fits"] and not colocated["jax_fits"] and colocated["peak_gib"] == 49.19
         assert "rollout.vllm.gpu_memory_utilization" not in colocated["fitting_settings"]
         assert any("rollout.vllm.placement=split" in f for f in colocated["fixes"])
         split = _analyse(f"{name}_8x80gb", f"--config.mesh.device={device}")
@@ -270,7 +270,7 @@ def test_plan_lists_every_program_the_run_compiles():
 
     toy = _analyse("toy_cpu")  # JAX engine, tree training, 8 fake devices: 8 rows a micro-batch
     names = [p["name"] for p in toy["programs"]]
-    assert names[:2] == ["policy_update", "logprob_forward"] and "sampler_decode" in names
+    assert names[:2] == ["policy_update", "logprob_forward"] and any(n.startswith("sampler_decode") for n in names)
     assert any(n.startswith("sampler_prefill_") for n in names) and "reference_logprobs" not in names
     m = global_batch.micro_batches(pack_config(args.load_config(["--config=builtin:toy_cpu"])), 1, 8, tree=True)
     assert toy["micro_batches"] == m and toy["programs"][0]["shapes"].startswith(f"[{m}, 8, {toy['seq']}] + heads")

@@ -108,7 +108,8 @@ def test_injected_tool_and_engine_failures_are_masked_and_counted(tmp_path):
             assert r["rollout/failed/tool_error"] == 1 and r["rollout/failed/engine_error"] == 1
             assert r["rollout/failed/tool_timeout"] == r["rollout/failed/wall_budget"] == 0
             assert r["rollout/step_skipped"] == 0 and r["actor/grad_norm"] > 0
-        for trajs in seen:
+        assert len(seen) == 2  # the warm-up's stand-in rollout (its advantages' eager ops compiled), then the step's
+        for trajs in seen[1:]:
             t = trajs[0]
             assert list(t.out.failed[:2]) == ["tool_error", "engine_error"] and not t.failed[2:].any()
             assert t.out.finish_reason[1] == "engine_error" and t.out.response_length[1] == 0
@@ -135,7 +136,7 @@ def test_injected_tool_and_engine_failures_are_masked_and_counted(tmp_path):
         assert out["rollout/step_skipped"] == 1 and "actor/grad_norm" not in out and tr.step == 2
         assert all(np.array_equal(a, b) for a, b in zip(p1, _leaves(tr.state.params)))
         tr.failures.max_skipped_steps = 3  # the third such step in a row stops the run
-        failed = np.concatenate([t.failed for t in seen[0].values()]).astype(np.float32)
+        failed = np.concatenate([t.failed for t in seen[1].values()]).astype(np.float32)
         assert tr.failures.skip(failed, 3) and tr.failures.skipped_in_a_row == 2
         with pytest.raises(RuntimeError, match="3 steps in a row"):
             tr.failures.skip(failed, 4)
@@ -161,7 +162,8 @@ def test_dynamic_sampling_and_overlong_handling(tmp_path):
         # Odd-indexed prompts are the informative groups. Each of the 2 workers needs 2 of them: it draws its share
         # of the next batches until it has them, while the other worker may go on (at most 3 extra batches).
         rounds, odd, drawn, filled = [], 0, 0, 0
-        for w, t in seen[0].items():
+        assert len(seen) == 2  # the warm-up's stand-in rollout (its advantages' eager ops compiled), then the step's
+        for w, t in seen[1].items():
             mine = [(ex, kw.get("extra_round", 0)) for ex, w_, kw in rollouts if w_ == w]
             per_batch = [sum(e.extra_info["index"] % 2 for e in ex) for ex, _ in mine]
             assert [r for _, r in mine] == list(range(len(mine)))  # consecutive batches of the stream
@@ -181,12 +183,12 @@ def test_dynamic_sampling_and_overlong_handling(tmp_path):
         assert record["dynamic_sampling/filled_groups"] == filled
         assert tr.position.to_dict() == {"epoch": 0, "step_in_epoch": max(rounds)}  # the batches used up
         # overlong = mask: responses that did not end within R are out of the loss (and still in the baseline).
-        cut = np.concatenate([t.out.finish_reason == "length" for t in seen[0].values()])
+        cut = np.concatenate([t.out.finish_reason == "length" for t in seen[1].values()])
         assert 0 < cut.sum() < len(cut) and record["response/overlong_masked_fraction"] == cut.mean()
-        assert all(m.any() != c for m, c in zip([m for t in seen[0].values() for m in t.loss_masks], cut))
+        assert all(m.any() != c for m, c in zip([m for t in seen[1].values() for m in t.loss_masks], cut))
         # overlong = penalty on the same rollout: the score is the reward plus 0.5 * min(0, (128 - buf - length) / buf),
         # with the buffer starting at the shortest response (so some responses are penalised and some are not).
-        t = max(seen[0].values(), key=lambda t: len(set(t.out.response_length)))
+        t = max(seen[1].values(), key=lambda t: len(set(t.out.response_length)))
         length = t.out.response_length.astype(np.float64)
         buf = 128 - int(length.min())
         penalty = _config(tmp_path, HALF_CONSTANT_REWARD, "--config.algorithm.overlong=penalty",

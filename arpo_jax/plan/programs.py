@@ -83,15 +83,15 @@ def _flat_micro_batches(cfg, sh: Shapes, rows: int) -> int:
 def sampler_programs(cfg, model_cfg: models.Config, mesh_shape, processes: int, peaks: dict[str, float]
                      ) -> list[dict]:
     """The JAX engine's programs (`jax_sampler.config_programs`: its fixed slots, prefill lengths, copy and decode)
-    with their argument shapes; the peak of the itemised program of their kind (prefill, decode; the others: the
-    cache regather's)."""
+    with their argument shapes; the peak of the itemised program of their kind (prefill, decode; the others, the
+    cache's init and the row copy, hold the same weights and cache as the decode: its peak bounds theirs)."""
     from arpo_jax.rollout.jax_sampler import config_programs
 
     graphdef, abstract = nnx.split(models.abstract_model(model_cfg))
     local = max(1, math.prod(mesh_shape) // processes)
     out = []
     for name, (_, args) in config_programs(cfg, graphdef, abstract, processes=processes, batch_multiple=local).items():
-        kind = _SAMPLER_PEAKS.get(name.split("_")[0], "sampler_regather")
+        kind = _SAMPLER_PEAKS.get(name.split("_")[0], "sampler_decode")
         out.append(_entry(f"sampler_{name}", _arg_shapes(args), "per call", round(peaks[kind] / GB, 2)))
     return out
 
