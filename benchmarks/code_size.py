@@ -113,7 +113,7 @@ VALIDATE_IMPORTERS = {"arpo_jax.cli", "arpo_jax.demo", "arpo_jax.train", "arpo_j
 # needs an entry here (and a reason it belongs to no stage).
 TOP_LEVEL = {"arpo_jax", "arpo_jax.cli", "arpo_jax.demo", "arpo_jax.quickstart", "arpo_jax.testing",
              "arpo_jax.compile_log", "arpo_jax.distributed", "arpo_jax.hugepages", "arpo_jax.json_http",
-             "arpo_jax.knobs", "arpo_jax.paths", "arpo_jax.sharding"}
+             "arpo_jax.knobs", "arpo_jax.paths", "arpo_jax.sharding", "arpo_jax.device_memory"}
 
 
 def stage(module: str) -> str:

@@ -158,6 +158,8 @@ def test_end_to_end_reports_and_counts(evaluated):
     rep = json.loads((workdir / "report.json").read_text())
     assert list(rep["benchmarks"]) == list(BENCHMARKS) and rep["k"] == K and rep["engine"] == "jax"
     assert rep["config"]["tools"]["search"]["backend"] == "local" and rep["judge"] is None
+    # The JAX engine's rows are what the command generates at once, not the training batch's trajectories.
+    assert rep["config"]["rollout"]["jax"]["slots"] == BATCH * K
     for name in BENCHMARKS:
         m, records = rep["benchmarks"][name], _samples(workdir, name)
         assert len(records) == LIMIT * K == m["n_outputs"] and m["n_samples"] == LIMIT

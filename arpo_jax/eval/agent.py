@@ -198,7 +198,7 @@ def build_agent(cfg: ConfigDict, model: str, *, workdir: str | os.PathLike, engi
                 tokenizer: str | None = None, base_url: str | None = None, served_model: str | None = None,
                 api_key_env: str | None = None, concurrency: int | None = None,
                 sample_timeout: float | None = None, adapter: str | None = None,
-                shots: Sequence[tuple[str, str]] = ()) -> Agent:
+                shots: Sequence[tuple[str, str]] = (), rows: int | None = None) -> Agent:
     """Resolves the model, validates the config (command ``eval``) and starts the engine and the tools.
 
     Args:
@@ -207,6 +207,8 @@ def build_agent(cfg: ConfigDict, model: str, *, workdir: str | os.PathLike, engi
         EvalOptions.
       workdir: where ``builtin:tiny`` is built and a checkpoint (or a model and its adapter) is exported for vLLM.
       shots: few-shot (question, response) turns (``benchmarks.load_shots``).
+      rows: the most sequences the command generates at once (eval: --batch-size x --k): the JAX engine's rows
+        when ``rollout.jax.slots`` is 0 (else they would follow the training batch: 2,048 rows in the base config).
     """
     engine = engine or cfg.rollout.engine
     if engine not in ENGINES:
@@ -221,6 +223,8 @@ def build_agent(cfg: ConfigDict, model: str, *, workdir: str | os.PathLike, engi
         cfg.rollout.engine = engine
         if concurrency:
             cfg.tools.max_workers = concurrency
+    if engine == "jax" and rows and not cfg.rollout.jax.slots:
+        cfg.rollout.jax.slots = rows
     import jax
 
     cfg = config_lib.validate(cfg, process_count=1, command="eval",

@@ -60,7 +60,8 @@ def chat(cfg: ConfigDict, model: str, *, workdir: str | None = None, engine: str
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     with tempfile.TemporaryDirectory(prefix="arpo_jax_chat_") as tmp:
         agent = agent_lib.build_agent(cfg, model, workdir=workdir or tmp, engine=engine, tokenizer=tokenizer,
-                                   base_url=base_url, served_model=served_model, api_key_env=api_key_env)
+                                   base_url=base_url, served_model=served_model, api_key_env=api_key_env,
+                                   rows=1)
         seed = agent.cfg.seed if seed is None else seed
         answers, calls = [], 0
         try:

@@ -351,7 +351,7 @@ def evaluate(cfg: ConfigDict, opts: EvalOptions) -> dict:
     agent = build_agent(cfg, opts.model, workdir=workdir, engine=opts.engine, tokenizer=opts.tokenizer,
                         base_url=opts.base_url, served_model=opts.served_model, api_key_env=opts.api_key_env,
                         concurrency=opts.concurrency, sample_timeout=opts.sample_timeout, adapter=opts.adapter,
-                        shots=shots)
+                        shots=shots, rows=opts.batch_size * opts.k)
     judge = None
     try:
         seed = agent.cfg.seed if opts.seed is None else opts.seed
