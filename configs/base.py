@@ -223,6 +223,10 @@ def get_config() -> ConfigDict:
     c.actor.max_grad_norm = 1.0
     c.actor.ppo_mini_batch_size = 16  # prompts per optimizer step (x n trajectories); 8 steps per training step
     c.actor.ppo_epochs = 1
+    # true: the old log-probs from their own forward pass before the update (the reference). false (on-policy runs
+    # only: one mini-batch and one epoch a step, actor.rollout_correction.mode=off): the update's forward is at the
+    # same params, so its log-probs, gradient stopped, are the old ones (ratio 1): one forward pass less a step.
+    c.actor.recompute_old_logprob = True
     c.actor.max_token_len_per_device = 0  # tokens per device per micro-batch (packed); 0 = 2 * (P + R) (scripts)
     c.actor.pack = True  # pack several trajectories per row (segment ids) instead of one padded row each
     # Prefix-tree batches (experience/tree_packing.py): each group's shared prefixes (prompt, branch parents)

@@ -175,6 +175,10 @@ BAD = [  # (overrides, problem's field, words the message must contain, validate
     (dict(rollout__max_staleness=1, algorithm__dynamic_sampling=True), "rollout.max_staleness",
      "algorithm.dynamic_sampling=false", {"process_count": 2}),
     (dict(actor__adam_beta2=1.0), "actor.adam_beta2", "0 <= beta2 < 1", {}),  # a knob's rule (train_step)
+    (dict(actor__recompute_old_logprob=False), "actor.recompute_old_logprob", "one optimizer step a training step",
+     {}),  # the toy config's 2 mini-batches of 2 prompts a step
+    (dict(actor__recompute_old_logprob=False, actor__ppo_mini_batch_size=4), "actor.recompute_old_logprob",
+     "true, or actor.rollout_correction.mode=off", {}),
 ]
 
 
@@ -182,6 +186,11 @@ BAD = [  # (overrides, problem's field, words the message must contain, validate
 def test_invalid_configs_name_the_field_and_the_allowed_values(overrides, field, words, kw):
     problems = _problems(_toy(**overrides), **kw)
     assert any(p.startswith(field + ":") and words in p for p in problems), problems
+
+
+def test_on_policy_runs_may_reuse_the_updates_logprobs():
+    config.validate(_toy(actor__recompute_old_logprob=False, actor__ppo_mini_batch_size=4,
+                         actor__rollout_correction__mode="off"), check_files=False)
 
 
 def test_every_problem_is_reported_at_once():

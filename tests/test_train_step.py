@@ -4,6 +4,8 @@ Gradients are compared through a plain SGD(lr=1) optimizer (new params = params 
 step is ~lr * sign(g) and would hide gradient errors. The full AdamW step is compared across meshes.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -371,6 +373,25 @@ def test_adamw_schedules_and_first_step():
     expected = -0.1 * (np.array([0.6, 0.8]) / (np.array([0.6, 0.8]) + 1e-8) + 0.01 * np.array([1.0, -2.0]))
     # rtol: 1 - 0.999 in float32 (the bias correction of v) is off by 1.3e-5 relative, halved by the sqrt.
     np.testing.assert_allclose(np.asarray(updates["w"]), expected, rtol=2e-5)
+
+
+@pytest.mark.slow  # > 10 s (compile-bound)
+def test_on_policy_the_updates_own_logprobs_are_the_old_ones(tiny):
+    """actor.recompute_old_logprob=false: the micro-batch's own log-probs (gradient stopped) as the old ones give the
+    step that old log-probs from a forward pass at the same params give (ratio 1), with no old_logp in the batch."""
+    _, _, model_cfg, graphdef, params = tiny
+    batch, _ = _batch(graphdef, params, model_cfg)
+    perturbed = {k: v[0] for k, v in batch.items()}
+    exact = perturbed | {"old_logp": _forward(graphdef, model_cfg)(params, batch)[0][0]}
+    cfg = ts.UpdateConfig(loss="aepo", entropy_coef=0.01)
+    g_exact, m_exact = _sgd_grads(tiny, exact, cfg)
+    reuse = dataclasses.replace(cfg, recompute_old_logprob=False)
+    g_reuse, m_reuse = _sgd_grads(tiny, {k: v for k, v in exact.items() if k != "old_logp"}, reuse)
+    _assert_trees_close(g_reuse, g_exact, atol=1e-6)
+    for k in ("loss", "pg_loss", "entropy", "pg_clipfrac", "ppo_kl"):
+        np.testing.assert_allclose(m_reuse[k], m_exact[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    # Old log-probs off the current params (here perturbed) give another step: the comparison above can fail.
+    assert _max_diff(_sgd_grads(tiny, perturbed, cfg)[0], g_exact) > 1e-4
 
 
 def test_update_config_validates():

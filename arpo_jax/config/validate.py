@@ -418,6 +418,18 @@ def _check_tools(ck: _Checker, command: str, check_files: bool) -> None:
                    f"export {env}=..., or tools.search.backend=cache|local")
 
 
+def _check_reused_old_logprob(ck: _Checker, mode: str) -> None:  # exact for the step's one optimizer step only
+    if ck.get("actor.recompute_old_logprob") is not False:
+        return
+    got = [ck.get(f) for f in ("actor.ppo_epochs", "actor.ppo_mini_batch_size", "data.train_batch_size")]
+    if got[0] != 1 or got[1] != got[2]:
+        ck.add("actor.recompute_old_logprob", f"false needs one optimizer step a training step (actor.ppo_epochs=1, "
+               f"actor.ppo_mini_batch_size = data.train_batch_size; here {got})", "true")
+    if mode != "off":  # "auto" too: explicit, as it resolves to a correction with vLLM or stale rollouts
+        ck.add("actor.recompute_old_logprob", f"false leaves no old log-probs for the rollout correction (actor."
+               f"rollout_correction.mode={mode})", "true, or actor.rollout_correction.mode=off")
+
+
 def _check_actor(ck: _Checker) -> None:
     ck.require("actor.ppo_mini_batch_size", POSITIVE)
     mode = ck.get("actor.rollout_correction.mode")
@@ -425,6 +437,7 @@ def _check_actor(ck: _Checker) -> None:
         # vLLM's raw_logprobs are the temperature-1 distribution; the trainer's old log-probs divide by T.
         ck.add("actor.rollout_correction.mode", f"{mode} with rollout.engine=vllm needs rollout.temperature=1 "
                "(vLLM reports temperature-1 log-probs)", "off | auto")
+    _check_reused_old_logprob(ck, mode)
     for path in ("actor.max_token_len_per_device", "critic.warmup_steps"):
         ck.require(path, NONNEG)
     for path in ("algorithm.gamma", "algorithm.lam"):

@@ -302,7 +302,8 @@ class Trainer:
 
     def _old_logprobs(self, batch: dict) -> dict:
         """The mini-batch with the pre-update policy's log-probs (and the reference policy's, with a KL loss)."""
-        batch = batch | {"old_logp": self.logprob_fn(self.state.params, batch)[0]}
+        if self.cfg.actor.recompute_old_logprob:  # else the update's own, on-policy (train_step.UpdateConfig)
+            batch = batch | {"old_logp": self.logprob_fn(self.state.params, batch)[0]}
         if self.ref_logprobs is not None:
             batch["ref_logp"] = self.ref_logprobs(self.state.params, batch)
         return batch

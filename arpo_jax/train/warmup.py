@@ -87,8 +87,10 @@ def update_programs(trainer) -> dict:
     arrays = {w: token_arrays(t, critic=tr.critic is not None) for w, t in trajs.items()}
     batch = tr.batches.pack(trajs, arrays)[0][0]
     logp = jax.ShapeDtypeStruct(batch["loss_weight"].shape, np.float32, sharding=batch["loss_weight"].sharding)
-    out = {"logprob_forward": tr.logprob_fn.lower(tr.state.params, batch)}
-    full = batch | {"old_logp": logp}
+    out, full = {}, batch
+    if tr.cfg.actor.recompute_old_logprob:  # else the update's own log-probs are the old ones: no forward of its own
+        out["logprob_forward"] = tr.logprob_fn.lower(tr.state.params, batch)
+        full = batch | {"old_logp": logp}
     if tr.ref_logprobs is not None:
         out["reference_logprobs"] = tr.ref_logprobs.lower(tr.state.params, batch)
         full["ref_logp"] = logp

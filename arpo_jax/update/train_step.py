@@ -21,10 +21,11 @@ statistics are pooled over the micro-batch in ``reference`` mode (as verl) and o
 the default mode, which costs one extra forward pass but keeps the update independent of the split.
 
 Batch keys, each [M, B, T] (per-token values describe the *next* token, see ``packing``): ``input_ids``,
-``targets``, ``positions``, ``segment_ids`` (int32); ``loss_weight``, ``advantages``, ``old_logp`` and,
-when ``kl_coef != 0``, ``ref_logp`` (float32). Optional ``rollout_logp`` (float32): the rollout engine's log-prob
-of each sampled token (NaN where it has none); with it, every step measures the rollout / trainer mismatch and
-applies ``rollout_correction`` (``algos.rollout_correction`` over the whole mini-batch, before the micro-batches).
+``targets``, ``positions``, ``segment_ids`` (int32); ``loss_weight``, ``advantages``, ``old_logp`` (not with
+``recompute_old_logprob=False``) and, when ``kl_coef != 0``, ``ref_logp`` (float32). Optional ``rollout_logp``
+(float32): the rollout engine's log-prob of each sampled token (NaN where it has none); with it and the old
+log-probs, every step measures the rollout / trainer mismatch and applies ``rollout_correction``
+(``algos.rollout_correction`` over the whole mini-batch, before the micro-batches).
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ class UpdateConfig:
     micro_norm: str = knobs.knob("actor.micro_norm", knobs.one_of(MICRO_NORMS))
     kl_coef: float = knobs.knob("actor.kl_coef", knobs.NONNEG)  # != 0 needs ref_logp in the batch
     kl_kind: str = knobs.knob("actor.kl_kind", knobs.one_of(algos.KL_KINDS))
+    # False: on-policy, the micro-batch's own log-probs (gradient stopped) are the old ones: no old_logp in the batch
+    recompute_old_logprob: bool = knobs.knob("actor.recompute_old_logprob")
     entropy_coef: float = knobs.knob("actor.entropy_coef", knobs.NONNEG)
     entropy_adv: bool = knobs.knob("actor.entropy_adv")
     entropy_adv_alpha: float = knobs.knob("actor.entropy_adv_alpha", knobs.NONNEG)
@@ -226,8 +229,9 @@ def _micro_loss(params, graphdef, mb: Batch, h_stats, cfg: UpdateConfig) -> tupl
             h_hat = jnp.where(mask, (jax.lax.stop_gradient(ent) - h_stats[0]) / h_stats[1], 0.0)
             adv = adv * (1.0 + cfg.entropy_adv_alpha * h_hat)
     # w already holds the aggregation and its normaliser (packing.loss_weights): the loss is sum(w * per-token).
+    old_logp = mb["old_logp"] if cfg.recompute_old_logprob else jax.lax.stop_gradient(logp)
     pg_token, pg_metrics = algos.POLICY_LOSSES[cfg.loss](
-        logp, mb["old_logp"], adv, w, clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c,
+        logp, old_logp, adv, w, clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c,
         is_weights=mb.get("is_weight"))
     pg_loss = jnp.sum(w * pg_token)
     w_sum = jnp.sum(w)
@@ -292,7 +296,7 @@ def train_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef, cfg: 
       ``rollout_logp`` in the batch also the ``rollout_corr/*`` metrics of ``algos.rollout_correction``.
     """
     rc_metrics = {}
-    if "rollout_logp" in batch:
+    if "rollout_logp" in batch and cfg.recompute_old_logprob:
         batch, rc_metrics = _rollout_correction(batch, cfg)
     h_stats = None
     if cfg.uses_entropy_adv and cfg.micro_norm == "global_token_mean":
