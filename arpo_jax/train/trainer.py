@@ -391,7 +391,7 @@ class Trainer:
 def abandoned_step(stop: run_guard.StopSignals, error: Exception, checkpoints: skeleton.RunCheckpoints, step: int,
                    save) -> Exception:
     """The stop for a step that failed before any update because the signal also reached a helper process (the vLLM
-    engines block it, `vllm_worker.keep_stop_signals_out`; a tool's process may not): the step is abandoned and
+    engines block it, `engine_signals.keep_stop_signals_out`; a tool's process may not): the step is abandoned and
     the last one saved (`step`, if not yet). With several processes nothing is saved: a save is a collective, and
     the others may be elsewhere in the step (waiting in its gathers: the two would meet in mismatched collectives
     and hang until SIGKILL); the run resumes from its last periodic checkpoint."""
