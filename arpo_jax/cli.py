@@ -1,10 +1,11 @@
-"""`arpo-jax`: demo, train, sft, plan, convert, export, quickstart, eval, compare, chat.
+"""`arpo-jax`: demo, train, sft, plan, doctor, convert, export, quickstart, eval, compare, chat.
 
 Experiment commands take an ml_collections config file and overrides, config_flags style:
 
   arpo-jax train --config=builtin:toy_cpu --config.trainer.max_steps=2 --workdir=runs/toy
   arpo-jax sft   --config=builtin:sft_qwen25_7b --workdir=runs/sft
   arpo-jax plan  --config=builtin:arpo_qwen25_7b_reasoning
+  arpo-jax doctor --config=builtin:arpo_qwen25_7b_reasoning --workdir=/shared/runs/7b   (on the node, first)
   arpo-jax eval  --model runs/toy/checkpoints --benchmarks gsm8k,hotpotqa --k 4 --workdir runs/eval_toy \
                  --config=builtin:toy_cpu          (eval and chat: the config is optional, default builtin:base)
   arpo-jax compare runs/toy runs/eval_toy --out runs/compare
@@ -77,6 +78,32 @@ def _plan(args) -> dict:
         print(json.dumps(result, default=str))
         raise SystemExit(3)
     return result
+
+
+def _doctor(args) -> dict:
+    env = dict(os.environ)  # as the run will see it; this process keeps JAX off the GPUs (the plan is arithmetic)
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    from arpo_jax.config import args as args_lib
+    from arpo_jax.plan import doctor, plan
+
+    cfg = args_lib.load_config(args.config_args)
+    rows = doctor.run(cfg, args.workdir, command=args.mode or ("sft" if plan.is_sft(cfg) else "train"),
+                      shm_path=args.shm, env=env)
+    print(doctor.format_table(rows))
+    result = {"failed": [f"{r.check}: {r.found}" for r in rows if r.status == doctor.FAIL],
+              "warnings": [f"{r.check}: {r.found}" for r in rows if r.status == doctor.WARN]}
+    if result["failed"]:
+        print(json.dumps(result))
+        raise SystemExit(1)
+    return result
+
+
+def _add_doctor_parser(sub) -> None:
+    dr = _add_experiment(sub, "doctor", "check this node for what would make the run fail later (GPUs, driver, "
+                         "compute mode, memory against the plan, /dev/shm, work dir locks, ports, package versions, "
+                         "paths, environment); exit 1 on a problem", _doctor)
+    dr.add_argument("--mode", choices=("train", "sft"), default="", help="which run (default: as plan)")
+    dr.add_argument("--shm", default="/dev/shm", help="the shared-memory folder to check (default /dev/shm)")
 
 
 def _convert(args) -> dict:
@@ -214,7 +241,7 @@ def _add_experiment(sub, name: str, help: str, func, *, workdir: bool = True) ->
     # Shown by --help; the config arguments themselves are split off before argparse (config.split_config_args).
     p.add_argument("--config", metavar="FILE|builtin:NAME", help="experiment config: a .py file with get_config(), "
                    f"or one shipped with the package: {', '.join(builtin_configs())}"
-                   + ("" if name in ("train", "sft", "plan") else " (optional: default builtin:base)"))
+                   + ("" if name in ("train", "sft", "plan", "doctor") else " (optional: default builtin:base)"))
     if workdir:
         p.add_argument("--workdir", required=True, help="run directory: checkpoints, metrics.jsonl, tensorboard/; "
                        "an existing one is resumed (trainer.resume)")
@@ -258,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="compile the update and log-prob forward with this many layers as a check of the "
                       "itemised model (0: no compile)")
     plan.add_argument("--native", action="store_true", help="compile for this host's real devices instead")
+    _add_doctor_parser(sub)
 
     conv = sub.add_parser("convert", help="convert between HuggingFace folders, orbax checkpoints and GGUF files")
     conv_sub = conv.add_subparsers(dest="direction", required=True)
@@ -333,9 +361,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     except ValueError as e:  # e.g. --config=builtin:<unknown name>
         build_parser().error(str(e))
     args = build_parser().parse_args(rest)
-    if config_args and args.command not in ("train", "sft", "plan", *_CONFIG_OPTIONAL):
+    if config_args and args.command not in ("train", "sft", "plan", "doctor", *_CONFIG_OPTIONAL):
         build_parser().error(f"{args.command} takes no --config arguments")
-    if args.command in ("train", "sft", "plan") and not config_args:
+    if args.command in ("train", "sft", "plan", "doctor") and not config_args:
         build_parser().error(f"{args.command} needs --config=builtin:NAME or --config=FILE (see --help)")
     args.config_args = config_args
     return args

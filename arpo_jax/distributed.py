@@ -10,7 +10,9 @@ Each is a collective: every process calls it at the same point of the loop.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -112,6 +114,7 @@ def initialize_distributed() -> None:
     job with several tasks or a multi-host TPU slice is detected by `jax.distributed.initialize()` itself.
     Must run before anything touches a JAX device.
     """
+    sigterm = signal.getsignal(signal.SIGTERM)
     if os.environ.get("ARPO_COORDINATOR"):
         missing = [k for k in COORDINATOR_ENV if not os.environ.get(k)]
         if missing:
@@ -120,6 +123,12 @@ def initialize_distributed() -> None:
                                    int(os.environ["ARPO_PROCESS_ID"]), initialization_timeout=300)
     elif int(os.environ.get("SLURM_NTASKS", "1")) > 1 or os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0:
         jax.distributed.initialize()
+    # JAX's preemption service (on by default) takes SIGTERM over in C++: its notifier logs "SIGTERM caught" and
+    # nothing else reaches Python, so the stop protocol (`run_guard.StopSignals`: SLURM's time limit, preemption)
+    # never saw the signal on several processes and the run went on to SIGKILL. The handler that was there goes back.
+    if sigterm is not None and signal.getsignal(signal.SIGTERM) is sigterm:
+        with contextlib.suppress(ValueError):  # not the main thread: nothing was installed from there either
+            signal.signal(signal.SIGTERM, sigterm)
     enable_compilation_cache()
 
 

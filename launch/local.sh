@@ -35,4 +35,8 @@ if [[ -z "${XLA_PYTHON_CLIENT_MEM_FRACTION:-}" ]]; then
   export XLA_PYTHON_CLIENT_MEM_FRACTION
 fi
 export TOKENIZERS_PARALLELISM=false
+# Preflight (`arpo-jax doctor`, seconds): what would fail later, with what to do. ARPO_SKIP_DOCTOR=1 skips it.
+if [[ "${ARPO_SKIP_DOCTOR:-0}" != 1 ]]; then
+  "$PYTHON" -m arpo_jax.cli doctor --mode="${ARPO_COMMAND:-train}" --config="$CONFIG" --workdir="$WORKDIR" "$@"
+fi
 exec "$PYTHON" -m arpo_jax.cli "${ARPO_COMMAND:-train}" --config="$CONFIG" --workdir="$WORKDIR" "$@"

@@ -135,6 +135,29 @@ def test_help_shows_the_config_argument_and_builtin_names():
     assert not Path("/tmp/never").exists()
 
 
+@pytest.mark.slow  # a subprocess that plans a config (imports jax)
+def test_a_source_copy_runs_without_any_install(tmp_path):
+    """A cluster user's `PYTHONPATH=<checkout> python -m arpo_jax.cli ...` with no `pip install`: a copy of the
+    tree, run by an interpreter that never processes site-packages' .pth files (-S: no editable install's finder,
+    which is what maps configs/ to `arpo_jax.configs`), the dependencies on PYTHONPATH. A builtin config loads
+    (`builtin:NAME`, and its own `from arpo_jax.configs.base import ...`) and is planned."""
+    import site
+
+    copy = tmp_path / "checkout"
+    for part in ("arpo_jax", "configs"):
+        shutil.copytree(REPO / part, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", copy)
+    prelude = ("import runpy, sys; import arpo_jax, arpo_jax.configs as c; "
+               "assert arpo_jax.__file__.startswith(sys.argv[1]) and c.__file__.startswith(sys.argv[1]); "
+               "assert not any('editable' in repr(f) for f in sys.meta_path), sys.meta_path; "
+               "sys.argv = ['arpo-jax', *sys.argv[2:]]; runpy.run_module('arpo_jax.cli', run_name='__main__')")
+    env = testing.subprocess_env(1, PYTHONPATH=os.pathsep.join([str(copy), *site.getsitepackages()]))
+    proc = subprocess.run([sys.executable, "-S", "-c", prelude, str(copy), "plan", "--config=builtin:toy_cpu",
+                           "--compile-layers=0"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["fits"]
+
+
 @pytest.mark.slow  # a pip install and a training run
 def test_non_editable_install_trains_from_an_empty_directory(tmp_path):
     """`pip install .` (not editable) ships the configs: `arpo-jax train --config=builtin:toy_cpu` runs one step from

@@ -25,13 +25,14 @@ case "$1 $2" in
   "show hostnames") printf 'gpu-node-1\\ngpu-node-2\\n';;
 esac
 """
-# The virtualenv's python: `-m arpo_jax.cli ...` (the training command) is recorded, anything else (mem_fraction.py)
-# runs for real.
+# The virtualenv's python: `-m arpo_jax.cli ...` (the preflight, then the training command) is recorded (the last one
+# in task.json, every one's arguments in calls.jsonl), anything else (mem_fraction.py) runs for real.
 PYTHON = f"""#!/bin/bash
 if [[ "$1" == -m ]]; then
   {sys.executable} -c 'import json, os, sys
 json.dump({{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ)}},
-          open(os.environ["FAKE_OUT"] + "/task.json", "w"))' "$@"
+          open(os.environ["FAKE_OUT"] + "/task.json", "w"))
+open(os.environ["FAKE_OUT"] + "/calls.jsonl", "a").write(json.dumps(sys.argv[1:]) + "\\n")' "$@"
 else
   exec {sys.executable} "$@"
 fi
@@ -77,6 +78,8 @@ def test_sbatch_script_runs_from_anywhere_with_its_cpus_and_planned_memory(fake_
     task = json.loads((out / "task.json").read_text())
     assert task["argv"] == ["-m", "arpo_jax.cli", "train", "--config=builtin:arpo_qwen25_7b_reasoning",
                             "--workdir=/shared/runs/7b", *overrides]
+    calls = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]
+    assert calls == [["-m", "arpo_jax.cli", "doctor", "--mode=train", *task["argv"][3:]], task["argv"]]  # preflight
     assert task["cwd"] == str(REPO)
     from arpo_jax.config import args
     from arpo_jax.plan import plan
@@ -98,6 +101,8 @@ def test_local_script_runs_from_anywhere_and_keeps_a_given_memory_fraction(fake_
     assert p.returncode == 0, p.stderr[-3000:]
     task = json.loads((out / "task.json").read_text())
     assert task["argv"] == ["-m", "arpo_jax.cli", "sft", "--config=builtin:sft_qwen25_7b", "--workdir=runs/sft"]
+    calls = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]
+    assert calls == [["-m", "arpo_jax.cli", "doctor", "--mode=sft", *task["argv"][3:]], task["argv"]]  # preflight
     assert task["cwd"] == str(REPO)
     assert task["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.33" and task["env"]["NCCL_NVLS_ENABLE"] == "1"
 

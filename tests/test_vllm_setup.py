@@ -2,11 +2,16 @@
 and ports, the job's GPUs, per-process log names."""
 
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from arpo_jax.rollout import vllm_worker
+from arpo_jax.rollout.engine_signals import exposed_processes
 from arpo_jax.rollout.sampler import CUDA_GRAPHS
 from arpo_jax.rollout.vllm_sampler import PORT_SPAN, engine_env, engine_ports, host_gpus
 from arpo_jax.train.components import process_log
@@ -122,3 +127,59 @@ def test_demo_engine_dtype_follows_the_device(gpus, monkeypatch):
         monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.4")
         demo.share_gpus_with_vllm("vllm")
         assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.4"  # the caller's setting wins
+
+
+# As the vLLM worker starts its engine: the stop signals blocked first, then vLLM's engine core in a process of its
+# own (spawned on GPUs, forked otherwise), which installs the handlers 0.32's `run_engine_core` installs: on
+# SIGTERM / SIGINT they shut the engine down (here: write the signal's name and exit 3).
+ENGINE_PROCESSES = """
+import multiprocessing as mp, os, signal, sys, time
+sys.path.insert(0, sys.argv[2])  # arpo_jax/rollout, as the worker script imports it (no jax)
+import engine_signals
+
+def engine_core(out):
+    def shut_down(signum, frame):
+        open(os.path.join(out, f"{os.getpid()}.{signal.Signals(signum).name}"), "w").close()
+        os._exit(3)
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, shut_down)
+    time.sleep(600)
+
+if __name__ == "__main__":
+    engine_signals.keep_stop_signals_out()
+    cores = [mp.get_context(kind).Process(target=engine_core, args=(sys.argv[1],)) for kind in ("spawn", "fork")]
+    for c in cores:
+        c.start()
+    time.sleep(2)  # the spawned core has imported this file and installed its handlers
+    print(" ".join(str(p) for p in [os.getpid(), *(c.pid for c in cores)]), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_the_engine_processes_never_see_the_signals_sent_to_the_whole_job(tmp_path):
+    """SLURM signals every process of the job step (proctrack/cgroup), a terminal the whole foreground group: the
+    worker and the engine-core processes it starts (spawned and forked, as vLLM does) block SIGTERM and SIGINT, so
+    the handlers with which vLLM's engine core would shut down never run, and every process lives on until the
+    trainer closes the engine (here: SIGKILL to the group). (A spawn undid a plain mask: CPython unblocks both
+    signals after starting its resource tracker.)"""
+    script = tmp_path / "engine.py"
+    script.write_text(ENGINE_PROCESSES)
+    rollout = Path(vllm_worker.__file__).parent
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), str(rollout)], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 3, "the processes did not start"
+        assert exposed_processes(proc.pid) == []  # the worker's own check, over its descendants (+ resource tracker)
+        for pid in pids:
+            blocked = int(next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                               if line.startswith("SigBlk:")).split()[1], 16)
+            assert blocked >> (signal.SIGTERM - 1) & 1 and blocked >> (signal.SIGINT - 1) & 1, pid
+            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGINT)
+        time.sleep(1.0)
+        assert proc.poll() is None and sorted(p.name for p in tmp_path.iterdir()) == ["engine.py"]
+        assert all(Path(f"/proc/{pid}").exists() for pid in pids)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

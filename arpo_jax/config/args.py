@@ -38,9 +38,13 @@ def _is_config_arg(arg: str) -> bool:
     return re.match(r"^--?(config(=|$|\.)|noconfig\.)", arg) is not None
 
 
-# The repository's top-level configs/, installed as the package `arpo_jax.configs` (pyproject.toml's package-dir):
-# found where the import system finds it, editable install or wheel, without importing it.
-BUILTIN_CONFIGS = Path(importlib.util.find_spec("arpo_jax.configs").origin).parent
+# The repository's top-level configs/, installed as the package `arpo_jax.configs` (pyproject.toml's package-dir),
+# or a checkout's own (`arpo_jax._checkout_configs`): found where the import system finds it, without importing it.
+_CONFIGS_SPEC = importlib.util.find_spec("arpo_jax.configs")
+if _CONFIGS_SPEC is None:
+    raise ImportError("arpo_jax.configs (the experiment configs, configs/ at the top of the checkout) is not found: "
+                      "run from a whole checkout (configs/ beside arpo_jax/), or install it: pip install -e .")
+BUILTIN_CONFIGS = Path(_CONFIGS_SPEC.origin).parent
 
 
 def builtin_configs() -> list[str]:

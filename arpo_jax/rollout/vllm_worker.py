@@ -49,7 +49,7 @@ class Worker:
         self.log_path = log_path
         self.conn: Connection | None = None
         # A process group of its own: vLLM's engine core (a child process on GPUs) and tensor-parallel workers go
-        # with it when it is killed (`wait`, `exit_with_parent`), and a terminal's Ctrl-C reaches none of them.
+        # with it when it is killed (`wait`, `exit_with_parent`). Signals to the whole job: engine_signals.py.
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen([python, "-u", os.path.abspath(__file__), self.listener.address],
                                          env=dict(env, ARPO_VLLM_AUTHKEY=authkey.hex()), stdin=subprocess.DEVNULL,
@@ -498,10 +498,11 @@ def exit_with_parent(interval: float = 1.0) -> None:
 
 
 def _worker_main(address: str) -> None:
-    # Ctrl-C in a terminal signals the whole foreground process group, this worker too. The process that owns the
-    # engine decides what a signal means (the trainer finishes its step, the rollout included, saves, then closes
-    # the engine), so the engine must not die under it; `Worker.wait` kills a worker that does not close in time.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C (the terminal's process group) and SLURM's SIGTERM (every process of the job) must not stop the engine
+    # under the trainer, which finishes its step first: blocked here and in every engine process (engine_signals.py).
+    from engine_signals import exposed_processes, keep_stop_signals_out  # beside this script (sys.path[0])
+
+    keep_stop_signals_out()
     exit_with_parent()
     pin_to_bound_cores()  # before torch starts its threads
     conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop("ARPO_VLLM_AUTHKEY")))
@@ -511,6 +512,10 @@ def _worker_main(address: str) -> None:
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         raise
+    if exposed := exposed_processes():
+        engine.fallbacks.append(f"engine processes {exposed} do not block SIGTERM / SIGINT: a signal to the whole job "
+                                "(SLURM's, a Ctrl-C) stops the engine under the step in progress")
+        print(f"arpo-jax vLLM worker: fallback: {engine.fallbacks[-1]}", flush=True)
     conn.send(("ok", engine.info))
     handlers = {"generate": engine.generate, "reload": engine.reload, "load_adapter": engine.load_adapter,
                 "release": engine.release, "reset_prefix_cache": lambda _: engine.llm.reset_prefix_cache(),

@@ -2,7 +2,11 @@
 
 - `RunLock`: one run per work directory. A POSIX lock on `<workdir>/run.lock` (held by process 0; the file records
   host, pid and start time). The kernel drops the lock when its process dies, so the lock of a killed run is taken
-  over by the next one; a live holder makes a second run refuse with a message naming it.
+  over by the next one; a live holder makes a second run refuse with a message naming it. Three refusals differ
+  (`lock_file`): held by a run of this host; held by a run of another host (alive, or a crashed node whose lock the
+  file server keeps until it evicts that client: a requeued SLURM job waits `REQUEUE_WAIT_S` for it); and a file
+  system that does not lock at all (Lustre mounted without `flock`, NFS without lockd): then a warning, and the run
+  goes on unlocked.
 - `record_config`: the config of every start is kept. `config.json` is the run's first config and is never
   overwritten; a later start whose config differs writes `config-<n>.json` (n = 2, 3, ...). On resume, the fields
   that change what the run means (`MEANING_FIELDS`) are compared with the newest recorded config: a difference
@@ -17,6 +21,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -81,6 +86,50 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+# The errors of a lock request that another holder refuses; any other (ENOLCK, ENOSYS, EOPNOTSUPP, EINVAL...) is the
+# file system refusing locks altogether.
+_HELD = (errno.EAGAIN, errno.EACCES)
+REQUEUE_WAIT_S = 300.0  # a requeued job (SLURM_RESTART_COUNT > 0) waits this long for another host's lock to go
+_RETRY_S = 10.0
+
+
+def lock_file(fd: int) -> str:
+    """Tries the run lock (exclusive, non-blocking) on `fd`: "" (taken), "held" (another process holds it), or the
+    name of the error with which the file system refuses locks ("ENOLCK", ...)."""
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # POSIX locks also hold across NFS clients
+    except OSError as e:
+        return "held" if e.errno in _HELD else errno.errorcode.get(e.errno, str(e.errno))
+    return ""
+
+
+def held_message(path: Path, holder: dict, waited: float = 0.0) -> str:
+    """Why a locked work directory refuses this run, and what to do; a holder on another host may be a dead node."""
+    if not holder:
+        return (f"{path.parent} is in use by another process: one run per work directory; wait for it to end, stop "
+                "it, or pick another --workdir")
+    who = (f"{holder.get('command', 'a run')} pid {holder.get('pid')} on {holder.get('host')}, started "
+           f"{holder.get('started')}")
+    if holder.get("host") == socket.gethostname():
+        return (f"{path.parent} is in use by {who}: one run per work directory; wait for it to end, stop it, or pick "
+                "another --workdir")
+    return (f"{path.parent} is locked by {who} (another host){f', still after {waited:.0f} s' if waited else ''}. If "
+            "that run is alive: wait for it, stop it (scancel), or pick another --workdir. If that host crashed, the "
+            "file server keeps its lock until it evicts that client (Lustre: minutes): start again later (a requeued "
+            f"job, SLURM_RESTART_COUNT > 0, waits {REQUEUE_WAIT_S:.0f} s by itself), or, sure that no run uses the "
+            f"folder, delete {path} (a new file has no lock)")
+
+
+def unsupported_message(path: Path, error: str) -> str:
+    return (f"{path}: the file system refuses POSIX locks ({error}), so one run per work directory is not enforced: "
+            "make sure no other run uses this --workdir. To have the lock: Lustre, mount with -o flock; NFS, run lockd "
+            "(rpc.statd); or pick a --workdir on a file system that locks")
+
+
+def _requeued() -> bool:
+    return os.environ.get("SLURM_RESTART_COUNT", "0") not in ("", "0")
+
+
 class RunLock:
     """`with RunLock(workdir, command):` holds the work directory's lock (process 0 only; the others wait for its
     verdict, so every process of a refused run raises)."""
@@ -102,17 +151,27 @@ class RunLock:
 
     def _try_lock(self) -> str:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # POSIX locks also hold across NFS clients
-        except OSError:
+        t0 = time.monotonic()
+        while (refused := lock_file(fd)) == "held":
             holder = _read_holder(fd)
-            os.close(fd)
-            who = (f"{holder.get('command', 'a run')} pid {holder.get('pid')} on {holder.get('host')}, started "
-                   f"{holder.get('started')}" if holder else "another process")
-            return (f"{self.path.parent} is in use by {who}: one run per work directory; wait for it to end, stop "
-                    f"it, or pick another --workdir")
+            waited = time.monotonic() - t0
+            if not (_requeued() and holder.get("host") not in (None, socket.gethostname())):
+                os.close(fd)
+                return held_message(self.path, holder)
+            if waited >= REQUEUE_WAIT_S:
+                os.close(fd)
+                return held_message(self.path, holder, waited)
+            log.warning("%s: locked by pid %s on %s; this job was requeued: waiting for a crashed node's lock to go "
+                        "(%.0f of %.0f s)", self.path, holder.get("pid"), holder.get("host"), waited, REQUEUE_WAIT_S)
+            time.sleep(_RETRY_S)
         old = _read_holder(fd)
-        if old and old.get("pid"):
+        if refused:  # no lock: the record of a live run of this host is all there is to go by
+            pid = int(old.get("pid") or 0)
+            if old.get("host") == socket.gethostname() and pid not in (0, os.getpid()) and _pid_alive(pid):
+                os.close(fd)
+                return held_message(self.path, old)
+            log.warning("%s", unsupported_message(self.path, refused))
+        elif old and old.get("pid"):
             same_host = old.get("host") == socket.gethostname()
             state = "no longer running" if same_host and not _pid_alive(int(old["pid"])) else "lock released"
             log.info("taking over %s from pid %s on %s (%s)", self.path, old.get("pid"), old.get("host"), state)

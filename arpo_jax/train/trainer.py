@@ -187,7 +187,7 @@ class Trainer:
                 if stop is None or stop.signum is None or int(self.state.step) != updates:
                     raise
                 bar.close()
-                raise abandoned_step(stop, e, self.checkpoints.save_for_stop(self.step, self.save)) from None
+                raise abandoned_step(stop, e, self.checkpoints, self.step, self.save) from None
             stopping = stop is not None and stop.requested()  # no validation: its engine may have had the signal too
             if tr.test_freq and (self.step % tr.test_freq == 0 or self._done()) and not stopping:
                 last |= (val := self.validate())
@@ -389,10 +389,19 @@ class Trainer:
             self.lock.release()
 
 
-def abandoned_step(stop: run_guard.StopSignals, error: Exception, saved: str) -> Exception:
-    """The stop for a step that failed before any update because the signal also reached its helper processes (a
-    Ctrl-C goes to the whole process group, e.g. the vLLM engine): the step is abandoned, the last one kept."""
+def abandoned_step(stop: run_guard.StopSignals, error: Exception, checkpoints: skeleton.RunCheckpoints, step: int,
+                   save) -> Exception:
+    """The stop for a step that failed before any update because the signal also reached a helper process (the vLLM
+    engines block it, `engine_signals.keep_stop_signals_out`; a tool's process may not): the step is abandoned and
+    the last one saved (`step`, if not yet). With several processes nothing is saved: a save is a collective, and
+    the others may be elsewhere in the step (waiting in its gathers: the two would meet in mismatched collectives
+    and hang until SIGKILL); the run resumes from its last periodic checkpoint."""
     first_line = str(error).splitlines()[0][:200] if str(error) else ""
+    if jax.process_count() == 1:
+        saved = checkpoints.save_for_stop(step, save)
+    else:
+        saved = (f"not saved on {jax.process_count()} processes (a save is a collective the others may not reach); "
+                 f"the same command resumes from step {max(checkpoints.steps(), default=0)}")
     return stop.stopped(f"the step in progress was abandoned ({type(error).__name__}: {first_line}); {saved}")
 
 
