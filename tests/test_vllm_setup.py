@@ -1,7 +1,11 @@
 """How the vLLM engines are set up before any starts (no vLLM needed): the version gate, each engine's environment
-and ports, the job's GPUs, per-process log names."""
+and ports, the job's GPUs, per-process log names; which failed starts are LoRA's and what a failed start leaves."""
 
+import contextlib
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,3 +151,44 @@ def test_demo_engine_dtype_follows_the_device(gpus, monkeypatch):
 ])
 def test_a_lora_failure_is_one_whose_error_names_lora(error, log, line):
     assert vllm_start.lora_error_line(error, log) == line
+
+
+_ORPHAN_CHECK = """
+import os, subprocess, sys, time
+import psutil
+sys.path.insert(0, sys.argv[1])
+import vllm_start as s
+assert os.getpgrp() == os.getpid()  # as Worker starts the worker
+before = s._descendants()
+# An 'engine core' that starts a 'worker', then dies: the worker is orphaned but stays in this process group.
+quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # a failed check must not wait on their pipes
+core = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, "
+                         "'-c', 'import time; time.sleep(600)'], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, "
+                         "stderr=subprocess.DEVNULL); time.sleep(600)"], **quiet)
+while len(psutil.Process(core.pid).children()) < 1:
+    time.sleep(0.1)
+core.kill()
+core.wait()
+left = s._descendants() - before
+assert len(left) == 1, left
+t = time.monotonic()
+s._wait_for_exit(left, timeout=1.0)
+(pid,) = left
+assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+print("waited", round(time.monotonic() - t, 1))
+"""
+
+
+def test_a_failed_engine_starts_processes_are_waited_for_orphans_included():
+    """Before an engine starts again without LoRA, `start_llm` waits for what the failed start left (a dead engine
+    core's GPU memory is free only once its processes are gone), including a worker orphaned when its core died
+    (it stays in the worker's process group), and kills what outlives the wait; processes from before are not its."""
+    pytest.importorskip("psutil")
+    proc = subprocess.Popen([sys.executable, "-c", _ORPHAN_CHECK, os.path.dirname(vllm_start.__file__)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # whatever the check left in its group
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0 and "waited" in out, err[-3000:]

@@ -152,9 +152,17 @@ def _log_since(start: int | None) -> str:
 
 
 def _descendants() -> set[int]:
+    """The processes started from this one: its descendants, and where it leads its own process group (`Worker`
+    starts it so) the group's other members, among them an engine core's workers once the core is gone."""
     import psutil  # a vLLM dependency
 
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    out = {p.pid for p in psutil.Process().children(recursive=True)}
+    if os.getpgrp() == os.getpid():
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, OSError):
+                if p.pid != os.getpid() and os.getpgid(p.pid) == os.getpid():
+                    out.add(p.pid)
+    return out
 
 
 def _wait_for_exit(pids: set[int], timeout: float = 60.0) -> None:
