@@ -6,9 +6,10 @@ Beside a resident vLLM engine the update does not fit an 80 GB GPU: it peaks at 
 plan`) and the engine's bf16 weights are 27.5 GiB more. So the GPUs are split (rollout.vllm.placement, rollout/
 placement.py): the last 3 run one engine each with 0.9 of the GPU (the weights and a KV cache of up to 44 GiB), and
 the trainer's mesh spans the other 5 with their whole memory: the float32 params, AdamW moments and gradient buffers
-(20 bytes a parameter: 55 GiB a GPU over 5) and the activations of 9216 tokens per device (12288 leaves less than
-10% headroom on an H100). Five, because FSDP splits every weight along the hidden size (5120): 6 would leave them
-whole on every GPU, and over 4 the state alone is 69 GiB a GPU.
+(20 bytes a parameter: 55 GiB a GPU over 5) and the activations of 8192 tokens per device, one full-length
+trajectory (on an H100, 9216 would leave JAX's pool 8.5% headroom once 2% of the GPU stays out of it for what the
+plan's reserve does not itemise, `plan/memory_model.MARGIN`). Five, because FSDP splits every weight along the
+hidden size (5120): 6 would leave them whole on every GPU, and over 4 the state alone is 69 GiB a GPU.
 
 Same algorithm, data and batch as the 141 GB config (64 x 12, mini-batch 8, P 2000, R 6192); more micro-batches.
 `--config.rollout.max_staleness=1` lets the engines generate step k+1's rollout while the trainer updates step k
@@ -25,7 +26,7 @@ def on_8x80gb(c):
     c.rollout.vllm.placement = "split"
     c.rollout.vllm.engine_gpus = 3
     c.rollout.vllm.gpu_memory_utilization = 0.9  # of each engine GPU (vLLM's default); nothing else runs there
-    c.actor.max_token_len_per_device = 9216  # one 8192-token trajectory and some; the plan's largest fit on H100
+    c.actor.max_token_len_per_device = 8192  # one full-length trajectory (P 2000 + R 6192); see the docstring
     return c
 
 

@@ -180,6 +180,10 @@ def weight_sync(engine: str, delay: float, process_id: int, port: int, hf_dir: s
         replace_dir = hf._replace_dir
         hf._replace_dir = lambda new, dest: (time.sleep(delay), replace_dir(new, dest))
     export_dir = os.path.join(out_dir, "weight_sync")
+    writers = []  # the writer threads of each safetensors file
+    write = hf.write_safetensors
+    hf.write_safetensors = lambda file, tensors, *, threads: (writers.append(threads), write(file, tensors,
+                                                                                            threads=threads))[1]
     if engine == "vllm":
         sampler = VllmSampler(hf_dir, dtype="float32", max_model_len=64, seed=0, export_dir=export_dir,
                               log_file=os.path.join(out_dir, f"vllm_{process_id}.log"),
@@ -221,6 +225,10 @@ def weight_sync(engine: str, delay: float, process_id: int, port: int, hf_dir: s
                   f"vs the previous weights {stale:.2e}")
             assert err < LOGPROB_ATOL and stale > 10 * LOGPROB_ATOL, (step, err, stale)
         previous = model
+    # Node-local: from this process's own shards, in parallel (review 2026-11-28 finding 10: one tensor at a time
+    # while the slices were programs over both processes); through the shared folder: gathers, one at a time.
+    if engine == "files-local" or (engine == "files" and process_id == 0):
+        assert writers and set(writers) == {hf.IO_THREADS if engine == "files-local" else 1}, writers
     if engine != "files":  # node-local: this process's own folders only, each removed after its reload
         assert not Path(export_dir).exists(), "a node-local sync wrote to the shared folder"
         assert sampler._own_export is not None and list(sampler._own_export.iterdir()) == []

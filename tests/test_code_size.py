@@ -59,8 +59,9 @@ def test_nothing_new_exceeds_the_size_budget():
 
 def test_the_vllm_worker_script_imports_neither_jax_nor_the_package():
     """rollout/vllm_worker.py runs as a script in the engine's process (vllm and torch, perhaps another virtualenv):
-    imported the way that process imports it, it loads nothing of jax, arpo_jax, vllm or torch."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import vllm_worker; "
+    imported the way that process imports it, it and its sibling vllm_start.py load nothing of jax, arpo_jax, vllm
+    or torch."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import vllm_worker, vllm_start; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'arpo_jax', 'vllm', 'torch')))")
     out = subprocess.run([sys.executable, "-c", code, str(code_size.PACKAGE / "rollout")], capture_output=True,
                          text=True, timeout=60)

@@ -76,3 +76,22 @@ def test_lora_sync_picks_the_engines_lora_layers(monkeypatch, tmp_path, lora_syn
     with pytest.raises(ValueError, match=r"rollout.vllm.lora_sync: .full. .*allowed: adapters \| merged"):
         bad = args.load_config(["--config=builtin:toy_cpu", "--config.rollout.vllm.lora_sync=full"])
         config_lib.validate(bad, check_files=False)
+
+
+def test_vllm_engines_start_only_after_every_dispatched_jax_computation(cfg, monkeypatch, tmp_path):
+    """vLLM sizes a GPU engine's KV cache from the device's free memory before and after its profiling: JAX must not
+    run (allocate, load kernels, create NCCL communicators) meanwhile. The trainer's state init runs asynchronously,
+    so `make_rollout_sampler` waits for every dispatched computation before the engines start."""
+    import jax
+    import jax.numpy as jnp
+
+    from arpo_jax.rollout import vllm_sampler
+
+    seen = {}
+    monkeypatch.setattr(vllm_sampler, "VllmSampler", lambda folder, **kw: seen.update(ready=pending.is_ready()))
+    slow = jax.jit(lambda x: jax.lax.fori_loop(0, 400, lambda i, a: jnp.tanh(a @ a), x))
+    pending = slow(jnp.full((768, 768), 0.01))  # compiles, then dispatches seconds of matmuls and returns
+    assert not pending.is_ready()
+    c = args.load_config(["--config=builtin:toy_cpu", "--config.rollout.engine=vllm"])
+    components.make_rollout_sampler(c, None, tmp_path, tmp_path, None, None, sync=False)
+    assert seen == {"ready": True}

@@ -62,7 +62,8 @@ def fake_slurm(tmp_path):
 def test_sbatch_script_runs_from_anywhere_with_its_cpus_and_planned_memory(fake_slurm):
     """Submitted from another folder and run as SLURM's spooled copy: the script finds its checkout through
     scontrol, runs the venv's python, gives srun --cpus-per-task (SLURM >= 22.05 does not pass it on), and the task
-    gets the plan's JAX memory fraction, NVLS off, the coordinator and its process id, without SLURM_LOCALID."""
+    gets the plan's JAX memory fraction, NVLS off, NCCL's warnings on, the coordinator and its process id, without
+    SLURM_LOCALID; srun labels each output line with its task."""
     tmp, env, out = fake_slurm
     spool = tmp / "spool" / "job42"
     spool.mkdir(parents=True)
@@ -74,7 +75,8 @@ def test_sbatch_script_runs_from_anywhere_with_its_cpus_and_planned_memory(fake_
                         *overrides], cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     srun = (out / "srun_args").read_text().splitlines()
-    assert srun[:4] == ["--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=64", "--kill-on-bad-exit=1"]
+    # --label: every output line names its node's task (one slurm-*.out for all nodes).
+    assert srun[:5] == ["--label", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=64", "--kill-on-bad-exit=1"]
     task = json.loads((out / "task.json").read_text())
     assert task["argv"] == ["-m", "arpo_jax.cli", "train", "--config=builtin:arpo_qwen25_7b_reasoning",
                             "--workdir=/shared/runs/7b", *overrides]
@@ -88,7 +90,9 @@ def test_sbatch_script_runs_from_anywhere_with_its_cpus_and_planned_memory(fake_
     e = task["env"]
     assert float(e["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == plan.jax_mem_fraction(cfg)
     assert e["NCCL_NVLS_ENABLE"] == "0" and e["ARPO_PROCESS_ID"] == "0" and "SLURM_LOCALID" not in e
-    assert e["ARPO_COORDINATOR"] == f"gpu-node-1:{20000 + 1234567 % 20000}" and e["ARPO_NUM_PROCESSES"] == "2"
+    # The coordinator's port: above the engines' (< 20000) and below the ephemeral ports (>= 32768).
+    assert e["ARPO_COORDINATOR"] == f"gpu-node-1:{20000 + 1234567 % 12000}" and e["ARPO_NUM_PROCESSES"] == "2"
+    assert e["NCCL_DEBUG"] == "WARN"
     assert f"repo {REPO}, python {tmp / 'venv' / 'bin' / 'python'}" in p.stdout
 
 
@@ -145,28 +149,38 @@ def test_mem_fraction_prints_the_three_way_split_and_warns_when_it_overflows():
         return float(p.stdout.strip().splitlines()[-1]), p.stderr
 
     fraction, split = run()
-    assert (f"h100-80gb (79.6 GiB): JAX {fraction} + vLLM 0.5 + 4.5 GiB outside both (CUDA contexts, NCCL) = "
-            f"{fraction + 0.5 + 4.5 / 79.6:.2f} of each GPU") in split and "warning" not in split
+    # 4.5 GiB of CUDA contexts and NCCL + 1.015 GiB of the engine's reload transient (Qwen2.5-7B's bf16 embedding)
+    assert (f"h100-80gb (79.6 GiB): JAX {fraction} + vLLM 0.5 + 5.515 GiB outside both (CUDA contexts, NCCL) = "
+            f"{fraction + 0.5 + 5.515 / 79.6:.2f} of each GPU") in split and "warning" not in split
     _, split = run("--config.rollout.vllm.gpu_memory_utilization=0.56", nvls="1")
-    assert "+ 7.5 GiB outside both (CUDA contexts, NCCL, NVLS)" in split and "do not fit one GPU" in split
+    assert "+ 8.515 GiB outside both (CUDA contexts, NCCL, NVLS)" in split and "do not fit one GPU" in split
 
 
 @pytest.mark.slow  # a subprocess run of the plan
 def test_mem_fraction_of_a_split_placement_counts_jax_and_the_engines_on_their_own_gpus():
     """rollout.vllm.placement=split: JAX's fraction of each of its 5 GPUs plus its CUDA context and NCCL buffers,
-    and vLLM's 0.9 of each of the engines' 3 GPUs plus the engine's context; no three-way sum of one GPU."""
-    p = subprocess.run([sys.executable, str(REPO / "launch" / "mem_fraction.py"),
-                        f"--config={REPO / 'configs' / 'arpo_qwen3_14b_deepsearch_8x80gb.py'}",
-                        "--config.mesh.device=h100-80gb", "--workdir=ignored"],
-                       env=dict(os.environ, PYTHONPATH=str(REPO), NCCL_NVLS_ENABLE="0"), capture_output=True,
-                       text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    fraction = float(p.stdout.strip().splitlines()[-1])
-    assert fraction == 0.95  # ceil(67.68 GiB / 0.9 / 79.6 GiB, 2 decimals): the plan's update peak on 5 GPUs
-    line = (f"h100-80gb (79.6 GiB), split: JAX 0.95 + 3.75 GiB outside it (CUDA context, NCCL) = "
-            f"{0.95 + 3.75 / 79.6:.2f} of each of its 5 GPUs; vLLM 0.9 + 0.75 GiB of each of the engines' 3")
-    assert line in p.stderr
-    assert "warning" not in p.stderr
+    and vLLM's 0.9 of each of the engines' 3 GPUs plus the engine's context and reload transient; no three-way sum
+    of one GPU. Without a model config to plan from: the whole GPU less the reserves, and a warning that says so
+    (it was 1 - gpu_memory_utilization - 0.05 = 0.05, silently: review 2026-11-28 finding 11)."""
+    def run(*overrides):
+        p = subprocess.run([sys.executable, str(REPO / "launch" / "mem_fraction.py"),
+                            f"--config={REPO / 'configs' / 'arpo_qwen3_14b_deepsearch_8x80gb.py'}",
+                            "--config.mesh.device=h100-80gb", "--workdir=ignored", *overrides],
+                           env=dict(os.environ, PYTHONPATH=str(REPO), NCCL_NVLS_ENABLE="0"), capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return float(p.stdout.strip().splitlines()[-1]), p.stderr
+
+    fraction, stderr = run()
+    # ceil(67.02 GiB / 0.9 / 79.6 GiB) = 0.94 asked for; at most 1 - 3.75 / 79.6 - 0.02 (the margin): 0.93.
+    assert fraction == 0.93
+    line = (f"h100-80gb (79.6 GiB), split: JAX 0.93 + 3.75 GiB outside it (CUDA context, NCCL) = "
+            f"{0.93 + 3.75 / 79.6:.2f} of each of its 5 GPUs; vLLM 0.9 + 2.199 GiB of each of the engines' 3")
+    assert line in stderr and "warning" not in stderr
+    fraction, stderr = run("--config.model.path=/nonexistent/my-sft-14b")
+    assert fraction == round(1 - 3.75 / 79.6 - 0.05, 2) == 0.9
+    assert "mem_fraction.py: warning: no plan (model.path='/nonexistent/my-sft-14b': no config.json" in stderr
+    assert "split placement: the whole GPU less reserves" in stderr
 
 
 @pytest.mark.slow  # subprocess runs of the plan

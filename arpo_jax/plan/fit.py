@@ -3,11 +3,12 @@ what the vLLM engines' share of their GPUs holds.
 
 JAX's budget per device (`budget_gib`): the whole HBM on TPU; on a GPU beside a co-located vLLM engine (which takes
 `rollout.vllm.gpu_memory_utilization` of each GPU) the rest less what the GPU holds outside both budgets
-(`memory_model.gpu_reserve_gib`: JAX's and the engine's CUDA contexts, NCCL's buffers); on a GPU of its own
-(`rollout.vllm.placement=split`: the engines run on other GPUs) the whole HBM less JAX's CUDA context and NCCL
-buffers; 0.9 of the HBM with the JAX engine. A program fits when its peak leaves at least `HEADROOM` of the budget
-free; `jax_fraction` (the XLA_PYTHON_CLIENT_MEM_FRACTION a launch sets) is the largest peak / (1 - HEADROOM) as a
-share of the HBM.
+(`memory_model.gpu_reserve_gib`: JAX's and the engine's CUDA contexts, NCCL's buffers, the engine's weight reload's
+transient); on a GPU of its own (`rollout.vllm.placement=split`: the engines run on other GPUs) the whole HBM less
+JAX's CUDA context and NCCL buffers; 0.9 of the HBM with the JAX engine. A program fits when its peak leaves at least
+`HEADROOM` of the budget free; `jax_fraction` (the XLA_PYTHON_CLIENT_MEM_FRACTION a launch sets) is the largest
+peak / (1 - HEADROOM) as a share of the HBM, on a GPU at most the budget less `memory_model.MARGIN` (2% of the GPU
+for what the reserve does not itemise), and a program fits only if that pool holds its peak.
 
 The engines' share (`engine_memory`): vLLM takes `gpu_memory_utilization` of each of its GPUs (co-located: the
 trainer's; split: its own) and loads the whole model there first, over `tensor_parallel_size` GPUs in the engine's
@@ -25,8 +26,10 @@ from arpo_jax.plan.memory_model import (
     CUDA_RESERVE,
     GB,
     HEADROOM,
+    MARGIN,
     Shapes,
     device_hbm_gib,
+    engine_reload_gib,
     engine_reserve_gib,
     gpu_reserve_gib,
 )
@@ -34,30 +37,33 @@ from arpo_jax.sharding import DEVICES
 
 
 def budget_gib(device: str, engine: str, gpu_memory_utilization: float, engine_tp: int = 1,
-               placement: str = "colocated") -> float:
-    """What one device gives JAX (module docstring)."""
+               placement: str = "colocated", reload_gib: float = 0.0) -> float:
+    """What one device gives JAX (module docstring); `reload_gib`: a co-located engine's reload transient."""
     hbm = device_hbm_gib(device)
     if DEVICES[device].kind != "gpu":
         return hbm
     if engine == "vllm" and placement == "split":  # no engine on JAX's GPUs
         return hbm - gpu_reserve_gib(device, "jax").get("total", CUDA_RESERVE * hbm)
     if engine == "vllm":
-        reserve = gpu_reserve_gib(device, engine, engine_tp).get("total", CUDA_RESERVE * hbm)
+        reserve = gpu_reserve_gib(device, engine, engine_tp, reload_gib=reload_gib).get("total", CUDA_RESERVE * hbm)
         return (1.0 - gpu_memory_utilization) * hbm - reserve
     return 0.9 * hbm
 
 
 def evaluate(programs: dict[str, dict[str, float]], device: str, engine: str, gpu_memory_utilization: float,
-             engine_tp: int = 1, placement: str = "colocated") -> dict:
-    """Fit of the largest program against the device's budget for JAX."""
+             engine_tp: int = 1, placement: str = "colocated", reload_gib: float = 0.0) -> dict:
+    """Fit of the largest program against the device's budget for JAX (`reload_gib`: `engine_reload_gib`)."""
     peaks = {name: sum(items.values()) / GB for name, items in programs.items()}
     worst = max(peaks, key=peaks.get)
-    budget = budget_gib(device, engine, gpu_memory_utilization, engine_tp, placement)
+    budget = budget_gib(device, engine, gpu_memory_utilization, engine_tp, placement, reload_gib)
     hbm = device_hbm_gib(device)
     headroom = 1.0 - peaks[worst] / budget if budget > 0 else -1.0
     jax_fraction = math.ceil(peaks[worst] / (1.0 - HEADROOM) / hbm * 100) / 100 if hbm else 0.0
+    if DEVICES[device].kind == "gpu" and budget > 0:  # the pool leaves the margin (rounded up, it could take it)
+        jax_fraction = min(jax_fraction, math.floor((budget / hbm - MARGIN) * 100) / 100)
     items = {k: round(v / GB, 3) for k, v in sorted(programs[worst].items(), key=lambda kv: -kv[1])}
-    out = {"fits": headroom >= HEADROOM, "device": device, "hbm_gib": round(hbm, 2), "budget_gib": round(budget, 2),
+    fits = headroom >= HEADROOM and peaks[worst] <= jax_fraction * hbm
+    out = {"fits": fits, "device": device, "hbm_gib": round(hbm, 2), "budget_gib": round(budget, 2),
            "peak_gib": round(peaks[worst], 2), "peak_program": worst, "headroom": round(headroom, 3),
            "items_gib": items, "program_peaks_gib": {k: round(v, 2) for k, v in peaks.items()},
            "jax_fraction": jax_fraction}
@@ -65,9 +71,22 @@ def evaluate(programs: dict[str, dict[str, float]], device: str, engine: str, gp
         out["reserve_gib"] = gpu_reserve_gib(device, "jax") or {"total": round(CUDA_RESERVE * hbm, 3)}
     elif engine == "vllm" and DEVICES[device].kind == "gpu":
         out["items_gib"]["vllm_engine_gpu0"] = round(gpu_memory_utilization * hbm, 2)
-        out["reserve_gib"] = gpu_reserve_gib(device, engine, engine_tp) or {"total": round(CUDA_RESERVE * hbm, 3)}
-        out["engine_fraction_max"] = math.floor((1.0 - out["reserve_gib"]["total"] / hbm - jax_fraction) * 100) / 100
+        out["reserve_gib"] = gpu_reserve_gib(device, engine, engine_tp, reload_gib=reload_gib) or {
+            "total": round(CUDA_RESERVE * hbm, 3)}
+        out["engine_fraction_max"] = math.floor((1.0 - out["reserve_gib"]["total"] / hbm - jax_fraction - MARGIN)
+                                                * 100) / 100
     return out
+
+
+def fallback_fraction(device: str, gpu_memory_utilization: float, split: bool) -> float:
+    """JAX's share of a GPU beside vLLM where nothing can be planned (no model config, `mesh.device=cpu`): co-located
+    `1 - gpu_memory_utilization - 0.05`; with `rollout.vllm.placement=split` (`split`: no engine on JAX's GPUs) the
+    whole GPU less JAX's reserve (itemised where `device` is a known GPU, else 0.05) and 0.05 more. Unchecked against
+    any peak: `launch/mem_fraction.py` warns."""
+    if not split:
+        return round(1.0 - gpu_memory_utilization - CUDA_RESERVE, 2)
+    reserve = gpu_reserve_gib(device, "jax").get("total", 0.0) / device_hbm_gib(device)
+    return round(1.0 - (reserve or CUDA_RESERVE) - CUDA_RESERVE, 2)
 
 
 def engine_memory(c: models.Config, total_params: int, sh: Shapes, device: str) -> dict:
@@ -86,8 +105,9 @@ def engine_memory(c: models.Config, total_params: int, sh: Shapes, device: str) 
            "kv_tokens": tokens, "trajectories": tokens // sh.min_seq}
     out["fits"] = out["trajectories"] >= 1
     if sh.placement == "split":
-        reserve = engine_reserve_gib(device, tp) or {"total": round(CUDA_RESERVE * hbm, 3)}
-        out |= {"reserve_gib": reserve, "fraction_max": math.floor((1.0 - reserve["total"] / hbm) * 100) / 100}
+        reserve = engine_reserve_gib(device, tp, reload_gib=engine_reload_gib(c, sh.engine_bytes, tp)) or {
+            "total": round(CUDA_RESERVE * hbm, 3)}
+        out |= {"reserve_gib": reserve, "fraction_max": math.floor((1.0 - reserve["total"] / hbm - MARGIN) * 100) / 100}
         out["fits"] = out["fits"] and sh.gpu_memory_utilization <= out["fraction_max"]
     return out
 

@@ -30,6 +30,11 @@ HEADROOM = 0.10  # a program fits when its peak leaves this share of JAX's budge
 # The share of a GPU kept out of JAX's pool beside a co-located vLLM where the plan cannot itemise it (`mesh.device`
 # names no GPU type, or the model's config is not there yet); `gpu_reserve_gib` itemises it for the known GPUs.
 CUDA_RESERVE = 0.05
+# The share of each GPU left out of JAX's pool and vLLM's share beside what `gpu_reserve_gib` itemises: XLA's
+# command-buffer graphs, cuBLASLt/cuDNN workspaces outside JAX's pool, NCCL's proxy and P2P buffers beyond
+# `GpuReserve.nccl` (all estimates until measured: benchmarks/RESULTS.md "Not yet run on a GPU"). 1.6 GiB of an
+# 80 GB GPU. `fit.evaluate` caps JAX's pool to leave it, and the engines' largest share leaves it too.
+MARGIN = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,35 +73,51 @@ def nvls_on() -> bool:
     return os.environ.get("NCCL_NVLS_ENABLE", "0").strip() not in ("0", "")
 
 
-def gpu_reserve_gib(device: str, engine: str, engine_tp: int = 1, nvls: bool | None = None) -> dict[str, float]:
+def gpu_reserve_gib(device: str, engine: str, engine_tp: int = 1, nvls: bool | None = None,
+                    reload_gib: float = 0.0) -> dict[str, float]:
     """Each item of what one GPU of `device` holds outside both budgets, and their `total`, in GiB: JAX's CUDA
     context and NCCL buffers, and beside a vLLM engine the engine process's context (plus its own NCCL buffers with
-    tensor parallelism). {} for devices without a figure (TPU, CPU)."""
+    tensor parallelism) and its weight reload's transient (`reload_gib`, `engine_reload_gib`). {} for devices without
+    a figure (TPU, CPU)."""
     r = GPU_RESERVES.get(device)
     if r is None:
         return {}
     nvls = nvls_on() if nvls is None else nvls
     out = {"jax_cuda_context": r.cuda_context, "jax_nccl": r.nccl + (r.nvls if nvls else 0.0)}
     if engine == "vllm":
-        out |= _engine_items(r, engine_tp, nvls)
+        out |= _engine_items(r, engine_tp, nvls, reload_gib)
     return out | {"total": round(sum(out.values()), 3)}
 
 
-def engine_reserve_gib(device: str, engine_tp: int = 1, nvls: bool | None = None) -> dict[str, float]:
+def engine_reserve_gib(device: str, engine_tp: int = 1, nvls: bool | None = None,
+                       reload_gib: float = 0.0) -> dict[str, float]:
     """What a GPU of the engines' own (`rollout.vllm.placement=split`) holds outside vLLM's share: the engine
-    process's CUDA context, plus its NCCL buffers with tensor parallelism; and their `total`. {} without a figure."""
+    process's CUDA context, plus its NCCL buffers with tensor parallelism, and its weight reload's transient; and
+    their `total`. {} without a figure."""
     r = GPU_RESERVES.get(device)
     if r is None:
         return {}
-    out = _engine_items(r, engine_tp, nvls_on() if nvls is None else nvls)
+    out = _engine_items(r, engine_tp, nvls_on() if nvls is None else nvls, reload_gib)
     return out | {"total": round(sum(out.values()), 3)}
 
 
-def _engine_items(r: GpuReserve, engine_tp: int, nvls: bool) -> dict[str, float]:
+def _engine_items(r: GpuReserve, engine_tp: int, nvls: bool, reload_gib: float) -> dict[str, float]:
     out = {"engine_cuda_context": r.cuda_context}
     if engine_tp > 1:
         out["engine_nccl"] = r.nccl + (r.nvls if nvls else 0.0)
+    if reload_gib:
+        out["engine_reload"] = round(reload_gib, 3)
     return out
+
+
+def engine_reload_gib(c: models.Config, engine_bytes: int, engine_tp: int) -> float:
+    """GiB one engine GPU holds beyond vLLM's share while it reloads weights in place: vLLM 0.32 rebuilds each module
+    on the device, loads it, then copies it into the old storage (model_loader/reload/layerwise.py; through torch's
+    caching allocator, which keeps it), so one copy of the largest module: the embedding or the LM head for every
+    model here (Qwen2.5-7B: 152064 x 3584 in bf16, 1.02 GiB), split over tensor parallelism."""
+    d = c.hidden_size
+    largest = max(c.vocab_size * d, 2 * c.intermediate_size * d, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * d)
+    return largest * engine_bytes / engine_tp / GB
 
 
 def device_hbm_gib(name: str) -> float:

@@ -51,6 +51,7 @@ its name is a published model this package knows (`models.published`), the publi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -73,13 +74,16 @@ from arpo_jax.plan.fit import (
     engine_words,
     engines_fit,
     evaluate,
+    fallback_fraction,
     gib_items,
 )
 from arpo_jax.plan.memory_model import (
     GB,
     HEADROOM,
+    MARGIN,
     Shapes,
     device_bytes,
+    engine_reload_gib,
     gpu_reserve_gib,  # noqa: F401 (plan's API)
     itemise,
     param_sizes,
@@ -249,7 +253,8 @@ def analyse(cfg, *, devices: int = 8, command: str | None = None) -> dict:
     backend = DEVICES[device].kind
     sh = shapes_of(cfg, mesh_shape, model_cfg.sharding_rules, command)
     plan = itemise(model_cfg, mesh_shape, sh, backend)
-    r = evaluate(plan["programs"], device, sh.engine, sh.gpu_memory_utilization, sh.engine_tp, sh.placement)
+    r = evaluate(plan["programs"], device, sh.engine, sh.gpu_memory_utilization, sh.engine_tp, sh.placement,
+                 engine_reload_gib(model_cfg, sh.engine_bytes, sh.engine_tp))
     r |= {"model": source, "params": plan["sizes"]["total_params"], "mesh": list(mesh_shape),
           "rules": model_cfg.sharding_rules, "command": sh.command, "engine": sh.engine, "seq": sh.seq,
           "rows_per_device": sh.rows, "remat": model_cfg.remat, "attention": plan["attention"],
@@ -278,7 +283,8 @@ def _fitting_settings(c, mesh_shape, sh: Shapes, backend: str, device: str) -> d
     def fits(shapes, util):
         programs = itemise(c, mesh_shape, shapes, backend)["programs"]
         shapes = dataclasses.replace(shapes, gpu_memory_utilization=util)
-        return evaluate(programs, device, shapes.engine, util, shapes.engine_tp, shapes.placement)["fits"] and \
+        return evaluate(programs, device, shapes.engine, util, shapes.engine_tp, shapes.placement,
+                        engine_reload_gib(c, shapes.engine_bytes, shapes.engine_tp))["fits"] and \
             engines_fit(c, param_sizes(c, tuple(mesh_shape)).total_params, shapes, device)
 
     out = {}
@@ -314,20 +320,17 @@ def jax_mem_fraction(cfg) -> float:
     """The share of each GPU JAX may take (XLA_PYTHON_CLIENT_MEM_FRACTION, set by the launch scripts).
 
     Beside a co-located vLLM it comes from the planned peak (`memory_split`: the largest program's bytes per
-    device, plus 10% headroom, as a share of the device named by `mesh.device`), so the engine can have the rest
-    (`arpo-jax plan` checks `rollout.vllm.gpu_memory_utilization` against it); with `rollout.vllm.placement=split`
-    the same share of each of JAX's own GPUs (the engines have theirs). Without a plannable device
-    (`mesh.device=cpu`) or model config, the fixed split `1 - gpu_memory_utilization - 0.05`. The JAX engine gets
-    JAX's usual 0.9."""
+    device, plus 10% headroom, as a share of the device named by `mesh.device`, leaving `memory_model.MARGIN`), so
+    the engine can have the rest (`arpo-jax plan` checks `rollout.vllm.gpu_memory_utilization` against it); with
+    `rollout.vllm.placement=split` the same share of each of JAX's own GPUs (the engines have theirs). Without a
+    plannable device (`mesh.device=cpu`) or model config, `fit.fallback_fraction`. The JAX engine gets JAX's usual
+    0.9."""
     if cfg.rollout.engine != "vllm":
         return 0.9
-    fixed = round(1.0 - cfg.rollout.vllm.gpu_memory_utilization - 0.05, 2)
-    if cfg.mesh.device == "cpu":
-        return fixed
-    try:
-        return memory_split(cfg)["jax_fraction"]
-    except FileNotFoundError:  # no config.json for model.path yet: nothing to plan from
-        return fixed
+    with contextlib.suppress(FileNotFoundError):  # no config.json for model.path yet: nothing to plan from
+        if cfg.mesh.device != "cpu":
+            return memory_split(cfg)["jax_fraction"]
+    return fallback_fraction(cfg.mesh.device, cfg.rollout.vllm.gpu_memory_utilization, placement.is_split(cfg))
 
 
 
@@ -572,7 +575,7 @@ def format_plan(r: dict) -> str:
                     if "engine_fraction_max" in r else f"; JAX fraction {r['jax_fraction']}" if split else ""))
     if r.get("reserve_gib"):  # outside both budgets, per GPU
         where = "JAX's pool, per trainer GPU" if split else "JAX's and vLLM's shares, per GPU"
-        lines.append(f"outside {where}: " + gib_items(r["reserve_gib"]))
+        lines.append(f"outside {where}: " + gib_items(r["reserve_gib"]) + f"; {MARGIN:.0%} of the GPU for the rest")
     if r.get("engines"):
         lines.append(engine_words(r["engines"], r["host_devices"]))
     for fix in r.get("fixes", []):

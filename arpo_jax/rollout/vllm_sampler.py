@@ -442,13 +442,19 @@ def engine_env(env: dict[str, str], devices: tuple | None, cores: str | None, po
 
 
 PORT_SPAN = 100  # ports per engine: vLLM scans upward from VLLM_PORT for each port it needs (tensor parallelism: ~10)
+# Where derived VLLM_PORTs lie: [10000, 20000), below launch/slurm_gpu.sbatch's JAX coordinator ([20000, 32000)) and
+# Linux's ephemeral ports (32768-60999 by default: NCCL's bootstrap and every connect() bind there), so nothing else
+# binds in the window between vLLM's probe of a port and its bind.
+ENGINE_PORTS = (10000, 20000)
 
 
 def engine_ports(engines: int, base: str | None) -> list[int]:
-    """Each engine's VLLM_PORT: `base` (the caller's VLLM_PORT) or one derived from this process's id, then a span of
-    PORT_SPAN per engine. vLLM probes a port free, closes it and binds it later: engines that start together from the
-    same base (vLLM's default) can both pick the same port and one fails with EADDRINUSE (vllm#39015)."""
-    start = int(base) if base else 20000 + (os.getpid() % 40) * 8 * PORT_SPAN
+    """Each engine's VLLM_PORT: `base` (the caller's VLLM_PORT) or one derived from this process's id (in
+    `ENGINE_PORTS`, 8 engines' spans a process), then a span of PORT_SPAN per engine. vLLM probes a port free,
+    closes it and binds it later: engines that start together from the same base (vLLM's default) can both pick the
+    same port and one fails with EADDRINUSE (vllm#39015)."""
+    low, high = ENGINE_PORTS
+    start = int(base) if base else low + (os.getpid() % ((high - low) // (8 * PORT_SPAN))) * 8 * PORT_SPAN
     return [start + e * PORT_SPAN for e in range(engines)]
 
 

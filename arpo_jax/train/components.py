@@ -202,6 +202,14 @@ def make_rollout_sampler(cfg, tokenizer, model_folder: Path, workdir: Path, poli
     # params spread over the hosts go through the run's folder (process 0 writes, every node reads: a shared file
     # system) unless rollout.vllm.export_dir says where; one process exports to /dev/shm.
     log = process_log(workdir / "vllm.log", jax.process_index(), jax.process_count())  # vllm.p<i>.log with several
+    # A GPU engine sizes its KV cache from the device's free memory before and after its profiling run, device-wide
+    # (vLLM 0.32: utils/mem_utils.py, v1/worker/gpu_worker.py "we assume that the other processes using the same GPU
+    # did not change their memory usage"): what this process allocates or frees outside JAX's preallocated pool
+    # meanwhile (NCCL communicators at a first collective, kernels loaded at a program's first run) would come out
+    # of the engine's KV cache or trip vLLM's profiling assert. So everything dispatched so far (the state's init or
+    # restore runs asynchronously) finishes first; then this thread waits in VllmSampler until every engine has its
+    # KV cache, and JAX runs nothing in between.
+    jax.block_until_ready(jax.live_arrays())
     sampler = make_sampler(cfg, tokenizer, folder=model_folder, log_file=log,
                            export_dir=workdir / "weight_sync" if jax.process_count() > 1 else None)
     if sync:  # with LoRA, model.init_checkpoint's base may differ from `model_folder`: it is sent once, in full

@@ -216,6 +216,25 @@ def to_host(x: jax.Array, *, local: bool = False) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+def local_layer(x: jax.Array, i: int | None) -> np.ndarray:
+    """`x`, or layer i of a stacked `x`, put together on the host from this process's own shards, which must hold all
+    of it (`held_here`). Each shard's part of the layer is sliced on its own device: no program runs over other
+    processes' devices, so processes need not call this in the same order and threads may (a node-local export)."""
+    out, done = np.empty(x.shape if i is None else x.shape[1:], x.dtype), set()
+    for shard in x.addressable_shards:
+        index = shard.index
+        if i is not None:
+            start, stop, _ = index[0].indices(x.shape[0])
+            if not start <= i < stop:
+                continue
+            index = index[1:]
+        block = tuple(s.indices(n)[:2] for s, n in zip(index, out.shape))
+        if block not in done:  # a replica holds the same block again
+            done.add(block)
+            out[index] = np.asarray(shard.data if i is None else shard.data[i - start])
+    return out
+
+
 def held_here(x: jax.Array) -> bool:
     """Whether this process's devices hold every block of `x`: with HSDP (data over the hosts, fsdp within one) each
     host holds a whole replica of the params, so it can export them without the other hosts."""
@@ -305,19 +324,36 @@ def save_state(state: nnx.State, cfg: Config, path: str | os.PathLike, *, tokeni
     path = Path(path)
     dtype = dtype or cfg.param_dtype
     np_dtype = np.dtype(_NP_DTYPES[dtype])
+    # Node-local (HSDP: this process holds every block): each tensor from this process's own shards, no program over
+    # the other processes' devices. Only a `transform` (LoRA's merge) computes over the whole, global arrays.
+    own_shards = local and transform is None
+    if own_shards and not all(held_here(var[...]) for _, var in nnx.to_flat_state(state)):
+        raise RuntimeError("a node-local export needs every part of each array on this process's devices; some are "
+                           "spread over several processes (FSDP across hosts: export through a shared folder)")
+
+    def fetch(key, var, i, hf_shape) -> Callable[[], np.ndarray]:
+        def get():
+            if own_shards:
+                x = local_layer(var[...], i)
+            else:
+                x = layer_value(var, i)
+                x = to_host(x if transform is None else transform(key, x), local=local)
+            return x.reshape(hf_shape).astype(np_dtype, copy=False)
+        return get
+
     entries = []
     for key, _, var, i in hf_tensors(state, cfg.num_layers):
         hf_shape = tuple(var.get_metadata()["hf_shape"])
-        value = ((lambda v=var, i=i: layer_value(v, i)) if transform is None else
-                 (lambda v=var, i=i, k=key: transform(k, layer_value(v, i))))
-        fetch = (lambda value=value, s=hf_shape: to_host(value(), local=local).reshape(s).astype(np_dtype, copy=False))
-        entries.append((key, hf_shape, np_dtype, fetch))
+        entries.append((key, hf_shape, np_dtype, fetch(key, var, i, hf_shape)))
     if jax.process_index() != 0 and not local:
         for e in entries:  # take part in the collective gathers, write nothing
             e[3]()
         return path
-    # Gathers across hosts are collectives that every process must issue in the same order: no threads then.
-    threads = IO_THREADS if all(var[...].is_fully_addressable for _, var in nnx.to_flat_state(state)) else 1
+    # Programs over several hosts' devices (gathers, slices and merges of global arrays) must run in the same order
+    # on every process: no threads then. Single-host arrays and node-local shards: threads overlap the D2H copies,
+    # casts and writes.
+    threads = IO_THREADS if own_shards or all(var[...].is_fully_addressable for _, var in nnx.to_flat_state(state)) \
+        else 1
     return write_folder(path, entries, models.config_to_hf(cfg), dtype=dtype, tokenizer=tokenizer,
                         max_shard_bytes=max_shard_bytes, threads=threads, overwrite=overwrite)
 
