@@ -30,7 +30,7 @@ from arpo_jax.rollout.jax_decode import decode_weights
 from arpo_jax.rollout.sampler import CUDA_GRAPHS, ENGINES, Sampler, SamplingSettings
 from arpo_jax.tools import ToolExecutor, make_executor
 from arpo_jax.train import skeleton
-from arpo_jax.update import jit
+from arpo_jax.update import jit, lora
 from arpo_jax.update import train_step as ts
 
 
@@ -196,7 +196,7 @@ def make_rollout_sampler(cfg, tokenizer, model_folder: Path, workdir: Path, poli
     """The rollout engine (`rollout.engine`) with the policy's current params (`sync`: tell vLLM, which loaded
     `model_folder`, about params that differ from it: a resumed run or `model.init_checkpoint`)."""
     if cfg.rollout.engine == "jax":
-        model = nnx.merge(policy.graphdef, sampler_params(params, policy))
+        model = nnx.merge(sampler_graphdef(policy), sampler_params(params, policy))
         return make_sampler(cfg, tokenizer, model=model, mesh=sampler_mesh(policy.mesh))
     # Several processes on an HSDP mesh export node-locally (each its own, to its /dev/shm: VllmSampler._export);
     # params spread over the hosts go through the run's folder (process 0 writes, every node reads: a shared file
@@ -217,12 +217,23 @@ def sync_weights(sampler, cfg, policy: skeleton.Policy, params) -> float:
     return sampler.update_weights(nnx.merge(policy.graphdef, params))
 
 
+def sampler_graphdef(policy: skeleton.Policy):
+    """The graph of the JAX sampler's model: the policy's, or with LoRA its base's (the sampler gets the merged
+    weights, `sampler_params`)."""
+    return lora.base_graphdef(policy.model_cfg) if policy.model_cfg.lora_rank else policy.graphdef
+
+
 def sampler_params(params, policy: skeleton.Policy):
     """A copy of the policy's params for the JAX sampler (the train step donates its own) in the compute dtype
     (`jax_sampler.decode_weights`: cast before any gather), on local devices: with several processes every one gets
-    the whole model (it samples alone)."""
-    params = decode_weights(params, policy.model_cfg.compute_dtype)
+    the whole model (it samples alone). With LoRA the adapters merged into their weights (`lora.jit_engine_weights`:
+    unmerged they tripled the decode's matmuls)."""
+    cfg = policy.model_cfg
+    if cfg.lora_rank:
+        params = lora.jit_engine_weights(policy.graphdef, cfg.dtype)(params)
+    else:
+        params = decode_weights(params, cfg.compute_dtype)
     if jax.process_count() > 1:
-        return distributed.replicate_on_local_devices(params, jit.param_shardings(policy.model_cfg,
+        return distributed.replicate_on_local_devices(params, jit.param_shardings(lora.base_config(cfg),
                                                                                  sampler_mesh(policy.mesh)))
     return params
