@@ -27,6 +27,30 @@ def _tune_xla_cpu() -> None:
 
 _tune_xla_cpu()
 
+
+def _source_checkout_configs() -> None:
+    """Binds `arpo_jax.configs` to the configs/ of the source checkout this package was imported from (a folder
+    with pyproject.toml beside arpo_jax/): the package-dir mapping of an install names the installed tree's configs,
+    so a checkout run with `PYTHONPATH=.` read another tree's configs (a worktree beside an editable install) or,
+    installed nowhere (a copy on a GPU machine), failed at start (`find_spec(...)` None;
+    reviews/2026-11-28-h200-demo.md). An installed wheel (no checkout around it) keeps its mapping."""
+    import importlib.util
+    import sys
+
+    root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    folder = _os.path.join(root, "configs")
+    init = _os.path.join(folder, "__init__.py")
+    if "arpo_jax.configs" in sys.modules or not (_os.path.isfile(init) and
+                                                 _os.path.isfile(_os.path.join(root, "pyproject.toml"))):
+        return
+    spec = importlib.util.spec_from_file_location("arpo_jax.configs", init, submodule_search_locations=[folder])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["arpo_jax.configs"] = module
+    spec.loader.exec_module(module)
+
+
+_source_checkout_configs()
+
 from arpo_jax.models import CausalLM, Config, KVCache, init_model
 from arpo_jax.sharding import make_mesh
 from arpo_jax.weights.hf import save_pretrained
