@@ -56,6 +56,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+import jax
 import numpy as np
 
 from arpo_jax import knobs
@@ -338,9 +339,8 @@ class _Loop:
         r = 0
         while active:
             queued = self._generate(active)
-            t = time.perf_counter()
-            self._end_calls(active, queued)
-            self.times["tools"] += time.perf_counter() - t
+            with self._timed("tools"):
+                self._end_calls(active, queued)
             keep = []
             budget, now = self.cfg.trajectory_timeout_s, time.monotonic()
             for s in active:
@@ -350,14 +350,12 @@ class _Loop:
                     s.fail("wall_budget", end=True)
                 if not s.finish:
                     keep.append(s)
-            t = time.perf_counter()
-            active = keep + self._branch_and_refill(active, keep, r)
-            self.times["branching"] += time.perf_counter() - t
+            with self._timed("branching"):
+                active = keep + self._branch_and_refill(active, keep, r)
             r += 1
         self.m["rounds"] = r
-        t = time.perf_counter()
-        out = self._finalize()
-        self.times["finalize"] = time.perf_counter() - t
+        with self._timed("finalize"):
+            out = self._finalize()
         self.times["total"] = time.perf_counter() - t0
         out.metrics.update({f"time/rollout_{k}_s": v for k, v in self.times.items()})
         return out
@@ -399,10 +397,17 @@ class _Loop:
                 s.baseline = s.entropy  # the first segment from the prompt (branches inherit theirs)
             self._start_call(s, res, queued)
 
-        t = time.perf_counter()
-        self._sample(requests, each)
-        self.times["generate"] += time.perf_counter() - t
+        with self._timed("generate"):
+            self._sample(requests, each)
         return queued
+
+    @contextlib.contextmanager
+    def _timed(self, name: str):
+        """Adds the block's seconds to `times[name]`; a profiler trace shows it as `rollout/<name>`."""
+        t = time.perf_counter()
+        with jax.profiler.TraceAnnotation(f"rollout/{name}"):
+            yield
+        self.times[name] += time.perf_counter() - t
 
     def _sample(self, requests: list[SampleRequest], on_result=None) -> list[SampleResult | None]:
         """One batched engine call (None for a request that failed on its own: `BisectingSampler`, isolation);
