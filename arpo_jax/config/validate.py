@@ -124,6 +124,8 @@ def _direct_enums() -> dict[str, tuple]:
         "rollout.vllm.placement": placement.PLACEMENTS,
         "rollout.jax.layout": jax_decode.LAYOUTS,
         "rollout.jax.decode_rows": jax_decode.DECODE_ROWS,
+        "rollout.jax.decode_lengths": jax_decode.DECODE_LENGTHS,
+        "rollout.jax.kv_dtype": jax_decode.KV_DTYPES,
         "tools.search.backend": tuple(tools.SEARCH_BACKENDS),
         "reward.name": (*rewards.REWARDS, "auto"),
         "algorithm.adv_estimator": (*algos.ADVANTAGE_ESTIMATORS, "gae"),  # gae: PPO with a critic

@@ -80,6 +80,7 @@ from arpo_jax.plan.memory_model import (
     HEADROOM,
     Shapes,
     device_bytes,
+    engine_cache,
     gpu_reserve_gib,  # noqa: F401 (plan's API)
     itemise,
     param_sizes,
@@ -165,7 +166,8 @@ def shapes_of(cfg, mesh_shape: tuple[int, int, int], rules_name: str, command: s
                   sampler_chunk(engine.slots, engine.cache_len, local, cfg.rollout.jax.max_tokens_per_call),
                   engine.cache_len, cfg.rollout.jax.prefill_chunk, p + r, tree, saving, fixed,
                   cfg.rollout.vllm.tensor_parallel_size, bool(cfg.actor.kl_coef) and cfg.model.ref_on_host,
-                  "split" if placement.is_split(cfg) else "colocated", 4 if cfg.rollout.vllm.dtype == "float32" else 2)
+                  "split" if placement.is_split(cfg) else "colocated", 4 if cfg.rollout.vllm.dtype == "float32" else 2,
+                  *engine_cache(cfg.rollout.jax, DEVICES[cfg.mesh.device].kind))
 
 
 def host_devices(cfg) -> int:
