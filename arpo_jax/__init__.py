@@ -47,6 +47,7 @@ def _source_checkout_configs() -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules["arpo_jax.configs"] = module
     spec.loader.exec_module(module)
+    sys.modules[__name__].configs = module  # as an import sets a submodule on its package
 
 
 _source_checkout_configs()

@@ -294,6 +294,15 @@ class _ToolCalls:
         return len(queued)
 
 
+@contextlib.contextmanager
+def _timed(times: dict[str, float], name: str):
+    """Adds the block's seconds to `times[name]`; a profiler trace shows it as `rollout/<name>`."""
+    t = time.perf_counter()
+    with jax.profiler.TraceAnnotation(f"rollout/{name}"):
+        yield
+    times[name] += time.perf_counter() - t
+
+
 class _Loop:
     """One `rollout` call's state. Methods follow the round structure of spec 3.3."""
 
@@ -339,7 +348,7 @@ class _Loop:
         r = 0
         while active:
             queued = self._generate(active)
-            with self._timed("tools"):
+            with _timed(self.times, "tools"):
                 self._end_calls(active, queued)
             keep = []
             budget, now = self.cfg.trajectory_timeout_s, time.monotonic()
@@ -350,11 +359,11 @@ class _Loop:
                     s.fail("wall_budget", end=True)
                 if not s.finish:
                     keep.append(s)
-            with self._timed("branching"):
+            with _timed(self.times, "branching"):
                 active = keep + self._branch_and_refill(active, keep, r)
             r += 1
         self.m["rounds"] = r
-        with self._timed("finalize"):
+        with _timed(self.times, "finalize"):
             out = self._finalize()
         self.times["total"] = time.perf_counter() - t0
         out.metrics.update({f"time/rollout_{k}_s": v for k, v in self.times.items()})
@@ -397,17 +406,9 @@ class _Loop:
                 s.baseline = s.entropy  # the first segment from the prompt (branches inherit theirs)
             self._start_call(s, res, queued)
 
-        with self._timed("generate"):
+        with _timed(self.times, "generate"):
             self._sample(requests, each)
         return queued
-
-    @contextlib.contextmanager
-    def _timed(self, name: str):
-        """Adds the block's seconds to `times[name]`; a profiler trace shows it as `rollout/<name>`."""
-        t = time.perf_counter()
-        with jax.profiler.TraceAnnotation(f"rollout/{name}"):
-            yield
-        self.times[name] += time.perf_counter() - t
 
     def _sample(self, requests: list[SampleRequest], on_result=None) -> list[SampleResult | None]:
         """One batched engine call (None for a request that failed on its own: `BisectingSampler`, isolation);
@@ -509,11 +510,11 @@ class _Loop:
         fixed = max(1, min(cfg.initial_rollouts, cfg.n))
         if not cfg.enable_dynamic_rollouts or cfg.n == 1:  # n = 1: the formula gives 1 whatever the entropies
             return [fixed] * len(self.prompts)
-        t = time.perf_counter()
         max_len = cfg.max_model_len or (self.P + self.R)
         valid = [b for b, p in enumerate(self.prompts) if len(p) < max_len]  # longer prompts are dropped
-        h_root = self._premonitor_root(valid, max_len)
-        h_tool = self._premonitor_tool_rollout(valid, max_len)
+        with _timed(self.times, "premonitor"):
+            h_root = self._premonitor_root(valid, max_len)
+            h_tool = self._premonitor_tool_rollout(valid, max_len)
         out = [fixed] * len(self.prompts)
         for b in valid:
             if b not in h_root:  # its pre-monitoring request failed (isolate_failures): the fixed m
@@ -522,7 +523,6 @@ class _Loop:
             mean = float(np.mean(hs)) if hs else h_root[b]
             out[b] = branching.initial_rollouts_dynamic(cfg.n, h_root[b], mean, beta=cfg.dynamic_beta)
             self.trees[b].h_root, self.trees[b].h_tool_mean = h_root[b], mean
-        self.times["premonitor"] = time.perf_counter() - t
         return out
 
     def _premonitor_root(self, valid: list[int], max_len: int) -> dict[int, float]:
