@@ -492,6 +492,7 @@ class _Call:
         self.admit[delivered], self.stop[delivered] = False, False  # a stop for a row not in this call waits
         self.row_calls[live] += 1
         self.stats["decode_calls"] += 1
+        self.stats["decode_rows"] += g  # rows x decode_steps: the row-steps computed, sampling or idle
         self.stats["kv_slots_read"] += g * length  # per step of the call: rows x the slots each attends over
         return outs, list(range(b)) if rows is None else [None if r == b else int(r) for r in rows], list(self.occ)
 
