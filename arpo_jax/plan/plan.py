@@ -424,7 +424,7 @@ def compile_sampler(model_cfg: models.Config, sh: Shapes, local_devices: int) ->
     abstract = jax.eval_shape(lambda a: jd.decode_weights(a, model_cfg.compute_dtype), abstract)  # the sampler's copy
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, p_sh)
     shape = jd.engine_shape(max_len=sh.sampler_len, slots=sh.sampler_batch, prefill_chunk=sh.prefill_chunk,
-                            decode_chunk=16, decode_rows="all")  # the decode over every row: the most memory
+                            decode_chunk=16, decode_rows="all", decode_lengths="all")  # every row and slot
     b, s = shape.slots, shape.cache_len
 
     def rows(*tail, dtype=jnp.int32):  # [B, ...] split over the local devices
