@@ -13,10 +13,11 @@ Cases (each in a process of its own, under a timeout; one JSON line each, with `
                    cost analysis (its step loop counted once).
   loop:<n>         the RL trainer (the demo's ARPO config, the JAX engine, real tools) on a random Qwen2.5-0.5B-shaped
                    model (tiny: the builtin tiny model) with n trajectories a step (n/8 prompts x 8): warm-up, then 3
-                   steps; the 2nd under `jax.profiler`, the 3rd timed alone. Generated tokens/s, the step's phases with the device's busy
-                   share inside each (from the trace, benchmarks/trace_summary.py `phase_busy`: generation, tools,
-                   update, weight sync), compiles per step, the update's MFU (XLA's FLOPs of the compiled update over
-                   its phase time, and 6 N T).
+                   steps, the 2nd under `jax.profiler`, the 3rd timed alone. Generated tokens/s, the step's phases
+                   with the device's busy share inside each (from the trace, benchmarks/trace_summary.py
+                   `phase_busy`: generation, tools, update, weight sync), compiles per step, host reads per
+                   generated token, idle rows per decode step, the update's MFU (XLA's FLOPs of the compiled update
+                   over its phase time, and 6 N T).
   lora:<n>         loop:<n> with LoRA (rank 16 on every projection): the parent adds its step time over the full one's.
   demo:full|lora   with --gguf (SmolLM2-135M-Instruct's GGUF): `arpo-jax demo --engine jax --no-vllm` as on the H200
                    (reviews/2026-11-28-h200-demo.md), then `--lora` on the same SFT model; its wall times per phase.
