@@ -118,6 +118,13 @@ def get_config() -> ConfigDict:
     # few live rows costs a few rows' matmuls, which a CPU's compute-bound decode wants), "auto" = quarters on CPU,
     # all on accelerators (their decode reads the weights whatever the rows; each program is one more compile).
     c.rollout.jax.decode_rows = "auto"
+    # Cache lengths of the decode programs: "all" (attend over the whole cache), "halves" (also over its first 1/2 and
+    # 1/4: a call whose rows hold few tokens reads only the slots they fill), "auto" = halves on accelerators (a decode
+    # step there is bound by the bytes it reads), all on CPU (bound by its matmuls; each program is one more compile).
+    c.rollout.jax.decode_lengths = "auto"
+    # The KV cache's dtype: "bfloat16", "float32", "compute" (the model's compute dtype), "auto" = bfloat16 on
+    # accelerators (half the cache's bytes read per decode step), the compute dtype on CPU.
+    c.rollout.jax.kv_dtype = "auto"
     c.rollout.jax.prefill_chunk = 512  # tokens (rows x length) per prefill call, and the longest prefill length
     # KV-cache slots (rows x cache length, the whole process) the engine may hold: `slots` is cut to fit. Bounds the
     # cache `arpo-jax plan` counts for the sampler. 0 = no limit.

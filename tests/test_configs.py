@@ -178,7 +178,7 @@ BAD = [  # (overrides, problem's field, words the message must contain, validate
     (dict(actor__recompute_old_logprob=False), "actor.recompute_old_logprob", "one optimizer step a training step",
      {}),  # the toy config's 2 mini-batches of 2 prompts a step
     (dict(actor__recompute_old_logprob=False, actor__ppo_mini_batch_size=4), "actor.recompute_old_logprob",
-     "true, or actor.rollout_correction.mode=off", {}),
+     "here 1, 4 of 4, auto", {}),
 ]
 
 

@@ -8,6 +8,7 @@ import pytest
 import arpo_jax
 from arpo_jax import device_memory, testing
 from arpo_jax.rollout.jax_sampler import JaxSampler
+from arpo_jax.train.components import check_engine_cache
 
 GIB = 2**30
 
@@ -46,8 +47,8 @@ def tiny(tiny_hf_dir):
 
 
 def test_the_engine_refuses_a_cache_larger_than_the_host_before_allocating_it(tiny):
-    """Rows the host cannot hold: one line with the numbers and the settings, and nothing allocated (a real
-    allocation of this size would be killed by the OOM killer, not raise)."""
+    """Rows the host cannot hold: one line with the numbers and the settings, before the cache exists (a real
+    allocation of this size would be killed by the OOM killer, not raise). `make_sampler` runs this check."""
     model, tok = tiny
     free = device_memory.host_available_bytes()
     assert free is not None
@@ -55,6 +56,5 @@ def test_the_engine_refuses_a_cache_larger_than_the_host_before_allocating_it(ti
     rows = 4 * free // (2 * 2 * 2 * 32 * 4 * 4096)
     with pytest.raises(device_memory.DoesNotFit, match=rf"KV cache \({rows} rows x 4096 tokens\) needs .* GiB "
                        r"free: give it fewer rows \(rollout.jax.slots"):
-        JaxSampler(model, tok, max_len=4096, slots=rows, restrict_to_tokenizer=False)
-    sampler = JaxSampler(model, tok, max_len=4096, slots=8, restrict_to_tokenizer=False)  # 16 MiB: fits
-    assert sampler.shape.slots == 8
+        check_engine_cache(JaxSampler(model, tok, max_len=4096, slots=rows, restrict_to_tokenizer=False))
+    check_engine_cache(JaxSampler(model, tok, max_len=4096, slots=8, restrict_to_tokenizer=False))  # 16 MiB: fits

@@ -499,3 +499,75 @@ def test_the_slot_table_keeps_rows_the_next_requests_need():
     assert t.free_row(protect={13}) == 0  # least recently used of the rest
     t.take(0, 13)  # trajectory 13 moves to row 0: row 3 no longer holds it
     assert (t.lookup(13), t.slot[3], t.free_row(protect=set())) == (0, None, 3)
+
+
+@pytest.mark.slow  # > 20 s on 2 cores: two engines' programs, three decode lengths
+def test_decode_length_buckets_sample_as_the_whole_cache_and_read_less(tiny_hf_dir, tokenizer):
+    """Issue 60: decode programs over the first 1/4, 1/2 and all of the cache's slots (`decode_lengths="halves"`),
+    picked by the live rows' lengths: the same tokens, text and log-probs as the engine that always attends over
+    the whole cache, through calls that continue rows (tool results) and branch (a copied row), with more requests
+    than rows; each step's matmuls read the picked length's slots (the compiled programs' dot operands grow by the
+    same bytes per slot), and the host counts fewer slots read."""
+    path, _ = tiny_hf_dir("qwen2")
+    kw = dict(max_len=256, slots=4, decode_chunk=8, prefill_chunk=64, decode_rows="all")
+    whole, buckets = (_sampler(path, tokenizer, decode_lengths=mode, **kw) for mode in ("all", "halves"))
+    assert buckets.shape.lengths == (64, 128, 256) and whole.shape.lengths == (256,)
+    assert sorted(n for n in buckets.programs() if n.startswith("decode")) == ["decode_4x128", "decode_4x256",
+                                                                               "decode_4x64"]
+    reqs = [SampleRequest(p, 24, slot_id=i) for i, p in enumerate(_prompts([5, 40, 9, 70, 20], seed=31))]
+    seeded = SamplingSettings(temperature=1.0, seed=5, stop=(), logprobs=5, logprob_positions=30, token_logprobs=True)
+    tool = tokenizer.encode(" <result>\n42\n</result>")
+    read = {}
+    for settings in (seeded, GREEDY, seeded):
+        want, got = whole.generate(reqs, settings), buckets.generate(reqs, settings)
+        _assert_same_results(got, want, atol=1e-5)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a.token_logprobs or [], b.token_logprobs or [], atol=1e-5)
+        read = {"whole": read.get("whole", 0) + whole.last_stats["kv_slots_read"],
+                "buckets": read.get("buckets", 0) + buckets.last_stats["kv_slots_read"]}
+        reqs = [SampleRequest(r.token_ids + res.token_ids + tool, 24, slot_id=r.slot_id) for r, res in zip(reqs, want)]
+        reqs[1] = SampleRequest(reqs[3].token_ids, 24, slot_id=9, parent_id=3)  # a branch of slot 3
+    assert read["buckets"] < 0.75 * read["whole"], read
+    from benchmarks import gpu_scale
+
+    dots = {n: gpu_scale.dot_operand_bytes(fn.lower(*a).compile().as_text())
+            for n, (fn, a) in buckets.programs().items() if n.startswith("decode")}
+    per_slot = (dots["decode_4x128"] - dots["decode_4x64"]) / 64
+    assert per_slot > 0 and dots["decode_4x256"] - dots["decode_4x128"] == 128 * per_slot, dots
+    cfg = buckets.config  # what one slot costs a step's attention matmuls: every layer's k and v, and the float32
+    assert per_slot == cfg.num_layers * 4 * (2 * cfg.num_kv_heads * cfg.head_dim + cfg.num_heads) * 4  # probabilities
+
+
+def test_kv_cache_dtype_and_lengths_by_backend(tiny_hf_dir, tokenizer, monkeypatch):
+    """`rollout.jax.kv_dtype` / `decode_lengths` "auto": the compute dtype and one length on CPU, bfloat16 and three
+    lengths on an accelerator. A bfloat16 cache under a float32 model: the cache holds bfloat16, and the log-probs
+    (the prefill attends over the cache too) are the float32 engine's within bf16 rounding while the tokens agree."""
+    from arpo_jax.rollout import jax_decode
+
+    assert jax_decode.kv_cache_dtype("auto") is None and jax_decode.decode_length_buckets("auto", 2080) == (2080,)
+    monkeypatch.setattr(jax_decode.jax, "default_backend", lambda: "gpu")
+    assert jax_decode.kv_cache_dtype("auto") == "bfloat16" and jax_decode.kv_cache_dtype("compute") is None
+    assert jax_decode.decode_length_buckets("auto", 2080) == (544, 1056, 2080)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="kv_dtype='fp8'; allowed: auto, bfloat16, float32, compute"):
+        jax_decode.kv_cache_dtype("fp8")
+    path, _ = tiny_hf_dir("qwen2")
+    f32, bf16 = (_sampler(path, tokenizer, kv_dtype=kv, slots=2, decode_chunk=4, prefill_chunk=32)
+                 for kv in ("compute", "bfloat16"))
+    assert bf16.shape.kv_dtype == "bfloat16" and f32.shape.kv_dtype is None
+    prompts = _prompts([6, 11], seed=41)
+    want, got = (s.generate([SampleRequest(p, 6) for p in prompts], GREEDY) for s in (f32, bf16))
+    assert all(x.dtype == jnp.bfloat16 for x in bf16._ds.cache.k) and f32._ds.cache.k[0].dtype == jnp.float32
+    # The decode program's cache arguments (what a step reads) are half the bytes. (XLA's CPU dots convert bfloat16
+    # operands to float32 first, so on CPU the matmuls' operands are not smaller: an accelerator's are.)
+    args = [s.programs()["decode_2"] for s in (f32, bf16)]
+    sizes = [fn.lower(*a).compile().memory_analysis().argument_size_in_bytes for fn, a in args]
+    kv = 2 * bf16.shape.cache_len * bf16.config.num_layers * 2 * bf16.config.num_kv_heads * bf16.config.head_dim
+    assert sizes[0] - sizes[1] == kv * 2, sizes  # rows x slots x layers x (k, v) x heads x head_dim x 2 bytes
+    for a, b in zip(got, want):
+        assert a.token_ids[0] == b.token_ids[0]
+        same = next((t for t in range(len(a.token_ids)) if a.token_ids[t] != b.token_ids[t]), len(a.token_ids))
+        for t in range(same):
+            np.testing.assert_allclose([a.top_logprobs[t][k] for k in b.top_logprobs[t] if k in a.top_logprobs[t]],
+                                       [b.top_logprobs[t][k] for k in b.top_logprobs[t] if k in a.top_logprobs[t]],
+                                       atol=3e-2)

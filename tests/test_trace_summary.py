@@ -31,3 +31,24 @@ def test_a_traced_program_is_summed_by_kernel(tmp_path):
     assert s["device_kernels"] >= 3 and 0 < len(s["kernels"]) <= 5
     assert s["kernels"] == sorted(s["kernels"], key=lambda k: -k["ms"])
     assert any("PjitFunction" in h["name"] for h in s["host"])  # the host side of each call
+
+
+def test_the_device_busy_time_is_split_by_the_annotated_phases(tmp_path):
+    """`phase_busy`: the device's busy time inside each `phase/<name>` span (what the trainer's PhaseTimer and the
+    agent loop annotate); a phase that only waits on the host is idle."""
+    import time
+
+    f = jax.jit(lambda x: jnp.tanh(x @ x).sum())
+    x = jnp.ones((256, 256))
+    f(x).block_until_ready()
+    with trace_summary.traced(tmp_path):
+        with jax.profiler.TraceAnnotation("phase/compute"):
+            for _ in range(20):
+                f(x).block_until_ready()
+        with jax.profiler.TraceAnnotation("rollout/tools"):
+            time.sleep(0.05)
+    p = trace_summary.phase_busy(tmp_path)
+    assert set(p) == {"phase/compute", "rollout/tools", "span"}
+    assert p["phase/compute"]["busy_ms"] > 0 and p["rollout/tools"]["busy_ms"] == 0
+    assert p["rollout/tools"]["wall_ms"] >= 50 and p["span"]["wall_ms"] >= p["rollout/tools"]["wall_ms"]
+    assert p["span"]["busy_ms"] >= p["phase/compute"]["busy_ms"]

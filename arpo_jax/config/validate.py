@@ -124,6 +124,8 @@ def _direct_enums() -> dict[str, tuple]:
         "rollout.vllm.placement": placement.PLACEMENTS,
         "rollout.jax.layout": jax_decode.LAYOUTS,
         "rollout.jax.decode_rows": jax_decode.DECODE_ROWS,
+        "rollout.jax.decode_lengths": jax_decode.DECODE_LENGTHS,
+        "rollout.jax.kv_dtype": jax_decode.KV_DTYPES,
         "tools.search.backend": tuple(tools.SEARCH_BACKENDS),
         "reward.name": (*rewards.REWARDS, "auto"),
         "algorithm.adv_estimator": (*algos.ADVANTAGE_ESTIMATORS, "gae"),  # gae: PPO with a critic
@@ -422,12 +424,10 @@ def _check_reused_old_logprob(ck: _Checker, mode: str) -> None:  # exact for the
     if ck.get("actor.recompute_old_logprob") is not False:
         return
     got = [ck.get(f) for f in ("actor.ppo_epochs", "actor.ppo_mini_batch_size", "data.train_batch_size")]
-    if got[0] != 1 or got[1] != got[2]:
+    if got[0] != 1 or got[1] != got[2] or mode != "off":  # "auto" too: a correction with vLLM or stale rollouts
         ck.add("actor.recompute_old_logprob", f"false needs one optimizer step a training step (actor.ppo_epochs=1, "
-               f"actor.ppo_mini_batch_size = data.train_batch_size; here {got})", "true")
-    if mode != "off":  # "auto" too: explicit, as it resolves to a correction with vLLM or stale rollouts
-        ck.add("actor.recompute_old_logprob", f"false leaves no old log-probs for the rollout correction (actor."
-               f"rollout_correction.mode={mode})", "true, or actor.rollout_correction.mode=off")
+               f"actor.ppo_mini_batch_size = data.train_batch_size) and no rollout correction (actor."
+               f"rollout_correction.mode=off); here {got[0]}, {got[1]} of {got[2]}, {mode}", "true")
 
 
 def _check_actor(ck: _Checker) -> None:

@@ -341,15 +341,17 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
 
     Exact attention (float32 scores and softmax) in the cache's own layout: grouped-query attention without
     repeating k/v (N = K x G), and no copy of the cache. A query with no visible key gets the uniform average, as
-    `jax.nn.dot_product_attention`.
+    `jax.nn.dot_product_attention`. The matmuls read the cache in its own dtype (the queries, T tokens, are cast to
+    it), so a bfloat16 cache under float32 compute is read as is, not converted copy by copy.
     """
     b, t, n, h = q.shape
     kv = k.shape[1]
+    out_dtype, q = q.dtype, q.astype(k.dtype)
     qg = q.reshape(b, t, kv, n // kv, h).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H] (small: T query tokens)
     s = jnp.einsum("bkgth,bksh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     s = jnp.where(mask[:, :, None], s, -1e30)  # [B, 1, 1, T, S] over [B, K, G, T, S]
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bksh->bkgth", p, v, preferred_element_type=jnp.float32).astype(q.dtype)
+    out = jnp.einsum("bkgts,bksh->bkgth", p, v, preferred_element_type=jnp.float32).astype(out_dtype)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
@@ -500,11 +502,10 @@ class DecoderLayer(nnx.Module):
         if self_mask is not None:
             x = x + self.self_attn.attend(q, k, v, self_mask, causal_self=True)
         else:
-            dt = self.cfg.compute_dtype
             k_i, v_i = (k_all, v_all) if i is None else (k_all[i], v_all[i])
             if rows is not None:  # this layer's rows only: one layer's [B', K, S, H] at a time
                 k_i, v_i = (jnp.take(a, rows, axis=0, mode="fill", fill_value=0) for a in (k_i, v_i))
-            x = x + self.self_attn.attend(q, k_i.astype(dt), v_i.astype(dt), mask, cached=True)
+            x = x + self.self_attn.attend(q, k_i, v_i, mask, cached=True)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_all, v_all
 

@@ -209,6 +209,10 @@ class Shapes:
     ref_offloaded: bool = False
     placement: str = "colocated"  # rollout.vllm.placement: "split" = the engines on GPUs of their own
     engine_bytes: int = 2  # bytes of a vLLM engine's weights and KV cache entries (rollout.vllm.dtype)
+    kv_bytes: int = 0  # bytes of a JAX engine's KV cache entry (rollout.jax.kv_dtype); 0: the compute dtype's
+    # The share of the cache a JAX engine's decode call copies at most (rollout.jax.decode_lengths: a call over the
+    # first half of the slots works on a copy of them, `jax_decode._window`); 0 with one length.
+    kv_window: float = 0.0
 
 
 def attention_kernel(impl: str, t: int, backend: str, *, tree: bool = False) -> dict:
@@ -307,10 +311,20 @@ def forward_items(c: models.Config, s: Sizes, sh: Shapes, backend: str, impl: st
     }
 
 
+def engine_cache(jax_cfg, kind: str) -> tuple[int, float]:
+    """(`Shapes.kv_bytes`, `Shapes.kv_window`) of a config's `rollout.jax` on a device of `kind`, as
+    `jax_decode.kv_cache_dtype` and `decode_length_buckets` resolve them there."""
+    kv, lengths = jax_cfg.kv_dtype, jax_cfg.decode_lengths
+    entry = 0 if kv == "compute" or (kv == "auto" and kind == "cpu") else 4 if kv == "float32" else 2
+    window = 0.5 if lengths == "halves" or (lengths == "auto" and kind != "cpu") else 0.0
+    return entry, window
+
+
 def kv_cache_bytes(c: models.Config, sh: Shapes, local_devices: int) -> float:
-    """The JAX sampler's dense cache: k and v [L, B, K, S, H] in compute dtype, B split over the local devices."""
+    """The JAX sampler's dense cache: k and v [L, B, K, S, H] in its dtype (`Shapes.kv_bytes`), B split over the
+    local devices."""
     return 2 * c.num_layers * sh.sampler_batch * c.num_kv_heads * sh.sampler_len * c.head_dim * \
-        jnp.dtype(c.dtype).itemsize / local_devices
+        (sh.kv_bytes or jnp.dtype(c.dtype).itemsize) / local_devices
 
 
 def sampler_items(c: models.Config, s: Sizes, sh: Shapes, local_devices: int) -> dict[str, dict[str, float]]:
@@ -335,6 +349,7 @@ def sampler_items(c: models.Config, s: Sizes, sh: Shapes, local_devices: int) ->
             "prefill_scores": 2 * 4 * c.num_heads * sh.prefill_chunk * sh.sampler_len},
         "sampler_decode": resident | {
             "kv_cache": kv,
+            "kv_window": kv * sh.kv_window,
             "decode_logits": 3 * 4 * b_dev * c.vocab_size},
     }
 

@@ -83,6 +83,7 @@ from arpo_jax.plan.memory_model import (
     MARGIN,
     Shapes,
     device_bytes,
+    engine_cache,
     engine_reload_gib,
     gpu_reserve_gib,  # noqa: F401 (plan's API)
     itemise,
@@ -169,7 +170,8 @@ def shapes_of(cfg, mesh_shape: tuple[int, int, int], rules_name: str, command: s
                   sampler_chunk(engine.slots, engine.cache_len, local, cfg.rollout.jax.max_tokens_per_call),
                   engine.cache_len, cfg.rollout.jax.prefill_chunk, p + r, tree, saving, fixed,
                   cfg.rollout.vllm.tensor_parallel_size, bool(cfg.actor.kl_coef) and cfg.model.ref_on_host,
-                  "split" if placement.is_split(cfg) else "colocated", 4 if cfg.rollout.vllm.dtype == "float32" else 2)
+                  "split" if placement.is_split(cfg) else "colocated", 4 if cfg.rollout.vllm.dtype == "float32" else 2,
+                  *engine_cache(cfg.rollout.jax, DEVICES[cfg.mesh.device].kind))
 
 
 def host_devices(cfg) -> int:
@@ -319,12 +321,10 @@ def memory_split(cfg) -> dict:
 def jax_mem_fraction(cfg) -> float:
     """The share of each GPU JAX may take (XLA_PYTHON_CLIENT_MEM_FRACTION, set by the launch scripts).
 
-    Beside a co-located vLLM it comes from the planned peak (`memory_split`: the largest program's bytes per
-    device, plus 10% headroom, as a share of the device named by `mesh.device`, leaving `memory_model.MARGIN`), so
-    the engine can have the rest (`arpo-jax plan` checks `rollout.vllm.gpu_memory_utilization` against it); with
-    `rollout.vllm.placement=split` the same share of each of JAX's own GPUs (the engines have theirs). Without a
-    plannable device (`mesh.device=cpu`) or model config, `fit.fallback_fraction`. The JAX engine gets JAX's usual
-    0.9."""
+    Beside a co-located vLLM: the planned peak (`memory_split`: the largest program per device + 10% headroom, as
+    a share of `mesh.device`, leaving `memory_model.MARGIN`); the engine has the rest (`arpo-jax plan` checks
+    `rollout.vllm.gpu_memory_utilization`); under `rollout.vllm.placement=split` the same share of JAX's own GPUs.
+    No plannable device (`mesh.device=cpu`) or model config: `fit.fallback_fraction`. The JAX engine: 0.9."""
     if cfg.rollout.engine != "vllm":
         return 0.9
     with contextlib.suppress(FileNotFoundError):  # no config.json for model.path yet: nothing to plan from
@@ -425,7 +425,7 @@ def compile_sampler(model_cfg: models.Config, sh: Shapes, local_devices: int) ->
     abstract = jax.eval_shape(lambda a: jd.decode_weights(a, model_cfg.compute_dtype), abstract)  # the sampler's copy
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, p_sh)
     shape = jd.engine_shape(max_len=sh.sampler_len, slots=sh.sampler_batch, prefill_chunk=sh.prefill_chunk,
-                            decode_chunk=16, decode_rows="all")  # the decode over every row: the most memory
+                            decode_chunk=16, decode_rows="all", decode_lengths="all")  # every row and slot
     b, s = shape.slots, shape.cache_len
 
     def rows(*tail, dtype=jnp.int32):  # [B, ...] split over the local devices

@@ -87,7 +87,8 @@ def sampler_programs(cfg, model_cfg: models.Config, mesh_shape, processes: int, 
     cache's init and the row copy, hold the same weights and cache as the decode: its peak bounds theirs)."""
     from arpo_jax.rollout.jax_sampler import config_programs
 
-    graphdef, abstract = nnx.split(models.abstract_model(model_cfg))
+    # With LoRA the engine samples with the merged weights, on the base model's graph (`components.sampler_params`).
+    graphdef, abstract = nnx.split(models.abstract_model(model_cfg.replace(lora_rank=0)))
     local = max(1, math.prod(mesh_shape) // processes)
     out = []
     for name, (_, args) in config_programs(cfg, graphdef, abstract, processes=processes, batch_multiple=local).items():

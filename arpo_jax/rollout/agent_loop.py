@@ -56,6 +56,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+import jax
 import numpy as np
 
 from arpo_jax import knobs
@@ -293,6 +294,15 @@ class _ToolCalls:
         return len(queued)
 
 
+@contextlib.contextmanager
+def _timed(times: dict[str, float], name: str):
+    """Adds the block's seconds to `times[name]`; a profiler trace shows it as `rollout/<name>`."""
+    t = time.perf_counter()
+    with jax.profiler.TraceAnnotation(f"rollout/{name}"):
+        yield
+    times[name] += time.perf_counter() - t
+
+
 class _Loop:
     """One `rollout` call's state. Methods follow the round structure of spec 3.3."""
 
@@ -338,9 +348,8 @@ class _Loop:
         r = 0
         while active:
             queued = self._generate(active)
-            t = time.perf_counter()
-            self._end_calls(active, queued)
-            self.times["tools"] += time.perf_counter() - t
+            with _timed(self.times, "tools"):
+                self._end_calls(active, queued)
             keep = []
             budget, now = self.cfg.trajectory_timeout_s, time.monotonic()
             for s in active:
@@ -350,14 +359,12 @@ class _Loop:
                     s.fail("wall_budget", end=True)
                 if not s.finish:
                     keep.append(s)
-            t = time.perf_counter()
-            active = keep + self._branch_and_refill(active, keep, r)
-            self.times["branching"] += time.perf_counter() - t
+            with _timed(self.times, "branching"):
+                active = keep + self._branch_and_refill(active, keep, r)
             r += 1
         self.m["rounds"] = r
-        t = time.perf_counter()
-        out = self._finalize()
-        self.times["finalize"] = time.perf_counter() - t
+        with _timed(self.times, "finalize"):
+            out = self._finalize()
         self.times["total"] = time.perf_counter() - t0
         out.metrics.update({f"time/rollout_{k}_s": v for k, v in self.times.items()})
         return out
@@ -399,9 +406,8 @@ class _Loop:
                 s.baseline = s.entropy  # the first segment from the prompt (branches inherit theirs)
             self._start_call(s, res, queued)
 
-        t = time.perf_counter()
-        self._sample(requests, each)
-        self.times["generate"] += time.perf_counter() - t
+        with _timed(self.times, "generate"):
+            self._sample(requests, each)
         return queued
 
     def _sample(self, requests: list[SampleRequest], on_result=None) -> list[SampleResult | None]:
@@ -504,11 +510,11 @@ class _Loop:
         fixed = max(1, min(cfg.initial_rollouts, cfg.n))
         if not cfg.enable_dynamic_rollouts or cfg.n == 1:  # n = 1: the formula gives 1 whatever the entropies
             return [fixed] * len(self.prompts)
-        t = time.perf_counter()
         max_len = cfg.max_model_len or (self.P + self.R)
         valid = [b for b, p in enumerate(self.prompts) if len(p) < max_len]  # longer prompts are dropped
-        h_root = self._premonitor_root(valid, max_len)
-        h_tool = self._premonitor_tool_rollout(valid, max_len)
+        with _timed(self.times, "premonitor"):
+            h_root = self._premonitor_root(valid, max_len)
+            h_tool = self._premonitor_tool_rollout(valid, max_len)
         out = [fixed] * len(self.prompts)
         for b in valid:
             if b not in h_root:  # its pre-monitoring request failed (isolate_failures): the fixed m
@@ -517,7 +523,6 @@ class _Loop:
             mean = float(np.mean(hs)) if hs else h_root[b]
             out[b] = branching.initial_rollouts_dynamic(cfg.n, h_root[b], mean, beta=cfg.dynamic_beta)
             self.trees[b].h_root, self.trees[b].h_tool_mean = h_root[b], mean
-        self.times["premonitor"] = time.perf_counter() - t
         return out
 
     def _premonitor_root(self, valid: list[int], max_len: int) -> dict[int, float]:

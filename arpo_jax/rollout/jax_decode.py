@@ -6,10 +6,12 @@ The programs, every shape fixed by `EngineShape` (so by the config alone):
     picked by an index vector (the cache gathered by row and written back in place); a row's first chunk first cuts
     it to the tokens the host knows it shares with the request (`keep`);
   * `copy`: rows of the cache into other rows in place (an ARPO branch starts from its parent's cache);
-  * `decode` at each row count of `EngineShape.decode_rows`: `decode_steps` sampling steps of every row, or of the
-    live rows picked by an index vector. Sampling settings are traced values (greedy, top-k/top-p, the log-prob
-    window), so validation and training run the same program; EOS, each row's token limit and the stop strings'
-    token sequences stop a row on the device; a chunk in which no row is active does nothing.
+  * `decode` at each row count of `EngineShape.decode_rows` and each cache length of `EngineShape.decode_lengths`:
+    `decode_steps` sampling steps of every row, or of the live rows picked by an index vector, attending over the
+    first `kv_len` slots of each row (the host picks the shortest length that holds every live row's tokens by the
+    end of the call). Sampling settings are traced values (greedy, top-k/top-p, the log-prob window), so validation
+    and training run the same program; EOS, each row's token limit and the stop strings' token sequences stop a row
+    on the device; a chunk in which no row is active does nothing.
 `engine_programs` lists them with abstract arguments, so a caller compiles them all ahead (`JaxSampler.warm_up`;
 `arpo-jax plan`). Each program also counts its traces in `TRACE_COUNTS`.
 """
@@ -45,14 +47,23 @@ class EngineShape:
     decode_rows: tuple[int, ...] = ()  # rows of each decode program, fewest first (the last: all `slots`)
     stop_seqs: int = 8  # stop-string token sequences the decode checks (Q)
     stop_len: int = 16  # tokens of the longest one (M)
+    decode_lengths: tuple[int, ...] = ()  # cache slots each decode program attends over, shortest first (the last:
+    # `cache_len`); () = `cache_len` alone
+    kv_dtype: str | None = None  # the cache's dtype; None: the model's compute dtype
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return self.decode_lengths or (self.cache_len,)
 
 
 def engine_shape(*, max_len: int, slots: int, prefill_chunk: int, decode_chunk: int, max_logprobs: int = 20,
-                 batch_multiple: int = 1, max_tokens_per_call: int = 0, decode_rows: str = "auto") -> EngineShape:
+                 batch_multiple: int = 1, max_tokens_per_call: int = 0, decode_rows: str = "auto",
+                 decode_lengths: str = "auto", kv_dtype: str = "auto") -> EngineShape:
     """The sizes for contexts up to `max_len` tokens: `slots` rows (a multiple of `batch_multiple`, the mesh's
     batch devices; with `max_tokens_per_call`, at most that many cache slots in all), prefill programs of
-    `prefill_chunk` tokens each (G x T: T in 32, 128 and `prefill_chunk`, at most the cache length), and decode
-    programs of `DECODE_ROWS[decode_rows]` rows (`decode_row_counts`)."""
+    `prefill_chunk` tokens each (G x T: T in 32, 128 and `prefill_chunk`, at most the cache length), decode
+    programs of `DECODE_ROWS[decode_rows]` rows (`decode_row_counts`) over `decode_lengths` cache lengths
+    (`decode_length_buckets`), and the cache in `kv_dtype` (`kv_cache_dtype`)."""
     cache_len = -(-max_len // 32) * 32
     slots = -(-max(slots, 1) // batch_multiple) * batch_multiple
     if max_tokens_per_call:
@@ -66,10 +77,40 @@ def engine_shape(*, max_len: int, slots: int, prefill_chunk: int, decode_chunk: 
     lengths = sorted({min(t, longest) for t in PREFILL_LENGTHS} | {longest})
     prefill = tuple((max(1, min(slots, prefill_chunk // t)), t) for t in lengths)
     rows = decode_row_counts(decode_rows, slots, batch_multiple)
-    return EngineShape(slots, cache_len, prefill, decode_chunk, min(slots, 8), max_logprobs, rows)
+    return EngineShape(slots, cache_len, prefill, decode_chunk, min(slots, 8), max_logprobs, rows,
+                       decode_lengths=decode_length_buckets(decode_lengths, cache_len),
+                       kv_dtype=kv_cache_dtype(kv_dtype))
 
 
 DECODE_ROWS = ("auto", "all", "quarters")  # rollout.jax.decode_rows
+DECODE_LENGTHS = ("auto", "all", "halves")  # rollout.jax.decode_lengths
+KV_DTYPES = ("auto", "bfloat16", "float32", "compute")  # rollout.jax.kv_dtype
+
+
+def decode_length_buckets(mode: str, cache_len: int) -> tuple[int, ...]:
+    """Cache lengths of the decode programs: "all" = one, the whole cache; "halves" = also 1/2 and 1/4 of it (multiples
+    of 32), so a call whose rows hold few tokens reads (and attends over) only the slots they fill: the decode
+    step's KV reads follow the live lengths, not the buffer (what a paged engine's ragged attention does with page
+    tables, vLLM / tpu-inference; here a few fixed programs, as tpu-inference and JetStream pad to a few compiled
+    lengths); "auto" = halves on accelerators, where a decode step is bound by the bytes it reads, all on CPU (its
+    decode is bound by the matmuls, and each program is one more compile)."""
+    if mode not in DECODE_LENGTHS:
+        raise ValueError(f"decode_lengths={mode!r}; allowed: {', '.join(DECODE_LENGTHS)}")
+    if mode == "all" or (mode == "auto" and jax.default_backend() == "cpu"):
+        return (cache_len,)
+    return tuple(sorted({max(32, -(-cache_len // d // 32) * 32) for d in (4, 2)} | {cache_len}))
+
+
+def kv_cache_dtype(mode: str) -> str | None:
+    """The KV cache's dtype: "bfloat16", "float32", "compute" (None: the model's compute dtype), or "auto" = bfloat16
+    on accelerators (a decode step's KV reads are most of its bytes at long contexts: a float32 model's cache read
+    ~22x its weights at 1k tokens and 256 rows; vLLM and JetStream keep bf16 or narrower caches whatever the
+    weights) and the compute dtype on CPU (XLA's CPU dots upcast bf16, so a bf16 cache only costs conversions)."""
+    if mode not in KV_DTYPES:
+        raise ValueError(f"kv_dtype={mode!r}; allowed: {', '.join(KV_DTYPES)}")
+    if mode == "compute" or (mode == "auto" and jax.default_backend() == "cpu"):
+        return None
+    return "bfloat16" if mode == "auto" else mode
 
 
 def decode_row_counts(mode: str, slots: int, multiple: int = 1) -> tuple[int, ...]:
@@ -204,9 +245,15 @@ def _logprobs(logits, z, allowed, tok, *, n_logprobs: int, raw: bool) -> dict:
 
 
 def _decode(graphdef, params, ds: DecodeState, rows, admit, stop_host, limits, ctx_lens, seeds, eos_ids, stop_seqs,
-            stop_on, allowed, knobs: Knobs, *, n_steps, n_logprobs, raw_logprobs, rules):
+            stop_on, allowed, knobs: Knobs, *, n_steps, n_logprobs, raw_logprobs, rules, kv_len=None):
     """`n_steps` sampling steps of the rows `rows` [G] (None: every row; an index past the end: padding). Each:
     logits from the row's hidden state -> sample -> feed the token. The per-row inputs are the G rows'.
+
+    `kv_len` (static; None: the whole cache): the steps run over a copy of the cache's first `kv_len` slots, taken
+    at the call's start and written back at its end, so each step reads (and attends over) `kv_len` slots, not the
+    buffer's S: the caller's bound on what the live rows hold by the end of the call (a row past it would see a cut
+    context; slots past it are untouched). A slice feeding the attention's matmuls in every step would be copied
+    by XLA at every step (3x its bytes, measured on CPU); once per call it costs 4 x kv_len / `n_steps` a step.
 
     Rows in `admit` start (their prefill is done), rows in `stop_host` stop (the host found a stop string). A row
     samples while active; a sampled token is written to the cache unless it ends the row (EOS, the row's limit, a
@@ -249,16 +296,37 @@ def _decode(graphdef, params, ds: DecodeState, rows, admit, stop_host, limits, c
     def run(carry):
         return jax.lax.scan(step, carry, None, length=n_steps)
 
-    carry = (ds.cache, pick(ds.h), admit | (pick(ds.active) & ~stop_host), jnp.where(admit, 0, pick(ds.ngen)),
-             jnp.where(admit[:, None], -1, pick(ds.recent, -1)))
+    carry = (_window(ds.cache, kv_len), pick(ds.h), admit | (pick(ds.active) & ~stop_host),
+             jnp.where(admit, 0, pick(ds.ngen)), jnp.where(admit[:, None], -1, pick(ds.recent, -1)))
     idle = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run, carry)[1])
     # A chunk with no active row (the host dispatches one chunk ahead of what it has read) costs nothing.
     (cache, h, active, ngen, recent), outs = jax.lax.cond(carry[2].any(), run, lambda c: (c, idle), carry)
     outs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outs)  # [n, G, ...] -> [G, n, ...]
     put = (lambda full, x: x) if rows is None else (lambda full, x: full.at[rows].set(x, mode="drop"))  # noqa: E731
-    ds = DecodeState(_constrain_cache(cache, rules), put(ds.h, h), put(ds.active, active), put(ds.ngen, ngen),
-                     put(ds.recent, recent))
+    ds = DecodeState(_constrain_cache(_unwindow(ds.cache, cache), rules), put(ds.h, h), put(ds.active, active),
+                     put(ds.ngen, ngen), put(ds.recent, recent))
     return ds, outs | {"active": active}
+
+
+def _window(cache: KVCache, n: int | None) -> KVCache:
+    """The cache's first n slots of every row (a copy; n None: the cache itself)."""
+    if n is None:
+        return cache
+    cut = lambda x, axis: jax.lax.slice_in_dim(x, 0, n, axis=axis)  # noqa: E731
+    kv = (lambda xs: tuple(cut(x, 2) for x in xs)) if isinstance(cache.k, tuple) else (lambda x: cut(x, 3))
+    return KVCache(kv(cache.k), kv(cache.v), cut(cache.positions, 1), cache.lengths)
+
+
+def _unwindow(cache: KVCache, window: KVCache) -> KVCache:
+    """`cache` with its first slots replaced by `window` (`_window`'s), in place."""
+    if window.positions.shape == cache.positions.shape:
+        return window
+    put = lambda x, w, axis: jax.lax.dynamic_update_slice_in_dim(x, w, 0, axis=axis)  # noqa: E731
+    if isinstance(cache.k, tuple):
+        k, v = (tuple(put(x, w, 2) for x, w in zip(xs, ws)) for xs, ws in ((cache.k, window.k), (cache.v, window.v)))
+    else:
+        k, v = put(cache.k, window.k, 3), put(cache.v, window.v, 3)
+    return KVCache(k, v, put(cache.positions, window.positions, 1), window.lengths)
 
 
 def _prefill(graphdef, params, ds: DecodeState, rows, ids, positions, valid, last, keep, *, rules):
@@ -301,7 +369,7 @@ def _copy(ds: DecodeState, src, dst, *, rules):
 def _init(cfg, shape: EngineShape, per_layer: bool) -> DecodeState:
     b = shape.slots
     h = jnp.zeros((b, cfg.hidden_size), cfg.compute_dtype)
-    return DecodeState(new_cache(cfg, b, shape.cache_len, per_layer), h, jnp.zeros((b,), bool),
+    return DecodeState(new_cache(cfg, b, shape.cache_len, per_layer, shape.kv_dtype), h, jnp.zeros((b,), bool),
                        jnp.zeros((b,), jnp.int32), jnp.full((b, shape.stop_len), -1, jnp.int32))
 
 
@@ -345,7 +413,7 @@ def unrolled_layout(layout: str) -> bool:
 def jitted(graphdef, cfg, shape: EngineShape, per_layer_cache: bool = False, raw_logprobs: bool = False
            ) -> SimpleNamespace:
     """The jitted init / prefill / copy / decode functions of one model architecture and engine shape (the
-    `DecodeState` donated through each)."""
+    `DecodeState` donated through each; `decode` one per cache length of `shape.lengths`)."""
     rules = cfg.sharding_rules
     decode = functools.partial(_decode, graphdef, rules=rules, n_steps=shape.decode_steps,
                                n_logprobs=shape.max_logprobs, raw_logprobs=raw_logprobs)
@@ -353,7 +421,9 @@ def jitted(graphdef, cfg, shape: EngineShape, per_layer_cache: bool = False, raw
         init=jax.jit(_counted("init", lambda: _constrain_state(_init(cfg, shape, per_layer_cache), rules))),
         prefill=jax.jit(_counted("prefill", functools.partial(_prefill, graphdef, rules=rules)), donate_argnums=(1,)),
         copy=jax.jit(_counted("copy", functools.partial(_copy, rules=rules)), donate_argnums=(0,)),
-        decode=jax.jit(_counted("decode", decode), donate_argnums=(1,)),
+        # {cache length: the decode attending over that many slots}
+        decode={n: jax.jit(_counted("decode", functools.partial(decode, kv_len=None if n >= shape.cache_len else n)),
+                           donate_argnums=(1,)) for n in shape.lengths},
     )
 
 
@@ -389,14 +459,17 @@ def engine_programs(fns: SimpleNamespace, shape: EngineShape, params, ds, *, n_e
     q, m = shape.stop_seqs, shape.stop_len
     for g in shape.decode_rows:  # the all-rows program takes no index vector (no gathers)
         rows = None if g == b else sds((g,), i32)
-        out[f"decode_{g}"] = (fns.decode, (params, ds, rows, sds((g,), bool_), sds((g,), bool_), sds((g,), i32),
-                                           sds((g,), i32), sds((g,), u32), sds((n_eos,), i32), sds((q, m), i32),
-                                           sds((q,), bool_), None if vocab is None else sds((vocab,), bool_), knobs))
+        args = (params, ds, rows, sds((g,), bool_), sds((g,), bool_), sds((g,), i32), sds((g,), i32), sds((g,), u32),
+                sds((n_eos,), i32), sds((q, m), i32), sds((q,), bool_), None if vocab is None else sds((vocab,), bool_),
+                knobs)
+        for n in shape.lengths:  # named by rows alone with one length (the whole cache)
+            name = f"decode_{g}" if len(shape.lengths) == 1 else f"decode_{g}x{n}"
+            out[name] = (fns.decode[n], args)
     return out
 
 
-def new_cache(cfg, b: int, s: int, per_layer: bool) -> KVCache:
-    cache = KVCache.init(cfg, b, s)
+def new_cache(cfg, b: int, s: int, per_layer: bool, dtype: str | None = None) -> KVCache:
+    cache = KVCache.init(cfg, b, s, dtype and jnp.dtype(dtype))
     return cache.per_layer() if per_layer else cache
 
 

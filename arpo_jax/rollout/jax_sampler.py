@@ -53,7 +53,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from arpo_jax import device_memory
 from arpo_jax.rollout.jax_decode import (
     TRACE_COUNTS,
     Knobs,
@@ -225,7 +224,6 @@ class JaxSampler(Sampler):
         self._allowed = allowed if restrict_to_tokenizer and not allowed.all() else None
         self.trace_counts = TRACE_COUNTS
         self._fns = jitted(graphdef, cfg, self.shape, self._unrolled, logprobs_mode == "raw")
-        self._check_cache_fits()
         self.table = SlotTable(self.shape.slots)
         self._ds = None  # the device's `DecodeState`, allocated at the first call (or `warm_up`)
         self._warm = False
@@ -313,16 +311,6 @@ class JaxSampler(Sampler):
         program again)."""
         with self._mesh_ctx():
             lowered.compile()
-
-    def _check_cache_fits(self) -> None:
-        """Refuses, before allocating it, a KV cache larger than the free memory (`device_memory`)."""
-        devices = list(self.mesh.devices.flat) if self.mesh is not None else jax.local_devices()[:1]
-        total, cpu = device_memory.tree_bytes(jax.eval_shape(self._fns.init)), devices[0].platform == "cpu"
-        device_memory.require_fits(  # CPU devices share the host's memory
-            total if cpu else -(-total // len(devices)), device_memory.available_bytes(devices[0]),
-            f"the JAX engine's KV cache ({self.shape.slots} rows x {self.shape.cache_len} tokens)", "give it fewer "
-            "rows (rollout.jax.slots; `arpo-jax eval`: --batch-size x --k), shorter contexts (data.max_prompt_length "
-            "+ data.max_response_length) or a cap (rollout.jax.max_tokens_per_call)")
 
     def _device_state(self):
         if self._ds is None:  # committed where it is, as every program's outputs are (else the first call compiles)

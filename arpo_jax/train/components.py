@@ -20,7 +20,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from arpo_jax import distributed, knobs, sharding
+from arpo_jax import device_memory, distributed, knobs, sharding
 from arpo_jax.data import toy
 from arpo_jax.data.prompts import REFERENCE_DATA_SYSTEM_PROMPT, SYSTEM_PROMPT, SYSTEM_PROMPTS
 from arpo_jax.experience.packing import PackConfig
@@ -30,7 +30,7 @@ from arpo_jax.rollout.jax_decode import decode_weights
 from arpo_jax.rollout.sampler import CUDA_GRAPHS, ENGINES, Sampler, SamplingSettings
 from arpo_jax.tools import ToolExecutor, make_executor
 from arpo_jax.train import skeleton
-from arpo_jax.update import jit
+from arpo_jax.update import jit, lora
 from arpo_jax.update import train_step as ts
 
 
@@ -69,6 +69,21 @@ def make_tool_executor(cfg) -> ToolExecutor:
     return make_executor(tools, max_workers=t.max_workers, timeout_s=t.timeout_s, retry_count=t.retry_count)
 
 
+def check_engine_cache(sampler) -> None:
+    """Refuses, before a JAX engine allocates it (at its warm-up or first call), a KV cache larger than the free
+    memory (`device_memory`): one line with the sizes and the settings to change, not the OOM killer."""
+    import jax
+
+    init, args = sampler.programs()["init"]
+    devices = list(sampler.mesh.devices.flat) if sampler.mesh is not None else jax.local_devices()[:1]
+    total, cpu = device_memory.tree_bytes(jax.eval_shape(init, *args)), devices[0].platform == "cpu"
+    device_memory.require_fits(  # CPU devices share the host's memory
+        total if cpu else -(-total // len(devices)), device_memory.available_bytes(devices[0]),
+        f"the JAX engine's KV cache ({sampler.shape.slots} rows x {sampler.shape.cache_len} tokens)", "give it fewer "
+        "rows (rollout.jax.slots; `arpo-jax eval`: --batch-size x --k), shorter contexts (data.max_prompt_length + "
+        "data.max_response_length) or a cap (rollout.jax.max_tokens_per_call)")
+
+
 def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=None,
                  folder: str | os.PathLike | None = None, log_file: str | os.PathLike | None = None,
                  export_dir: str | os.PathLike | None = None, server: dict | None = None) -> Sampler:
@@ -96,7 +111,9 @@ def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=
 
         from arpo_jax.rollout.jax_sampler import JaxSampler, engine_kwargs
 
-        return JaxSampler(model, tokenizer, max_len=max_len, mesh=mesh, **engine_kwargs(cfg, jax.process_count()))
+        sampler = JaxSampler(model, tokenizer, max_len=max_len, mesh=mesh, **engine_kwargs(cfg, jax.process_count()))
+        check_engine_cache(sampler)
+        return sampler
     if engine == "vllm":
         from arpo_jax.rollout import placement
         from arpo_jax.rollout.vllm_sampler import VllmSampler, engine_devices
@@ -196,7 +213,7 @@ def make_rollout_sampler(cfg, tokenizer, model_folder: Path, workdir: Path, poli
     """The rollout engine (`rollout.engine`) with the policy's current params (`sync`: tell vLLM, which loaded
     `model_folder`, about params that differ from it: a resumed run or `model.init_checkpoint`)."""
     if cfg.rollout.engine == "jax":
-        model = nnx.merge(policy.graphdef, sampler_params(params, policy))
+        model = nnx.merge(sampler_graphdef(policy), sampler_params(params, policy))
         return make_sampler(cfg, tokenizer, model=model, mesh=sampler_mesh(policy.mesh))
     # Several processes on an HSDP mesh export node-locally (each its own, to its /dev/shm: VllmSampler._export);
     # params spread over the hosts go through the run's folder (process 0 writes, every node reads: a shared file
@@ -225,12 +242,23 @@ def sync_weights(sampler, cfg, policy: skeleton.Policy, params) -> float:
     return sampler.update_weights(nnx.merge(policy.graphdef, params))
 
 
+def sampler_graphdef(policy: skeleton.Policy):
+    """The graph of the JAX sampler's model: the policy's, or with LoRA its base's (the sampler gets the merged
+    weights, `sampler_params`)."""
+    return lora.base_graphdef(policy.model_cfg) if policy.model_cfg.lora_rank else policy.graphdef
+
+
 def sampler_params(params, policy: skeleton.Policy):
     """A copy of the policy's params for the JAX sampler (the train step donates its own) in the compute dtype
     (`jax_sampler.decode_weights`: cast before any gather), on local devices: with several processes every one gets
-    the whole model (it samples alone)."""
-    params = decode_weights(params, policy.model_cfg.compute_dtype)
+    the whole model (it samples alone). With LoRA the adapters merged into their weights (`lora.jit_engine_weights`:
+    unmerged they tripled the decode's matmuls)."""
+    cfg = policy.model_cfg
+    if cfg.lora_rank:
+        params = lora.jit_engine_weights(policy.graphdef, cfg.dtype)(params)
+    else:
+        params = decode_weights(params, cfg.compute_dtype)
     if jax.process_count() > 1:
-        return distributed.replicate_on_local_devices(params, jit.param_shardings(policy.model_cfg,
+        return distributed.replicate_on_local_devices(params, jit.param_shardings(lora.base_config(cfg),
                                                                                  sampler_mesh(policy.mesh)))
     return params

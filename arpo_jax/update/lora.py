@@ -169,6 +169,34 @@ def _adapted(model: CausalLM) -> dict[str, Linear]:
     return {_param_key((*path, "weight")): lin for path, lin in lora_linears(model, model.config)}
 
 
+@functools.lru_cache(maxsize=4)
+def jit_engine_weights(graphdef: nnx.GraphDef, dtype: str):
+    """jitted `params -> the JAX engine's weights` of a LoRA policy (`graphdef`: its `jit.split_model` graphdef;
+    params: its pure dict): every adapted weight merged (`_merged`'s W + scale * B A, summed in float32), the adapters
+    dropped (the base config's structure, `base_graphdef`), each float leaf in `dtype` (the compute dtype, as
+    `jax_decode.decode_weights`). One program per weight sync, reading every weight once.
+
+    The engine samples with these rather than the adapters: unmerged, every adapted projection of a decode step is
+    three matmuls instead of one (x W, x A, (x A) B), 28 more dot kernels per layer and step (the base's 19 dots of the
+    tiny test model's decode became 47), which made the `--lora` demo's RL phase 2.2x the full one's on an H200
+    (issue 60). The update keeps the adapters (only they are trained); the trainer computes the old log-probs itself,
+    so the engine's merged rounding never enters the loss."""
+    dt = jnp.dtype(dtype)
+
+    def weights(params):
+        model = nnx.merge(graphdef, params)
+        adapted = _adapted(model)
+        flat = []
+        for path, v in nnx.to_flat_state(base_state(model)):
+            x = v[...]
+            if _param_key(path) in adapted:
+                x = x.astype(jnp.float32) + _delta(adapted[_param_key(path)])
+            flat.append((path, v.replace(x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x)))
+        return nnx.to_pure_dict(nnx.from_flat_state(flat))
+
+    return jax.jit(weights)
+
+
 def merged_export(model: CausalLM):
     """(the base params of `model`, the config without adapters, a `transform(HF key, array)` that merges each adapted
     weight as `hf.save_state` writes it): the merged HF export, one merged tensor (one layer) in memory at a time."""
