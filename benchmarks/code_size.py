@@ -77,8 +77,8 @@ def over_budget(items: list[dict]) -> list[dict]:
 def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
     """module -> the arpo_jax modules it imports anywhere in its body (package `__init__`s left out: importing a
     name from a package is not a dependency on its siblings)."""
-    files = {module_name(p): p for p in package.rglob("*.py")}
-    packages = {module_name(p) for p in package.rglob("__init__.py")}
+    files = {module_name(p, package.parent): p for p in package.rglob("*.py")}
+    packages = {module_name(p, package.parent) for p in package.rglob("__init__.py")}
     graph: dict[str, set[str]] = {}
     for mod, path in files.items():
         if mod in packages:
