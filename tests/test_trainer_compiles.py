@@ -73,8 +73,9 @@ def _config(tmp_path: Path, model: Path, data: tuple[str, str], *overrides: str)
 def test_no_compiles_after_the_first_step_with_tools_and_branches(agent, tmp_path):
     model, data = agent
     workdir = tmp_path / "run"
-    # Two devices: the weights the update returns are laid out by the train step, not as the engine's first weights
-    # (on one device every layout is the same one, and the engine's re-laid-out weights never showed).
+    # Two devices, sharded as a run is: layouts can differ only there (on one device every array has the same one).
+    # The train step now returns the params in their own shardings, so the engine's re-laid-out weights after a sync
+    # (d4cc811) are planted where they can be: test_jax_sampler's `test_no_call_compiles_after_the_warm_up`.
     tr = trainer_lib.Trainer(_config(tmp_path, model, data), workdir, testing.trainer_devices(2))
     try:
         tr.run()
