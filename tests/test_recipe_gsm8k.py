@@ -26,7 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 STUDY = [sys.executable, str(REPO / "benchmarks" / "gsm8k_tool.py"), "--size", "tiny", "--model", "builtin:tiny",
          "--set", "data.max_response_length=32", "--set", "rollout.engine=jax", "--set", "trainer.loggers=('jsonl',)",
          "--set", "trainer.progress=false", "--set", "sft.batch_size=2", "--set", "sft.max_steps=1",
-         "--set", "sft.warmup_ratio=0.0", "--set", "data.val_max_samples=4"]
+         "--set", "sft.warmup_ratio=0.0", "--set", "data.val_max_samples=4",
+         # One SFT step moves the adapter 10x an RL step (lr 2e-4): an RL adapter that continued it stays near it.
+         "--set", "sft.lr=2e-3"]
 pytestmark = pytest.mark.slow  # one study process (~3 minutes)
 FORBIDDEN = "FORBIDDEN"
 
@@ -96,6 +98,9 @@ def test_the_study_at_tiny_size(tmp_path):
         assert (config["reward"]["name"], config["tools"]["python"]["enabled"]) == (reward, python)
         assert any(r.get("step") == 1 and "reward/mean" in r for r in metrics.read_jsonl(work / f"{run}_s0" /
                                                                                          "metrics.jsonl"))
+    # The recipe's reward scored ARPO's step: `math_tool`'s info (the maths reward's has no Python counts).
+    trajectories = metrics.read_jsonl(work / "arpo_s0" / "trajectories.jsonl")
+    assert trajectories and all({"python_calls", "python_ok"} <= r["reward"].keys() for r in trajectories)
     # ARPO continues the SFT adapter (one step moves it a little); the no-tool run starts from a fresh one (B = 0).
     sft_b, arpo_b, notool_b = (_lora_b(work / p) for p in ("sft_adapter", "arpo_s0/adapter", "grpo_notool_s0/adapter"))
     assert np.abs(sft_b).max() > 0

@@ -453,4 +453,6 @@ def test_offloaded_reference_keeps_the_params_shardings_in_pinned_host_memory(ti
         cfg = args.load_config(["--config=builtin:toy_cpu", "--config.actor.kl_coef=0.1",
                                 f"--config.model.ref_on_host={on_host}"])
         ref = trainer.reference_logprobs(params, cfg, model_cfg, fn, 1.0, mesh)
+        # Where the copy lives (the log-probs alone are the same either way).
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(ref.ref)} == {"pinned_host" if on_host else "device"}
         np.testing.assert_array_equal(np.asarray(ref(moved, mini)), start)

@@ -1,12 +1,12 @@
 """A run compiles its programs before its first step and nothing after it (issue 54): `perf/compiles` in
 metrics.jsonl is 0 from the second step on, and the update side's phases compile nothing in any step.
 
-A real `Trainer` (in-process, 2 fake devices) with the JAX engine on a tiny model that has half learnt the toy tasks'
-tool-using solutions, so at temperature 1 it writes real `<python>` and `<search>` calls of its own, which the real
-sandbox and the offline BM25 search answer with results of varying length (numbers, tracebacks, search pages); ARPO
-branches after them (branch probability 1). Several steps, validation in between: every step's batch has other
-lengths, tool rounds and branches, so its micro-batches, tree heads and loss entries vary, and so would its
-programs' shapes without fixed ones.
+A real `Trainer` (in-process, 1 fake device: why in the test) with the JAX engine on a tiny model that has half
+learnt the toy tasks' tool-using solutions, so at temperature 1 it writes real `<python>` and `<search>` calls of its
+own, which the real sandbox and the offline BM25 search answer with results of varying length (numbers, tracebacks,
+search pages); ARPO branches after them (branch probability 1). Several steps, validation in between: every step's
+batch has other lengths, tool rounds and branches, so its micro-batches, tree heads and loss entries vary, and so
+would its programs' shapes without fixed ones.
 """
 
 from pathlib import Path
@@ -73,7 +73,11 @@ def _config(tmp_path: Path, model: Path, data: tuple[str, str], *overrides: str)
 def test_no_compiles_after_the_first_step_with_tools_and_branches(agent, tmp_path):
     model, data = agent
     workdir = tmp_path / "run"
-    # One device: a micro-batch is one row, so the micro-batch count follows every step's rows.
+    # One device: a micro-batch is one row, so the micro-batch count follows every step's rows; and the engine's
+    # programs compiled off its mesh (575d515 reverted) fail here as [6, 1, 0, 0, 0], where on 2 devices they pass.
+    # On 2 devices the engine's re-laid-out weights after a sync (d4cc811 reverted) pass as well (the train step
+    # returns the params in their own shardings): test_jax_sampler's `test_no_call_compiles_after_the_warm_up`
+    # plants both, on 1- and 2-device meshes.
     tr = trainer_lib.Trainer(_config(tmp_path, model, data), workdir, testing.trainer_devices(1))
     try:
         tr.run()
@@ -82,10 +86,12 @@ def test_no_compiles_after_the_first_step_with_tools_and_branches(agent, tmp_pat
     records = metrics.read_jsonl(workdir / "metrics.jsonl")
     compiles = [r["perf/compiles"] for r in records]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    # The workload varies: tool calls (whose results differ in length), branches, and validation steps.
-    assert sum(r["tools/calls_per_trajectory/mean"] for r in records) > 0
-    assert sum(r["rollout/branches_per_prompt"] for r in records) > 0
-    assert "val/accuracy" in records[1] or any(k.startswith("val/") for k in records[1])
+    # The workload of the steps that must not compile varies: tool calls (whose results differ in length),
+    # branches, and a validation step.
+    later = records[1:]
+    assert sum(r["tools/calls_per_trajectory/mean"] for r in later) > 0
+    assert sum(r["rollout/branches_per_prompt"] for r in later) > 0
+    assert any(k.startswith("val/") for k in records[1])  # test_freq=2: step 2 validates
     # The update side's programs were all compiled by the warm-up (`time/warmup`): none in any step, the first too.
     assert records[0]["time/warmup"] > 0 and records[0]["perf/warmup/compiles"] > 0
     update_side = ("advantages", "pack", "old_logprob", "update", "weight_sync", "metrics")
@@ -94,3 +100,5 @@ def test_no_compiles_after_the_first_step_with_tools_and_branches(agent, tmp_pat
     # Before the fixed update programs: [44, 1, 2, 0, 0] (step 3 compiled the update and the log-prob forward again);
     # with the engine's programs compiled off its mesh: [6, 1, 0, 0, 0] (each compiled again at its first call).
     assert compiles[1:] == [0] * (STEPS - 1), compiles
+    # Nor traced (host-side retraces, e.g. an `eval_shape` per step, cost time without compiling).
+    assert [r["perf/traces"] for r in later] == [0] * (STEPS - 1)

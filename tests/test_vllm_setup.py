@@ -2,11 +2,13 @@
 and ports, the job's GPUs, per-process log names; which failed starts are LoRA's and what a failed start leaves."""
 
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ import pytest
 from arpo_jax.rollout import vllm_start, vllm_worker
 from arpo_jax.rollout.engine_signals import exposed_processes
 from arpo_jax.rollout.sampler import CUDA_GRAPHS
-from arpo_jax.rollout.vllm_sampler import PORT_SPAN, engine_env, engine_ports, host_gpus
+from arpo_jax.rollout.vllm_sampler import PORT_SPAN, VllmEngineConfig, engine_env, engine_ports, host_gpus
 from arpo_jax.train.components import process_log
 
 
@@ -32,6 +34,52 @@ def test_an_untested_vllm_is_refused_with_the_way_out(version):
     assert "pip install -e '.[gpu]'" in message and "ARPO_VLLM_ALLOW_UNTESTED=1" in message
     warning = vllm_worker.check_vllm_version(version, allow_untested=True)
     assert warning.startswith(f"vLLM {version} is installed") and warning.endswith("(ARPO_VLLM_ALLOW_UNTESTED=1)")
+
+
+class _Started(Exception):
+    """Raised by the stub `vllm.LLM`: the engine got past its version check and started vLLM."""
+
+
+def _stub_vllm(monkeypatch, version: str) -> list[dict]:
+    """A stand-in `vllm` (this version, on a CPU) for this test alone: the installed one and its submodules are
+    hidden. Returns the list its `LLM` appends each construction's arguments to."""
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    started = []
+
+    def llm(**kwargs):
+        started.append(kwargs)
+        raise _Started
+
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(is_cuda_alike=lambda: False)
+    vllm = types.ModuleType("vllm")
+    vllm.__version__, vllm.LLM, vllm.platforms = version, llm, platforms
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    return started
+
+
+def test_the_engine_checks_the_version_before_starting_vllm(monkeypatch):
+    """The call site (`_Engine`, in the worker process): an untested vLLM is refused before `vllm.LLM` is built;
+    with ARPO_VLLM_ALLOW_UNTESTED=1 it starts, the warning first among the fallbacks the trainer logs."""
+    cfg = dataclasses.asdict(VllmEngineConfig(model="unused"))  # what VllmSampler sends its workers
+    started = _stub_vllm(monkeypatch, "0.33.0")
+    monkeypatch.delenv(vllm_worker.ALLOW_UNTESTED_ENV, raising=False)
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.33\.0 is installed"):
+        vllm_worker._Engine(cfg)
+    assert started == []
+    monkeypatch.setenv(vllm_worker.ALLOW_UNTESTED_ENV, "1")
+    engine = vllm_worker._Engine.__new__(vllm_worker._Engine)  # to read what __init__ set before vllm.LLM raised
+    with pytest.raises(_Started):
+        engine.__init__(cfg)
+    assert len(started) == 1 and started[0]["model"] == "unused"
+    assert engine.fallbacks[0] == vllm_worker.check_vllm_version("0.33.0", allow_untested=True)
+    monkeypatch.setattr(sys.modules["vllm"], "__version__", f"{vllm_worker.TESTED_VLLM}.1")
+    engine = vllm_worker._Engine.__new__(vllm_worker._Engine)
+    with pytest.raises(_Started):
+        engine.__init__(cfg)
+    assert not any("is installed" in f for f in engine.fallbacks)  # the tested release: no version warning
 
 
 def test_the_tested_version_is_the_one_pyproject_pins():

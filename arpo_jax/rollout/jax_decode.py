@@ -303,9 +303,9 @@ def _decode(graphdef, params, ds: DecodeState, rows, admit, stop_host, limits, c
     (cache, h, active, ngen, recent), outs = jax.lax.cond(carry[2].any(), run, lambda c: (c, idle), carry)
     outs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outs)  # [n, G, ...] -> [G, n, ...]
     put = (lambda full, x: x) if rows is None else (lambda full, x: full.at[rows].set(x, mode="drop"))  # noqa: E731
-    ds = DecodeState(_constrain_cache(_unwindow(ds.cache, cache), rules), put(ds.h, h), put(ds.active, active),
-                     put(ds.ngen, ngen), put(ds.recent, recent))
-    return ds, outs | {"active": active}
+    ds = DecodeState(_unwindow(ds.cache, cache), put(ds.h, h), put(ds.active, active), put(ds.ngen, ngen),
+                     put(ds.recent, recent))
+    return _constrain_state(ds, rules), outs | {"active": active}
 
 
 def _window(cache: KVCache, n: int | None) -> KVCache:
@@ -347,7 +347,7 @@ def _prefill(graphdef, params, ds: DecodeState, rows, ids, positions, valid, las
     sel = jnp.take_along_axis(hidden, jnp.maximum(last, 0)[:, None, None], axis=1)[:, 0]  # [G, D]
     old = jnp.take(ds.h, rows, axis=0, mode="fill", fill_value=0)
     h = ds.h.at[rows].set(jnp.where((last >= 0)[:, None], sel.astype(ds.h.dtype), old), mode="drop")
-    return ds._replace(cache=_constrain_cache(cache, rules), h=h)
+    return _constrain_state(ds._replace(cache=cache, h=h), rules)
 
 
 def _copy(ds: DecodeState, src, dst, *, rules):
@@ -363,7 +363,7 @@ def _copy(ds: DecodeState, src, dst, *, rules):
 
         k, v = jax.lax.fori_loop(0, cache.k.shape[0], layer, (cache.k, cache.v))
     cache = KVCache(k, v, move(cache.positions), move(cache.lengths))
-    return ds._replace(cache=_constrain_cache(cache, rules))
+    return _constrain_state(ds._replace(cache=cache), rules)
 
 
 def _init(cfg, shape: EngineShape, per_layer: bool) -> DecodeState:
@@ -428,7 +428,13 @@ def jitted(graphdef, cfg, shape: EngineShape, per_layer_cache: bool = False, raw
 
 
 def _constrain_state(ds: DecodeState, rules: str) -> DecodeState:
-    return ds._replace(cache=_constrain_cache(ds.cache, rules))
+    """Every leaf of the state in one fixed layout, its rows split like the cache's: `init` and every program
+    return it so, so each call gets the state in the shardings the programs were compiled for. (Left to GSPMD, a
+    prefill on an fsdp mesh returned `h` split over its hidden axis instead of replicated, as `init` made it: the
+    next decode compiled again, twice, after the warm-up.)"""
+    return DecodeState(_constrain_cache(ds.cache, rules), constrain(ds.h, ("batch", "act_embed"), rules),
+                       constrain(ds.active, ("batch",), rules), constrain(ds.ngen, ("batch",), rules),
+                       constrain(ds.recent, ("batch", None), rules))
 
 
 def _abstract(x):
