@@ -83,14 +83,6 @@ def pow2_buckets(lo: int, hi: int, *, half_steps: bool = False, quarter_steps: b
     return tuple(sorted(set(out) | {b * m // 4 for b in out[:-1] for m in steps}))
 
 
-def bucket(n: int, buckets: Sequence[int], what: str) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{what} {n} exceeds the largest bucket {buckets[-1]}")
-
-
-
 def engine_kwargs(cfg, processes: int) -> dict:
     """`JaxSampler`'s settings from an experiment config (`rollout.jax`, `rollout.entropy_top_k`), `processes` the
     run's process count: `slots` = 0 means one rollout worker's trajectories (its prompts x rollout.n)."""
@@ -99,7 +91,8 @@ def engine_kwargs(cfg, processes: int) -> dict:
     slots = j.slots or max(1, cfg.data.train_batch_size // workers) * cfg.rollout.n
     return dict(slots=slots, decode_chunk=j.decode_chunk, prefill_chunk=j.prefill_chunk,
                 max_tokens_per_call=j.max_tokens_per_call, layout=j.layout,
-                max_logprobs=max(20, cfg.rollout.entropy_top_k), decode_rows=j.decode_rows)
+                max_logprobs=max(20, cfg.rollout.entropy_top_k), decode_rows=j.decode_rows,
+                decode_lengths=j.decode_lengths, kv_dtype=j.kv_dtype)
 
 
 def config_programs(cfg, graphdef, abstract_state, *, processes: int = 1, batch_multiple: int = 1, n_eos: int = 1,
@@ -111,7 +104,8 @@ def config_programs(cfg, graphdef, abstract_state, *, processes: int = 1, batch_
     shape = engine_shape(max_len=cfg.data.max_prompt_length + cfg.data.max_response_length, slots=kw["slots"],
                          prefill_chunk=kw["prefill_chunk"], decode_chunk=kw["decode_chunk"],
                          max_logprobs=kw["max_logprobs"], batch_multiple=batch_multiple,
-                         max_tokens_per_call=kw["max_tokens_per_call"], decode_rows=kw["decode_rows"])
+                         max_tokens_per_call=kw["max_tokens_per_call"], decode_rows=kw["decode_rows"],
+                         decode_lengths=kw["decode_lengths"], kv_dtype=kw["kv_dtype"])
     model_cfg = nnx.merge(graphdef, abstract_state).config
     unrolled = unrolled_layout(kw["layout"])
     state = jax.eval_shape(lambda s: decode_weights(s, model_cfg.compute_dtype), abstract_state)  # as `_set_state`
@@ -187,13 +181,16 @@ class JaxSampler(Sampler):
       max_logprobs: the most top log-probs per position a call may ask for (vLLM's max_logprobs).
       decode_rows: "all" (one decode program over every row), "quarters" (also over 1/4 and 1/16 of the rows, for
         a round's tail) or "auto" (quarters on CPU; `jax_decode.decode_row_counts`).
+      decode_lengths: "all", "halves" (also decode programs over the cache's first 1/2 and 1/4, picked by the live
+        rows' lengths; the same samples) or "auto" (halves on accelerators; `jax_decode.decode_length_buckets`).
+      kv_dtype: "bfloat16", "float32", "compute" or "auto" (bfloat16 on accelerators; `jax_decode.kv_cache_dtype`).
     """
 
     def __init__(self, model, tokenizer, *, max_len: int, mesh: Mesh | None = None,
                  eos_ids: Sequence[int] | None = None, slots: int = 32, decode_chunk: int = 16,
                  prefill_chunk: int = 512, logprobs_mode: str = "processed", restrict_to_tokenizer: bool = True,
                  max_tokens_per_call: int = 0, layout: str = "auto", max_logprobs: int = 20,
-                 decode_rows: str = "auto"):
+                 decode_rows: str = "auto", decode_lengths: str = "auto", kv_dtype: str = "auto"):
         graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
         self.config = cfg = nnx.merge(graphdef, state).config
         self._model_graphdef, self._unrolled = graphdef, unrolled_layout(layout)
@@ -211,7 +208,8 @@ class JaxSampler(Sampler):
         multiple = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in get_rules(cfg.sharding_rules)["batch"]]))
         self.shape = engine_shape(max_len=max_len, slots=slots, prefill_chunk=prefill_chunk,
                                   decode_chunk=decode_chunk, max_logprobs=max_logprobs, batch_multiple=multiple,
-                                  max_tokens_per_call=max_tokens_per_call, decode_rows=decode_rows)
+                                  max_tokens_per_call=max_tokens_per_call, decode_rows=decode_rows,
+                                  decode_lengths=decode_lengths, kv_dtype=kv_dtype)
         if eos_ids is None:
             eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
             cfg_eos = cfg.eos_token_id
@@ -381,6 +379,7 @@ class _Call:
         self.occ: list[int | None] = [None] * b  # the request each row runs (or last ran) in this call
         self.row_limit, self.row_ctx = np.zeros(b, np.int32), np.zeros(b, np.int32)
         self.row_seed = np.zeros(b, np.uint32)
+        self.row_calls = np.zeros(b, np.int64)  # decode calls dispatched since the row's request was admitted
         self.admit, self.stop = np.zeros(b, bool), np.zeros(b, bool)  # for the next decode call
         self.live: set[int] = set()  # rows whose request the host has not seen finish
         self.knobs, self.stops = _knobs(settings), engine._stop_arrays(tuple(settings.stop))
@@ -429,6 +428,7 @@ class _Call:
             t.held[row] = self.ctx[i]
             self.occ[row] = i
             self.row_limit[row], self.row_ctx[row], self.row_seed[row] = self.limits[i], len(self.ctx[i]), self.seeds[i]
+            self.row_calls[row] = 0
             self.rows[i] = _Row(self.e.tokenizer, self.ctx[i], self.limits[i], tuple(self.settings.stop))
             self.admit[row] = True
             self.live.add(row)
@@ -471,18 +471,29 @@ class _Call:
 
     def _dispatch(self):
         """One decode call over the live rows: the program with the fewest rows that holds them all (the live rows
-        picked by an index vector), or the one over every row."""
+        picked by an index vector), or the one over every row; and of those, the one over the fewest cache slots
+        that holds every live row's tokens by the end of the call."""
         e, b = self.e, self.e.shape.slots
         g = next(n for n in e.shape.decode_rows if n >= len(self.live))
+        # The fewest cache slots holding what every live row may hold by the call's end: its context plus the tokens
+        # it can have sampled by then (the host reads one call behind: it counts calls, not the tokens it has read).
+        live = list(self.live)
+        need = np.max(self.row_ctx[live] + np.minimum(self.row_limit[live],
+                                                      (self.row_calls[live] + 1) * e.shape.decode_steps))
+        length = next(n for n in e.shape.lengths if n >= need)
         rows = None if g == b else np.asarray(sorted(self.live) + [b] * (g - len(self.live)), np.int32)
         sel = np.arange(b) if rows is None else np.minimum(rows, b - 1)  # (copies: the host edits its arrays)
         pad = np.zeros(b, bool) if rows is None else rows == b  # padding entries take nothing
         admit, stop = self.admit[sel] & ~pad, self.stop[sel] & ~pad
-        e._ds, outs = e._fns.decode(e._state, e._ds, rows, admit, stop, self.row_limit[sel], self.row_ctx[sel],
-                                    self.row_seed[sel], e._eos_arr, *self.stops, e._allowed, self.knobs)
+        e._ds, outs = e._fns.decode[length](e._state, e._ds, rows, admit, stop, self.row_limit[sel],
+                                            self.row_ctx[sel], self.row_seed[sel], e._eos_arr, *self.stops,
+                                            e._allowed, self.knobs)
         delivered = np.arange(b) if rows is None else rows[~pad]
         self.admit[delivered], self.stop[delivered] = False, False  # a stop for a row not in this call waits
+        self.row_calls[live] += 1
         self.stats["decode_calls"] += 1
+        self.stats["decode_rows"] += g  # rows x decode_steps: the row-steps computed, sampling or idle
+        self.stats["kv_slots_read"] += g * length  # per step of the call: rows x the slots each attends over
         return outs, list(range(b)) if rows is None else [None if r == b else int(r) for r in rows], list(self.occ)
 
     def _read(self, outs, rows: list[int | None], occ: list[int | None]) -> None:
