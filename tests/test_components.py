@@ -78,6 +78,20 @@ def test_lora_sync_picks_the_engines_lora_layers(monkeypatch, tmp_path, lora_syn
         config_lib.validate(bad, check_files=False)
 
 
+def test_the_engine_gets_the_policy_before_step_1_when_it_differs_from_the_model_folder(tmp_path):
+    """vLLM starts from the model's HF folder: a resumed run, model.init_checkpoint and a starting LoRA adapter (the
+    RL phase after a LoRA SFT) must send the policy first (the GSM8K study's first ARPO run sampled the base model in
+    its validation and step 1: no tool call); a fresh run from the folder need not."""
+    c = args.load_config(["--config=builtin:toy_cpu", "--config.rollout.engine=vllm"])
+    assert not components.initial_sync(c, 0) and components.initial_sync(c, 3)
+    with c.unlocked():
+        c.model.lora.rank, c.model.lora.adapter = 8, str(tmp_path / "sft_adapter")
+    assert components.initial_sync(c, 0)
+    with c.unlocked():
+        c.model.lora.adapter, c.model.init_checkpoint = "", str(tmp_path / "ckpt")
+    assert components.initial_sync(c, 0)
+
+
 def test_vllm_engines_start_only_after_every_dispatched_jax_computation(cfg, monkeypatch, tmp_path):
     """vLLM sizes a GPU engine's KV cache from the device's free memory before and after its profiling: JAX must not
     run (allocate, load kernels, create NCCL communicators) meanwhile. The trainer's state init runs asynchronously,

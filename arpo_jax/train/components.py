@@ -208,6 +208,14 @@ def sampler_mesh(mesh: Mesh) -> Mesh:
     return sharding.make_mesh((1, -1, 1), devices=[d for d in jax.local_devices() if d in ours])
 
 
+def initial_sync(cfg, step: int) -> bool:
+    """Whether the engine, which starts from the model's HF folder, must first get the policy's params: they differ
+    from the folder's after a resume (`step` > 0), from `model.init_checkpoint`, or with a starting LoRA adapter
+    (`model.lora.adapter`: the RL phase after a LoRA SFT; without the sync vLLM sampled the base model until the first
+    update)."""
+    return step > 0 or bool(cfg.model.init_checkpoint) or bool(cfg.model.lora.rank and cfg.model.lora.adapter)
+
+
 def make_rollout_sampler(cfg, tokenizer, model_folder: Path, workdir: Path, policy: skeleton.Policy, params, *,
                          sync: bool):
     """The rollout engine (`rollout.engine`) with the policy's current params (`sync`: tell vLLM, which loaded

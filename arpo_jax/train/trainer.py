@@ -64,6 +64,7 @@ from arpo_jax.rollout.sampler import worker_seed
 from arpo_jax.train import critic, run_guard, schedule, skeleton, warmup
 from arpo_jax.train import metrics as metrics_lib
 from arpo_jax.train.components import (
+    initial_sync,
     make_rollout_sampler,
     make_tool_executor,
     pack_config,
@@ -150,7 +151,7 @@ class Trainer:
         self.reward_fn = rewards.get_reward_fn(cfg.reward.name, custom_path=os.path.expandvars(cfg.reward.custom_path),
                                                custom_name=cfg.reward.custom_name)
         self.sampler = make_rollout_sampler(cfg, self.tokenizer, self.model_folder, self.workdir, self.policy,
-                                            self.state.params, sync=self.step > 0 or bool(cfg.model.init_checkpoint))
+                                            self.state.params, sync=initial_sync(cfg, self.step))
         self.logger = skeleton.open_logger(cfg, self.workdir, resume_step=latest, enabled=self.is_main)
         self.failures = collection.FailureBudget(cfg.rollout.failures.max_fraction,  # skips steps of failures
                                                  cfg.rollout.failures.max_skipped_steps)
