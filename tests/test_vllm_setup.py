@@ -57,6 +57,13 @@ def _stub_vllm(monkeypatch, version: str) -> list[dict]:
     vllm.__version__, vllm.LLM, vllm.platforms = version, llm, platforms
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    # The worker imports `vllm_start` from beside its script; its calls into vLLM's config code go with the stub.
+    start = types.ModuleType("vllm_start")
+    start.engine_kwargs = vllm_start.engine_kwargs
+    start.engine_config = lambda kwargs: types.SimpleNamespace(use_v2_model_runner=False)
+    start.vocab_mask_processor = lambda config: None
+    start.start_llm = lambda kwargs, lora_rank: (vllm.LLM(**kwargs), {}, None)
+    monkeypatch.setitem(sys.modules, "vllm_start", start)
     return started
 
 
