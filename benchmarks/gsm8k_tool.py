@@ -67,7 +67,7 @@ SIZES = {
     "cpu": StudySize((), "vllm", 1, 160, ("arpo",), 20, 32, 8,
                      expected_min=(("cold_start", 45), ("sft", 40), ("select", 35), ("rl", 200), ("eval", 70))),
     # One H100 / H200, the JAX engine everywhere: the three runs at the same budget (16 prompts x 8 a step)
-    "gpu": StudySize(("gpu",), "jax", 1, 320, ("arpo", "grpo", "grpo_notool"), 20, 128, 32,
+    "gpu": StudySize(("gpu",), "jax", 1, 320, ("arpo", "grpo", "grpo_notool"), 20, 300, 32,
                      expected_min=(("cold_start", 0.5), ("sft", 0.3), ("select", 0.7), ("rl", 5.0), ("eval", 1.5))),
     # The suite: builtin:tiny, every phase once at the smallest size, both kinds of run (from the SFT adapter with
     # tools; fresh and tool-free)
@@ -315,6 +315,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="cpu")
     parser.add_argument("--model", default=MODEL, help="a named model, an HF folder or a .gguf file")
     parser.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
+    parser.add_argument("--candidates", type=int, default=0, help="RL candidates whose pass@8 is measured (default: "
+                        "the size's)")
     parser.add_argument("--keep", default="1,7", help="right answers of 8 a selected RL question has (lowest,highest)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config field, all phases")
     args = parser.parse_args(argv)
@@ -325,7 +327,10 @@ def main(argv: list[str] | None = None) -> None:
     from arpo_jax import demo
 
     demo.use_compilation_cache()  # the phases' programs recur (the engine's in each evaluation, the update's per run)
-    study = Study(Path(args.workdir).absolute(), SIZES[args.size], args.model, tuple(args.set),
+    size = SIZES[args.size]
+    if args.candidates:
+        size = dataclasses.replace(size, candidates=args.candidates)
+    study = Study(Path(args.workdir).absolute(), size, args.model, tuple(args.set),
                   tuple(int(x) for x in args.keep.split(",")))
     study.workdir.mkdir(parents=True, exist_ok=True)
     expected = dict(study.size.expected_min)
