@@ -81,7 +81,10 @@ def get_config(arg: str = ""):
 
     c.reward.name = "math_tool"
     c.algorithm.adv_estimator = "grpo"
-    c.actor.lr = 2e-4  # LoRA (the demo's rate: +0.35 to +0.58 in 16 steps, benchmarks/RESULTS.md)
+    # LoRA continuing the SFT adapter, whose B matrices are ~5e-4: Adam moves every element by ~lr in its first
+    # steps, so 2e-4 (the demo's rate from B = 0) moved B by ~40% in one step and the policy collapsed (reward 0.48
+    # -> 0 at step 2); 2e-5 held it (RESULTS.md "ARPO on GSM8K: the study on 2 CPU cores").
+    c.actor.lr = 2e-5
     c.actor.ppo_mini_batch_size = 4  # one optimizer step per training step
     c.actor.logprob_chunk = 128
     c.actor.kl_coef = 0.0
@@ -103,7 +106,7 @@ def get_config(arg: str = ""):
 
     c.sft.train_files = (f"{data}/sft.json",)
     c.sft.cutoff_len = 1024
-    c.sft.epochs = 3  # ~30 cold-start conversations, 8 a step: 9 steps
+    c.sft.epochs = 3  # ~30 cold-start conversations, 8 a step: 9 steps (1 epoch half-learns the format: RESULTS.md)
     c.sft.lr = 2e-4  # LoRA
     c.sft.batch_size = 8
     c.sft.max_token_len_per_device = 1024  # ~2 conversations a micro-batch
