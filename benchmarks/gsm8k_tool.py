@@ -31,7 +31,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -86,6 +89,7 @@ class Study:
     model: str
     overrides: tuple[str, ...] = ()
     keep: tuple[int, int] = (1, 7)  # right answers of 8 a selected question has
+    evaluate_only: tuple[str, ...] = ()  # the models the eval phase evaluates (`models_to_evaluate`'s names); () = all
 
     @property
     def data(self) -> Path:
@@ -209,7 +213,7 @@ def phase_rl(study: Study, run: str, seed: int = 0) -> Path:
 def models_to_evaluate(study: Study) -> dict[str, tuple[Path | None, bool]]:
     """name -> (adapter, without tools) of every model there is to evaluate."""
     models = {"untrained": (None, False), "sft": (study.workdir / "sft_adapter", False)}
-    if any(not RUNS[r][1] for r in study.size.runs):
+    if any(not RUNS[r][1] for r in study.size.runs) or "untrained_notool" in study.evaluate_only:
         models["untrained_notool"] = (None, True)
     for run in study.size.runs:
         adapter = study.workdir / f"{run}_s0" / "adapter"
@@ -222,6 +226,8 @@ def phase_eval(study: Study) -> None:
     from arpo_jax.eval import math_tool
 
     for name, (adapter, no_tools) in models_to_evaluate(study).items():
+        if study.evaluate_only and name not in study.evaluate_only:
+            continue
         for bench, offset, count in math_tool.EVAL_SLICES:
             out = study.workdir / "eval" / name / bench
             summary = study.evaluate(out, bench, adapter=adapter, limit=study.size.eval_limit or count,
@@ -229,6 +235,44 @@ def phase_eval(study: Study) -> None:
             if not (out / "wall.json").is_file():  # the first, uninterrupted run's time (a resumed one runs less)
                 (out / "wall.json").write_text(json.dumps({"wall_s": summary["wall_s"]}))
             _say(f"eval {name} {bench}: pass@1 {summary['benchmarks'][bench]['pass@1']:.3f} ({summary['wall_s']} s)")
+
+
+def parallel_rl_eval(study: Study, argv: list[str], phases: list[str], mem_fraction: float) -> dict[str, float]:
+    """The rl and eval phases with the size's RL runs side by side on one accelerator: one child process per run
+    (an RL step of one leaves the GPU idle most of the time: reviews/2026-11-28-h200-demo.md), each evaluating its
+    run's model and a share of the baselines, in its own work dir (`parallel/<run>`, sharing data/ and the SFT
+    adapter) merged into this one as it ends. Returns each child's phase times (`rl_<run>`, `eval_<run>`)."""
+    runs = study.size.runs
+    baselines = [m for m in models_to_evaluate(study) if not m.endswith("_s0")]
+    children = {}
+    for i, run in enumerate(runs):
+        wd = study.workdir / "parallel" / run
+        wd.mkdir(parents=True, exist_ok=True)
+        for shared in ("data", "sft_adapter"):
+            if not (wd / shared).exists():
+                (wd / shared).symlink_to(study.workdir / shared)
+        models = [f"{run}_s0", *baselines[i::len(runs)]]
+        cmd = [sys.executable, __file__, *argv, "--workdir", str(wd), "--phases", ",".join(phases), "--runs", run,
+               "--evaluate", ",".join(models)]
+        env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=str(mem_fraction))
+        log = (study.workdir / f"parallel_{run}.log").open("ab")
+        _say(f"{run}: {' '.join(cmd[1:])} (log: {log.name})")
+        children[run] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    failed = [run for run, child in children.items() if child.wait() != 0]
+    times = {}
+    for run in runs:
+        wd = study.workdir / "parallel" / run
+        (study.workdir / "eval").mkdir(exist_ok=True)
+        made = [(wd / f"{run}_s0", study.workdir / f"{run}_s0")]  # the run, and each model it evaluated
+        made += [(source, study.workdir / "eval" / source.name) for source in (wd / "eval").glob("*")]
+        for source, link in made:
+            if source.exists() and not link.exists():
+                link.symlink_to(source)
+        child_times = json.loads((wd / "phase_times.json").read_text()) if (wd / "phase_times.json").is_file() else {}
+        times |= {f"{phase}_{run}": t for phase, t in child_times.items() if phase in ("rl", "eval")}
+    if failed:
+        raise SystemExit(f"RL run(s) {failed} failed: see {study.workdir}/parallel_<run>.log")
+    return times
 
 
 def report_rows(study: Study) -> list[dict]:
@@ -317,6 +361,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
     parser.add_argument("--candidates", type=int, default=0, help="RL candidates whose pass@8 is measured (default: "
                         "the size's)")
+    parser.add_argument("--runs", default="", help=f"comma-separated RL runs, of {', '.join(RUNS)} (default: the "
+                        "size's)")
+    parser.add_argument("--evaluate", default="", help="comma-separated models the eval phase evaluates (untrained, "
+                        "untrained_notool, sft, <run>_s0; default: all there are): processes sharing one GPU split "
+                        "the work, each in its own work dir")
+    parser.add_argument("--parallel", action="store_true", help="the rl and eval phases as one process per RL run, "
+                        "side by side on this machine's accelerator (the gpu size's RL steps leave it idle most of "
+                        "the time)")
+    parser.add_argument("--mem-fraction", type=float, default=0.3, help="with --parallel: each process's share of the "
+                        "accelerator's memory (XLA_PYTHON_CLIENT_MEM_FRACTION)")
     parser.add_argument("--keep", default="1,7", help="right answers of 8 a selected RL question has (lowest,highest)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config field, all phases")
     args = parser.parse_args(argv)
@@ -330,8 +384,13 @@ def main(argv: list[str] | None = None) -> None:
     size = SIZES[args.size]
     if args.candidates:
         size = dataclasses.replace(size, candidates=args.candidates)
+    if args.runs:
+        runs = tuple(args.runs.split(","))
+        if set(runs) - set(RUNS):
+            parser.error(f"--runs: unknown {sorted(set(runs) - set(RUNS))}; allowed: {', '.join(RUNS)}")
+        size = dataclasses.replace(size, runs=runs)
     study = Study(Path(args.workdir).absolute(), size, args.model, tuple(args.set),
-                  tuple(int(x) for x in args.keep.split(",")))
+                  tuple(int(x) for x in args.keep.split(",")), tuple(filter(None, args.evaluate.split(","))))
     study.workdir.mkdir(parents=True, exist_ok=True)
     expected = dict(study.size.expected_min)
     times_file = study.workdir / "phase_times.json"
@@ -339,7 +398,12 @@ def main(argv: list[str] | None = None) -> None:
     for phase in [p for p in PHASES if p in phases]:
         _say(f"phase {phase}" + (f": expected ~{expected[phase]:g} min ({args.size})" if phase in expected else ""))
         t = time.perf_counter()
-        if phase == "rl":
+        if args.parallel and phase in ("rl", "eval"):
+            child_phases = [p for p in ("rl", "eval") if p in phases]
+            if phase == child_phases[0]:  # the children run both
+                child_argv = ["--size", args.size, "--model", args.model, *(f"--set={o}" for o in args.set)]
+                times |= parallel_rl_eval(study, child_argv, child_phases, args.mem_fraction)
+        elif phase == "rl":
             for run in study.size.runs:
                 t_run = time.perf_counter()
                 phase_rl(study, run)

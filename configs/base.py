@@ -267,6 +267,10 @@ def get_config() -> ConfigDict:
     c.trainer = ConfigDict()
     c.trainer.total_epochs = 2
     c.trainer.max_steps = 0  # stop after this many training steps; 0 = total_epochs over the data
+    # End the run like max_steps (validated, saved, exported) after the first step that finishes this many minutes
+    # after the run started (warm-up included); 0 = no limit. For a job's time limit or a study on a fixed budget; a
+    # resumed run gets the whole limit again.
+    c.trainer.time_limit_minutes = 0.0
     c.trainer.save_freq = 5  # checkpoint every N steps (and at the end); 0 = only at the end
     c.trainer.test_freq = 5  # validate every N steps (and at the end); 0 = never
     c.trainer.val_before_train = False

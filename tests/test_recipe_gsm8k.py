@@ -2,7 +2,8 @@
 tiny size, on benchmark files the test writes itself (so it runs in a clean clone, without ../shared/data): data, the
 cold start (the random model solves nothing: the phase says so and stops), then with a cold-start set written as
 `eval.cold_start` writes it: SFT, the pass@8 selection, ARPO from the SFT adapter and GRPO without tools from the
-untrained model, every evaluation and the report. Every phase runs in the one process the GPU study uses.
+untrained model, every evaluation and the report, the RL runs and evaluations side by side as the GPU study runs
+them (`--parallel`: a process per run, merged into one work dir).
 
 The GSM8K file holds 1,319 questions like the real one, and from question 1000 on each says FORBIDDEN: no phase may
 read them (issue 62), so no file the study writes may hold that word."""
@@ -79,7 +80,8 @@ def test_the_study_at_tiny_size(tmp_path):
     (work / "data" / "sft.json").write_text(json.dumps(sft_set))
 
     # The random model answers nothing right: `--keep 0,8` keeps every candidate (the real study keeps 1-7 of 8).
-    proc = _study(work, env, "--phases", "sft,select,rl,eval,report", "--keep", "0,8")
+    # `--parallel` as on a GPU: the RL runs (and the evaluations) in a process each, merged into one report.
+    proc = _study(work, env, "--phases", "sft,select,rl,eval,report", "--keep", "0,8", "--parallel")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -113,6 +115,11 @@ def test_the_study_at_tiny_size(tmp_path):
     assert all(r["questions"] == 2 for r in rows.values())
     assert not rows["untrained_notool", "gsm8k"]["tools"] and rows["arpo_s0", "gsm8k"]["rl_steps"] == 1
     assert (work / "report.md").read_text().count("\n") == 2 + len(rows)
+    # Each run's process trained it and evaluated it with a share of the baselines, in its own work dir.
+    assert {p.name for p in (work / "parallel").iterdir()} == {"arpo", "grpo_notool"}
+    assert {p.name for p in (work / "parallel" / "arpo" / "eval").iterdir()} == {"arpo_s0", "untrained",
+                                                                                 "untrained_notool"}
+    assert {p.name for p in (work / "parallel" / "grpo_notool" / "eval").iterdir()} == {"grpo_notool_s0", "sft"}
     for path in work.rglob("*"):
         if path.is_file() and path.suffix in (".json", ".jsonl", ".parquet", ".md"):
             assert FORBIDDEN.encode() not in path.read_bytes(), path

@@ -60,7 +60,7 @@ class Stopped(Exception):
         super().__init__(message)
 
 
-def _agree_any(flag: bool) -> bool:
+def agree_any(flag: bool) -> bool:
     """True on every process when `flag` is true on any (a collective: every process calls it at the same point)."""
     import jax
 
@@ -145,7 +145,7 @@ class RunLock:
         problem = ""
         if jax.process_index() == 0:
             problem = self._try_lock()
-        if _agree_any(bool(problem)):
+        if agree_any(bool(problem)):
             raise ValueError(problem or f"{self.path}: the work directory is locked by another run (see process 0)")
         return self
 
@@ -326,7 +326,7 @@ class StopSignals:
 
     def requested(self) -> bool:
         """Whether to stop now; the same answer on every process (a collective in a multi-host run)."""
-        stop = _agree_any(self.signum is not None)
+        stop = agree_any(self.signum is not None)
         if stop and self.signum is None:
             self.signum = signal.SIGTERM  # another process was signalled
         return stop

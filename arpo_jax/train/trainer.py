@@ -162,6 +162,7 @@ class Trainer:
         self.engine = EngineSchedule(schedule_cfg, overlap=cfg.rollout.engine != "jax", weights_version=self.step,
                                      sleep=self.sampler.sleep, sync=self._sync)
         self.stop = None  # `run`'s StopSignals
+        self.out_of_time = False  # trainer.time_limit_minutes passed: the run ends as at max_steps
 
     def run(self, stop: run_guard.StopSignals | None = None) -> dict:
         """Trains to `total_steps`: each step, then validation every `test_freq` steps, metrics, a checkpoint every
@@ -190,6 +191,7 @@ class Trainer:
                 bar.close()
                 raise abandoned_step(stop, e, self.checkpoints, self.step, self.save) from None
             stopping = stop is not None and stop.requested()  # no validation: its engine may have had the signal too
+            self._check_time_limit(t_start)
             if tr.test_freq and (self.step % tr.test_freq == 0 or self._done()) and not stopping:
                 last |= (val := self.validate())
             last |= compiles.take()
@@ -371,12 +373,22 @@ class Trainer:
             if self.critic:
                 self.critic.save(self.step)
 
+    def _check_time_limit(self, t_start: float) -> None:
+        """Ends the run after this step when trainer.time_limit_minutes have passed since `t_start` (the same answer
+        on every process: each reads its own clock)."""
+        limit = self.cfg.trainer.time_limit_minutes
+        if limit and not self._done():
+            self.out_of_time = run_guard.agree_any(time.perf_counter() - t_start > limit * 60)
+            if self.out_of_time:
+                log.info("trainer.time_limit_minutes=%g passed: the run ends after step %d of %d", limit, self.step,
+                         self.total_steps)
+
     def _done(self, step: int | None = None, position: rl_dataset.DataPosition | None = None) -> bool:
         """`total_steps` trained, or (without trainer.max_steps) `total_epochs` of data used (dynamic sampling can end
-        an epoch early), at this step and position or those given."""
+        an epoch early), at this step and position or those given, or the time limit passed."""
         step, position = self.step if step is None else step, position or self.position
-        return step >= self.total_steps or (not self.cfg.trainer.max_steps and
-                                            position.epoch >= self.cfg.trainer.total_epochs)
+        return self.out_of_time or step >= self.total_steps or (not self.cfg.trainer.max_steps and
+                                                                position.epoch >= self.cfg.trainer.total_epochs)
 
     def close(self) -> None:
         try:
@@ -426,7 +438,8 @@ def step_record(got: collection.Collected, step: int, step_metrics: list[dict], 
 def run_summary(trainer: Trainer, last: dict, val: dict, export: str | None, wall_s: float) -> dict:
     """A finished run's summary: the last step's reward, validation, where everything is; the main process also
     writes it to `summary.json`."""
-    summary = {"steps": trainer.step, "total_steps": trainer.total_steps, "reward_mean": last.get("reward/mean"),
+    summary = {"steps": trainer.step, "total_steps": trainer.total_steps, "time_limit_reached": trainer.out_of_time,
+               "reward_mean": last.get("reward/mean"),
                "val": {k: v for k, v in val.items() if k.startswith("val/")}, "hf_export": export,
                "wall_s": round(wall_s, 1), "workdir": str(trainer.workdir),
                "checkpoints": str(trainer.checkpoints.main.directory),
