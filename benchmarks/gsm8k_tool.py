@@ -244,12 +244,29 @@ def phase_eval(study: Study) -> None:
             _say(f"eval {name} {bench}: pass@1 {summary['benchmarks'][bench]['pass@1']:.3f} ({summary['wall_s']} s)")
 
 
+def check_gpus_free(processes: int, fraction: float) -> None:
+    """Refuses --parallel when the GPUs nvidia-smi lists (none: no check) lack `processes` x `fraction` of their
+    memory free: each process preallocates its fraction, and one that cannot may abort later inside XLA's allocator
+    (RESULTS.md "ARPO on GSM8K: one H200": a benchmark left running cost the ARPO run)."""
+    from arpo_jax.plan import doctor
+
+    gpus, _ = doctor.read_gpus(os.environ)
+    for g in gpus or []:
+        total, used = float(g["memory.total"]), float(g["memory.used"])
+        if total - used < processes * fraction * total:
+            raise SystemExit(f"--parallel: GPU {g['index']} has {used:.0f} of {total:.0f} MiB in use; {processes} "
+                             f"processes x --mem-fraction {fraction} need {processes * fraction * total:.0f} MiB free. "
+                             "Stop what holds it (nvidia-smi --query-compute-apps=pid,used_memory --format=csv names "
+                             "it) or lower --mem-fraction")
+
+
 def parallel_rl_eval(study: Study, argv: list[str], phases: list[str], mem_fraction: float) -> dict[str, float]:
     """The rl and eval phases with the size's RL runs side by side on one accelerator: one child process per run
     (an RL step of one leaves the GPU idle most of the time: reviews/2026-11-28-h200-demo.md), each evaluating its
     run's model and a share of the baselines, in its own work dir (`parallel/<run>`, sharing data/ and the SFT
     adapter) merged into this one as it ends. Returns each child's phase times (`rl_<run>`, `eval_<run>`)."""
     runs = study.size.runs
+    check_gpus_free(len(runs), mem_fraction)
     baselines = [m for m in models_to_evaluate(study) if not m.endswith("_s0")]
     children = {}
     for i, run in enumerate(runs):

@@ -9,6 +9,7 @@ The GSM8K file holds 1,319 questions like the real one, and from question 1000 o
 read them (issue 62), so no file the study writes may hold that word."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -123,3 +124,22 @@ def test_the_study_at_tiny_size(tmp_path):
     for path in work.rglob("*"):
         if path.is_file() and path.suffix in (".json", ".jsonl", ".parquet", ".md"):
             assert FORBIDDEN.encode() not in path.read_bytes(), path
+
+
+def test_parallel_refuses_gpus_another_process_holds(tmp_path, monkeypatch):
+    """--parallel's processes preallocate their share each: with 107 GB of an H200 taken (as a benchmark left running
+    took it on 2026-11-28), three x 0.3 is refused before any starts, naming the GPU and what to do; one x 0.2 fits."""
+    import importlib.util
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho '0, GPU-0, NVIDIA H200, 580.159.04, Default, 143771, 107000'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    spec = importlib.util.spec_from_file_location("gsm8k_tool", REPO / "benchmarks" / "gsm8k_tool.py")
+    study = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gsm8k_tool", study)  # its dataclasses look their module up there
+    spec.loader.exec_module(study)
+    with pytest.raises(SystemExit, match=r"GPU 0 has 107000 of 143771 MiB in use; 3 processes .* --mem-fraction"):
+        study.check_gpus_free(3, 0.3)
+    study.check_gpus_free(1, 0.2)
