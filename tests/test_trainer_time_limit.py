@@ -1,5 +1,7 @@
-"""`trainer.time_limit_minutes`: the run ends after the first step past the limit as it would at max_steps (the
-final validation, a checkpoint, the summary says so), and a resumed run gets the whole limit again."""
+"""`trainer.time_limit_minutes`: the run ends after the first step past the limit as it would at max_steps (its end
+checkpoint, a summary that says so), and a resumed run without a limit goes on to max_steps."""
+
+import pytest
 
 from arpo_jax import testing
 from arpo_jax.config import args as args_lib
@@ -15,6 +17,7 @@ def _config(*overrides: str):
                                  "--config.trainer.async_save=false", *overrides])
 
 
+@pytest.mark.slow  # two toy trainer runs (~25 s)
 def test_time_limit_ends_the_run_after_the_step_that_passes_it_then_resume_continues(tmp_path):
     workdir = tmp_path / "run"
     # A limit every step passes: the run ends after its first step (not before it, not at max_steps).

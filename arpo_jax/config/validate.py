@@ -458,9 +458,8 @@ def _check_actor(ck: _Checker) -> None:
 def _check_trainer(ck: _Checker) -> None:
     ck.require("trainer.total_epochs", at_least(1))
     ck.require("trainer.keep_checkpoints", at_least(1))
-    for path in ("trainer.max_steps", "trainer.save_freq", "trainer.test_freq", "trainer.log_trajectories",
-                 "trainer.time_limit_minutes"):
-        ck.require(path, NONNEG)
+    for name in ("max_steps", "save_freq", "test_freq", "log_trajectories", "time_limit_minutes"):
+        ck.require(f"trainer.{name}", NONNEG)
     for logger in ck.get("trainer.loggers") or ():
         if logger not in LOGGERS:
             ck.add("trainer.loggers", f"{logger!r} is not a known logger", knobs.fmt(LOGGERS))

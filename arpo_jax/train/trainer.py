@@ -191,7 +191,7 @@ class Trainer:
                 bar.close()
                 raise abandoned_step(stop, e, self.checkpoints, self.step, self.save) from None
             stopping = stop is not None and stop.requested()  # no validation: its engine may have had the signal too
-            self._check_time_limit(t_start)
+            self.out_of_time = not self._done() and time_limit_passed(tr.time_limit_minutes, t_start, self.step)
             if tr.test_freq and (self.step % tr.test_freq == 0 or self._done()) and not stopping:
                 last |= (val := self.validate())
             last |= compiles.take()
@@ -373,16 +373,6 @@ class Trainer:
             if self.critic:
                 self.critic.save(self.step)
 
-    def _check_time_limit(self, t_start: float) -> None:
-        """Ends the run after this step when trainer.time_limit_minutes have passed since `t_start` (the same answer
-        on every process: each reads its own clock)."""
-        limit = self.cfg.trainer.time_limit_minutes
-        if limit and not self._done():
-            self.out_of_time = run_guard.agree_any(time.perf_counter() - t_start > limit * 60)
-            if self.out_of_time:
-                log.info("trainer.time_limit_minutes=%g passed: the run ends after step %d of %d", limit, self.step,
-                         self.total_steps)
-
     def _done(self, step: int | None = None, position: rl_dataset.DataPosition | None = None) -> bool:
         """`total_steps` trained, or (without trainer.max_steps) `total_epochs` of data used (dynamic sampling can end
         an epoch early), at this step and position or those given, or the time limit passed."""
@@ -433,6 +423,15 @@ def step_record(got: collection.Collected, step: int, step_metrics: list[dict], 
     out["rollout/staleness"] = float(step - 1 - got.weights_version)
     out |= step_metrics_lib.weight_sync_metrics(sampler)
     return out
+
+
+def time_limit_passed(limit_minutes: float, t_start: float, step: int) -> bool:
+    """Whether `limit_minutes` (trainer.time_limit_minutes; 0: no limit) have passed since `t_start`: the same answer
+    on every process (each reads its own clock; a collective when there are several)."""
+    passed = bool(limit_minutes) and run_guard.agree_any(time.perf_counter() - t_start > limit_minutes * 60)
+    if passed:
+        log.info("trainer.time_limit_minutes=%g passed: the run ends after step %d", limit_minutes, step)
+    return passed
 
 
 def run_summary(trainer: Trainer, last: dict, val: dict, export: str | None, wall_s: float) -> dict:
