@@ -279,9 +279,9 @@ def parallel_rl_eval(study: Study, argv: list[str], phases: list[str], mem_fract
         cmd = [sys.executable, __file__, *argv, "--workdir", str(wd), "--phases", ",".join(phases), "--runs", run,
                "--evaluate", ",".join(models)]
         env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=str(mem_fraction))
-        log = (study.workdir / f"parallel_{run}.log").open("ab")
-        _say(f"{run}: {' '.join(cmd[1:])} (log: {log.name})")
-        children[run] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        with (study.workdir / f"parallel_{run}.log").open("ab") as log:  # the child keeps its own descriptor
+            _say(f"{run}: {' '.join(cmd[1:])} (log: {log.name})")
+            children[run] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     failed = [run for run, child in children.items() if child.wait() != 0]
     times = {}
     for run in runs:
