@@ -219,6 +219,15 @@ def saved_per_layer(step_dir: Path) -> bool:
     return any(found)
 
 
+def _counter(value: int, target) -> jax.Array:
+    """An int32 scalar of the train state in `target`'s sharding: a counter left on the default device would make
+    the first update after a resume compile again (its argument's sharding is part of the program's key)."""
+    sharding = getattr(target, "sharding", None)
+    if sharding is None:
+        return jnp.asarray(value, jnp.int32)
+    return jax.make_array_from_callback((), sharding, lambda _: np.asarray(value, np.int32))
+
+
 class RestoredState(NamedTuple):
     """What `Checkpointer.restore_state` returns."""
 
@@ -434,8 +443,8 @@ class Checkpointer:
         """
         params, opt_state, meta = self.restore(step, params_target=target.params, opt_state_target=target.opt_state)
         counters = meta.get("counters") or {"updates": meta["step"], "skipped": meta.get("skipped_updates", 0)}
-        state = TrainState(params, opt_state, jnp.asarray(counters["updates"], jnp.int32),
-                           jnp.asarray(counters["skipped"], jnp.int32))
+        state = TrainState(params, opt_state, _counter(counters["updates"], target.step),
+                           _counter(counters["skipped"], target.skipped))
         position = meta.get("data_position")
         return RestoredState(state, None if position is None else DataPosition.from_dict(position), meta)
 
