@@ -344,7 +344,8 @@ def write_report(study: Study, times: dict) -> dict:
 
 
 def plot(study: Study, rows: list[dict]) -> None:
-    """report.png: pass@1 (+- s.e.) of each model by benchmark, and each RL run's validation curve."""
+    """report.png: pass@1 (+- s.e.) of each model by benchmark, and each RL run's curves: validation (GSM8K
+    950-999) and the training reward's mean over the last 5 steps (dashed)."""
     try:
         import matplotlib
 
@@ -352,6 +353,8 @@ def plot(study: Study, rows: list[dict]) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
+    import numpy as np
+
     from arpo_jax.train import metrics
 
     fig, (bars, curves) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -369,9 +372,13 @@ def plot(study: Study, rows: list[dict]) -> None:
             study.workdir / f"{run}_s0" / "metrics.jsonl").is_file() else []
         val = [(r["step"], r["val/gsm8k/reward/mean@1"]) for r in records if "val/gsm8k/reward/mean@1" in r]
         if val:
-            curves.plot(*zip(*val), marker="o", label=f"{run}: validation GSM8K 950-999 (reward)")
+            line, = curves.plot(*zip(*val), marker="o", label=f"{run}: validation GSM8K 950-999 (reward)")
+            train = [(r["step"], r["reward/mean"]) for r in records if "reward/mean" in r]
+            smooth = [float(np.mean([v for _, v in train[max(0, i - 4):i + 1]])) for i in range(len(train))]
+            curves.plot([st for st, _ in train], smooth, "--", color=line.get_color(),
+                        label=f"{run}: training reward (mean of 5 steps)")
     curves.set_xlabel("RL step")
-    curves.legend()
+    curves.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(study.workdir / "report.png", dpi=100)
     plt.close(fig)
