@@ -25,6 +25,7 @@ echo "study rc $? at $(( $(date +%s) - T0 )) s"
 pkill -TERM -f gsm8k_tool.py && sleep 8; pkill -KILL -f gsm8k_tool.py
 tail -c 3000 $W/study.log; for f in $W/parallel_*.log; do echo "== $f"; tr '\r' '\n' < $f | grep -v '^\s*$' | tail -n 8; done
 cd /tmp && tar --exclude='*/checkpoints' --exclude='*.safetensors' --exclude='hf_model*' -czf $OUT/study.tgz study
-if [ -d $W/parallel/arpo/arpo_s0/adapter ]; then
-  (cd $W/parallel/arpo/arpo_s0 && tar -cf - adapter | split -b 15M - $OUT/arpo_adapter.tar.); fi
+# Every run's adapter (the 2026-11-28 call brought back ARPO's only, and GRPO's gain could not be re-checked).
+for run in $W/parallel/*/*_s0; do
+  [ -d $run/adapter ] && (cd $run && tar -cf - adapter | split -b 15M - $OUT/$(basename $run)_adapter.tar.); done
 ls -la $OUT; echo "final: $(( $(date +%s) - T0 )) s"
