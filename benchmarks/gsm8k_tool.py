@@ -300,8 +300,10 @@ def parallel_rl_eval(study: Study, argv: list[str], phases: list[str], mem_fract
 
 
 def report_rows(study: Study) -> list[dict]:
-    """One row per evaluated model and benchmark (every report.json under eval/)."""
+    """One row per evaluated model and benchmark (every report.json under eval/); an RL run's row is paired with
+    the model it started from (`report.paired`: questions gained / lost, exact sign test)."""
     from arpo_jax.eval import math_tool
+    from arpo_jax.eval import report as report_lib
 
     rows = []
     for name, (_, no_tools) in models_to_evaluate(study).items():
@@ -316,12 +318,20 @@ def report_rows(study: Study) -> list[dict]:
             rows.append({"model": name, "benchmark": bench, "tools": not no_tools, "questions": m["n_samples"],
                          "pass@1": m["pass@1"], "stderr": m["pass@1_stderr"], "tool_calls": m["tool_calls"],
                          "calls_ran": m["python_ran_share"], "response_tokens": m["response_tokens"],
-                         "rl_steps": steps, "eval_wall_s": wall})
+                         "rl_steps": steps, "eval_wall_s": wall, "vs_start": None})
+            run_name = name.removesuffix("_s0")
+            if run_name in RUNS:
+                start = "sft" if RUNS[run_name][1] else "untrained_notool"
+                rows[-1]["vs_start"] = report_lib.paired(study.workdir / "eval" / start / bench, out, bench)
     return rows
 
 
 def _cell(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
+
+
+def _paired_cell(pair: dict | None) -> str:
+    return "-" if pair is None else f"{pair['gained']} / {pair['lost']} ({pair['p']:.2g})"
 
 
 def write_report(study: Study, times: dict) -> dict:
@@ -330,10 +340,11 @@ def write_report(study: Study, times: dict) -> dict:
 
     rows = report_rows(study)
     lines = ["| model | benchmark | tools | questions | pass@1 | s.e. | tool calls / q | calls that ran | "
-             "response tokens | RL steps | eval wall (s) |", "|---" * 11 + "|"]
+             "response tokens | RL steps | vs its start: gained / lost (p) | eval wall (s) |", "|---" * 12 + "|"]
     lines += [f"| {r['model']} | {r['benchmark']} | {'yes' if r['tools'] else 'no'} | {r['questions']} | "
               f"{r['pass@1']:.3f} | {r['stderr']:.3f} | {r['tool_calls']:.2f} | {_cell(r['calls_ran'], '.0%')} | "
-              f"{r['response_tokens']:.0f} | {r['rl_steps']} | {_cell(r['eval_wall_s'], '.0f')} |" for r in rows]
+              f"{r['response_tokens']:.0f} | {r['rl_steps']} | {_paired_cell(r['vs_start'])} | "
+              f"{_cell(r['eval_wall_s'], '.0f')} |" for r in rows]
     report = {"size": dataclasses.asdict(study.size), "model": study.model, "machine": platform.processor() or
               platform.machine(), "phase_minutes": {k: round(v / 60, 1) for k, v in times.items()}, "rows": rows}
     (study.workdir / "report.md").write_text("\n".join(lines) + "\n")

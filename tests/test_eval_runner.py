@@ -20,6 +20,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
+from statistics import mean
 
 import pytest
 
@@ -282,6 +283,39 @@ def test_compare_puts_eval_and_training_runs_side_by_side(evaluated, shared, cap
     for name, m in rep["benchmarks"].items():
         assert f"| {name} | {report_lib.pct(m['pass@1'])} / {report_lib.pct(m['pass@k'])} |" in md
     assert (out / report_lib.COMPARE_PNG).is_file() == HAS_MATPLOTLIB
+
+
+def test_compare_pairs_two_evaluations_question_by_question(evaluated, shared, capsys):
+    """`compare` of an evaluation and a copy with two questions' samples rewritten (one all right, one all wrong,
+    each the other way from the original where it can be; torn and repeated lines as a kill and a resume leave
+    them): the paired counts are those two questions, the p value the sign test's."""
+    root, _ = shared
+    base = evaluated[0]
+    other = root / "rewritten"
+    (other / "gsm8k").mkdir(parents=True, exist_ok=True)
+    records = _samples(base, "gsm8k")
+    scores = {}
+    for r in records:
+        scores.setdefault(r["id"], []).append(bool(r["correct"]))
+    first, second = sorted(scores)[:2]
+    forced = {first: mean(scores[first]) < 1, second: not mean(scores[second]) > 0}  # a change where one is possible
+    rewritten = [r | {"correct": forced.get(r["id"], r["correct"])} for r in records]
+    lines = [json.dumps(r) for r in [records[0], *rewritten]] + ['{"id": "torn", "sam']  # the first line replaced
+    (other / "gsm8k" / runner.SAMPLES_FILE).write_text("\n".join(lines) + "\n")
+    (other / report_lib.REPORT_JSON).write_text((base / report_lib.REPORT_JSON).read_text())
+    gained = sum(forced[q] and mean(scores[q]) < 1 for q in forced)
+    lost = sum(not forced[q] and mean(scores[q]) > 0 for q in forced)
+    assert gained + lost == 2
+
+    assert cli.main(["compare", str(base), str(other), "--out", str(root / "paired")]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    pairs = summary["runs"]["rewritten"]["paired_with_first"]
+    assert pairs["gsm8k"] == {"questions": LIMIT, "gained": gained, "lost": lost,
+                              "p": report_lib.sign_test(gained, lost)}
+    assert set(pairs) == {"gsm8k"}  # the other benchmarks' samples are not in the copy
+    assert summary["runs"]["uninterrupted"]["paired_with_first"] is None
+    md = (root / "paired" / report_lib.COMPARE_MD).read_text()
+    assert f"| rewritten | gsm8k | {LIMIT} | {gained} | {lost} |" in md
 
 
 @pytest.mark.slow  # `arpo-jax eval` / chat subprocess runs

@@ -246,3 +246,17 @@ def test_markdown_report_has_one_pass_column_for_k_1_and_two_otherwise():
     assert four[4] == "| benchmark | questions | pass@1 (%) | pass@4 (%) " + extra
     assert four[6] == "| gsm8k | 4 | 25.0 | 50.0 | 21.7 | 25.0 | 30.0 | 1.50 | 75.0 | 312 | 0 |"
     assert four[7].count("|") == four[4].count("|")  # the macro row has every column
+
+
+def test_sign_test_is_the_exact_two_sided_binomial_over_the_changed_questions():
+    from scipy import stats
+
+    from arpo_jax.eval.report import sign_test
+
+    assert sign_test(0, 0) == 1.0  # nothing changed: no evidence
+    assert sign_test(5, 0) == sign_test(0, 5) == pytest.approx(2 / 2**5)  # by hand: both 5-0 splits
+    assert sign_test(3, 3) == 1.0
+    # The GSM8K study's pairs (RESULTS.md): GRPO with the tool vs SFT 22 / 8, ARPO 20 steps vs SFT 14 / 11.
+    for gained, lost in ((22, 8), (14, 11), (42, 27), (1, 0)):
+        assert sign_test(gained, lost) == pytest.approx(stats.binomtest(gained, gained + lost, 0.5).pvalue)
+    assert sign_test(22, 8) == pytest.approx(0.01612, abs=1e-5)

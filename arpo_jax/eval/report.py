@@ -4,8 +4,8 @@
 (benchmark, questions, pass@1, pass@k, em, f1, tool calls, failed outputs) and as a bar chart of pass@1 / pass@k per
 benchmark. ``compare`` puts several runs side by side, like the reference's compare_models script: each run is a
 training workdir (``metrics.jsonl``), an evaluation workdir (``report.json``), or both; it writes ``compare.md``
-(evaluation scores per benchmark, final training metrics) and ``compare.png`` (reward and validation accuracy
-against the step, pass@1 per benchmark).
+(evaluation scores per benchmark, final training metrics, and each evaluation paired with the first one question
+by question: `paired`) and ``compare.png`` (reward and validation accuracy against the step, pass@1 per benchmark).
 
 Charts need matplotlib (Agg backend, no display); where it is not installed the PNG is skipped with a warning and
 the JSON / Markdown outputs are still written.
@@ -168,6 +168,60 @@ def load_run(path: str | os.PathLike) -> dict:
     return out
 
 
+def sign_test(gained: int, lost: int) -> float:
+    """Two-sided exact sign test over the questions whose result changed (McNemar's exact test when each question
+    has one sample): the chance of a split at least this uneven were the two models equally good on them."""
+    n = gained + lost
+    tail = sum(math.comb(n, i) for i in range(min(gained, lost) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def question_scores(samples: Path) -> dict[str, float]:
+    """Each question's share of correct samples in an evaluation's ``<benchmark>/samples.jsonl``, by question id
+    (unparseable lines skipped; the last record of a (question, sample) wins, as the runner reads them)."""
+    last: dict[tuple, bool] = {}
+    with open(samples, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+                last[(str(rec["id"]), rec["sample"])] = bool(rec["correct"])
+            except (ValueError, KeyError, TypeError):
+                continue
+    per_question: dict[str, list[bool]] = {}
+    for (qid, _), correct in last.items():
+        per_question.setdefault(qid, []).append(correct)
+    return {qid: sum(v) / len(v) for qid, v in per_question.items()}
+
+
+def paired(base: str | os.PathLike, other: str | os.PathLike, benchmark: str) -> dict | None:
+    """`other`'s evaluation of `benchmark` against `base`'s on the questions both answered: ``{"questions",
+    "gained", "lost", "p"}`` (a question gained: more of its samples right in `other`; `p`: `sign_test`), or None
+    when either has no samples of it. Two pass@1s a standard error apart may still differ significantly when the
+    same questions are asked: this is the test that uses that."""
+    files = [Path(run) / benchmark / "samples.jsonl" for run in (base, other)]
+    if not all(f.is_file() for f in files):
+        return None
+    a, b = (question_scores(f) for f in files)
+    common = a.keys() & b.keys()
+    if not common:
+        return None
+    gained = sum(b[q] > a[q] for q in common)
+    lost = sum(b[q] < a[q] for q in common)
+    return {"questions": len(common), "gained": gained, "lost": lost, "p": sign_test(gained, lost)}
+
+
+def _paired_with_first(runs: dict[str, dict]) -> dict[str, dict[str, dict]]:
+    """{run: {benchmark: `paired` with the first evaluation}} for every later evaluation."""
+    evals = [(n, r) for n, r in runs.items() if r["eval"]]
+    if len(evals) < 2:
+        return {}
+    (_, first), out = evals[0], {}
+    for name, r in evals[1:]:
+        pairs = {b: paired(first["path"], r["path"], b) for b in r["eval"]["benchmarks"]}
+        out[name] = {b: v for b, v in pairs.items() if v}
+    return out
+
+
 def _names(paths: Sequence[str]) -> list[str]:
     """Short, unique labels: the folder names (with the parent's when two folders share a name)."""
     names = [Path(p).resolve().name for p in paths]
@@ -197,6 +251,13 @@ def markdown_compare(runs: dict[str, dict]) -> str:
                 m = (e["benchmarks"].get(b) if b else e["macro_average"]) if e else None
                 cells.append(f"{pct(m['pass@1'])} / {pct(m['pass@k'])}" if m else MISSING)
             lines.append(f"| {b or '**macro average**'} | " + " | ".join(cells) + " |")
+    pairs = _paired_with_first(runs)
+    if any(pairs.values()):
+        first = next(n for n, r in runs.items() if r["eval"])
+        lines += ["", f"## Paired with {first}, question by question: gained / lost, exact sign test p", "",
+                  "| run | benchmark | questions | gained | lost | p |", "|---|---|---:|---:|---:|---:|"]
+        lines += [f"| {n} | {b} | {v['questions']} | {v['gained']} | {v['lost']} | {v['p']:.3g} |"
+                  for n, by_bench in pairs.items() for b, v in by_bench.items()]
     trained = {n: r["final"] for n, r in runs.items() if r["final"]}
     if trained:
         lines += ["", "## Training: final values", "", head.format("metric"), rule]
@@ -249,7 +310,8 @@ def compare(run_dirs: Sequence[str | os.PathLike], out: str | os.PathLike) -> di
       out: output folder (created).
 
     Returns:
-      ``{"runs": {name: {"path", "eval": {benchmark: {pass@1, pass@k}} | None, "macro_average", "training"}},
+      ``{"runs": {name: {"path", "eval": {benchmark: {pass@1, pass@k}} | None, "macro_average",
+      "paired_with_first": {benchmark: `paired`} | None, "training"}},
       "compare_md", "compare_png"}``.
     """
     if not run_dirs:
@@ -260,13 +322,14 @@ def compare(run_dirs: Sequence[str | os.PathLike], out: str | os.PathLike) -> di
     out.mkdir(parents=True, exist_ok=True)
     _write_atomic(out / COMPARE_MD, markdown_compare(runs))
     drawn = plot_compare(runs, out / COMPARE_PNG)
-    summary = {}
+    summary, pairs = {}, _paired_with_first(runs)
     for name, r in runs.items():
         e = r["eval"]
         summary[name] = {"path": r["path"],
                          "eval": {b: {"pass@1": m["pass@1"], "pass@k": m["pass@k"]}
                                   for b, m in e["benchmarks"].items()} if e else None,
                          "macro_average": e["macro_average"] if e else None,
+                         "paired_with_first": pairs.get(name),
                          "training": r["final"] or None}
     return {"runs": summary, "compare_md": str(out / COMPARE_MD), "compare_png": str(out / COMPARE_PNG) if drawn
             else None}
