@@ -115,6 +115,10 @@ def test_the_study_at_tiny_size(tmp_path):
     assert set(rows) == {(m, b) for m in models for b in ("gsm8k", "math500")}
     assert all(r["questions"] == 2 for r in rows.values())
     assert not rows["untrained_notool", "gsm8k"]["tools"] and rows["arpo_s0", "gsm8k"]["rl_steps"] == 1
+    # Each RL run paired with the model it started from (ARPO: the SFT model; the tool-free run: the untrained one).
+    assert rows["arpo_s0", "gsm8k"]["vs_start"]["questions"] == rows["grpo_notool_s0", "math500"]["vs_start"][
+        "questions"] == 2
+    assert rows["sft", "gsm8k"]["vs_start"] is None
     assert (work / "report.md").read_text().count("\n") == 2 + len(rows)
     # Each run's process trained it and evaluated it with a share of the baselines, in its own work dir.
     assert {p.name for p in (work / "parallel").iterdir()} == {"arpo", "grpo_notool"}
