@@ -331,6 +331,29 @@ def _run_processes(pid: int) -> list[int]:
     return out
 
 
+def _identity(pid: int) -> tuple[str, int] | None:
+    """(state, start time) of `pid` from /proc/<pid>/stat, None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[19])
+
+
+def _still_running(processes: dict[int, tuple[str, int] | None], wait: float = 10.0) -> list[str]:
+    """Which of `processes` ({pid: `_identity` when they were seen}) still run after up to `wait` s: the same
+    process (its start time: a pid the kernel gave to another since is not it) and not a zombie (it has exited;
+    only its status waits for a parent to reap it). Each as "pid state cmdline"."""
+    deadline = time.monotonic() + wait
+    while True:
+        left = [p for p, seen in processes.items() if seen and (now := _identity(p)) and now[1] == seen[1]
+                and now[0] != "Z"]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return [f"{p} {_identity(p)} {Path(f'/proc/{p}/cmdline').read_bytes()[:200]!r}" for p in left]
+
+
 def _cpu_seconds_in(pid: int, interval: float) -> float:
     """The CPU seconds `pid` uses over the next `interval` seconds (utime + stime of /proc/<pid>/stat)."""
     def ticks() -> int:
@@ -366,6 +389,7 @@ def test_vllm_engine_one_step_off_policy_then_slurm_sigterm_to_every_process_and
     # Step 3 has begun once the engine computes again: step 4's rollout, started beside step 3's update.
     _wait_for(lambda: _cpu_seconds_in(engine, 0.5) > 0.05, proc, "the engine to generate", poll=0)
     everyone = _run_processes(proc.pid)
+    identities = {p: _identity(p) for p in everyone}
     for pid in everyone:
         with contextlib.suppress(ProcessLookupError):  # a tool's short-lived process may be gone
             os.kill(pid, signal.SIGTERM)
@@ -374,7 +398,9 @@ def test_vllm_engine_one_step_off_policy_then_slurm_sigterm_to_every_process_and
     stopped = _stop_line(err)
     assert "is saved in" in stopped and "abandoned" not in stopped, err[-3000:]
     assert "weight sync skipped" not in err and "vLLM worker" not in err, err[-3000:]  # the engine lived on
-    assert not [p for p in everyone if Path(f"/proc/{p}").exists()]  # the engine was stopped with the run
+    # The engine was stopped with the run (a process seconds from its end under load, or a zombie, is not left: on
+    # 2026-11-28 one of the run's processes was still in /proc as the run ended, in a full suite run only).
+    assert not _still_running(identities)
     assert _logged_steps(workdir) == [1, 2, 3]  # signalled during step 3, which ended and was saved
     with Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:
         assert ckpt.all_steps() == [3]
