@@ -232,8 +232,9 @@ def _names(paths: Sequence[str]) -> list[str]:
     return names
 
 
-def markdown_compare(runs: dict[str, dict]) -> str:
-    """compare.md: the runs, evaluation scores per benchmark (pass@1 / pass@k, %), final training metrics."""
+def markdown_compare(runs: dict[str, dict], pairs: dict[str, dict[str, dict]]) -> str:
+    """compare.md: the runs, evaluation scores per benchmark (pass@1 / pass@k, %), `pairs` (`_paired_with_first`),
+    final training metrics."""
     names = list(runs)
     head = "| {} | " + " | ".join(names) + " |"
     rule = "|---|" + "---:|" * len(names)
@@ -251,7 +252,6 @@ def markdown_compare(runs: dict[str, dict]) -> str:
                 m = (e["benchmarks"].get(b) if b else e["macro_average"]) if e else None
                 cells.append(f"{pct(m['pass@1'])} / {pct(m['pass@k'])}" if m else MISSING)
             lines.append(f"| {b or '**macro average**'} | " + " | ".join(cells) + " |")
-    pairs = _paired_with_first(runs)
     if any(pairs.values()):
         first = next(n for n, r in runs.items() if r["eval"])
         lines += ["", f"## Paired with {first}, question by question: gained / lost, exact sign test p", "",
@@ -320,9 +320,10 @@ def compare(run_dirs: Sequence[str | os.PathLike], out: str | os.PathLike) -> di
     runs = dict(zip(_names(paths), (load_run(p) for p in paths)))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out / COMPARE_MD, markdown_compare(runs))
+    pairs = _paired_with_first(runs)  # read once: each evaluation's samples, for the Markdown and the JSON
+    _write_atomic(out / COMPARE_MD, markdown_compare(runs, pairs))
     drawn = plot_compare(runs, out / COMPARE_PNG)
-    summary, pairs = {}, _paired_with_first(runs)
+    summary = {}
     for name, r in runs.items():
         e = r["eval"]
         summary[name] = {"path": r["path"],
