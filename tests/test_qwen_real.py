@@ -12,6 +12,7 @@ module fixture and is freed before the JAX model (one more copy) and the vLLM en
 import gc
 import json
 import os
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,12 +23,13 @@ from arpo_jax import paths, testing
 from arpo_jax.data import prompts, rl_dataset
 from arpo_jax.rollout.jax_sampler import JaxSampler
 from arpo_jax.rollout.sampler import SampleRequest, SampleResult, SamplingSettings
-from arpo_jax.weights import gguf_import, hf, named_models
+from arpo_jax.weights import gguf_import, hf, lora_io, named_models
 from tests.test_real_model import VLLM_PYTHON, needs_vllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]  # one worker for the real-model memory hogs
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
+GSM8K_ADAPTER = Path(__file__).parents[1] / "benchmarks" / "artifacts" / "gsm8k_grpo_h200_adapter"
 # Read at import, before any fixture runs: conftest's `smollm2` fixture points $ARPO_CACHE at a per-session folder,
 # and this model is too large to fetch once per session.
 USER_CACHE = os.environ.get(paths.CACHE_ENV) or str(paths.cache_dir())
@@ -242,6 +244,24 @@ def test_logits_and_greedy_generation_match_transformers(prompt_ids, reference, 
     worst = testing.assert_same_samples(got, _expected_results(reference, prompt_ids, got), atol=LOGPROB_ATOL)
     print(f"max |JAX - transformers| top-10 log-prob on Qwen2.5-Coder-0.5B: {worst:.2e}")
     assert "Paris" in got[0].text and "def " in got[1].text
+
+
+def test_the_committed_gsm8k_adapter_makes_the_model_call_the_python_tool(tok, jax_model):
+    """benchmarks/artifacts' GSM8K adapter (RESULTS.md "ARPO beside GRPO on one H200") loads into the model named as a
+    user names it and turns its greedy answer to a GSM8K question, asked as `arpo-jax eval` asks it, into the tool
+    format it was trained to use; the untrained model answers the same prompt without a call (0 calls in 300)."""
+    question = ("Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for "
+                "her friends every day with four. She sells the remainder at the farmers' market daily for $2 per "
+                "fresh duck egg. How much in dollars does she make every day at the farmers' market?")
+    prompt = rl_dataset.encode_prompt(tok, prompts.chat_messages(question)).tolist()  # ~300 tokens of system prompt
+    greedy = SamplingSettings(temperature=0.0, stop=("</python>",))
+    max_len = len(prompt) + 128
+    untrained = JaxSampler(jax_model, tok, max_len=max_len).generate([SampleRequest(prompt, 64)], greedy)[0]
+    tuned_model = lora_io.load_peft(jax_model, GSM8K_ADAPTER)
+    tuned = JaxSampler(tuned_model, tok, max_len=max_len).generate([SampleRequest(prompt, 128)], greedy)[0]
+    print(f"untrained: {untrained.text!r}\nwith the adapter: {tuned.text!r}")
+    assert "<python>" not in untrained.text
+    assert "<python>" in tuned.text and tuned.stop_string == "</python>" and "16" in tuned.text
 
 
 @needs_vllm
