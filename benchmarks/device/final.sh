@@ -24,8 +24,11 @@ cd /tmp/repo_final && timeout -s TERM "$HARD_S" python3 benchmarks/gsm8k_tool.py
 echo "study rc $? at $(( $(date +%s) - T0 )) s"
 pkill -TERM -f gsm8k_tool.py && sleep 8; pkill -KILL -f gsm8k_tool.py
 tail -c 3000 $W/study.log; for f in $W/parallel_*.log; do echo "== $f"; tr '\r' '\n' < $f | grep -v '^\s*$' | tail -n 8; done
-cd /tmp && tar --exclude='*/checkpoints' --exclude='*.safetensors' --exclude='hf_model*' -czf $OUT/study.tgz study
-# Every run's adapter (the 2026-11-28 call brought back ARPO's only, and GRPO's gain could not be re-checked).
+# What comes back: at most 8 files of 16 MiB, 64 MiB together. The study first (a name that sorts first), then each
+# run's adapter in bf16 in 15 MiB pieces (on 2026-11-28 two float32 adapters filled the 64 MiB and the study's tarball
+# did not come back).
+cd /tmp && tar --exclude='*/checkpoints' --exclude='*.safetensors' --exclude='hf_model*' -czf $OUT/0_study.tgz study
 for run in $W/parallel/*/*_s0; do
-  [ -d $run/adapter ] && (cd $run && tar -cf - adapter | split -b 15M - $OUT/$(basename $run)_adapter.tar.); done
+  [ -d $run/adapter ] && python3 /tmp/repo_final/benchmarks/device/bf16_adapter.py $run/adapter \
+    && (cd $run && tar -cf - adapter | split -b 15M - $OUT/$(basename $run)_adapter.tar.); done
 ls -la $OUT; echo "final: $(( $(date +%s) - T0 )) s"

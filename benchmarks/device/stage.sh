@@ -11,13 +11,7 @@ $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --imp
 (cd .dev/deb && apt-get download libseccomp2)
 cp -r "$STUDY/data" "$STUDY/sft_adapter" .dev/blob/ && cp -r "$EVAL/gsm8k" "$EVAL/math500" .dev/blob/eval/
 cp "$GGUF" .dev/blob/
-$PY - <<'PY'  # the adapter in bf16 (half the bytes; the GPU run is bf16; load_peft reads it back as float32)
-import ml_dtypes, safetensors
-from safetensors.numpy import load_file, save_file
-p = ".dev/blob/sft_adapter/adapter_model.safetensors"
-meta = safetensors.safe_open(p, "np").metadata()
-save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in load_file(p).items()}, p, metadata=meta)
-PY
+$PY benchmarks/device/bf16_adapter.py .dev/blob/sft_adapter  # the GPU run is bf16
 (cd .dev/blob && tar -cf ../blob.tar *) && sha256sum .dev/blob.tar > .dev/blob.sha256 && rm -rf .dev/blob
 $PY - <<'PY'  # gzip parts within each call's budget (the work tree, ~3 MiB, travels too)
 import gzip
