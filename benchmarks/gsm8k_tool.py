@@ -76,9 +76,11 @@ SIZES = {
     # 3.5 minutes each (warm-up and validations included). Measured on one H200 (RESULTS.md "ARPO on GSM8K: one H200",
     # "ARPO beside GRPO on one H200"): a run's rl phase takes its limit + 1.2-1.5 min (loading, export; 5 minutes gave
     # ARPO 18 steps, GRPO 26), a process's evaluation of its own model 3.2 min with another beside it, then its share
-    # of the baselines (~1.5-3 min each). The phases before rl are estimated: not yet run on a GPU.
+    # of the baselines (~1.5-3 min each). The phases before rl have not run on a GPU yet: their minutes are derived
+    # from the same measurements (a generation call of 128-300 rows took 5-30 s there, loading ~1 min): the cold
+    # start's 650 few-shot questions ~3 calls, the selection's 320 x 8 samples 10 calls of 256 rows, SFT's 30 samples.
     "gpu": StudySize(("gpu",), "jax", 1, 320, ("arpo", "grpo", "grpo_notool"), 200, 300, 32, rl_minutes=3.5,
-                     expected_min=(("cold_start", 0.5), ("sft", 0.3), ("select", 0.7), ("rl", 5.0), ("eval", 5.5))),
+                     expected_min=(("cold_start", 1.5), ("sft", 0.5), ("select", 1.5), ("rl", 5.0), ("eval", 5.5))),
     # The suite: builtin:tiny, every phase once at the smallest size, both kinds of run (from the SFT adapter with
     # tools; fresh and tool-free)
     "tiny": StudySize((), "jax", 1, 4, ("arpo", "grpo_notool"), 1, 4, 2, eval_limit=2, cold_start_questions=4),
