@@ -13,7 +13,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from arpo_jax import compile_log
 
 
-def test_counts_per_phase_and_thread():
+def test_counts_per_phase_and_thread(persistent_cache):
     f = jax.jit(lambda x: x * 3.0 - 1.0)
     x, y = jnp.asarray(np.ones(7, np.float32)), jnp.asarray(np.ones((2, 7), np.float32))  # no eager programs
     before = compile_log.counts()
@@ -43,7 +43,7 @@ def test_counts_per_phase_and_thread():
     }
 
 
-def test_a_nested_jit_counts_as_one_trace_and_one_compile():
+def test_a_nested_jit_counts_as_one_trace_and_one_compile(persistent_cache):
     """JAX reports the outermost trace only (the module docstring says so): the inner jit is inlined in one program."""
     inner = jax.jit(lambda x: x + 2.5)
     outer = jax.jit(lambda x: inner(x) * 4.0)
@@ -56,6 +56,8 @@ def test_a_nested_jit_counts_as_one_trace_and_one_compile():
 
 @pytest.fixture
 def persistent_cache(tmp_path):
+    """JAX's persistent cache in an empty folder for the test: `make test-fast` keeps one between runs, where these
+    programs would be cache hits from the second run on (two tests here failed that way, 2026-11-28)."""
     names = (
         "jax_compilation_cache_dir",
         "jax_persistent_cache_min_compile_time_secs",
