@@ -331,10 +331,15 @@ def _run_processes(pid: int) -> list[int]:
     return out
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name (field 3, the state, first)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def _identity(pid: int) -> tuple[str, int] | None:
-    """(state, start time) of `pid` from /proc/<pid>/stat, None when it is gone."""
+    """(state, start time) of `pid`, None when it is gone."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = _stat_fields(pid)
     except OSError:
         return None
     return fields[0], int(fields[19])
@@ -351,13 +356,20 @@ def _still_running(processes: dict[int, tuple[str, int] | None], wait: float = 1
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    return [f"{p} {_identity(p)} {Path(f'/proc/{p}/cmdline').read_bytes()[:200]!r}" for p in left]
+    return [f"{p} {_identity(p)} {_cmdline(p)!r}" for p in left]
+
+
+def _cmdline(pid: int) -> bytes:
+    """The first 200 bytes of `pid`'s command line (b"" once it is gone: it may end while the message is built)."""
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes()[:200]
+    return b""
 
 
 def _cpu_seconds_in(pid: int, interval: float) -> float:
     """The CPU seconds `pid` uses over the next `interval` seconds (utime + stime of /proc/<pid>/stat)."""
     def ticks() -> int:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = _stat_fields(pid)
         return int(fields[11]) + int(fields[12])
 
     before = ticks()
