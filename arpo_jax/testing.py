@@ -207,6 +207,52 @@ def assert_same_samples(a, b, atol: float = 1e-4) -> float:
     return worst
 
 
+ROLLOUT_ARRAYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "loss_mask",
+                  "prompt_index", "slot_id", "parent_id", "tool_calls", "rounds", "response_length", "truncated",
+                  "finish_reason", "failed", "rollout_logp")
+ROLLOUT_COUNTS = ("trajectories", "branches", "branch_attempts", "refills", "rounds", "tool_calls",
+                  "call_limit_reached", "empty_tool_content", "premonitor_tool_calls", "initial_rollouts_mean",
+                  "truncated_fraction", "segment_entropy_mean", "critical_path_steps")
+
+
+def assert_same_rollouts(a, b, atol: float = 0.0) -> None:
+    """Two `RolloutOutput`s of one rollout, field by field: every array (the engines' log-probs NaN where no token
+    was sampled, in both), the trees (nodes: ids, parents, kinds, rounds, branch points, baselines, entropies; every
+    branching attempt: source, entropies, probability, draw, outcome, child) and the counts of the metrics. `atol`:
+    how far the log-probs and entropies may differ (0: bit-equal; a real engine's float32 rounds a little
+    differently when its decode program has another number of rows: ~5e-7 on CPU); the tokens may not."""
+    import dataclasses
+
+    for name in ROLLOUT_ARRAYS:
+        if name == "rollout_logp":
+            np.testing.assert_allclose(a.rollout_logp, b.rollout_logp, atol=atol, rtol=0, err_msg=name)
+        else:
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    assert len(a.trees) == len(b.trees)
+    for ta, tb in zip(a.trees, b.trees):
+        fa, fb = dataclasses.asdict(ta), dataclasses.asdict(tb)
+        _assert_close_tree(fa, fb, atol, f"tree {ta.prompt_index}")
+    for name in ROLLOUT_COUNTS:
+        np.testing.assert_allclose(a.metrics[f"rollout/{name}"], b.metrics[f"rollout/{name}"], atol=atol, rtol=0,
+                                   err_msg=name)
+
+
+def _assert_close_tree(x, y, atol: float, where: str) -> None:
+    """Nested dicts and lists of a tree: equal, floats to `atol`."""
+    if isinstance(x, dict):
+        assert x.keys() == y.keys(), where
+        for k in x:
+            _assert_close_tree(x[k], y[k], atol, f"{where}.{k}")
+    elif isinstance(x, list | tuple):
+        assert len(x) == len(y), where
+        for i, (u, v) in enumerate(zip(x, y)):
+            _assert_close_tree(u, v, atol, f"{where}[{i}]")
+    elif isinstance(x, float) and isinstance(y, float):
+        assert abs(x - y) <= atol or x == y, f"{where}: {x} != {y}"
+    else:
+        assert x == y, f"{where}: {x!r} != {y!r}"
+
+
 def assert_equal_on_cpu(actual, desired) -> None:
     """Two programs that compute the same maths: bit-equal on CPU; within float32 rounding (1e-5) on a GPU or TPU,
     whose compiler fuses (and so rounds) two different programs' equal arithmetic differently (LoRA with B = 0 vs

@@ -135,7 +135,8 @@ def engine_case(shape: str, args) -> dict:
     from arpo_jax import testing
     from arpo_jax.models import CausalLM
     from arpo_jax.rollout.jax_decode import engine_shape, jitted
-    from arpo_jax.rollout.jax_sampler import JaxSampler, _knobs
+    from arpo_jax.rollout.jax_sampler import JaxSampler
+    from arpo_jax.rollout.jax_stream import _knobs
     from arpo_jax.rollout.sampler import SamplingSettings
 
     tiny = shape == "tiny"

@@ -81,6 +81,15 @@ def get_config() -> ConfigDict:
     c.rollout.entropy_window = 20  # leading positions of a segment whose entropy counts
     c.rollout.entropy_top_k = 10  # top log-probs per position
     c.rollout.reference_compat = False  # reproduce the reference's rollout quirks B1, B3, B4, B10, B11
+    # How the rollout runs (the same trajectories either way, under the same seed): "stream" = each trajectory on its
+    # own through the engine (a continuation re-enters as soon as its tool result is back; the round algorithm's
+    # decisions replayed over logical rounds), "rounds" = one engine call a round, every tool result awaited (the
+    # reference's structure: ARPO's refills and branches then wait for their round, 9-12 rounds where GRPO takes 3-4).
+    c.rollout.schedule = "stream"
+    # stream: start branches (as soon as their deciding entropy exists) and refills before their round commits
+    # them, at a lower priority, in engine rows nobody else needs; what the round algorithm does not create is
+    # cancelled and its tokens discarded (rollout/speculative_tokens_discarded). False: nothing starts early.
+    c.rollout.speculate = True
     c.rollout.temperature = 1.0
     c.rollout.top_p = 1.0
     c.rollout.top_k = -1  # -1 = off

@@ -14,6 +14,7 @@ from arpo_jax import testing
 from arpo_jax.rollout import branching
 from arpo_jax.rollout.agent_loop import (
     PREMONITOR_SLOT_BASE,
+    SCHEDULES,
     RolloutConfig,
     RolloutState,
     encode_tool_result,
@@ -159,15 +160,17 @@ def test_truncation_at_response_budget(tok):
     assert out.loss_mask[0, :n_call].all() and not out.loss_mask[0, n_call:].any()  # the call, then the result
 
 
-def test_shared_max_tokens_overshoot_is_cut(tok):
-    # Slot 0 calls a tool (short budget left), slot 1 did not: both get the largest remaining budget (3.3.1).
-    cfg = RolloutConfig(n=2, initial_rollouts=2, beam_size=1, response_length=60, call_limit=3)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_each_request_asks_for_its_own_remaining_budget(tok, schedule):
+    # Slot 0 calls a tool (a short budget left after its result), slot 1 did not: each request asks for its own
+    # remaining budget (the reference gives both the largest, 3.3.1, and cuts the overshoot at the end).
+    cfg = RolloutConfig(n=2, initial_rollouts=2, beam_size=1, response_length=60, call_limit=3, schedule=schedule)
     out, sampler, _ = _run(tok, {0: [CALL, Segment("word " * 80)], 1: [Segment("x"), ANSWER]}, cfg)
-    reqs = sampler.calls[1][0]
-    budgets = [60 - (len(r.token_ids) - len(_prompts(tok, 1)[0])) for r in reqs]
-    assert len(reqs) == 2 and min(budgets) < max(budgets)
-    assert all(r.max_tokens == max(budgets) for r in reqs)
-    assert out.truncated[0] and out.response_length[0] == 60 and out.finish_reason[0] == "length"
+    plen = len(_prompts(tok, 1)[0])
+    reqs = [r for rs, _, _ in sampler.calls for r in rs]
+    assert len(reqs) == 4 and all(r.max_tokens == 60 - (len(r.token_ids) - plen) for r in reqs)
+    assert len({r.max_tokens for r in reqs}) == 3  # 60 twice (the roots), then each one's own
+    assert not out.truncated[0] and out.response_length[0] == 60 and out.finish_reason[0] == "length"
 
 
 def test_validation_mode_greedy_single_trajectory(tok):
@@ -208,8 +211,9 @@ def _branching_script(call):
 
 @pytest.mark.parametrize("compat", [False, True])
 def test_branch_copies_the_right_state_b4(tok, compat):
+    """The round schedule's calls, round by round (the stream makes the same trajectories: the equivalence tests)."""
     cfg = RolloutConfig(n=2, initial_rollouts=1, beam_size=2, branch_probability=1.0, entropy_weight=0.0,
-                        response_length=200, call_limit=3, reference_compat=compat)
+                        response_length=200, call_limit=3, reference_compat=compat, schedule="rounds")
     out, sampler, _ = _run(tok, _branching_script, cfg)
     (tree,) = out.trees
     branch = [nd for nd in tree.nodes if nd.kind == "branch"]
@@ -379,11 +383,11 @@ def _after_output(seq, pos, contexts, eos, tok, wrappers):
 @given(n=st.integers(1, 6), m=st.integers(1, 3), beam=st.integers(1, 3), R=st.integers(3, 120),
        call_limit=st.integers(0, 4), rule=st.sampled_from(["arpo", "aepo"]), compat=st.booleans(),
        p=st.sampled_from([0.0, 0.3, 0.5, 1.0]), w=st.floats(0, 0.5), batch=st.integers(1, 3),
-       dynamic=st.booleans(), seed=st.integers(0, 2**16))
-def test_rollout_invariants(tok, n, m, beam, R, call_limit, rule, compat, p, w, batch, dynamic, seed):
+       dynamic=st.booleans(), seed=st.integers(0, 2**16), schedule=st.sampled_from(SCHEDULES))
+def test_rollout_invariants(tok, n, m, beam, R, call_limit, rule, compat, p, w, batch, dynamic, seed, schedule):
     cfg = RolloutConfig(n=n, initial_rollouts=m, beam_size=beam, branch_probability=p, entropy_weight=w,
                         rule=rule, response_length=R, call_limit=call_limit, reference_compat=compat,
-                        enable_dynamic_rollouts=dynamic, initial_entropy_tokens=6)
+                        enable_dynamic_rollouts=dynamic, initial_entropy_tokens=6, schedule=schedule)
     prompts = _prompts(tok, batch)
     sampler = ScriptedSampler(tok, _random_script, seed=seed)
     ex = EchoExecutor()
@@ -399,12 +403,10 @@ def test_rollout_invariants(tok, n, m, beam, R, call_limit, rule, compat, p, w, 
     contexts = {}
     for r, res in main:
         contexts.setdefault(tuple(r.token_ids), []).append(res.token_ids)
-    # The budget: every call asks for the largest remaining budget of its requests (3.3.1), never more than R.
-    for reqs, _, _ in sampler.calls:
-        if reqs[0].slot_id < PREMONITOR_SLOT_BASE:
-            plens = [len(prompts[_prompt_of(out, r.slot_id)]) for r in reqs]
-            budgets = [R - (len(r.token_ids) - pl) for r, pl in zip(reqs, plens)]
-            assert all(b > 0 for b in budgets) and all(r.max_tokens == max(budgets) <= R for r in reqs)
+    # The budget: every request asks for its own remaining budget, never more than R.
+    for r, _ in main:
+        (plen,) = {len(q) for q in prompts if list(r.token_ids[:len(q)]) == q}
+        assert 0 < r.max_tokens == R - (len(r.token_ids) - plen) <= R
 
     eos = tok.eos_token_id
     for i in range(batch * n):
@@ -476,13 +478,6 @@ def test_rollout_invariants(tok, n, m, beam, R, call_limit, rule, compat, p, w, 
             new = [sum(nd.kind != "root" and nd.round_created == r + 1 for nd in t.nodes) for t in out.trees]
             if any(new):
                 counters = [c + 1 if k else 0 for c, k in zip(counters, new)]
-
-
-def _prompt_of(out, slot_id):
-    for tree in out.trees:
-        if any(nd.slot_id == slot_id for nd in tree.nodes):
-            return tree.prompt_index
-    raise AssertionError(f"slot {slot_id} is in no tree")
 
 
 # -------------------------------------------------------------------------- end to end with the real tools

@@ -67,6 +67,11 @@ def test_branch_probability_hand_values():
         branch_probability("beam", 0.0, p=0.5, w=0.2)
 
 
+def _sequential(rng):
+    """A `draw` for `decide_branches` that takes the generator's next uniform at every attempt."""
+    return lambda source, attempt: rng.random()
+
+
 def _reference_draws(rule, delta, p, w, f, u):
     """The reference's literal comparisons (spec 4.2 / 5.2) on uniform draws u."""
     if rule == "arpo":
@@ -94,7 +99,7 @@ def test_branch_frequency_matches_formula(rule, delta, p, w, c):
     # ... and the decision procedure branches with exactly that frequency (one source, one attempt per call).
     rng = np.random.default_rng(2)
     params = BranchParams(n=2, beam_size=2, p=p, w=w, rule=rule)
-    hits = sum(decide_branches([0], lambda s: (delta, 0.0), 1, params, rng, consecutive=c)[0].branched
+    hits = sum(decide_branches([0], lambda s: (delta, 0.0), 1, params, _sequential(rng), consecutive=c)[0].branched
                for _ in range(n_draws))
     assert _close(hits / n_draws, prob, n_draws)
 
@@ -102,7 +107,7 @@ def test_branch_frequency_matches_formula(rule, delta, p, w, c):
 # ------------------------------------------------------------------------------------ the decision procedure
 def _always(n, beam, count, sources):
     params = BranchParams(n=n, beam_size=beam, p=1.0, w=0.0, rule="arpo")
-    return decide_branches(sources, lambda s: (0.0, 0.0), count, params, np.random.default_rng(0))
+    return decide_branches(sources, lambda s: (0.0, 0.0), count, params, _sequential(np.random.default_rng(0)))
 
 
 def test_decide_branches_budget_and_beam():
@@ -122,14 +127,15 @@ def test_decide_branches_budget_and_beam():
 
 def test_decide_branches_failed_attempts_do_not_use_budget():
     params = BranchParams(n=3, beam_size=2, p=0.0, w=0.0, rule="arpo")  # never branches
-    a = decide_branches([0, 1, 2, 3], lambda s: (0.0, 0.0), 1, params, np.random.default_rng(0))
+    a = decide_branches([0, 1, 2, 3], lambda s: (0.0, 0.0), 1, params, _sequential(np.random.default_rng(0)))
     assert len(a) == 4 and not any(x.branched for x in a)
 
 
 def test_decide_branches_records_entropies():
     params = BranchParams(n=4, beam_size=2, p=0.5, w=0.2, rule="aepo")
     ent = {3: (1.5, 0.5)}
-    (a,) = decide_branches([3], ent.__getitem__, 1, params, np.random.default_rng(0), round_index=7, consecutive=2)
+    (a,) = decide_branches([3], ent.__getitem__, 1, params, _sequential(np.random.default_rng(0)), round_index=7,
+                           consecutive=2)
     assert (a.round, a.source, a.entropy, a.baseline, a.consecutive) == (7, 3, 1.5, 0.5, 2)
     assert a.probability == pytest.approx(branch_probability("aepo", 1.0, p=0.5, w=0.2, consecutive=2))
     assert a.branched == (a.draw < a.probability)
@@ -171,3 +177,26 @@ def test_initial_rollouts_dynamic_matches_formula_on_a_grid():
             expected = min(n, max(1, math.floor(n / (1 + math.exp(-0.5 * d))) + 1))
             assert m == expected and 1 <= m <= n and m >= prev  # monotone in H_root - H_tool
             prev = m
+
+
+def test_attempt_draws_are_uniform_independent_and_named_by_the_attempt():
+    """`identity.attempt_draw`: U[0, 1) (Kolmogorov-Smirnov against the uniform), uncorrelated between neighbouring
+    names, the same for the same name whenever it is drawn, different when any part of the name changes."""
+    from scipy import stats
+
+    from arpo_jax.rollout import identity
+
+    u = np.array([identity.attempt_draw(7, b, identity.fresh_key(b, j), seg, k)
+                  for b in range(10) for j in range(10) for seg in range(5) for k in range(4)])
+    assert 0.0 <= u.min() and u.max() < 1.0
+    assert stats.kstest(u, "uniform").pvalue > 1e-3
+    assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 5 / math.sqrt(len(u))
+    name = (7, 1, identity.fresh_key(1, 2), 3, 0)
+    assert identity.attempt_draw(*name) == identity.attempt_draw(*name)
+    for i in range(5):
+        other = list(name)
+        other[i] += 1
+        assert identity.attempt_draw(*other) != identity.attempt_draw(*name)
+    keys = {identity.fresh_key(b, j) for b in range(50) for j in range(50)}
+    keys |= {identity.branch_key(k, s, a) for k in list(keys)[:100] for s in range(5) for a in range(3)}
+    assert len(keys) == 2500 + 1500  # no two trajectories share a key

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from arpo_jax import compile_log, quickstart, sharding
+from arpo_jax import compile_log, quickstart, sharding, testing
 from arpo_jax.models import CausalLM, Config
 from arpo_jax.rollout.agent_loop import RolloutConfig, greedy_settings, rollout, wrap_tool_result
 from arpo_jax.rollout.jax_sampler import JaxSampler
@@ -138,10 +138,10 @@ class ShuffledTool(Tool):
         return LengthyTool().execute_batch([("python", content)])[0]
 
 
-def _rollouts(tok, model, slots: int, tool_seed: int):
+def _rollouts(tok, model, slots: int, tool_seed: int, **config):
     sampler = JaxSampler(model, tok, max_len=P + R, slots=slots, decode_chunk=8, prefill_chunk=64)
     executor = ToolExecutor([ShuffledTool(tool_seed)], ExecutorConfig(max_workers=8, timeout_s=60))
-    config = _arpo(branch_probability=0.7)
+    config = _arpo(**{"branch_probability": 0.7} | config)
     try:
         return [
             rollout(
@@ -157,6 +157,23 @@ def _rollouts(tok, model, slots: int, tool_seed: int):
         ]
     finally:
         executor.close()
+
+
+@pytest.mark.parametrize("compat", [False, True])
+def test_the_stream_gives_the_rounds_trajectories_with_the_jax_engine(agent, compat):
+    """The real engine: the stream (16 rows, or 3: requests wait and speculative ones are preempted) and the rounds,
+    tool calls finishing in another order each run, give the same trajectories, trees and attempts."""
+    tok, model = agent
+    want = _rollouts(tok, model, 16, 0, schedule="rounds", reference_compat=compat)
+    assert sum(o.metrics["rollout/branches"] for o in want) and sum(o.metrics["rollout/refills"] for o in want)
+    steps = {}
+    for slots, seed in ((16, 1), (3, 2)):
+        got = _rollouts(tok, model, slots, seed, reference_compat=compat)
+        for a, b in zip(got, want, strict=True):
+            testing.assert_same_rollouts(a, b, atol=1e-5)
+        assert sum(o.metrics["rollout/speculative_trajectories"] for o in got) > 0
+        steps[slots] = sum(o.metrics["rollout/decode_steps"] for o in got)
+    assert steps[16] < sum(o.metrics["rollout/decode_steps"] for o in want), steps  # the same rows, fewer steps
 
 
 def test_samples_depend_on_neither_the_slots_nor_the_tool_completion_order(agent):
@@ -212,7 +229,7 @@ def test_tool_calls_start_while_the_round_still_decodes(agent):
 
     sampler = _Logged(JaxSampler(model, tok, max_len=P + R, slots=8, decode_chunk=4, prefill_chunk=64), events, started)
     executor = Recording([ShuffledTool(0)], ExecutorConfig(max_workers=8, timeout_s=60))
-    config = _arpo(initial_rollouts=4, beam_size=1)
+    config = _arpo(initial_rollouts=4, beam_size=1, schedule="rounds")
     try:
         out = rollout(_prompts(tok, [0, 1]), sampler, executor, tok, config, SamplingSettings(temperature=1.0), rng=0)
     finally:
@@ -220,3 +237,34 @@ def test_tool_calls_start_while_the_round_still_decodes(agent):
     assert out.metrics["rollout/tool_calls"] == events.count("call") >= 2
     first_round = events[: events.index("generate_end")]
     assert "call" in first_round  # started before the round's engine call returned
+
+
+def test_the_stream_runs_tool_calls_while_the_engine_decodes_other_trajectories(agent):
+    """Each call starts as its segment comes back, while other requests are still in the engine; the rollout's
+    waiting on tools is a fraction of the calls' own time (`rollout/tool_hidden_s`)."""
+    tok, model = agent
+    engine = JaxSampler(model, tok, max_len=P + R, slots=8, decode_chunk=4, prefill_chunk=64)
+    streams, in_flight = [], []
+
+    class Watched(JaxSampler):  # (the engine's stream, kept to look at)
+        def __init__(self):
+            self.__dict__ = engine.__dict__
+
+        def stream(self, settings):
+            streams.append(engine.stream(settings))
+            return streams[-1]
+
+    class Recording(ToolExecutor):
+        def run_batch(self, requests):
+            in_flight.append(len(streams[-1].reqs))  # requests the engine holds as this call starts
+            return super().run_batch(requests)
+
+    executor = Recording([ShuffledTool(0)], ExecutorConfig(max_workers=8, timeout_s=60))
+    try:
+        out = rollout(_prompts(tok, [0, 1]), Watched(), executor, tok, _arpo(initial_rollouts=4, beam_size=1),
+                      SamplingSettings(temperature=1.0), rng=0)
+    finally:
+        executor.close()
+    assert out.metrics["rollout/tool_calls"] == len(in_flight) >= 2
+    assert max(in_flight) > 0  # a call ran while the engine was decoding others
+    assert 0 < out.metrics["rollout/tool_hidden_s"]

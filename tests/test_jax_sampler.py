@@ -11,9 +11,10 @@ from flax import nnx
 
 import arpo_jax
 from arpo_jax import compile_log, sharding, testing
-from arpo_jax.rollout import jax_sampler
+from arpo_jax.rollout import jax_sampler, jax_stream
 from arpo_jax.rollout.jax_decode import sample_categorical
-from arpo_jax.rollout.jax_sampler import JaxSampler, _Row, pow2_buckets
+from arpo_jax.rollout.jax_sampler import JaxSampler, pow2_buckets
+from arpo_jax.rollout.jax_stream import HostRow as _Row
 from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
 
 GREEDY = SamplingSettings(temperature=0.0, stop=(), logprobs=10, logprob_positions=20)
@@ -103,7 +104,7 @@ def test_a_failed_call_forgets_the_cached_slots(tiny_hf_dir, tokenizer, monkeypa
     def failing_prefill(call, fills):
         raise RuntimeError("RESOURCE_EXHAUSTED: injected")
 
-    monkeypatch.setattr(jax_sampler._Call, "_prefill", failing_prefill)
+    monkeypatch.setattr(jax_stream.JaxStream, "_prefill", failing_prefill)
     with pytest.raises(RuntimeError, match="injected"):
         sampler.generate([SampleRequest(ctx, 4, slot_id=0)], GREEDY)
     monkeypatch.undo()
@@ -126,6 +127,37 @@ def test_a_branch_copies_its_parents_cache_row(tiny_hf_dir, tokenizer):
     assert cached.last_stats["reused_tokens"] == 3 * (len(prompt) + len(first.token_ids) - 1)
     _assert_same_results(got, fresh.generate([SampleRequest(ctx, 10)] * 3, settings))
     assert len({tuple(r.token_ids) for r in got}) > 1  # the branches sample independently
+
+
+def test_a_branch_forked_mid_decode_samples_as_a_fresh_prefill(tiny_hf_dir, tokenizer):
+    """The stream (ARPO's default branch): a trajectory continues after its tool result; when its entropy window is
+    full (it decodes on) a branch starts from the same state, copying the parent's row while the parent still writes
+    it. The branch's tokens and log-probs are those of a fresh engine prefilling the same context."""
+    path, _ = tiny_hf_dir("qwen2")
+    cached, fresh = _sampler(path, tokenizer, decode_chunk=4), _sampler(path, tokenizer, decode_chunk=4)
+    settings = SamplingSettings(temperature=1.0, seed=9, stop=(), logprobs=5, logprob_positions=6,
+                                token_logprobs=True)
+    prompt = _prompts([11], seed=8)[0]
+    stream = cached.stream(settings)
+    stream.submit(SampleRequest(prompt, 5, slot_id=0, key=21), handle=0)
+    first = []
+    while stream.busy():
+        first += [e.result for e in stream.step() if e.done]
+    ctx = prompt + first[0].token_ids + tokenizer.encode(" <result>\nok\n</result>")
+    stream.submit(SampleRequest(ctx, 40, slot_id=0, key=21), handle=1)  # the parent goes on after its result
+    events = []
+    while not any(not e.done and e.handle == 1 for e in events):
+        events += stream.step()
+    stream.submit(SampleRequest(ctx, 12, slot_id=1, parent_id=0, key=22), handle=2)  # the branch, mid-decode
+    results = {}
+    while stream.busy():
+        results |= {e.handle: e.result for e in stream.step() if e.done}
+    assert len(results[1].token_ids) == 40  # the parent decoded on past the fork
+    assert stream.stats["copies"] == 1 and stream.stats["reused_tokens"] >= len(ctx) - 1
+    want = fresh.generate([SampleRequest(ctx, 12, key=22)], settings)
+    _assert_same_results([results[2]], want)
+    np.testing.assert_allclose(results[2].token_logprobs, want[0].token_logprobs, atol=1e-5)
+    assert results[2].token_ids != results[1].token_ids[:12]  # its own draws: another key
 
 
 def test_a_cached_prefix_that_does_not_match_falls_back_to_prefill(tiny_hf_dir, tokenizer):

@@ -30,6 +30,10 @@ class BisectingSampler(Sampler):
     def reports_each(self) -> bool:
         return getattr(self.inner, "reports_each", False)
 
+    @property
+    def last_stats(self) -> dict:
+        return getattr(self.inner, "last_stats", None) or {}
+
     def generate(self, requests: Sequence[SampleRequest], settings: SamplingSettings,
                  on_result: Callable[[int, SampleResult | None], None] | None = None) -> list[SampleResult | None]:
         """With `on_result`, each result as the engine reports it; after a failure, the retries' results of the

@@ -1,7 +1,9 @@
 """ARPO adaptive branching and AEPO entropy-balanced rollout decisions (spec sections 4 and 5), engine-agnostic.
 
 Everything here is plain host-side Python/numpy: the agent loop (`agent_loop.py`) feeds in segment entropies and
-slot ids, and gets back decisions. Randomness comes only from an explicit `np.random.Generator`.
+slot ids, and gets back decisions. Randomness comes only from the caller's `draw(source, attempt)`: the agent loop
+names each attempt's uniform by the attempt itself (`identity.attempt_draw`), so a decision does not depend on the
+order in which decisions are made.
 
 Reference quirks (spec section 14) and what this module does about them:
 
@@ -152,7 +154,7 @@ class BranchParams:
 
 
 def decide_branches(sources: Sequence[int], entropy: Callable[[int], tuple[float, float]], count: int,
-                    params: BranchParams, rng: np.random.Generator, *, round_index: int = 0,
+                    params: BranchParams, draw: Callable[[int, int], float], *, round_index: int = 0,
                     consecutive: int = 0) -> list[BranchAttempt]:
     """The spec 4.2 loop for one prompt: which source slots branch this round (in order, budget-bounded).
 
@@ -161,7 +163,7 @@ def decide_branches(sources: Sequence[int], entropy: Callable[[int], tuple[float
       entropy: slot id -> (H_now, H_init); dH = H_now - H_init.
       count: trajectories the prompt already has (roots + branches + refills); slots_left = n - count.
       params: budget, beam size, rule and coefficients.
-      rng: the only source of randomness (one uniform draw per attempt).
+      draw: (source, k) -> U ~ U[0,1) of the source's k-th attempt this round: the only source of randomness.
       consecutive: the prompt's AEPO consecutive-branch counter.
     Returns:
       Every attempt made, in order; attempts with `branched` create one new slot each (copy of `source`).
@@ -178,8 +180,8 @@ def decide_branches(sources: Sequence[int], entropy: Callable[[int], tuple[float
         h_now, h_init = entropy(s)
         prob = branch_probability(params.rule, h_now - h_init, p=params.p, w=params.w, consecutive=consecutive,
                                   penalty=params.penalty)
-        for _ in range(k):
-            u = float(rng.random())
+        for j in range(k):
+            u = float(draw(s, j))
             branched = u < prob
             attempts.append(BranchAttempt(round_index, s, h_now, h_init, prob, u, branched, consecutive))
             made += int(branched)

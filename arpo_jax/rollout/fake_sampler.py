@@ -8,12 +8,17 @@ string removed) and top-k log-probs for the first `logprob_positions` positions;
 `fake_token_logprob(t)` for every emitted token t (a token-dependent value, so alignment errors show).
 
     sampler = ScriptedSampler(tok, lambda call: Segment("<python>print(1)</python>"))
+
+`stream` gives the same engine as a token clock (`ScriptedStream`): each request is scripted when it is submitted,
+then takes one decode step per token in one of `rows` rows, with priorities and preemption as the JAX engine's
+stream; a script that draws from `ScriptCall.seed` (the request's own seed) writes the same whichever way it runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -23,8 +28,11 @@ from arpo_jax.rollout.sampler import (
     SampleRequest,
     SampleResult,
     SamplingSettings,
+    StreamEvent,
     find_stop,
     finish_generation,
+    request_seed,
+    seed_index,
 )
 
 
@@ -48,6 +56,7 @@ class ScriptCall:
     call: int  # how many generate calls came before this one
     context: str  # the decoded request tokens (special tokens kept)
     rng: np.random.Generator  # the sampler's generator (seeded at construction)
+    seed: int = 0  # the request's own seed (`sampler.request_seed`: its key or position, and its token ids)
 
 
 Script = Callable[[ScriptCall], Segment]
@@ -72,8 +81,9 @@ def fake_token_logprob(token: int) -> float:
 class ScriptedSampler(Sampler):
     """Scripted engine. `calls` records every (requests, settings, results) for assertions."""
 
-    def __init__(self, tokenizer, script: Script, *, seed: int = 0, vocab_size: int | None = None):
+    def __init__(self, tokenizer, script: Script, *, seed: int = 0, vocab_size: int | None = None, rows: int = 64):
         self.tokenizer = tokenizer
+        self.rows = rows  # the stream's rows (`stream`)
         self.script = script
         self.rng = np.random.default_rng(seed)
         self.eos = tokenizer.eos_token_id
@@ -82,13 +92,20 @@ class ScriptedSampler(Sampler):
         self.weights_version = 0
 
     def generate(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[SampleResult]:
-        results = []
-        for i, req in enumerate(requests):
-            context = self.tokenizer.decode(list(req.token_ids), skip_special_tokens=False)
-            seg = self.script(ScriptCall(req, i, len(self.calls), context, self.rng))
-            results.append(self._emit(seg, req.max_tokens, settings))
+        results = [self._write(req, i, settings) for i, req in enumerate(requests)]
         self.calls.append((list(requests), settings, results))
+        self.last_stats = {"decode_steps": max((len(r.token_ids) for r in results), default=0),
+                           "row_steps": sum(len(r.token_ids) for r in results)}
         return results
+
+    def stream(self, settings: SamplingSettings) -> ScriptedStream:
+        return ScriptedStream(self, settings, self.rows)
+
+    def _write(self, req: SampleRequest, index: int, settings: SamplingSettings) -> SampleResult:
+        context = self.tokenizer.decode(list(req.token_ids), skip_special_tokens=False)
+        seed = request_seed(settings.seed, seed_index(req, index), req.token_ids)
+        seg = self.script(ScriptCall(req, index, len(self.calls), context, self.rng, seed))
+        return self._emit(seg, req.max_tokens, settings)
 
     def update_weights(self, params_or_path) -> float:
         self.weights_version += 1
@@ -113,6 +130,75 @@ class ScriptedSampler(Sampler):
             top = [top_logprobs_for(t, settings.logprobs, seg.spread, self.vocab_size) for t in out[:n_pos]]
         token_lp = [fake_token_logprob(t) for t in out] if settings.token_logprobs else None
         return SampleResult(out, text, finish, stop_string, top, token_lp)
+
+
+class ScriptedStream:
+    """`EngineStream` of a `ScriptedSampler`: a token clock over `rows` rows. A request is scripted when submitted;
+    admitted in priority order (then submission order) into a free row, or into the row of the most speculative
+    running request (larger priority value), which waits again and restarts; each `step` advances every running
+    request by one token and reports those that finished, and the entropy window of those that reached it."""
+
+    def __init__(self, sampler: ScriptedSampler, settings: SamplingSettings, rows: int):
+        self.sampler, self.settings, self.rows = sampler, settings, rows
+        self.pending: dict[int, list] = {}  # handle -> [priority, order, result, tokens done, running]
+        self.stats: Counter = Counter()
+        self._order = 0
+
+    def submit(self, request: SampleRequest, handle: int, priority: int = 0) -> None:
+        result = self.sampler._write(request, handle, self.settings)
+        self.sampler.calls.append(([request], self.settings, [result]))
+        self.pending[handle] = [priority, self._order, result, 0, False]
+        self._order += 1
+
+    def cancel(self, handle: int) -> None:
+        entry = self.pending.pop(handle, None)
+        if entry is not None:
+            self.stats["discarded_tokens"] += entry[3]
+
+    def prioritize(self, handle: int, priority: int) -> None:
+        if handle in self.pending:
+            self.pending[handle][0] = priority
+
+    def release(self, slot_id: int) -> None:
+        """Nothing cached: a scripted engine keeps no rows between requests."""
+
+    def busy(self) -> bool:
+        return bool(self.pending)
+
+    def step(self) -> list[StreamEvent]:
+        self._admit()
+        running = [(h, e) for h, e in self.pending.items() if e[4]]
+        if running:
+            self.stats["decode_steps"] += 1
+            self.stats["row_steps"] += len(running)
+        events = []
+        window = self.settings.logprob_positions if self.settings.logprobs else 0
+        for handle, entry in running:
+            entry[3] += 1
+            result = entry[2]
+            if entry[3] >= len(result.token_ids):
+                del self.pending[handle]
+                events.append(StreamEvent(handle, result))
+            elif entry[3] == window:
+                events.append(StreamEvent(handle, window=list(result.top_logprobs), done=False))
+        return events
+
+    def _admit(self) -> None:
+        waiting = sorted((e[:2], h) for h, e in self.pending.items() if not e[4])
+        for key, handle in waiting:
+            running = [(e[:2], h) for h, e in self.pending.items() if e[4]]
+            if len(running) >= self.rows:
+                victim = max(running)
+                if victim[0][0] <= key[0]:
+                    return
+                entry = self.pending[victim[1]]
+                self.stats["discarded_tokens"] += entry[3]
+                self.stats["preempted"] += 1
+                entry[3], entry[4] = 0, False
+            self.pending[handle][4] = True
+
+    def close(self) -> None:
+        self.pending = {}
 
 
 def by_slot(segments: Mapping[int, Sequence[Segment]], default: Segment = Segment(eos=True)) -> Script:

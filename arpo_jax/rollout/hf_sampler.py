@@ -17,6 +17,7 @@ from arpo_jax.rollout.sampler import (
     SamplingSettings,
     finish_generation,
     request_seed,
+    seed_index,
 )
 
 
@@ -40,7 +41,7 @@ class TransformersSampler(Sampler):
                           tokenizer=self.tokenizer, pad_token_id=self.tokenizer.pad_token_id,
                           suppress_tokens=self.suppress)
             if sample:
-                torch.manual_seed(request_seed(settings.seed, i, req.token_ids))
+                torch.manual_seed(request_seed(settings.seed, seed_index(req, i), req.token_ids))
                 kwargs |= dict(temperature=settings.temperature, top_p=settings.top_p,
                                top_k=settings.top_k if settings.top_k > 0 else None)
             else:

@@ -45,7 +45,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import time
-from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
 import jax
@@ -55,7 +54,6 @@ from jax.sharding import Mesh
 
 from arpo_jax.rollout.jax_decode import (
     TRACE_COUNTS,
-    Knobs,
     decode_weights,
     engine_programs,
     engine_shape,
@@ -64,13 +62,10 @@ from arpo_jax.rollout.jax_decode import (
     to_input_major,
     unrolled_layout,
 )
-from arpo_jax.rollout.jax_slots import SlotTable, common_prefix
-from arpo_jax.rollout.sampler import Sampler, SampleRequest, SampleResult, SamplingSettings, find_stop, request_seed
+from arpo_jax.rollout.jax_slots import SlotTable
+from arpo_jax.rollout.jax_stream import STOP_PREFIXES, JaxStream
+from arpo_jax.rollout.sampler import Sampler, SampleRequest, SampleResult, SamplingSettings
 from arpo_jax.sharding import get_rules
-
-_SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's threshold)
-_DETOK_PRIME = 5  # prompt tokens that prime the incremental detokenizer (vLLM's initial offset)
-_STOP_PREFIXES = ("", " ", "\n")  # a stop string's token sequences checked on the device: alone and after these
 
 
 def pow2_buckets(lo: int, hi: int, *, half_steps: bool = False, quarter_steps: bool = False) -> tuple[int, ...]:
@@ -114,50 +109,6 @@ def config_programs(cfg, graphdef, abstract_state, *, processes: int = 1, batch_
     fns = jitted(graphdef, model_cfg, shape, unrolled)
     return engine_programs(fns, shape, state, jax.eval_shape(fns.init), n_eos=n_eos,
                            vocab=model_cfg.vocab_size if vocab_mask else None)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Host side
-
-
-class _Row:
-    """Host state of one request during a call: generated ids, incremental text, stop detection, log-probs."""
-
-    def __init__(self, tokenizer, context: np.ndarray, limit: int, stop: tuple[str, ...]):
-        from tokenizers.decoders import DecodeStream
-
-        self.tok = tokenizer.backend_tokenizer
-        self.stream = DecodeStream(skip_special_tokens=True)
-        self.limit, self.stop = limit, stop
-        self.gen: list[int] = []
-        self.top_logprobs: list[dict[int, float]] = []
-        self.token_logprobs: list[float] = []  # the sampled tokens' (settings.token_logprobs)
-        self.text = ""
-        self.finish: str | None = None
-        self.stop_string: str | None = None
-        # Prime with the context's tail (as vLLM does) so the first generated token decodes in context; a tail that
-        # starts inside a multi-byte character is shortened until it decodes cleanly.
-        prime = [int(t) for t in context[-_DETOK_PRIME:]]
-        while prime and "\ufffd" in self.tok.decode(prime, skip_special_tokens=True):
-            prime = prime[1:]
-        for t in prime:
-            self.stream.step(self.tok, t)
-
-    def add(self, token: int, eos: frozenset[int], logprobs: dict[int, float] | None) -> None:
-        self.gen.append(token)
-        if logprobs is not None:
-            self.top_logprobs.append(logprobs)
-        piece = self.stream.step(self.tok, token) or ""
-        self.text += piece
-        # Only where a match can end inside the new characters (vLLM's check_stop_strings).
-        hit = find_stop(self.text, self.stop, new_chars=len(piece)) if piece else None
-        if hit is not None:
-            self.text, self.finish, self.stop_string = self.text[:hit[0]], "stop", hit[1]
-            return
-        if token in eos:
-            self.finish = "eos"
-        elif len(self.gen) >= self.limit:
-            self.finish = "length"
 
 
 class JaxSampler(Sampler):
@@ -322,7 +273,7 @@ class JaxSampler(Sampler):
             q, m = self.shape.stop_seqs, self.shape.stop_len
             seqs: list[list[int]] = []
             for s in (s for s in stop if s):
-                for prefix in _STOP_PREFIXES:
+                for prefix in STOP_PREFIXES:
                     ids = list(self.tokenizer.encode(prefix + s, add_special_tokens=False))
                     if 0 < len(ids) <= m and ids not in seqs and self.tokenizer.decode(ids).endswith(s):
                         seqs.append(ids)
@@ -334,250 +285,47 @@ class JaxSampler(Sampler):
 
     reports_each = True  # `generate(..., on_result=...)` reports each request as it finishes (`generate_each`)
 
-    def generate(self, requests: Sequence[SampleRequest], settings: SamplingSettings,
-                 on_result: Callable[[int, SampleResult], None] | None = None) -> list[SampleResult]:
-        """One result per request, in order; `on_result(i, result)` is called as each request finishes (while the
-        others go on decoding)."""
-        if not requests:
-            self.table.begin(set())
-            return []
+    def stream(self, settings: SamplingSettings) -> JaxStream:
+        """A stream of requests over this engine's rows (`jax_stream.JaxStream`: the streaming rollout's engine);
+        it starts with every row forgotten (rows are named by the stream's own trajectories)."""
+        stream = self._open(settings)
+        self.table.begin(set())
+        return stream
+
+    def _open(self, settings: SamplingSettings) -> JaxStream:
         _check_settings(settings)
         if settings.logprobs > self.shape.max_logprobs:
             raise ValueError(f"logprobs={settings.logprobs} exceeds the engine's max_logprobs="
                              f"{self.shape.max_logprobs}")
         if self._state is None:
             raise RuntimeError("JaxSampler.generate after sleep(): update_weights first")
-        try:
-            with self._mesh_ctx():
-                self.warm_up()
-                self._device_state()
-                call = _Call(self, requests, settings, on_result)
-                results = call.run()
-        except BaseException:
-            # The cache may be half written (or donated to a program that failed): forget and reallocate it.
-            self.table.clear()
-            self._ds = None
-            raise
-        self.last_stats = dict(call.stats)
+        with self._mesh_ctx():
+            self.warm_up()
+            self._device_state()
+        return JaxStream(self, settings)
+
+    def generate(self, requests: Sequence[SampleRequest], settings: SamplingSettings,
+                 on_result: Callable[[int, SampleResult], None] | None = None) -> list[SampleResult]:
+        """One result per request, in order; `on_result(i, result)` is called as each request finishes (while the
+        others go on decoding). A stream run to its end, the requests with rows of their own admitted first; the
+        rows of trajectories the call does not name are forgotten."""
+        if not requests:
+            self.table.begin(set())
+            return []
+        stream = self._open(settings)
+        self.table.begin({x for r in requests for x in (r.slot_id, r.parent_id) if x is not None})
+        own = [i for i, r in enumerate(requests) if self.table.lookup(r.slot_id) is not None]
+        for i in own + sorted(set(range(len(requests))) - set(own)):
+            stream.submit(requests[i], handle=i)
+        results: list[SampleResult | None] = [None] * len(requests)
+        while stream.busy():
+            for event in stream.step():
+                if event.done:
+                    results[event.handle] = event.result
+                    if on_result is not None:
+                        on_result(event.handle, event.result)
+        self.last_stats = dict(stream.stats)
         return results
-
-
-class _Call:
-    """One `generate` call: requests wait for a row, are admitted (a copy of a parent's row, a prefill of what the
-    row lacks), decode in calls dispatched one ahead of the host's reading, and give their row back when they
-    finish, to the next waiting request."""
-
-    def __init__(self, engine: JaxSampler, requests: Sequence[SampleRequest], settings: SamplingSettings,
-                 on_result: Callable[[int, SampleResult], None] | None = None):
-        self.e, self.reqs, self.settings, self.on_result = engine, requests, settings, on_result
-        self.ctx = [np.asarray(r.token_ids, np.int32) for r in requests]
-        self.limits = [_limit(i, r, c, engine.max_len) for i, (r, c) in enumerate(zip(requests, self.ctx))]
-        self.seeds = [request_seed(settings.seed, i, c) for i, c in enumerate(self.ctx)]
-        self.rows: list[_Row | None] = [None] * len(requests)
-        self.results: list[SampleResult | None] = [None] * len(requests)
-        b = engine.shape.slots
-        self.occ: list[int | None] = [None] * b  # the request each row runs (or last ran) in this call
-        self.row_limit, self.row_ctx = np.zeros(b, np.int32), np.zeros(b, np.int32)
-        self.row_seed = np.zeros(b, np.uint32)
-        self.row_calls = np.zeros(b, np.int64)  # decode calls dispatched since the row's request was admitted
-        self.admit, self.stop = np.zeros(b, bool), np.zeros(b, bool)  # for the next decode call
-        self.live: set[int] = set()  # rows whose request the host has not seen finish
-        self.knobs, self.stops = _knobs(settings), engine._stop_arrays(tuple(settings.stop))
-        self.stats: Counter[str] = Counter(batch=len(requests), batch_bucket=b, cache_len=engine.shape.cache_len)
-
-    def run(self) -> list[SampleResult]:
-        t = self.e.table
-        t.begin({x for r in self.reqs for x in (r.slot_id, r.parent_id) if x is not None})
-        own = [i for i, r in enumerate(self.reqs) if t.lookup(r.slot_id) is not None]
-        self.waiting = deque(own + sorted(set(range(len(self.reqs))) - set(own)))  # rows of their own first
-        inflight: deque = deque()
-        while True:
-            self._admit()
-            if self.live:
-                inflight.append(self._dispatch())
-            if not inflight:
-                break
-            if len(inflight) > 1 or not self.live:
-                self._read(*inflight.popleft())
-        return self.results
-
-    # -- admission: rows, copies, prefill ----------------------------------------------------------------------
-
-    def _admit(self) -> None:
-        """Waiting requests into rows, in order, while rows are free: a request continues in its trajectory's row,
-        or takes a free row, copying its parent's row there when that shares a prefix with it."""
-        t, plans, changed = self.e.table, [], set()
-        protect = {x for i in self.waiting for x in (self.reqs[i].slot_id, self.reqs[i].parent_id) if x is not None}
-        while self.waiting:
-            r = self.reqs[self.waiting[0]]
-            own = t.lookup(r.slot_id, changed)
-            own = None if own is not None and t.busy[own] else own  # (a slot id named twice in one call)
-            src = own if own is not None else t.lookup(r.parent_id, changed)
-            row = own if own is not None else t.free_row(protect)
-            if row is None:
-                break
-            i = self.waiting.popleft()
-            # Against what the rows hold before this batch: its copies run before any of its prefills.
-            keep = min(common_prefix(t.held[src], self.ctx[i]), len(self.ctx[i]) - 1) if src is not None else 0
-            if row != own:
-                changed.add(row)
-            t.take(row, r.slot_id)
-            plans.append((i, row, src, keep))
-        self._copy([(src, row) for _, row, src, keep in plans if src is not None and src != row and keep])
-        for i, row, _, keep in plans:
-            t.held[row] = self.ctx[i]
-            self.occ[row] = i
-            self.row_limit[row], self.row_ctx[row], self.row_seed[row] = self.limits[i], len(self.ctx[i]), self.seeds[i]
-            self.row_calls[row] = 0
-            self.rows[i] = _Row(self.e.tokenizer, self.ctx[i], self.limits[i], tuple(self.settings.stop))
-            self.admit[row] = True
-            self.live.add(row)
-            self.stats["reused_tokens"] += keep
-            self.stats["prefill_tokens"] += len(self.ctx[i]) - keep
-        self._prefill([(row, self.ctx[i], keep) for i, row, _, keep in plans])
-
-    def _copy(self, pairs: list[tuple[int, int]]) -> None:
-        e, w = self.e, self.e.shape.copy_rows
-        for k in range(0, len(pairs), w):
-            src, dst = np.zeros(w, np.int32), np.full(w, e.shape.slots, np.int32)  # dst past the end: no copy
-            for j, (s, d) in enumerate(pairs[k:k + w]):
-                src[j], dst[j] = s, d
-            e._ds = e._fns.copy(e._ds, src, dst)
-            self.stats["copies"] += min(w, len(pairs) - k)
-
-    def _prefill(self, fills: list[tuple[int, np.ndarray, int]]) -> None:
-        """Prefills each row's context from its `keep` on, in calls of the engine's fixed (rows, length) shapes."""
-        e = self.e
-        pending = [[row, ctx, keep, keep] for row, ctx, keep in fills]  # row, context, kept, done so far
-        while pending:
-            pending.sort(key=lambda p: p[3] - len(p[1]))  # the longest remainders first
-            g, t = _prefill_shape(e.shape.prefill, [len(p[1]) - p[3] for p in pending])
-            rows, last, keep = np.full(g, e.shape.slots, np.int32), np.full(g, -1, np.int32), np.full(g, -1, np.int32)
-            ids, valid = np.zeros((g, t), np.int32), np.zeros((g, t), bool)
-            positions = np.zeros((g, t), np.int32)
-            for k, p in enumerate(pending[:g]):
-                row, ctx, kept, done = p
-                n = min(t, len(ctx) - done)
-                rows[k], ids[k, :n], valid[k, :n] = row, ctx[done:done + n], True
-                positions[k] = done + np.arange(t)
-                keep[k] = kept if done == kept else -1  # its first chunk cuts the row to what it shares
-                last[k] = n - 1 if done + n == len(ctx) else -1
-                p[3] += n
-            e._ds = e._fns.prefill(e._state, e._ds, rows, ids, positions, valid, last, keep)
-            self.stats["prefill_calls"] += 1
-            pending = [p for p in pending if p[3] < len(p[1])]
-
-    # -- decode: dispatch one call ahead, read the one before -------------------------------------------------
-
-    def _dispatch(self):
-        """One decode call over the live rows: the program with the fewest rows that holds them all (the live rows
-        picked by an index vector), or the one over every row; and of those, the one over the fewest cache slots
-        that holds every live row's tokens by the end of the call."""
-        e, b = self.e, self.e.shape.slots
-        g = next(n for n in e.shape.decode_rows if n >= len(self.live))
-        # The fewest cache slots holding what every live row may hold by the call's end: its context plus the tokens
-        # it can have sampled by then (the host reads one call behind: it counts calls, not the tokens it has read).
-        live = list(self.live)
-        need = np.max(self.row_ctx[live] + np.minimum(self.row_limit[live],
-                                                      (self.row_calls[live] + 1) * e.shape.decode_steps))
-        length = next(n for n in e.shape.lengths if n >= need)
-        rows = None if g == b else np.asarray(sorted(self.live) + [b] * (g - len(self.live)), np.int32)
-        sel = np.arange(b) if rows is None else np.minimum(rows, b - 1)  # (copies: the host edits its arrays)
-        pad = np.zeros(b, bool) if rows is None else rows == b  # padding entries take nothing
-        admit, stop = self.admit[sel] & ~pad, self.stop[sel] & ~pad
-        e._ds, outs = e._fns.decode[length](e._state, e._ds, rows, admit, stop, self.row_limit[sel],
-                                            self.row_ctx[sel], self.row_seed[sel], e._eos_arr, *self.stops,
-                                            e._allowed, self.knobs)
-        delivered = np.arange(b) if rows is None else rows[~pad]
-        self.admit[delivered], self.stop[delivered] = False, False  # a stop for a row not in this call waits
-        self.row_calls[live] += 1
-        self.stats["decode_calls"] += 1
-        self.stats["decode_rows"] += g  # rows x decode_steps: the row-steps computed, sampling or idle
-        self.stats["kv_slots_read"] += g * length  # per step of the call: rows x the slots each attends over
-        return outs, list(range(b)) if rows is None else [None if r == b else int(r) for r in rows], list(self.occ)
-
-    def _read(self, outs, rows: list[int | None], occ: list[int | None]) -> None:
-        """A decode call's tokens (output k is row rows[k]): into each row's record and its request's result; a
-        request that ends frees its row (and stops it on the device, in case only the host saw its stop string)."""
-        outs = jax.device_get(outs)
-        for k, row in enumerate(rows):
-            i = None if row is None else occ[row]
-            if i is None or self.occ[row] != i:  # padding, no request, or the row has a new one since
-                continue
-            out = {key: v[k] for key, v in outs.items()}
-            if out["written"].any():
-                self.e.table.append(row, out["tok"][out["written"]])
-            if self.results[i] is None:
-                self._feed(i, row, out)
-            if self.results[i] is None and not out["active"]:
-                self._finish(i, row, device_stop=True)
-
-    def _feed(self, i: int, row: int, out: dict) -> None:
-        r, s = self.rows[i], self.settings
-        for j in np.flatnonzero(out["sampled"]):
-            tok, tok_lp = out["tok"][j], out["tok_lp"][j]
-            lps = None
-            if s.logprobs and len(r.gen) < s.logprob_positions:
-                lps = _logprob_dict(out["top_vals"][j, :s.logprobs], out["top_ids"][j, :s.logprobs], tok, tok_lp)
-            if s.token_logprobs:
-                r.token_logprobs.append(float(tok_lp))
-            r.add(int(tok), self.e.eos_ids, lps)
-            if r.finish is not None:
-                self._finish(i, row)
-                return
-
-    def _finish(self, i: int, row: int, device_stop: bool = False) -> None:
-        r = self.rows[i]
-        if device_stop:  # a stop sequence matched on the device, whose text the host's check did not see
-            r.finish, r.stop_string = "stop", _matched_stop(r.gen, self.settings.stop, self.e.tokenizer)
-            cut = r.text.rfind(r.stop_string) if r.stop_string else -1
-            r.text = r.text[:cut] if cut >= 0 else r.text
-        self.results[i] = SampleResult(r.gen, r.text, r.finish, r.stop_string, r.top_logprobs,
-                                       r.token_logprobs if self.settings.token_logprobs else None)
-        self.live.discard(row)
-        self.stop[row] = True
-        self.e.table.release(row)
-        if self.on_result is not None:
-            self.on_result(i, self.results[i])
-
-
-def _limit(i: int, r: SampleRequest, ctx: np.ndarray, max_len: int) -> int:
-    if len(ctx) == 0 or len(ctx) >= max_len:
-        raise ValueError(f"request {i}: {len(ctx)} context tokens; need 1 .. max_len - 1 = {max_len - 1}")
-    if r.max_tokens < 1:
-        raise ValueError(f"request {i}: max_tokens={r.max_tokens} (must be >= 1)")
-    return min(r.max_tokens, max_len - len(ctx))
-
-
-def _prefill_shape(shapes: tuple[tuple[int, int], ...], remaining: list[int]) -> tuple[int, int]:
-    """The (rows, length) program that advances the most tokens (every call costs about rows x length), the
-    longest on a tie; `remaining` sorted longest first."""
-    return max(shapes, key=lambda gt: (sum(min(gt[1], n) for n in remaining[:gt[0]]), gt[1]))
-
-
-def _knobs(s: SamplingSettings) -> Knobs:
-    greedy = s.temperature < _SAMPLING_EPS
-    return Knobs(np.uint32(s.seed & 0xFFFFFFFF), np.float32(max(s.temperature, _SAMPLING_EPS)), np.int32(s.top_k),
-                 np.float32(s.top_p), np.bool_(greedy), np.bool_(not greedy and (s.top_k > 0 or s.top_p < 1.0)),
-                 np.int32(s.logprob_positions), np.bool_(s.logprobs > 0), np.bool_(s.token_logprobs))
-
-
-def _matched_stop(gen: list[int], stop: Sequence[str], tokenizer) -> str | None:
-    """The stop string whose token sequence (`JaxSampler._stop_arrays`) ends `gen`."""
-    for s in (s for s in stop if s):
-        for prefix in _STOP_PREFIXES:
-            ids = list(tokenizer.encode(prefix + s, add_special_tokens=False))
-            if ids and gen[-len(ids):] == ids:
-                return s
-    return None
-
-
-def _logprob_dict(vals, ids, tok, tok_lp) -> dict[int, float]:
-    """{id: logprob} of the top-k plus the sampled token (vLLM's k or k+1 entries); -inf (truncated) dropped."""
-    d = {int(i): float(v) for i, v in zip(ids, vals) if np.isfinite(v)}
-    if int(tok) not in d and np.isfinite(tok_lp):
-        d[int(tok)] = float(tok_lp)
-    return d
 
 
 def _check_settings(s: SamplingSettings) -> None:

@@ -1,8 +1,9 @@
 """Host bookkeeping of the JAX engine's persistent KV cache: which trajectory each row holds, and its tokens.
 
-The rows are the engine's fixed decode slots. Between calls a row keeps the tokens of the trajectory (a request's
+The rows are the engine's fixed decode slots. Between requests a row keeps the tokens of the trajectory (a request's
 `slot_id`) it last ran, so that the trajectory's next request prefills only what is new (a tool result), and an ARPO
-branch (`parent_id`) starts from a copy of its parent's row. The table is exact: `held[row]` is what the row holds
+branch (`parent_id`) starts from a copy of its parent's row, until the stream's caller releases the trajectory
+(`forget_slot`) or another request needs the row. The table is exact: `held[row]` is what the row holds
 in its slots 0 .. len - 1 (whatever the device wrote past that is cut when the row is next admitted).
 """
 
@@ -48,11 +49,15 @@ class SlotTable:
         row = self._row.get(slot_id) if slot_id is not None else None
         return None if row is None or row in exclude else row
 
-    def free_row(self, protect: set[int]) -> int | None:
-        """A row no request of this call runs in: an empty one, else one whose trajectory is not in `protect` (the
-        ones waiting requests continue or branch from), else any; least recently used first. None: all busy."""
+    def free_row(self, protect: set[int], empty_only: bool = False) -> int | None:
+        """A row no request runs in: an empty one, else (unless `empty_only`) one whose trajectory is not in
+        `protect` (the ones waiting requests continue or branch from), else any; least recently used first. None:
+        all busy."""
         idle = [r for r in range(self.rows) if not self.busy[r]]
-        for pick in (lambda r: self.slot[r] is None, lambda r: self.slot[r] not in protect, lambda r: True):
+        picks = [lambda r: self.slot[r] is None]
+        if not empty_only:
+            picks += [lambda r: self.slot[r] not in protect, lambda r: True]
+        for pick in picks:
             rows = [r for r in idle if pick(r)]
             if rows:
                 return min(rows, key=self.used.__getitem__)
@@ -77,6 +82,16 @@ class SlotTable:
     def release(self, row: int) -> None:
         """The row's request has finished; the row keeps its tokens for the trajectory's next request."""
         self.busy[row] = False
+
+    def forget_slot(self, slot_id: int) -> None:
+        """Trajectory `slot_id` needs its row no more (the streaming rollout's `release`): the row is empty again,
+        unless a request runs in it."""
+        row = self._row.get(slot_id)
+        if row is not None and not self.busy[row]:
+            self._forget(row)
+
+    def forget(self, row: int) -> None:
+        self._forget(row)
 
     def _forget(self, row: int) -> None:
         if self.slot[row] is not None:

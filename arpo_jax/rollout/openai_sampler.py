@@ -69,7 +69,7 @@ from collections.abc import Sequence
 from typing import Any, Self
 
 from arpo_jax.json_http import JsonHttpClient, ServerError
-from arpo_jax.rollout.sampler import Sampler, SampleRequest, SampleResult, SamplingSettings, request_seed
+from arpo_jax.rollout.sampler import Sampler, SampleRequest, SampleResult, SamplingSettings, request_seed, seed_index
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class OpenAISampler(Sampler):
             if max_tokens <= 0:  # the context is full: nothing can be generated (as the co-located engine)
                 results[i] = SampleResult([], "", "length", None, [])
                 continue
-            body = self._body(ids, max_tokens, settings, request_seed(settings.seed, i, ids))
+            body = self._body(ids, max_tokens, settings, request_seed(settings.seed, seed_index(r, i), ids))
             futures[i] = self._pool.submit(self._complete, body, settings, stats)
         try:
             for i, future in futures.items():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
+from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from typing import Literal, Protocol
 
@@ -66,6 +67,9 @@ class SampleRequest:
     max_tokens: int  # new tokens at most
     slot_id: int | None = None
     parent_id: int | None = None
+    # The trajectory's identity (`rollout/identity.py`): the engines seed the request from it and its context
+    # (`request_seed`) instead of its position in the call, so its samples do not depend on how a call was assembled.
+    key: int | None = None
 
 
 @dataclasses.dataclass
@@ -102,6 +106,96 @@ class Sampler(Protocol):
 
     def close(self) -> None:
         """Releases the engine's processes, threads and connections. Safe to call twice."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamEvent:
+    """What an engine stream reports about one request (`EngineStream.step`): that it finished (`result`; None when
+    the engine failed on it alone), or, while it goes on decoding, the top log-probs of its first
+    `settings.logprob_positions` positions (`window`: the entropy an ARPO branch decides with exists)."""
+
+    handle: int
+    result: SampleResult | None = None
+    window: list[dict[int, float]] | None = None
+    done: bool = True  # False for a `window` report
+
+
+class EngineStream(Protocol):
+    """An engine fed requests one by one and reporting each as it finishes (the streaming rollout's view).
+
+    Requests carry their own `max_tokens` and are named by the caller's `handle`; `priority` orders waiting requests
+    (0 first: the rollout's committed work; larger: speculative work, which an engine may also preempt and run again
+    later, the same samples since seeds come from the request; `prioritize` changes it, for a speculative request
+    that was committed). `cancel` drops a request (its tokens are discarded);
+    `release(slot_id)` says a trajectory needs its cached prefix no more. `stats` counts, for the rollout's
+    metrics: `decode_steps` (sequential decode iterations: the critical path an accelerator pays for), `row_steps`
+    (rows live in them, summed), `discarded_tokens` (tokens of cancelled or preempted requests)."""
+
+    stats: Counter
+
+    def submit(self, request: SampleRequest, handle: int, priority: int = 0) -> None: ...
+
+    def cancel(self, handle: int) -> None: ...
+
+    def prioritize(self, handle: int, priority: int) -> None: ...
+
+    def release(self, slot_id: int) -> None: ...
+
+    def step(self) -> list[StreamEvent]: ...
+
+    def busy(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class BatchStream:
+    """`EngineStream` over any batched `Sampler`: each `step` runs one `generate` over every waiting request (lowest
+    priority value first) and reports them all. Engines with a stream of their own (`Sampler.stream`: the JAX and
+    vLLM engines) decode requests as they come instead."""
+
+    def __init__(self, sampler, settings: SamplingSettings):
+        self.sampler, self.settings = sampler, settings
+        self.waiting: dict[int, tuple[int, int, SampleRequest]] = {}  # handle -> (priority, order, request)
+        self.stats: Counter = Counter()
+        self._order = 0
+
+    def submit(self, request: SampleRequest, handle: int, priority: int = 0) -> None:
+        self.waiting[handle] = (priority, self._order, request)
+        self._order += 1
+
+    def cancel(self, handle: int) -> None:
+        self.waiting.pop(handle, None)
+
+    def prioritize(self, handle: int, priority: int) -> None:
+        if handle in self.waiting:
+            self.waiting[handle] = (priority, *self.waiting[handle][1:])
+
+    def release(self, slot_id: int) -> None:
+        """Nothing held: a batched engine's cache hints name the trajectories of each call."""
+
+    def busy(self) -> bool:
+        return bool(self.waiting)
+
+    def step(self) -> list[StreamEvent]:
+        batch = sorted(self.waiting.items(), key=lambda kv: kv[1][:2])
+        self.waiting = {}
+        requests = [req for _, (_, _, req) in batch]
+        results = self.sampler.generate(requests, self.settings) if requests else []
+        stats = getattr(self.sampler, "last_stats", None) or {}
+        self.stats["decode_steps"] += int(stats.get("decode_steps", max((len(r.token_ids) for r in results
+                                                                          if r is not None), default=0)))
+        self.stats["row_steps"] += int(stats.get("row_steps", sum(len(r.token_ids) for r in results
+                                                                  if r is not None)))
+        return [StreamEvent(handle, res) for (handle, _), res in zip(batch, results)]
+
+    def close(self) -> None:
+        self.waiting = {}
+
+
+def open_stream(sampler, settings: SamplingSettings) -> EngineStream:
+    """The engine's own stream where it has one (`sampler.stream(settings)`), else a `BatchStream` over it."""
+    own = getattr(sampler, "stream", None)
+    return own(settings) if callable(own) else BatchStream(sampler, settings)
 
 
 def generate_each(sampler, requests: Sequence[SampleRequest], settings: SamplingSettings,
@@ -151,15 +245,22 @@ def finish_generation(text: str, token_ids: Sequence[int], stop: Sequence[str],
 
 
 def request_seed(base: int, index: int, token_ids: Sequence[int]) -> int:
-    """The seed of one request: a function of (settings.seed, position in the call, the request's token ids) only.
+    """The seed of one request: a function of (settings.seed, its identity, the request's token ids) only; the
+    identity is `seed_index`'s (the request's key, else its position in the call).
 
     No engine state (a call counter, a cache) goes in, so a call is reproducible on its own: a resumed evaluation
-    chunk, a retry or a restarted engine draws the same samples. Copies of one prompt in a call differ by position,
+    chunk, a retry or a restarted engine draws the same samples. Copies of one prompt differ by key (or position),
     and the rounds of one trajectory by their grown context. A uint32 (what every engine accepts).
     """
     digest = zlib.crc32(np.asarray(token_ids, np.int64).tobytes())
     return int(np.random.SeedSequence([base & 0xFFFFFFFF, (base >> 32) & 0xFFFFFFFF, index, digest])
                .generate_state(1)[0])
+
+
+def seed_index(request: SampleRequest, position: int) -> int:
+    """What identifies a request in its seed: its trajectory's key, else its position in the call (evaluation's
+    copies of one question; a call whose requests name no trajectory)."""
+    return position if request.key is None else request.key
 
 
 # The engines behind this interface, by the names the configs and commands use.

@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from arpo_jax.rollout import export_folders
-from arpo_jax.rollout.sampler import SampleRequest, SampleResult, SamplingSettings, request_seed
+from arpo_jax.rollout.sampler import SampleRequest, SampleResult, SamplingSettings, request_seed, seed_index
 from arpo_jax.rollout.vllm_worker import VllmWorkerError, Worker, gather_replies
 from arpo_jax.weights.lora_io import ADAPTER_CONFIG
 
@@ -231,7 +231,7 @@ class VllmSampler:
         if not self._workers:
             raise VllmWorkerError("the vLLM sampler is closed")
         ids = [list(map(int, r.token_ids)) for r in requests]
-        seeds = [request_seed(settings.seed, i, x) for i, x in enumerate(ids)]  # positions in the whole call
+        seeds = [request_seed(settings.seed, seed_index(r, i), x) for i, (r, x) in enumerate(zip(requests, ids))]
         engine_of = route_requests(requests, len(self._workers), self._engine_of_slot)
         self._engine_of_slot = {r.slot_id: e for r, e in zip(requests, engine_of) if r.slot_id is not None}
         mine = [[i for i, e in enumerate(engine_of) if e == k] for k in range(len(self._workers))]
