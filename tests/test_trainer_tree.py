@@ -71,8 +71,9 @@ def test_tree_training_equals_flat_with_tool_branches_failures_and_dynamic_sampl
         tr.sampler = InjectingSampler(tr.sampler, tr.tokenizer)
 
     # One extra round draws more batches as well as three (most of this test's time was the toy model's decode
-    # steps, ~27 s a round).
-    overrides = ("--config.algorithm.dynamic_sampling=true", "--config.algorithm.max_extra_rounds=1")
+    # steps, ~27 s a round). The one tool-calling trajectory of a rollout branches after its result for sure.
+    overrides = ("--config.algorithm.dynamic_sampling=true", "--config.algorithm.max_extra_rounds=1",
+                 "--config.rollout.branch_probability=1.0")
     flat = _train(tmp_path, "flat", "--config.actor.tree_training=false", *overrides, reward=HALF_CONSTANT_REWARD,
                   wrap=wrap)
     tree = _train(tmp_path, "tree", "--config.actor.tree_training=true", *overrides, reward=HALF_CONSTANT_REWARD,

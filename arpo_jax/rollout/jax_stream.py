@@ -186,15 +186,14 @@ class JaxStream:
         t, plans, changed = self.e.table, [], set()
         waiting = [r for _, h in self.waiting if (r := self.reqs.get(h)) is not None and r.row is None]
         protect = {x for r in waiting for x in (r.req.slot_id, r.req.parent_id) if x is not None}
-        spare = self._spare_rows()
         while self.waiting:
             key, handle = self.waiting[0]
             r = self.reqs.get(handle)
             if r is None or r.row is not None or key != r.sort_key():  # cancelled, admitted, or queued again since
                 heapq.heappop(self.waiting)
                 continue
-            if r.priority > 0 and spare - len(plans) <= 0:  # speculative work only in rows computed anyway
-                break
+            if r.priority > 0 and not self._spare(len(self.live) + len(plans)):
+                break  # speculative work only in rows the decode computes anyway
             own = t.lookup(r.req.slot_id, changed)
             own = None if own is not None and t.busy[own] else own  # (a slot id named twice at once)
             src = own if own is not None else t.lookup(r.req.parent_id, changed)
@@ -228,11 +227,10 @@ class JaxStream:
             self.stats["prefill_tokens"] += len(r.ctx) - keep
         self._prefill([(row, r.ctx, keep) for r, row, _, keep in plans])
 
-    def _spare_rows(self) -> int:
-        """Rows that the decode program the live rows need computes anyway, not yet live: the room speculative
+    def _spare(self, rows: int) -> bool:
+        """Whether the decode program that `rows` live rows need computes a row more anyway: the room speculative
         requests get (on an accelerator every idle row; on a CPU the rest of the row bucket, `decode_rows`)."""
-        live = len(self.live)
-        return next(n for n in self.e.shape.decode_rows if n >= max(live, 1)) - live
+        return rows < next(n for n in self.e.shape.decode_rows if n >= max(rows, 1))
 
     def _preemptable(self, priority: int) -> _Request | None:
         """The running request to preempt for a waiting one of `priority`: the most speculative, newest first,

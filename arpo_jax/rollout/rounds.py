@@ -75,7 +75,7 @@ class Loop:
         self.m = {k: 0.0 for k in ("rounds", "tool_calls", "branches", "branch_attempts", "refills",
                                    "call_limit_reached", "empty_tool_content", "premonitor_tool_calls",
                                    "decode_steps", "row_steps", "speculative_tokens_discarded",
-                                   "speculative_trajectories", "speculative_committed", "tool_hidden_s")}
+                                   "speculative_trajectories", "speculative_committed", "tool_s", "tool_hidden_s")}
         self.times = {k: 0.0 for k in ("generate", "tools", "branching", "premonitor", "finalize")}
         self.calls = ToolCalls(executor)
 
@@ -161,6 +161,8 @@ class Loop:
                 active = sorted(survivors + [t for rp in self.replays for t in rp.created.get(r, [])],
                                 key=lambda t: t.id)
                 r += 1
+        self.m["tool_s"] = self.calls.seconds
+        self.m["tool_hidden_s"] = max(0.0, self.calls.seconds - self.times["tools"])  # the calls started at once
         return self.finalize(time.perf_counter() - t0)
 
     def _generate(self, active: list[Trajectory]) -> list:
@@ -298,6 +300,7 @@ class Loop:
         out = {f"rollout/{k}": float(v) for k, v in self.m.items()}
         ents = [e for s in members for e in s.entropies]
         steps = self.m["decode_steps"]
+        step_s = self.times["generate"] / steps if steps else 0.0
         out.update({
             "rollout/trajectories": float(len(rows)),
             "rollout/initial_rollouts_mean": float(np.mean([t.initial_rollouts for t in self.trees] or [0])),
@@ -307,5 +310,7 @@ class Loop:
             # The longest chain of sequential decode steps a trajectory needed (its tokens and those it inherited):
             # what the rollout would take with rows to spare and tools that answer at once.
             "rollout/critical_path_steps": float(max((sum(t.mask) for t in rows), default=0)),
+            # The same chain in seconds: its steps at the rollout's mean seconds a decode step, and its tool calls.
+            "rollout/critical_path_s": max((sum(t.mask) * step_s + sum(t.call_seconds) for t in rows), default=0.0),
         })
         return out

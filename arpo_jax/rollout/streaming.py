@@ -309,6 +309,7 @@ class _Stream:
         m["row_steps"] += stats.get("row_steps", 0)
         m["speculative_tokens_discarded"] += stats.get("discarded_tokens", 0)
         m["tool_calls"] += sum(r.calls_run for r in self.runs.values() if r.committed)
+        m["tool_s"] = self.tools.seconds
         m["tool_hidden_s"] = max(0.0, self.tools.seconds - self.tools.waited)
         self.loop.times["tools"] += self.tools.waited
 

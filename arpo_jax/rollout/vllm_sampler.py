@@ -65,6 +65,7 @@ from typing import Any, Self
 
 from arpo_jax.rollout import export_folders
 from arpo_jax.rollout.sampler import SampleRequest, SampleResult, SamplingSettings, request_seed, seed_index
+from arpo_jax.rollout.vllm_stream import VllmStream
 from arpo_jax.rollout.vllm_worker import VllmWorkerError, Worker, gather_replies
 from arpo_jax.weights.lora_io import ADAPTER_CONFIG
 
@@ -226,6 +227,12 @@ class VllmSampler:
     # ------------------------------------------------------------------------------------------------------------
     # Sampler interface
 
+    def stream(self, settings: SamplingSettings) -> VllmStream:
+        """The engines as a stream of requests (`vllm_stream.VllmStream`: the streaming rollout's engine)."""
+        if not self._workers:
+            raise VllmWorkerError("the vLLM sampler is closed")
+        return VllmStream(self, settings)
+
     def generate(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[SampleResult]:
         """One batched call, its requests spread over the engines; one result per request, in order."""
         if not self._workers:
@@ -245,6 +252,8 @@ class VllmSampler:
             for i, r in zip(idx, out["results"]):
                 results[i] = r
         self.last_stats = {k: sum(o["stats"][k] for o in outs) for k in outs[0]["stats"]}
+        # Engines run side by side: the call's sequential steps are the most any engine ran.
+        self.last_stats["decode_steps"] = max(o["stats"]["decode_steps"] for o in outs)
         return [SampleResult(token_ids=r["token_ids"], text=r["text"], finish_reason=r["finish_reason"],
                              stop_string=r["stop_string"], top_logprobs=r["top_logprobs"],
                              token_logprobs=r.get("token_logprobs")) for r in results]

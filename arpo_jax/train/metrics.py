@@ -41,8 +41,8 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 # Shown on the console, in this order, when present (patterns allowed); everything stays in the files.
 CONSOLE_KEYS = ("reward/mean", "val/*", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac",
                 "actor/grad_norm", "critic/vf_loss", "sft/loss", "response/length/mean",
-                "tools/calls_per_trajectory/mean", "rollout/branches_per_prompt", "train/lr", "sft/lr",
-                "perf/tokens_per_s", "sft/tokens_per_s", "time/step")
+                "tools/calls_per_trajectory/mean", "rollout/branches_per_prompt", "rollout/decode_steps",
+                "train/lr", "sft/lr", "perf/tokens_per_s", "sft/tokens_per_s", "time/rollout", "time/step")
 CONSOLE_MAX_FALLBACK = 8  # keys shown when none of CONSOLE_KEYS is present
 REDACTED = redaction.REDACTED  # what config_lib.redact (the one redaction) puts in place of a secret
 WANDB_ID_FILE = "wandb_id"
