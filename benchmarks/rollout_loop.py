@@ -9,6 +9,11 @@ tools' wait, generated tokens, tool calls, branches, and the programs compiled (
 compilation cache: `arpo_jax.compile_log` where it exists, else the same `jax.monitoring` events counted here).
 
   python benchmarks/rollout_loop.py [--model smollm2-135m-instruct] [--steps 4] [--prompts 4 --n 8]
+                                   [--algo arpo|grpo] [--schedule stream|rounds]
+
+`--algo grpo`: n independent trajectories a prompt (no branching), the same budget. Per step also the engine's
+sequential decode steps (`rollout/decode_steps`) and the longest chain of them a trajectory needed
+(`rollout/critical_path_steps`).
 
 Prints a table, then a final JSON line.
 """
@@ -28,23 +33,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np  # noqa: E402
 
 
-class _Counting:
-    """The engine, counting the tokens its calls generate."""
+def _own_tokens(out):
+    """Per trajectory, the mask of the model tokens it sampled itself (past the state it branched from)."""
+    for i, branch_point in enumerate(_branch_points(out)):
+        mask = out.loss_mask[i].copy()
+        mask[:branch_point] = 0
+        yield mask
 
-    def __init__(self, inner):
-        self.inner, self.tokens = inner, 0
 
-    @property
-    def reports_each(self) -> bool:
-        return getattr(self.inner, "reports_each", False)
-
-    def generate(self, requests, settings, **kw):
-        out = self.inner.generate(requests, settings, **kw)
-        self.tokens += sum(len(r.token_ids) for r in out if r is not None)
-        return out
-
-    def reset_cache(self) -> None:
-        self.inner.reset_cache()
+def _branch_points(out):
+    points = {node.slot_id: node.branch_point for tree in out.trees for node in tree.nodes}
+    return [points[int(s)] for s in out.slot_id]
 
 
 def _compiles():
@@ -79,6 +78,8 @@ def main() -> None:
     ap.add_argument("--decode-chunk", type=int, default=16)
     ap.add_argument("--prefix", default="<think> I need to compute this. </think> <python> print(")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--algo", default="arpo", choices=("arpo", "grpo"))
+    ap.add_argument("--schedule", default="stream", choices=("stream", "rounds"))
     args = ap.parse_args()
     compiled = _compiles()
 
@@ -113,12 +114,14 @@ def main() -> None:
         decode_chunk=args.decode_chunk,
         **extra,
     )
-    sampler = _Counting(engine)
+    sampler = engine
     executor = components.make_tool_executor(config_args.load_config(["--config=builtin:toy_cpu"]))
+    grpo = args.algo == "grpo"
     rcfg = RolloutConfig(
         n=args.n,
-        initial_rollouts=args.initial,
-        beam_size=2,
+        initial_rollouts=args.n if grpo else args.initial,
+        beam_size=1 if grpo else 2,
+        schedule=args.schedule,
         branch_probability=0.5,
         entropy_weight=0.2,
         response_length=args.response,
@@ -129,13 +132,16 @@ def main() -> None:
     try:
         for step in range(args.steps):
             batch = prompt_ids[step * args.prompts : (step + 1) * args.prompts]
-            before, tokens0 = compiled(), sampler.tokens
+            before = compiled()
             t0, c0 = time.perf_counter(), time.process_time()
             sampler.reset_cache()
             out = rollout(batch, sampler, executor, tok, rcfg, SamplingSettings(temperature=1.0, seed=step), rng=step)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             m = out.metrics
-            tokens = sampler.tokens - tokens0
+            # The tokens the engine sampled: the output's own (a branch's inherited ones counted once) and the
+            # discarded ones of what started early and was cancelled.
+            own = sum(int(t.sum()) for t in _own_tokens(out))
+            tokens = own + int(m.get("rollout/speculative_tokens_discarded", 0))
             gen = m["time/rollout_generate_s"]
             steps.append(
                 {
@@ -150,6 +156,8 @@ def main() -> None:
                     "tool_calls": int(m["rollout/tool_calls"]),
                     "branches": int(m["rollout/branches"]),
                     "rounds": int(m["rollout/rounds"]),
+                    "decode_steps": int(m.get("rollout/decode_steps", 0)),
+                    "critical_path_steps": int(m.get("rollout/critical_path_steps", 0)),
                     "compiles": compiled() - before,
                 }
             )
@@ -160,6 +168,8 @@ def main() -> None:
     summary = {
         "benchmark": "rollout_loop",
         "model": args.model,
+        "algo": args.algo,
+        "schedule": args.schedule,
         "dtype": args.dtype,
         "cpus": os.cpu_count(),
         "platform": platform.processor() or platform.machine(),

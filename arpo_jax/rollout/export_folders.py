@@ -1,10 +1,11 @@
 """The weight sync's export folders: where a version goes, whether it fits, and what is left to clean up.
 
-`VllmSampler.update_weights` writes each version of the policy to `export_dir/sync-<k>` (`SYNC_PREFIX`) and the
-engines reload it from there. With no `export_dir` given, the sampler's own folder `arpo_jax_vllm_<pid>` goes under
-/dev/shm (RAM: the fastest hand-off) or the temporary folder (`default_export_dir`); the room for one export is
-checked before anything is written (`check_export_room`, agreed by every process: `agree_on_room`), and what a
-killed run left behind is removed (`remove_previous_syncs`, `remove_stale_exports`).
+`VllmSampler.update_weights` writes each version of the policy to `export_dir/sync-<k>` (`SYNC_PREFIX`,
+`write_version`) and the engines reload it from there. With no `export_dir` given, the sampler's own folder
+`arpo_jax_vllm_<pid>` goes under /dev/shm (RAM: the fastest hand-off) or the temporary folder
+(`default_export_dir`); the room for one export is checked before anything is written (`check_export_room`, agreed
+by every process: `agree_on_room`), and what a killed run left behind is removed (`remove_previous_syncs`,
+`remove_stale_exports`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,38 @@ def remove_previous_syncs(export_dir: Path) -> list[Path]:
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
     return removed
+
+
+def version_nbytes(model, kind: str, dtype: str) -> int:
+    """The tensors' bytes of one version of `model` in `dtype`: its LoRA adapters ("adapters") or its full weights
+    ("full": a LoRA model's base, which the export merges the adapters into)."""
+    from flax import nnx
+
+    from arpo_jax.models import transformer
+    from arpo_jax.update import lora
+    from arpo_jax.weights import hf
+
+    if kind == "adapters":
+        return hf.export_nbytes(nnx.state(model, transformer.LoRAParam), dtype)
+    return hf.export_nbytes(lora.base_state(model) if model.config.lora_rank else nnx.state(model, nnx.Param), dtype)
+
+
+def write_version(model, path: Path, kind: str, dtype: str, *, local: bool) -> dict:
+    """Writes one version of `model` into `path`: a PEFT folder of its adapters ("adapters", float32) or an HF folder
+    of its (merged) weights in `dtype` ("full"); `local`: from this process's own shards (each holds the whole
+    model), else process 0 gathers and writes while the others take part in the gathers. Returns its stats (the
+    bytes the folder takes, where this process can see them)."""
+    from arpo_jax import distributed
+    from arpo_jax.weights import hf, lora_io
+
+    if kind == "adapters":
+        lora_io.save_peft(model, path, local=local)
+    else:
+        hf.save_pretrained(model, path, dtype=dtype, local=local)
+    stats = {"export_dtype": dtype, "weights": kind, "node_local": local}
+    if local or distributed.is_main_process():  # what the folder takes: tensors, headers, config, tokenizer files
+        stats["written_bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return stats
 
 
 # Room kept beyond the tensors' bytes: config, tokenizer files, safetensors headers, and what others write meanwhile.

@@ -360,14 +360,9 @@ class VllmSampler:
         from flax import nnx
 
         from arpo_jax import distributed
-        from arpo_jax.models import transformer
-        from arpo_jax.update import lora
-        from arpo_jax.weights import hf, lora_io
 
         dtype = "float32" if kind == "adapters" else self.export_dtype or self.info["dtype"]
-        nbytes = hf.export_nbytes(nnx.state(model, transformer.LoRAParam) if kind == "adapters" else
-                                  lora.base_state(model) if model.config.lora_rank else nnx.state(model, nnx.Param),
-                                  dtype)
+        nbytes = export_folders.version_nbytes(model, kind, dtype)
         local = self.node_local and export_folders.held_by_every_process(nnx.state(model))
         if local:  # this process's own folder, removed by close()
             self._own_export = self._own_export or export_folders.default_export_dir(nbytes)
@@ -378,16 +373,10 @@ class VllmSampler:
                                      node_local_version=self._sync_version + 1 if local else 0)
         self._sync_version += 1
         path = export_dir / f"{export_folders.SYNC_PREFIX}{self._sync_version}"
-        if kind == "adapters":
-            lora_io.save_peft(model, path, local=local)
-        else:
-            hf.save_pretrained(model, path, dtype=dtype, local=local)
+        stats = export_folders.write_version(model, path, kind, dtype, local=local)
         if not local:  # the others read what process 0 wrote: not before it is complete
             distributed.barrier(f"weight_sync/written/{self._sync_version}")
-        stats = {"export_bytes": nbytes, "export_dtype": dtype, "weights": kind, "node_local": local}
-        if local or distributed.is_main_process():  # what the folder takes: tensors, headers, config, tokenizer files
-            stats["written_bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        return path, stats
+        return path, stats | {"export_bytes": nbytes}
 
     def _release(self, path: Path) -> None:
         """Removes an exported version once every process that reads it has reloaded it: a node-local one at once."""
