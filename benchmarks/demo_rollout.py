@@ -3,10 +3,12 @@ an older checkout (issue 69's before and after), from one SFT model, at the same
 
 For each tree (this checkout, and `--before DIR`: another checkout run from its own sources) and each schedule
 (`rollout.schedule`; an older tree has only its own), `arpo-jax demo --engine jax --set trainer.max_steps=N` runs
-ARPO, then GRPO, in a work dir of its own whose data and SFT model are links to the first run's (so every run
-starts from the same SFT model and draws the same prompts). From each RL run's metrics.jsonl: the median over RL
-steps 2..N of `time/rollout` (the step's rollout, rewards included), `rollout/decode_steps` (the engine's sequential
-decode iterations: what an accelerator pays for), `rollout/rounds` and `time/step`; then ARPO / GRPO of each.
+ARPO, then GRPO, all in one work dir: the first run builds the data and the SFT model, every later run resumes them
+(`trainer.allow_config_change`: their configs differ in the schedule, or the tree, only), so every run starts from the
+same SFT model and draws the same prompts; each RL run's folder is moved to `runs/<tree>_<schedule>_<algo>` after
+it. From each RL run's metrics.jsonl: the median over RL steps 2..N of `time/rollout` (the step's rollout, rewards
+included), `rollout/decode_steps` (the engine's sequential decode iterations: what an accelerator pays for),
+`rollout/rounds`, `time/step` and the engine's counts; then ARPO / GRPO of each.
 
   python benchmarks/demo_rollout.py --workdir runs/demo_rollout [--steps 4] [--before /path/to/old/checkout]
 
@@ -26,15 +28,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ("time/rollout", "rollout/decode_steps", "rollout/rounds", "time/step", "rollout/critical_path_steps",
-        "rollout/rows_per_decode_step", "rollout/speculative_tokens_discarded", "rollout/trajectories")
+        "rollout/rows_per_decode_step", "rollout/computed_row_steps", "rollout/sampled_tokens",
+        "rollout/prefill_tokens", "rollout/speculative_tokens_discarded", "rollout/trajectories")
 
 
-def run_demo(tree: Path, workdir: Path, algo: str, steps: int, schedule: str | None, log) -> dict:
-    """One demo run (resumed if it finished before); its RL steps' metrics."""
+def run_demo(tree: Path, workdir: Path, algo: str, steps: int, schedule: str | None, resume: bool, log) -> dict:
+    """One demo run; its RL steps' metrics."""
     cmd = [sys.executable, "-m", "arpo_jax.cli", "demo", "--workdir", str(workdir), "--engine", "jax", "--algo", algo,
            "--set", f"trainer.max_steps={steps}"]
     if schedule:
         cmd += ["--set", f"rollout.schedule={schedule}"]
+    if resume:  # the SFT model of the first run, whose config differs in the schedule or the tree only
+        cmd += ["--set", "trainer.allow_config_change=true"]
     env = dict(os.environ, PYTHONPATH=str(tree))
     t0 = time.perf_counter()
     subprocess.run(cmd, env=env, cwd=tree, check=True, stdout=log, stderr=subprocess.STDOUT)
@@ -48,15 +53,6 @@ def median_of(steps: list[dict], key: str, first: int = 2) -> float | None:
     return round(statistics.median(values), 3) if values else None
 
 
-def share_start(base: Path, workdir: Path) -> None:
-    """`workdir` starts from `base`'s data and SFT model (links; the demo resumes finished phases)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    for name in ("data", "sft"):
-        link = workdir / name
-        if not link.exists():
-            link.symlink_to(base / name, target_is_directory=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="runs/demo_rollout")
@@ -68,16 +64,14 @@ def main() -> None:
     root = Path(args.workdir).absolute()
     runs = [("after", ROOT, s) for s in args.schedules] + ([("before", args.before.absolute(), None)]
                                                             if args.before else [])
-    base = root / f"{runs[0][0]}_{runs[0][2] or 'own'}"
+    workdir, done = root / "demo", root / "runs"
     rows, log_path = [], root / "runs.log"
-    root.mkdir(parents=True, exist_ok=True)
+    done.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a") as log:
         for label, tree, schedule in runs:
-            workdir = root / f"{label}_{schedule or 'own'}"
-            if workdir != base:
-                share_start(base, workdir)
             for algo in args.algos:
-                out = run_demo(tree, workdir, algo, args.steps, schedule, log)
+                out = run_demo(tree, workdir, algo, args.steps, schedule, bool(rows), log)
+                (workdir / algo).rename(done / f"{label}_{schedule or 'own'}_{algo}")
                 row = {"tree": label, "schedule": schedule or "rounds (its own)", "algo": algo, "wall_s": out["wall_s"]}
                 row |= {k: median_of(out["steps"], k) for k in KEYS}
                 rows.append(row)

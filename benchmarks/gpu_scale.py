@@ -262,17 +262,7 @@ def loop_case(trajectories: int, args, *, lora: bool) -> dict:
               random_model_folder(work / "model", "qwen2.5-0.5b"))
     tr = trainer_lib.Trainer(loop_config(folder, work, trajectories, tiny=tiny, lora=lora), work / "run")
     setup_s = time.perf_counter() - t0
-    generated, calls, row_steps = [0], [0], [0]
-    generate, steps_per_call = tr.sampler.generate, tr.sampler.shape.decode_steps
-
-    def counting(requests, settings, on_result=None):  # the tokens the engine samples, branches' included
-        results = generate(requests, settings, on_result)
-        generated[0] += sum(len(r.token_ids) for r in results)
-        calls[0] += tr.sampler.last_stats.get("decode_calls", 0)  # one host read (device_get) each
-        row_steps[0] += tr.sampler.last_stats.get("decode_rows", 0) * steps_per_call
-        return results
-
-    tr.sampler.generate = counting
+    steps_per_call = tr.sampler.shape.decode_steps
     try:
         t0 = time.perf_counter()
         watch = warmup.warm_up(tr)
@@ -280,13 +270,18 @@ def loop_case(trajectories: int, args, *, lora: bool) -> dict:
         watch.take()
         steps, trace_dir = [], work / "trace"
         for k in range(3):  # the 2nd step under the profiler (the 1st may still compile an eager op or two)
-            generated[0] = calls[0] = row_steps[0] = 0
             with trace_summary.traced(trace_dir) if k == 1 else contextlib.nullcontext():
                 m = tr.train_step()
-            steps.append({"tokens": generated[0], "compiles": watch.take().get("perf/compiles", 0),
-                          "decode_calls": calls[0], "host_reads_per_token": round(calls[0] / max(generated[0], 1), 5),
-                          "idle_rows_per_decode_step": round((row_steps[0] - generated[0]) /
-                                                             max(calls[0] * steps_per_call, 1), 2),
+            # The engine's counts of the step's rollout (the tokens it sampled, branches' and discarded ones included;
+            # one host read, a device_get, per decode call of `steps_per_call` steps).
+            tokens, decode_steps = m["rollout/sampled_tokens"], m["rollout/decode_steps"]
+            calls = decode_steps / steps_per_call
+            steps.append({"tokens": tokens, "compiles": watch.take().get("perf/compiles", 0),
+                          "decode_calls": calls, "decode_steps": decode_steps,
+                          "critical_path_steps": m["rollout/critical_path_steps"],
+                          "host_reads_per_token": round(calls / max(tokens, 1), 5),
+                          "idle_rows_per_decode_step": round((m["rollout/computed_row_steps"] - tokens) /
+                                                             max(decode_steps, 1), 2),
                           "sequence_tokens": round(m.get("perf/tokens_per_s", 0.0) * m["time/step"]),
                           **{k2: round(v, 4) for k2, v in m.items() if k2.startswith("time/")}})
         phases = trace_summary.phase_busy(trace_dir)

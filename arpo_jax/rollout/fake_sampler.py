@@ -94,8 +94,9 @@ class ScriptedSampler(Sampler):
     def generate(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[SampleResult]:
         results = [self._write(req, i, settings) for i, req in enumerate(requests)]
         self.calls.append((list(requests), settings, results))
-        self.last_stats = {"decode_steps": max((len(r.token_ids) for r in results), default=0),
-                           "row_steps": sum(len(r.token_ids) for r in results)}
+        tokens = sum(len(r.token_ids) for r in results)
+        self.last_stats = {"decode_steps": max((len(r.token_ids) for r in results), default=0), "row_steps": tokens,
+                           "sampled_tokens": tokens}
         return results
 
     def stream(self, settings: SamplingSettings) -> ScriptedStream:
@@ -171,6 +172,7 @@ class ScriptedStream:
         if running:
             self.stats["decode_steps"] += 1
             self.stats["row_steps"] += len(running)
+            self.stats["sampled_tokens"] += len(running)
         events = []
         window = self.settings.logprob_positions if self.settings.logprobs else 0
         for handle, entry in running:

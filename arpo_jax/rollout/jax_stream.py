@@ -200,7 +200,7 @@ class JaxStream:
             # Speculative work takes only rows nobody holds: a trajectory waiting for its tool keeps its row.
             row = own if own is not None else t.free_row(protect, empty_only=r.priority > 0)
             if row is None:
-                victim = self._preemptable(r.priority)
+                victim = self._preemptable(r.priority) if r.priority == 0 else None  # (speculative work waits)
                 if victim is None:
                     break
                 self._preempt(victim)
@@ -314,7 +314,7 @@ class JaxStream:
         self.stats["decode_calls"] += 1
         self.stats["decode_steps"] += e.shape.decode_steps
         self.stats["row_steps"] += len(live) * e.shape.decode_steps  # rows live (sampling or about to) x steps
-        self.stats["decode_rows"] += g  # rows of the programs run: the row-steps computed are this x decode_steps
+        self.stats["computed_row_steps"] += g * e.shape.decode_steps  # the program's rows, live or idle
         self.stats["kv_slots_read"] += g * length  # per step of the call: rows x the slots each attends over
         return outs, list(range(b)) if rows is None else [None if r == b else int(r) for r in rows], list(self.occ)
 
@@ -336,7 +336,9 @@ class JaxStream:
     def _feed(self, r: _Request, out: dict) -> SampleResult | None:
         """The call's tokens of one row into its request; its result when it finished (else None)."""
         h, s = r.host, self.settings
-        for j in np.flatnonzero(out["sampled"]):
+        sampled = np.flatnonzero(out["sampled"])
+        self.stats["sampled_tokens"] += len(sampled)
+        for j in sampled:
             tok, tok_lp = out["tok"][j], out["tok_lp"][j]
             lps = None
             if s.logprobs and len(h.gen) < s.logprob_positions:

@@ -26,6 +26,11 @@ from arpo_jax.rollout.tool_calls import ToolCalls
 from arpo_jax.rollout.trajectory import SegmentRules, Trajectory
 
 PREMONITOR_SLOT_BASE = 1 << 30  # slot ids of AEPO's pre-monitoring requests (kept apart from the rollout's)
+# What an engine counts of its work, summed into the rollout's metrics (`EngineStream.stats`, `last_stats`): its
+# sequential decode steps, the rows live in them, the row-steps its programs computed (a JAX engine on CPU computes a
+# row bucket: `rollout.jax.decode_rows`), the tokens it sampled (those it discarded included) and the context tokens
+# it prefilled.
+ENGINE_COUNTS = ("decode_steps", "row_steps", "computed_row_steps", "sampled_tokens", "prefill_tokens")
 
 
 def branch_params(config: RolloutConfig) -> BranchParams:
@@ -74,7 +79,7 @@ class Loop:
         self.trees = [PromptTree(b, 0, [], []) for b in range(B)]
         self.m = {k: 0.0 for k in ("rounds", "tool_calls", "branches", "branch_attempts", "refills",
                                    "call_limit_reached", "empty_tool_content", "premonitor_tool_calls",
-                                   "decode_steps", "row_steps", "speculative_tokens_discarded",
+                                   *ENGINE_COUNTS, "speculative_tokens_discarded",
                                    "speculative_trajectories", "speculative_committed", "tool_s", "tool_hidden_s")}
         self.times = {k: 0.0 for k in ("generate", "tools", "branching", "premonitor", "finalize")}
         self.calls = ToolCalls(executor)
@@ -126,8 +131,8 @@ class Loop:
         if len(results) != len(requests):
             raise RuntimeError(f"sampler returned {len(results)} results for {len(requests)} requests")
         stats = getattr(self.sampler, "last_stats", None) or {}
-        self.m["decode_steps"] += stats.get("decode_steps", 0)
-        self.m["row_steps"] += stats.get("row_steps", 0)
+        for key in ENGINE_COUNTS:
+            self.m[key] += stats.get(key, 0)
         return results
 
     def add_results(self, results, counter: str = "tool_calls", max_len: int | None = None) -> None:

@@ -182,10 +182,13 @@ class BatchStream:
         requests = [req for _, (_, _, req) in batch]
         results = self.sampler.generate(requests, self.settings) if requests else []
         stats = getattr(self.sampler, "last_stats", None) or {}
-        self.stats["decode_steps"] += int(stats.get("decode_steps", max((len(r.token_ids) for r in results
-                                                                          if r is not None), default=0)))
-        self.stats["row_steps"] += int(stats.get("row_steps", sum(len(r.token_ids) for r in results
-                                                                  if r is not None)))
+        lengths = [len(r.token_ids) for r in results if r is not None]
+        # An engine's own counts where it has them; else a batched call's: its longest request's steps.
+        self.stats["decode_steps"] += int(stats.get("decode_steps", max(lengths, default=0)))
+        for key in ("row_steps", "sampled_tokens"):
+            self.stats[key] += int(stats.get(key, sum(lengths)))
+        for key in ("computed_row_steps", "prefill_tokens"):
+            self.stats[key] += int(stats.get(key, 0))
         return [StreamEvent(handle, res) for (handle, _), res in zip(batch, results)]
 
     def close(self) -> None:

@@ -26,12 +26,14 @@ from arpo_jax.rollout import branching, identity
 from arpo_jax.rollout.bisecting_sampler import BisectingSampler
 from arpo_jax.rollout.output import RolloutOutput
 from arpo_jax.rollout.replay import PromptReplay
-from arpo_jax.rollout.rounds import Loop, timed
+from arpo_jax.rollout.rounds import ENGINE_COUNTS, Loop, timed
 from arpo_jax.rollout.sampler import SampleRequest, StreamEvent, open_stream
 from arpo_jax.rollout.tool_calls import ToolRunner
 from arpo_jax.rollout.trajectory import State, Trajectory
 
-COMMITTED, BRANCH, FRESH = 0, 1, 2  # request priorities: committed work first, then speculative branches, refills
+# Request priorities: committed work first, then branches whose draw says they branch, branches started before
+# their source's entropy exists, then the refills (the next one first).
+COMMITTED, BRANCH, PROVISIONAL, FRESH = 0, 1, 2, 3
 
 
 @dataclasses.dataclass(eq=False)
@@ -44,6 +46,7 @@ class _Run:
     parent: _Run | None = None
     fresh: int = -1  # a fresh trajectory's index in its prompt (roots, refills)
     segment: int = -1  # a branch started early: its source's segment it was forked on
+    provisional: bool = False  # started before its source's deciding entropy existed: its draw is still to come
     phase: str = "ready"  # ready (to submit its next segment) | decoding | tool | done
     request: int | None = None  # the handle of its request in the engine
     forks: set[int] = dataclasses.field(default_factory=set)  # segments it has been considered as a source for
@@ -138,6 +141,8 @@ class _Stream:
             parent = run.parent.slot if run.parent is not None and not t.requested else None  # fork its row
             request = SampleRequest(list(t.tokens), max(1, self.rules.R - t.resp_len), slot_id=run.slot,
                                     parent_id=parent, key=t.key)
+            if t.post_tool and not self.loop.compat:  # this segment decides: its branches may start with it
+                self._fork_early(run)
             handle = next(self.handles)
             self.stream.submit(request, handle, self._priority(run))
             self.requests[handle] = (run, request)
@@ -147,7 +152,7 @@ class _Stream:
         if run.committed:
             return COMMITTED
         if run.fresh < 0:
-            return BRANCH
+            return PROVISIONAL if run.provisional else BRANCH
         return FRESH + run.fresh - self.loop.replays[run.t.prompt].fresh  # the next refill first
 
     def _on_event(self, event: StreamEvent) -> None:
@@ -189,8 +194,21 @@ class _Stream:
 
     # -- speculation ----------------------------------------------------------------------------------------
 
+    def _fork_early(self, run: _Run) -> None:
+        """Default mode (B4): the segment `run` is about to generate right after its own tool result decides; its
+        branches start from the same state now, alongside it (`provisional`), and `_fork` keeps those whose draw
+        says they branch once the entropy exists."""
+        t, rp = run.t, self.loop.replays[run.t.prompt]
+        if not self.cfg.speculate or rp.done or rp.count >= self.params.n:
+            return
+        for k in range(self.params.beam_size - 1):
+            key = identity.branch_key(t.key, t.segments, k)
+            if key not in self.runs:
+                self._branch(run, key, t.state(), t.segments).provisional = True
+
     def _fork(self, run: _Run, entropy: float, at: State, segment: int) -> None:
-        """Starts the branches `run`'s decision on `segment` would make where its draws say so (speculative)."""
+        """Once `run`'s deciding entropy on `segment` exists: the branches its draws say it makes start (or stay:
+        `_fork_early`'s), the others are cancelled. All speculative: the decision of their round commits them."""
         t, rp = run.t, self.loop.replays[run.t.prompt]
         if not self.cfg.speculate or segment in run.forks or rp.done or rp.count >= self.params.n:
             return
@@ -200,12 +218,25 @@ class _Stream:
         prob = branching.branch_probability(p.rule, entropy - baseline, p=p.p, w=p.w, consecutive=rp.consecutive,
                                             penalty=p.penalty)
         for k in range(p.beam_size - 1):
-            if identity.attempt_draw(rp.seed, rp.prompt, t.key, segment, k) >= prob:
-                continue
             key = identity.branch_key(t.key, segment, k)
-            if key not in self.runs:
-                child = t.fork(at, id=-1, key=key, baseline=None if self.loop.compat else t.baseline)
-                self._start(child, committed=False, parent=run).segment = segment
+            child = self.runs.get(key)
+            if identity.attempt_draw(rp.seed, rp.prompt, t.key, segment, k) >= prob:
+                if child is not None and child.provisional:
+                    self._cancel(child)
+            elif child is None:
+                self._branch(run, key, at, segment)
+            elif child.provisional:
+                child.provisional = False
+                if child.request is not None:
+                    self.stream.prioritize(child.request, BRANCH)
+
+    def _branch(self, run: _Run, key: int, at: State, segment: int) -> _Run:
+        """A speculative branch of `run` from its state `at`, named by its attempt (`key`) on `segment`."""
+        t = run.t
+        child = self._start(t.fork(at, id=-1, key=key, baseline=None if self.loop.compat else t.baseline),
+                            committed=False, parent=run)
+        child.segment = segment
+        return child
 
     def _speculate(self) -> None:
         """Each prompt's next fresh trajectories, up to the budget no committed or speculative one claims."""
@@ -305,8 +336,8 @@ class _Stream:
 
     def _account(self) -> None:
         m, stats = self.loop.m, self.stream.stats
-        m["decode_steps"] += stats.get("decode_steps", 0)
-        m["row_steps"] += stats.get("row_steps", 0)
+        for key in ENGINE_COUNTS:
+            m[key] += stats.get(key, 0)
         m["speculative_tokens_discarded"] += stats.get("discarded_tokens", 0)
         m["tool_calls"] += sum(r.calls_run for r in self.runs.values() if r.committed)
         m["tool_s"] = self.tools.seconds

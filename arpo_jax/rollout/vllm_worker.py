@@ -272,7 +272,7 @@ class _Engine:
         if payload["cancel"]:
             engine.abort_request([str(rid) for rid in payload["cancel"]])
         stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "logprob_entries": 0,
-                 "decode_steps": 0, "row_steps": 0}
+                 "decode_steps": 0, "row_steps": 0, "sampled_tokens": 0, "prefill_tokens": 0}
         limit = payload["max_steps"]
         while engine.has_unfinished_requests() and (limit is None or (not done and stats["decode_steps"] < limit)):
             stats["row_steps"] += engine.get_num_unfinished_requests()
@@ -280,6 +280,9 @@ class _Engine:
             stats["decode_steps"] += 1
             done += [(int(out.request_id), self._result(out, s, stats)) for out in outputs
                      if out.finished and out.outputs[0].finish_reason != "abort"]
+        # (what finished: vLLM reports no tokens of an aborted request)
+        stats["sampled_tokens"] = stats["generated_tokens"]
+        stats["prefill_tokens"] = stats["prompt_tokens"] - stats["cached_tokens"]
         return {"done": done, "stats": stats}
 
     def _params(self, s: dict, ids: list, max_tokens: int, seed: int):
