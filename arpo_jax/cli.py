@@ -1,10 +1,11 @@
-"""`arpo-jax`: demo, train, sft, plan, doctor, convert, export, quickstart, eval, compare, chat.
+"""`arpo-jax`: demo, train, sft, plan, doctor, data, convert, export, quickstart, eval, compare, chat.
 
 Experiment commands take an ml_collections config file and overrides, config_flags style:
 
   arpo-jax train --config=builtin:toy_cpu --config.trainer.max_steps=2 --workdir=runs/toy
   arpo-jax sft   --config=builtin:sft_qwen25_7b --workdir=runs/sft
   arpo-jax plan  --config=builtin:arpo_qwen25_7b_reasoning
+  arpo-jax data fetch                                  (every data file into $ARPO_DATA; `data check` checks)
   arpo-jax doctor --config=builtin:arpo_qwen25_7b_reasoning --workdir=/shared/runs/7b   (on the node, first)
   arpo-jax eval  --model runs/toy/checkpoints --benchmarks gsm8k,hotpotqa --k 4 --workdir runs/eval_toy \
                  --config=builtin:toy_cpu          (eval and chat: the config is optional, default builtin:base)
@@ -104,6 +105,51 @@ def _add_doctor_parser(sub) -> None:
                          "paths, environment); exit 1 on a problem", _doctor)
     dr.add_argument("--mode", choices=("train", "sft"), default="", help="which run (default: as plan)")
     dr.add_argument("--shm", default="/dev/shm", help="the shared-memory folder to check (default /dev/shm)")
+
+
+def _data(args) -> dict:
+    from arpo_jax.data import fetch, manifest
+
+    if args.action == "pack":
+        return fetch.pack(args.dir, args.out, args.only)
+    if args.action == "fetch":
+        result = fetch.fetch(args.to, args.only, origin=args.origin, progress=not args.no_progress)
+        for line in result["failed"]:
+            print(f"arpo-jax data fetch: {line}", file=sys.stderr)
+        folder = args.to
+    else:
+        result, folder = {}, args.dir
+    statuses = manifest.check_dir(folder, args.only)
+    print(manifest.format_status(statuses, folder))
+    result["problems"] = [f"{s.entry.path}: {s.status}" for s in statuses if not s.ok]
+    if result["problems"] or result.get("failed"):
+        print(json.dumps(result))
+        raise SystemExit(1)
+    return result
+
+
+def _add_data_parser(sub) -> None:
+    dp = sub.add_parser("data", help="the data files the shipped configs and eval read, in $ARPO_DATA: fetch them "
+                        "from their public sources (or a copy), check them, pack a copy for an offline cluster")
+    actions = dp.add_subparsers(dest="action", required=True)
+    only = {"nargs": "*", "default": [], "metavar": "NAME", "help": "only these groups (rl, sft, eval, search) or "
+            "files (train_10k, gsm8k, ...; arpo_jax/data/manifest.json names them)"}
+    fe = actions.add_parser("fetch", help="download what is missing or wrong into the layout the configs read "
+                            "(resumable; a file appears only whole and checked; a second run downloads nothing)")
+    fe.add_argument("--to", default=None, help="the data folder (default $ARPO_DATA)")
+    fe.add_argument("--only", **only)
+    fe.add_argument("--from", dest="origin", default=None, metavar="DIR_OR_TARBALL",
+                    help="fill it from a copy made elsewhere (a folder laid out alike, or `data pack`'s tarball)")
+    fe.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ck = actions.add_parser("check", help="each file present / missing / wrong checksum / wrong columns, with the "
+                            "command that fixes it; exit 1 on a problem")
+    ck.add_argument("dir", nargs="?", default=None, help="the data folder (default $ARPO_DATA)")
+    ck.add_argument("--only", **only)
+    pk = actions.add_parser("pack", help="a tarball of the (checked) files, for `data fetch --from` elsewhere")
+    pk.add_argument("dir", nargs="?", default=None, help="the data folder (default $ARPO_DATA)")
+    pk.add_argument("--out", required=True, help="the tarball to write (.tar, or .tar.gz to compress)")
+    pk.add_argument("--only", **only)
+    dp.set_defaults(func=_data)
 
 
 def _convert(args) -> dict:
@@ -314,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.set_defaults(func=_convert)
 
     _add_export_parser(sub)
+    _add_data_parser(sub)
 
     dm = sub.add_parser("demo", help="teach a small pretrained model to use tools on this machine and show it "
                         "learning: SFT -> validation -> ARPO -> validation -> export -> transcript, plots")
