@@ -91,10 +91,20 @@ def download_raw(source: dict, entry: Entry, cache: Path, progress: bool) -> Pat
     raise FetchError(f"{entry.path}: {url} ended after {part.stat().st_size} of {entry.bytes} bytes")
 
 
+def _cause(e: BaseException) -> str:
+    e = e.__cause__ or e.__context__ or e
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+
+
 def download_hub(source: dict, entry: Entry, progress: bool) -> tuple[Path, str | None]:
     """(the file in the hub's cache, the hub's sha256 of it: its LFS etag, or None for a file kept in git)."""
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
 
     (enable_progress_bars if progress else disable_progress_bars)()
@@ -102,6 +112,13 @@ def download_hub(source: dict, entry: Entry, progress: bool) -> tuple[Path, str 
     try:
         path = Path(hf_hub_download(source["repo_id"], entry.remote, repo_type=source["repo_type"],
                                     revision=source["revision"], endpoint=os.environ.get("HF_ENDPOINT") or None))
+    except LocalEntryNotFoundError as e:  # offline (HF_HUB_OFFLINE, or no connection) and not in the hub's cache
+        offline = [v for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if os.environ.get(v) not in (None, "", "0")]
+        why = f"{offline[0]} is set" if offline else \
+            f"cannot reach {os.environ.get('HF_ENDPOINT') or 'https://huggingface.co'} ({_cause(e)})"
+        raise FetchError(f"{entry.path}: {why} and the hub's cache has no copy of {where}; on a machine without "
+                         "the network: arpo-jax data fetch --from DIR_OR_TARBALL (`arpo-jax data pack` elsewhere)") \
+            from e
     except (EntryNotFoundError, RepositoryNotFoundError) as e:
         raise FetchError(f"{entry.path}: not found on the hub: {where} ({type(e).__name__})") from e
     except (HfHubHTTPError, OSError) as e:
