@@ -87,9 +87,9 @@ def _doctor(args) -> dict:
     from arpo_jax.config import args as args_lib
     from arpo_jax.plan import doctor, plan
 
-    cfg = args_lib.load_config(args.config_args)
-    rows = doctor.run(cfg, args.workdir, command=args.mode or ("sft" if plan.is_sft(cfg) else "train"),
-                      shm_path=args.shm, env=env)
+    cfg = args_lib.load_config(args.config_args) if args.config_args else None  # none: the node itself
+    command = args.mode or ("sft" if cfg is not None and plan.is_sft(cfg) else "train")
+    rows = doctor.run(cfg, args.workdir or ".", command=command, shm_path=args.shm, env=env)
     print(doctor.format_table(rows))
     result = {"failed": [f"{r.check}: {r.found}" for r in rows if r.status == doctor.FAIL],
               "warnings": [f"{r.check}: {r.found}" for r in rows if r.status == doctor.WARN]}
@@ -100,9 +100,11 @@ def _doctor(args) -> dict:
 
 
 def _add_doctor_parser(sub) -> None:
-    dr = _add_experiment(sub, "doctor", "check this node for what would make the run fail later (GPUs, driver, "
-                         "compute mode, memory against the plan, /dev/shm, work dir locks, ports, package versions, "
-                         "paths, environment); exit 1 on a problem", _doctor)
+    dr = _add_experiment(sub, "doctor", "check this node for what would make a run fail later: without arguments "
+                         "the node itself (GPUs and driver or the CPU, /dev/shm, package pins, vLLM, the current "
+                         "folder's file system, $ARPO_DATA's files); with a config also its memory plan, work dir, "
+                         "paths and data files; exit 1 on a problem", _doctor, workdir=False)
+    dr.add_argument("--workdir", default=None, help="the run directory to check (default: the current folder)")
     dr.add_argument("--mode", choices=("train", "sft"), default="", help="which run (default: as plan)")
     dr.add_argument("--shm", default="/dev/shm", help="the shared-memory folder to check (default /dev/shm)")
 
@@ -287,7 +289,8 @@ def _add_experiment(sub, name: str, help: str, func, *, workdir: bool = True) ->
     # Shown by --help; the config arguments themselves are split off before argparse (config.split_config_args).
     p.add_argument("--config", metavar="FILE|builtin:NAME", help="experiment config: a .py file with get_config(), "
                    f"or one shipped with the package: {', '.join(builtin_configs())}"
-                   + ("" if name in ("train", "sft", "plan", "doctor") else " (optional: default builtin:base)"))
+                   + ("" if name in ("train", "sft", "plan") else " (optional: without it, the node's checks)"
+                      if name == "doctor" else " (optional: default builtin:base)"))
     if workdir:
         p.add_argument("--workdir", required=True, help="run directory: checkpoints, metrics.jsonl, tensorboard/; "
                        "an existing one is resumed (trainer.resume)")
@@ -410,7 +413,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = build_parser().parse_args(rest)
     if config_args and args.command not in ("train", "sft", "plan", "doctor", *_CONFIG_OPTIONAL):
         build_parser().error(f"{args.command} takes no --config arguments")
-    if args.command in ("train", "sft", "plan", "doctor") and not config_args:
+    if args.command in ("train", "sft", "plan") and not config_args:
         build_parser().error(f"{args.command} needs --config=builtin:NAME or --config=FILE (see --help)")
     args.config_args = config_args
     return args
