@@ -191,7 +191,7 @@ def _eval(args) -> dict:
     from arpo_jax.eval import agent, runner
 
     distributed.enable_compilation_cache()  # a second evaluation loads the JAX engine's programs
-    cfg = agent.load_eval_config(args.config_args, no_tools=args.no_tools)
+    cfg = agent.load_eval_config(args.config_args, no_tools=args.no_tools, adapter=args.adapter)
     opts = runner.EvalOptions(
         model=args.model, benchmarks=args.benchmarks, workdir=args.workdir, k=args.k, limit=args.limit,
         offset=args.offset, adapter=args.adapter, few_shot=args.few_shot,
