@@ -1,10 +1,11 @@
-"""`arpo-jax`: demo, train, sft, plan, doctor, convert, export, quickstart, eval, compare, chat.
+"""`arpo-jax`: demo, train, sft, plan, doctor, data, convert, export, quickstart, eval, compare, chat.
 
 Experiment commands take an ml_collections config file and overrides, config_flags style:
 
   arpo-jax train --config=builtin:toy_cpu --config.trainer.max_steps=2 --workdir=runs/toy
   arpo-jax sft   --config=builtin:sft_qwen25_7b --workdir=runs/sft
   arpo-jax plan  --config=builtin:arpo_qwen25_7b_reasoning
+  arpo-jax data fetch                                  (every data file into $ARPO_DATA; `data check` checks)
   arpo-jax doctor --config=builtin:arpo_qwen25_7b_reasoning --workdir=/shared/runs/7b   (on the node, first)
   arpo-jax eval  --model runs/toy/checkpoints --benchmarks gsm8k,hotpotqa --k 4 --workdir runs/eval_toy \
                  --config=builtin:toy_cpu          (eval and chat: the config is optional, default builtin:base)
@@ -86,9 +87,9 @@ def _doctor(args) -> dict:
     from arpo_jax.config import args as args_lib
     from arpo_jax.plan import doctor, plan
 
-    cfg = args_lib.load_config(args.config_args)
-    rows = doctor.run(cfg, args.workdir, command=args.mode or ("sft" if plan.is_sft(cfg) else "train"),
-                      shm_path=args.shm, env=env)
+    cfg = args_lib.load_config(args.config_args) if args.config_args else None  # none: the node itself
+    command = args.mode or ("sft" if cfg is not None and plan.is_sft(cfg) else "train")
+    rows = doctor.run(cfg, args.workdir or ".", command=command, shm_path=args.shm, env=env)
     print(doctor.format_table(rows))
     result = {"failed": [f"{r.check}: {r.found}" for r in rows if r.status == doctor.FAIL],
               "warnings": [f"{r.check}: {r.found}" for r in rows if r.status == doctor.WARN]}
@@ -99,11 +100,58 @@ def _doctor(args) -> dict:
 
 
 def _add_doctor_parser(sub) -> None:
-    dr = _add_experiment(sub, "doctor", "check this node for what would make the run fail later (GPUs, driver, "
-                         "compute mode, memory against the plan, /dev/shm, work dir locks, ports, package versions, "
-                         "paths, environment); exit 1 on a problem", _doctor)
+    dr = _add_experiment(sub, "doctor", "check this node for what would make a run fail later: without arguments "
+                         "the node itself (GPUs and driver or the CPU, /dev/shm, package pins, vLLM, the current "
+                         "folder's file system, $ARPO_DATA's files); with a config also its memory plan, work dir, "
+                         "paths and data files; exit 1 on a problem", _doctor, workdir=False)
+    dr.add_argument("--workdir", default=None, help="the run directory to check (default: the current folder)")
     dr.add_argument("--mode", choices=("train", "sft"), default="", help="which run (default: as plan)")
     dr.add_argument("--shm", default="/dev/shm", help="the shared-memory folder to check (default /dev/shm)")
+
+
+def _data(args) -> dict:
+    from arpo_jax.data import fetch, manifest
+
+    if args.action == "pack":
+        return fetch.pack(args.dir, args.out, args.only)
+    if args.action == "fetch":
+        result = fetch.fetch(args.to, args.only, origin=args.origin, progress=not args.no_progress)
+        for line in result["failed"]:
+            print(f"arpo-jax data fetch: {line}", file=sys.stderr)
+        folder = args.to
+    else:
+        result, folder = {}, args.dir
+    statuses = manifest.check_dir(folder, args.only)
+    print(manifest.format_status(statuses, folder))
+    result["problems"] = [f"{s.entry.path}: {s.status}" for s in statuses if not s.ok]
+    if result["problems"] or result.get("failed"):
+        print(json.dumps(result))
+        raise SystemExit(1)
+    return result
+
+
+def _add_data_parser(sub) -> None:
+    dp = sub.add_parser("data", help="the data files the shipped configs and eval read, in $ARPO_DATA: fetch them "
+                        "from their public sources (or a copy), check them, pack a copy for an offline cluster")
+    actions = dp.add_subparsers(dest="action", required=True)
+    only = {"nargs": "*", "default": [], "metavar": "NAME", "help": "only these groups (rl, sft, eval, search) or "
+            "files (train_10k, gsm8k, ...; arpo_jax/data/manifest.json names them)"}
+    fe = actions.add_parser("fetch", help="download what is missing or wrong into the layout the configs read "
+                            "(resumable; a file appears only whole and checked; a second run downloads nothing)")
+    fe.add_argument("--to", default=None, help="the data folder (default $ARPO_DATA)")
+    fe.add_argument("--only", **only)
+    fe.add_argument("--from", dest="origin", default=None, metavar="DIR_OR_TARBALL",
+                    help="fill it from a copy made elsewhere (a folder laid out alike, or `data pack`'s tarball)")
+    fe.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ck = actions.add_parser("check", help="each file present / missing / wrong checksum / wrong columns, with the "
+                            "command that fixes it; exit 1 on a problem")
+    ck.add_argument("dir", nargs="?", default=None, help="the data folder (default $ARPO_DATA)")
+    ck.add_argument("--only", **only)
+    pk = actions.add_parser("pack", help="a tarball of the (checked) files, for `data fetch --from` elsewhere")
+    pk.add_argument("dir", nargs="?", default=None, help="the data folder (default $ARPO_DATA)")
+    pk.add_argument("--out", required=True, help="the tarball to write (.tar, or .tar.gz to compress)")
+    pk.add_argument("--only", **only)
+    dp.set_defaults(func=_data)
 
 
 def _convert(args) -> dict:
@@ -143,7 +191,7 @@ def _eval(args) -> dict:
     from arpo_jax.eval import agent, runner
 
     distributed.enable_compilation_cache()  # a second evaluation loads the JAX engine's programs
-    cfg = agent.load_eval_config(args.config_args, no_tools=args.no_tools)
+    cfg = agent.load_eval_config(args.config_args, no_tools=args.no_tools, adapter=args.adapter)
     opts = runner.EvalOptions(
         model=args.model, benchmarks=args.benchmarks, workdir=args.workdir, k=args.k, limit=args.limit,
         offset=args.offset, adapter=args.adapter, few_shot=args.few_shot,
@@ -241,7 +289,8 @@ def _add_experiment(sub, name: str, help: str, func, *, workdir: bool = True) ->
     # Shown by --help; the config arguments themselves are split off before argparse (config.split_config_args).
     p.add_argument("--config", metavar="FILE|builtin:NAME", help="experiment config: a .py file with get_config(), "
                    f"or one shipped with the package: {', '.join(builtin_configs())}"
-                   + ("" if name in ("train", "sft", "plan", "doctor") else " (optional: default builtin:base)"))
+                   + ("" if name in ("train", "sft", "plan") else " (optional: without it, the node's checks)"
+                      if name == "doctor" else " (optional: default builtin:base)"))
     if workdir:
         p.add_argument("--workdir", required=True, help="run directory: checkpoints, metrics.jsonl, tensorboard/; "
                        "an existing one is resumed (trainer.resume)")
@@ -314,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.set_defaults(func=_convert)
 
     _add_export_parser(sub)
+    _add_data_parser(sub)
 
     dm = sub.add_parser("demo", help="teach a small pretrained model to use tools on this machine and show it "
                         "learning: SFT -> validation -> ARPO -> validation -> export -> transcript, plots")
@@ -363,7 +413,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = build_parser().parse_args(rest)
     if config_args and args.command not in ("train", "sft", "plan", "doctor", *_CONFIG_OPTIONAL):
         build_parser().error(f"{args.command} takes no --config arguments")
-    if args.command in ("train", "sft", "plan", "doctor") and not config_args:
+    if args.command in ("train", "sft", "plan") and not config_args:
         build_parser().error(f"{args.command} needs --config=builtin:NAME or --config=FILE (see --help)")
     args.config_args = config_args
     return args

@@ -408,10 +408,11 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
     times["sft"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    _log(f"3/6 {algo.upper()} from the SFT model: {size.rl_steps} steps of {cfg.data.train_batch_size} prompts x "
-         f"n={cfg.rollout.n}; greedy validation on {size.val_prompts} held-out questions before the first step (the "
-         f"SFT baseline) and every {size.test_freq} steps")
     rl_phase_config(cfg, sft_summary["checkpoint_dir"], lora=lora, overrides=overrides)
+    # After the overrides (--set trainer.max_steps=4 runs 4 steps): the line says what runs.
+    _log(f"3/6 {algo.upper()} from the SFT model: {cfg.trainer.max_steps} steps of {cfg.data.train_batch_size} "
+         f"prompts x n={cfg.rollout.n}; greedy validation on {size.val_prompts} held-out questions before the first "
+         f"step (the SFT baseline) and every {cfg.trainer.test_freq} steps")
     rl_summary = trainer.train(cfg, out / "rl")
     release_memory()
     times["rl"] = time.perf_counter() - t
@@ -434,7 +435,7 @@ def run_demo(workdir: str | os.PathLike, *, quick: bool = False, algo: str = "ar
                "hf_model": rl_summary["hf_export"], "transcript": str(out / "transcript.json")}
     summary = summarise(records, transcripts, size, header=header, times=times, outputs=outputs)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    _log_outcome(summary, size.rl_steps, out)
+    _log_outcome(summary, cfg.trainer.max_steps, out)
     return summary
 
 

@@ -131,3 +131,47 @@ def test_doctor_reads_a_gpu_node_from_nvidia_smi(tmp_path, monkeypatch):
     assert "--config.mesh.device=" in rows["mesh.device"].todo and "h200" in rows["mesh.device"].todo
     assert rows["vLLM engines"].status == doctor.OK and "8 engine(s)" in rows["vLLM engines"].found
     assert rows["vllm"].status == doctor.OK
+
+
+@pytest.mark.slow  # a subprocess run of the command
+def test_doctor_without_arguments_checks_the_node_and_its_data(tmp_path):
+    """No --config, no --workdir: the node's checks (devices or the CPU, pins, vLLM, /dev/shm, the current folder's
+    locks) and $ARPO_DATA's files, a missing one a warning with the fetch command; nothing left in the folder."""
+    data = tmp_path / "data"
+    (data / "rl").mkdir(parents=True)
+    shared = REPO.parent / "shared" / "data" / "rl" / "valid.parquet"
+    if not shared.is_file():
+        shared = Path("/work/shared/data/rl/valid.parquet")
+    if shared.is_file():
+        shutil.copy(shared, data / "rl" / "valid.parquet")
+    env = os.environ | {"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "ARPO_DATA": str(data)}
+    proc = subprocess.run([sys.executable, "-m", "arpo_jax.cli", "doctor"], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = _rows(proc.stdout)
+    assert ("CPU" in rows) != ("GPUs" in rows), proc.stdout
+    for check in ("jax", "flax", "transformers", "vllm", "host memory", "/dev/shm", "work dir lock", "environment"):
+        assert check in rows, (check, proc.stdout)
+    assert f"{tmp_path}: lockf and flock work" in rows["work dir lock"][0]
+    assert "warn" in rows["data"][0] and "rl/train_10k.parquet (missing)" in rows["data"][0]
+    assert ("rl/valid.parquet" in rows["data"][0]) != shared.is_file()  # a present, checked file is not listed
+    assert rows["data"][1].startswith("-> arpo-jax data fetch --only ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # no lock or probe file left
+
+
+def test_a_configs_missing_data_files_fail_with_the_fetch_command(tmp_path, monkeypatch):
+    """With a config, its data files that the manifest names: FAIL with the fetch command; `train` refuses the
+    same config at validation, naming the same command."""
+    from arpo_jax.config import validate
+
+    monkeypatch.setenv("ARPO_DATA", str(tmp_path))
+    cfg = args.load_config(["--config=builtin:arpo_qwen25_7b_reasoning"])
+    node = doctor.Node(cfg, tmp_path / "run", "train", Path("/dev/shm"), dict(os.environ))
+    rows = {r.check: r for r in doctor.data_files(node)}
+    assert rows["data rl/train_10k.parquet"].status == doctor.FAIL
+    assert rows["data rl/train_10k.parquet"].todo == "arpo-jax data fetch --only train_10k"
+    assert rows["data search/search_cache.json"].todo == "arpo-jax data fetch --only search"
+    with pytest.raises(validate.ConfigError) as e:
+        validate.validate(cfg, command="train", check_files=True)
+    assert f"data.train_files: file '{tmp_path}/rl/train_10k.parquet' does not exist (allowed: arpo-jax data " \
+           "fetch --only train_10k writes it" in str(e.value)

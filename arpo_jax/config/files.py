@@ -21,12 +21,20 @@ def _file_exists(name: str) -> bool:
     return bool(glob.glob(name)) if any(c in name for c in "*?[") else os.path.exists(name)
 
 
+def _fetch_or(allowed: str, name: str) -> str:
+    """A missing file of the data manifest (`$ARPO_DATA/rl/train_10k.parquet`, ...): the command that fetches it."""
+    from arpo_jax.data import manifest
+
+    hint = manifest.fetch_hint(name)
+    return f"{hint} writes it; or {allowed}" if hint else allowed
+
+
 def _check_file_list(ck, path: str) -> None:
     if ck.get("data.source") == "tfds" and path.startswith("data."):
         return  # tfds builder names, not files
     for name in ck.get(path) or ():
         if not name.startswith(BUILTIN) and not _file_exists(name):
-            ck.add(path, f"file {name!r} does not exist", "existing files, globs or builtin:<name>")
+            ck.add(path, f"file {name!r} does not exist", _fetch_or("existing files, globs or builtin:<name>", name))
         elif path.startswith("data.") and name.endswith(".parquet") and ck.get("data.source") != "tfds":
             from arpo_jax.data import sources
 
@@ -92,9 +100,10 @@ def check_files(ck, command: str) -> None:
     search = ck.get("tools.search.enabled") and ck.get("tools.search.backend")
     cache = ck.get("tools.search.cache_file")
     if search == "cache" and cache and not Path(cache).is_file():
-        ck.add("tools.search.cache_file", f"{cache!r} does not exist", "a reference JSON cache file")
+        ck.add("tools.search.cache_file", f"{cache!r} does not exist", _fetch_or("a reference JSON cache file", cache))
     if search == "brightdata" and cache and not Path(cache).parent.is_dir():
-        ck.add("tools.search.cache_file", f"the folder of {cache!r} does not exist", "a path in an existing folder")
+        ck.add("tools.search.cache_file", f"the folder of {cache!r} does not exist",
+               _fetch_or("a path in an existing folder", cache))
     corpus = ck.get("tools.search.corpus_file")
     if search == "local" and corpus and not corpus.startswith(BUILTIN) and not Path(corpus).is_file():
         ck.add("tools.search.corpus_file", f"{corpus!r} does not exist", "a JSON-lines file | builtin:toy")

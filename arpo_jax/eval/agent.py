@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import re
 import time
@@ -28,8 +29,10 @@ from arpo_jax.eval.benchmarks import build_messages
 from arpo_jax.rollout.agent_loop import greedy_settings, rollout
 from arpo_jax.rollout.output import RolloutOutput
 from arpo_jax.train import components
-from arpo_jax.weights import named_models
+from arpo_jax.weights import lora_io, named_models
 from arpo_jax.weights import policy as policy_lib
+
+log = logging.getLogger(__name__)
 
 ENGINES = ("jax", "vllm", "openai")
 # The model of an `openai` evaluation lives on a server: config validation gets this placeholder for model.path
@@ -53,13 +56,27 @@ def base_config_path() -> Path:
 NO_TOOLS_ARGS = ("--config.data.system_prompt=no_tools", "--config.tools.call_limit=0")
 
 
-def load_eval_config(config_args: Sequence[str], *, no_tools: bool = False) -> ConfigDict:
+def load_eval_config(config_args: Sequence[str], *, no_tools: bool = False, adapter: str | None = None) -> ConfigDict:
     """The experiment config of `--config=FILE --config.a.b=v ...`; without a file, builtin:base's values.
-    `no_tools` adds `NO_TOOLS_ARGS` after the user's (they win over the user's own values of those two fields)."""
+    `no_tools` adds `NO_TOOLS_ARGS` after the user's (they win over the user's own values of those two fields).
+    `adapter`: its `training_settings.json` (the system prompt, lengths and call limit it was trained with) set
+    every field that neither a --config.* flag nor `no_tools` sets."""
     args = list(config_args)
     if not any(re.match(r"^--?config(=|$)", a) for a in args):
         args = [f"--config={base_config_path()}", *args]
-    return args_lib.load_config([*args, *(NO_TOOLS_ARGS if no_tools else ())])
+    cfg = args_lib.load_config([*args, *(NO_TOOLS_ARGS if no_tools else ())])
+    given = {a.split("=", 1)[0].lstrip("-").removeprefix("config.") for a in [*args, *(NO_TOOLS_ARGS if no_tools
+                                                                                         else ())]}
+    for field, value in (lora_io.read_training_settings(adapter) if adapter else {}).items():
+        if field not in given:
+            *parents, leaf = field.split(".")
+            node = cfg
+            for part in parents:
+                node = node[part]
+            node[leaf] = value
+            log.info("--adapter %s: %s=%r, as it was trained (a --config.%s flag overrides it)", adapter, field,
+                     value, field)
+    return cfg
 
 
 def _is_checkpoint_dir(path: Path) -> bool:

@@ -328,6 +328,17 @@ def _check_options(opts: EvalOptions) -> None:
         log.warning("--temperature 0 is greedy: the %d samples of a question will be the same trajectory", opts.k)
 
 
+def _search_only_where_needed(cfg: ConfigDict, data: dict) -> None:
+    """Maths benchmarks need no search: with live search configured and its key not set, search is turned off
+    for them (a QA benchmark among them keeps the check: `tools.search.api_key_env` must then be set)."""
+    s = cfg.tools.search
+    if not (s.enabled and s.backend == "brightdata" and not os.environ.get(s.api_key_env or "")):
+        return
+    if all(sample.task == "math" for samples in data.values() for sample in samples[:1]):
+        log.warning("search off: %s needs no search and %s is not set", ", ".join(data), s.api_key_env)
+        s.enabled = False
+
+
 def evaluate(cfg: ConfigDict, opts: EvalOptions) -> dict:
     """`arpo-jax eval`: runs (or resumes) an evaluation and writes report.json / report.md / report.png.
 
@@ -346,6 +357,7 @@ def evaluate(cfg: ConfigDict, opts: EvalOptions) -> dict:
     data = {benchmark_name(name): load_benchmark(name, opts.data_dir, limit=opts.limit, offset=opts.offset)
             for name in names}
     shots = load_shots(opts.few_shot) if opts.few_shot else ()
+    _search_only_where_needed(cfg, data)
     workdir = Path(opts.workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     agent = build_agent(cfg, opts.model, workdir=workdir, engine=opts.engine, tokenizer=opts.tokenizer,

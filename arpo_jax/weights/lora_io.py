@@ -26,6 +26,11 @@ from arpo_jax.update.lora import base_state, config_with, with_adapters
 from arpo_jax.weights import hf
 
 ADAPTER_CONFIG = "adapter_config.json"
+# Beside the PEFT files: the experiment settings the adapter was trained with, which `arpo-jax eval --adapter` uses
+# unless told otherwise (its --config.* flags win): config field -> value.
+TRAINING_SETTINGS = "training_settings.json"
+TRAINED_FIELDS = ("data.system_prompt", "data.max_prompt_length", "data.max_response_length", "tools.call_limit",
+                  "tools.search.enabled", "tools.python.enabled")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 _HF_NAMES = {"lora_a": "lora_A", "lora_b": "lora_B"}
@@ -189,12 +194,47 @@ def save_peft(model: CausalLM, path: str | os.PathLike, *, base_model: str = "",
     return hf.write_folder_atomically(path, fill, overwrite=overwrite)
 
 
+def read_json(file: Path, what: str) -> dict:
+    """A JSON object file; malformed: an error naming the file (json's own message names only line and column)."""
+    try:
+        value = json.loads(file.read_text())
+    except ValueError as e:
+        raise ValueError(f"{file}: not valid JSON ({e}); {what} is expected there") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{file}: a JSON {type(value).__name__}, not an object; {what} is expected there")
+    return value
+
+
+def training_settings(run_config: dict) -> dict:
+    """The `TRAINED_FIELDS` of a training run's config (its `config.json`, nested dicts)."""
+    out = {}
+    for field in TRAINED_FIELDS:
+        value = run_config
+        for part in field.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is not None:
+            out[field] = value
+    return out
+
+
+def read_training_settings(adapter: str | os.PathLike) -> dict:
+    """An adapter folder's `training_settings.json` ({} when it has none)."""
+    file = Path(adapter) / TRAINING_SETTINGS
+    if not file.is_file():
+        return {}
+    settings = read_json(file, "the adapter's training settings (config field -> value)")
+    unknown = sorted(set(settings) - set(TRAINED_FIELDS))
+    if unknown:
+        raise ValueError(f"{file}: unknown field(s) {unknown} (allowed: {', '.join(TRAINED_FIELDS)})")
+    return settings
+
+
 def read_peft_config(path: str | os.PathLike) -> dict:
     """A PEFT folder's LoRA settings, checked against what this module implements."""
     file = Path(path) / ADAPTER_CONFIG
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found: not a PEFT adapter folder")
-    d = json.loads(file.read_text())
+    d = read_json(file, "a PEFT adapter_config.json")
     problems = []
     if d.get("peft_type", "LORA") != "LORA":
         problems.append(f"peft_type={d.get('peft_type')!r} (allowed: LORA)")
