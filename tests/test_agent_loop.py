@@ -23,7 +23,7 @@ from arpo_jax.rollout.agent_loop import (
     rollout,
     wrap_tool_result,
 )
-from arpo_jax.rollout.fake_sampler import ScriptedSampler, Segment, by_slot, fake_token_logprob
+from arpo_jax.rollout.fake_sampler import ScriptedSampler, Segment, by_slot, fake_token_logprob, random_segment
 from arpo_jax.rollout.sampler import SamplingSettings
 
 
@@ -331,18 +331,7 @@ WORDS = ["the", "of", "and", "print", "math", "sum", "value", "42", "x"]
 
 
 def _random_script(call):
-    r = call.rng
-    words = " ".join(r.choice(WORDS, size=int(r.integers(0, 4))))
-    kind = r.choice(["tool"] * 5 + ["empty", "eos", "eos", "text", "orphan"])
-    tag = r.choice(["python", "search"])
-    spread = float(r.uniform(0.0, 0.95))
-    if kind == "tool":
-        return Segment(f"{words} <{tag}> {int(r.integers(100))} </{tag}> tail", spread=spread)
-    if kind == "empty":
-        return Segment(f"{words} <{tag}> </{tag}>", spread=spread)
-    if kind == "orphan":
-        return Segment(f"{words} </{tag}>", spread=spread)
-    return Segment(words, eos=kind == "eos", spread=spread)
+    return random_segment(call.rng, WORDS, 4, orphans=True)
 
 
 def _parse(seq, pos, contexts, eos, tok, wrappers):

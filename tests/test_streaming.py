@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from arpo_jax import testing
 from arpo_jax.rollout.agent_loop import RolloutConfig, RolloutState, rollout
-from arpo_jax.rollout.fake_sampler import ScriptedSampler, Segment
+from arpo_jax.rollout.fake_sampler import ScriptedSampler, random_segment
 from arpo_jax.rollout.sampler import SamplingSettings
 
 WORDS = ["the", "of", "and", "to", "search", "python", "result", "answer", "think", "print"]
@@ -34,16 +34,7 @@ def tok():
 
 def keyed_script(call):
     """A random segment from the request's own seed: a tool call (most often), an empty call, EOS, plain text."""
-    r = np.random.default_rng(call.seed)
-    words = " ".join(r.choice(WORDS, size=int(r.integers(0, 30))))
-    kind = r.choice(["tool"] * 5 + ["empty", "eos", "eos", "text"])
-    tag = r.choice(["python", "search"])
-    spread = float(r.uniform(0.0, 0.95))
-    if kind == "tool":
-        return Segment(f"{words} <{tag}> {int(r.integers(100))} </{tag}> tail", spread=spread)
-    if kind == "empty":
-        return Segment(f"{words} <{tag}> </{tag}>", spread=spread)
-    return Segment(words, eos=kind == "eos", spread=spread)
+    return random_segment(np.random.default_rng(call.seed), WORDS, 30)
 
 
 class SlowTool:

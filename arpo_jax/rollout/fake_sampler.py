@@ -215,3 +215,19 @@ def by_slot(segments: Mapping[int, Sequence[Segment]], default: Segment = Segmen
         return segs[k] if k < len(segs) else default
 
     return script
+
+
+def random_segment(r: np.random.Generator, words: Sequence[str], max_words: int, orphans: bool = False) -> Segment:
+    """A random segment for property tests: a tool call (most often), an empty call, EOS or plain text, and with
+    `orphans` a closing tag without its opener; `max_words` words of `words` before it."""
+    text = " ".join(r.choice(words, size=int(r.integers(0, max_words))))
+    kind = r.choice(["tool"] * 5 + ["empty", "eos", "eos", "text"] + ["orphan"] * orphans)
+    tag = r.choice(["python", "search"])
+    spread = float(r.uniform(0.0, 0.95))
+    if kind == "tool":
+        return Segment(f"{text} <{tag}> {int(r.integers(100))} </{tag}> tail", spread=spread)
+    if kind == "empty":
+        return Segment(f"{text} <{tag}> </{tag}>", spread=spread)
+    if kind == "orphan":
+        return Segment(f"{text} </{tag}>", spread=spread)
+    return Segment(text, eos=kind == "eos", spread=spread)
