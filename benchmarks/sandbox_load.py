@@ -179,9 +179,10 @@ def soak(n: int, concurrency: int, ready: int | None) -> dict:
     res = {"calls": len(counts.latencies), "concurrency": concurrency, "wall_s": round(wall, 1),
            "calls_per_s": round(len(counts.latencies) / wall, 1), "p50_ms": round(float(np.percentile(lat, 50)), 2),
            "p99_ms": round(float(np.percentile(lat, 99)), 2), "max_ms": round(float(lat.max()), 1), **counts.c,
-           "fds_before_after": (fds, open_fds()), "threads_before_after": (threads, threading.active_count()),
            "load1_end": round(load, 2)}
     ex.close()
+    time.sleep(1.0)  # the executor's idle threads exit once told to
+    res |= {"fds_before_after": (fds, open_fds()), "threads_before_after": (threads, threading.active_count())}
     deadline = time.monotonic() + 5  # pid namespaces are torn down asynchronously
     while sandbox_processes() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -216,7 +217,8 @@ def main() -> None:
               f"({s['calls_per_s']} calls/s, p50 {s['p50_ms']} ms, p99 {s['p99_ms']} ms, max {s['max_ms']} ms): "
               f"ok {s['ok']}, wrong {s['wrong']}, errors {s['error']}, sandbox timeouts {s['sandbox_timeout']}, "
               f"executor timeouts {s['executor_timeout']}, hung {s['hung']}; fds {s['fds_before_after']}, threads "
-              f"{s['threads_before_after']}, processes left after close {s['processes_left_after_close']}")
+              f"{s['threads_before_after']} (before the soak, after close), processes left "
+              f"{s['processes_left_after_close']}")
     out["load_end"] = os.getloadavg()
     print(json.dumps(out))
 
