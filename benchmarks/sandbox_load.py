@@ -9,7 +9,13 @@ so that C calls really run at once).
 The program is what a GSM8K agent writes: a fenced block of a few assignments and an arithmetic expression left
 bare on the last line (the sandbox prints it), with numbers that differ per call; every answer is checked.
 
-    "```python\\neggs_per_day = 16\\neaten = 3 + i % 5\\nbaked = 4\\nprice = 2\\n(eggs_per_day - eaten - baked) * price\\n```"
+    ```python
+    eggs_per_day = 16
+    eaten = 5  # 3 + i % 5 in call i
+    baked = 4
+    price = 2
+    (eggs_per_day - eaten - baked) * price
+    ```
 
 Per level: calls/s (calls / wall), p50/p99 latency of one `run_batch`, and a cost breakdown from the same program
 with two `time.monotonic()` stamps around it (CLOCK_MONOTONIC is shared with the sandbox): start-up (call made ->
