@@ -26,9 +26,10 @@ and counts: wrong answers, errors (`Execution exception`, failure causes), sandb
 hung calls: a watchdog counts every call still out after the tool's timeout + 5 s (the sandbox's own backstop).
 Afterwards no process may be left under the sandbox's uids and the caller's open fds and threads are compared.
 
-    python benchmarks/sandbox_load.py [--ready N] [--calls-per-thread 40] [--soak 10000] [--levels 1,16,128]
+    python benchmarks/sandbox_load.py [--ready 0,4] [--soak-ready 4] [--soak 10000] [--levels 1,16,128]
 
-``--ready N`` sets `ready_sandboxes` (the pool of started sandboxes waiting for a program; 0 = start on demand).
+``--ready`` sets `ready_sandboxes` (the pool of started sandboxes waiting for a program; 0 = start on demand);
+several values are run one after the other at each level, so that the machine's load affects them alike.
 Prints a table and a final JSON line.
 """
 
@@ -175,9 +176,9 @@ def open_fds() -> int:
 
 
 def soak(n: int, concurrency: int, ready: int | None) -> dict:
+    fds, threads = open_fds(), threading.active_count()  # before the tool exists: after close(), the same
     ex = make(concurrency, ready)
     ex.run_batch([("python", program(0)[0])])
-    fds, threads = open_fds(), threading.active_count()
     per_thread = -(-n // concurrency)
     counts, wall = drive(ex, concurrency, per_thread, watch=True)
     load = os.getloadavg()[0]
@@ -198,32 +199,35 @@ def soak(n: int, concurrency: int, ready: int | None) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--ready", type=int, default=None, help="ready_sandboxes (default: the config's default)")
+    p.add_argument("--ready", default="", help="ready_sandboxes values, e.g. 0,4 (default: the config's default)")
+    p.add_argument("--soak-ready", type=int, default=None, help="ready_sandboxes of the soak (default: the default)")
     p.add_argument("--levels", default="1,16,128")
     p.add_argument("--calls-per-thread", type=int, default=0, help="0: 300 calls at 1, then 40 per thread")
     p.add_argument("--soak", type=int, default=10000)
     p.add_argument("--soak-concurrency", type=int, default=64)
     args = p.parse_args()
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    readies = [int(r) for r in args.ready.split(",")] if args.ready else [None]
     out = {"machine": f"{platform.processor() or platform.machine()} x{os.cpu_count()}", "commit": rev,
-           "ready_sandboxes": args.ready, "load_start": os.getloadavg(), "levels": []}
-    print(f"{'conc':>5} {'calls':>6} {'calls/s':>8} {'p50 ms':>8} {'p99 ms':>8} | {'start-up':>8} {'run':>6} "
-          f"{'return':>7} (p50 ms) | load1  not ok")
-    for c in map(int, args.levels.split(",")):
-        per = args.calls_per_thread or (300 if c == 1 else 40)
-        r = level(c, per, args.ready)
+           "load_start": os.getloadavg(), "levels": []}
+    print(f"{'ready':>7} {'conc':>5} {'calls':>6} {'calls/s':>8} {'p50 ms':>8} {'p99 ms':>8} | {'start-up':>8} "
+          f"{'run':>6} {'return':>7} (p50 ms) | load1  not ok")
+    for c, ready in ((c, r) for c in map(int, args.levels.split(",")) for r in readies):
+        per = args.calls_per_thread or (300 if c == 1 else 40 if c <= 16 else 20)
+        r = level(c, per, ready) | {"ready_sandboxes": ready}
         out["levels"].append(r)
-        print(f"{c:5d} {r['calls']:6d} {r['calls_per_s']:8.1f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} | "
+        print(f"{'default' if ready is None else ready:>7} {c:5d}"
+              f" {r['calls']:6d} {r['calls_per_s']:8.1f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} | "
               f"{r['startup_p50_ms']:8.2f} {r['run_p50_ms']:6.2f} {r['return_p50_ms']:7.2f}          | "
               f"{r['load1']:5.2f}  {r['not_ok'] or '-'}", flush=True)
     if args.soak:
-        s = soak(args.soak, args.soak_concurrency, args.ready)
+        s = soak(args.soak, args.soak_concurrency, args.soak_ready) | {"ready_sandboxes": args.soak_ready}
         out["soak"] = s
         print(f"\nsoak: {s['calls']} calls at {s['concurrency']} concurrent in {s['wall_s']} s "
               f"({s['calls_per_s']} calls/s, p50 {s['p50_ms']} ms, p99 {s['p99_ms']} ms, max {s['max_ms']} ms): "
               f"ok {s['ok']}, wrong {s['wrong']}, errors {s['error']}, sandbox timeouts {s['sandbox_timeout']}, "
               f"executor timeouts {s['executor_timeout']}, hung {s['hung']}; fds {s['fds_before_after']}, threads "
-              f"{s['threads_before_after']} (before the soak, after close), processes left "
+              f"{s['threads_before_after']} (before the tool, after its close), processes left "
               f"{s['processes_left_after_close']}")
     out["load_end"] = os.getloadavg()
     print(json.dumps(out))

@@ -319,6 +319,7 @@ class PythonSandbox:
         start, timeout = time.monotonic(), self.config.start_timeout_s
         for _ in range(3):  # a sandbox that dies or hangs before it has taken the program is replaced
             sb = self._ready.take() if python_path is None else None
+            pooled = sb is not None
             if sb is None:
                 try:
                     sb = self._start(python_path)
@@ -331,11 +332,15 @@ class PythonSandbox:
                                      error=f"the sandbox did not start within {timeout:g} s")
                 if state == "dead":  # e.g. its filesystem view could not be built: its status says why
                     return self._finish(sb, start, start)
-            go = time.monotonic()
-            if sb.go(code, timeout):
-                return self._finish(sb, start, go)
-            log.warning("python sandbox: a sandbox did not take its program; replaced")
-            sb.close()
+            try:
+                go = time.monotonic()
+                if sb.go(code, timeout):
+                    return self._finish(sb, start, go)
+                log.warning("python sandbox: a sandbox did not take its program; replaced")
+                sb.close()
+            finally:
+                if pooled:
+                    self._ready.done()
         return RunResult("", "", None, None, False, False, time.monotonic() - start,
                          error="three sandboxes in a row did not take the program")
 
