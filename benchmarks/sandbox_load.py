@@ -212,7 +212,7 @@ def main() -> None:
            "load_start": os.getloadavg(), "levels": []}
     print(f"{'ready':>7} {'conc':>5} {'calls':>6} {'calls/s':>8} {'p50 ms':>8} {'p99 ms':>8} | {'start-up':>8} "
           f"{'run':>6} {'return':>7} (p50 ms) | load1  not ok")
-    for c, ready in ((c, r) for c in map(int, args.levels.split(",")) for r in readies):
+    for c, ready in ((int(c), r) for c in args.levels.split(",") if c for r in readies):
         per = args.calls_per_thread or (300 if c == 1 else 40 if c <= 16 else 20)
         r = level(c, per, ready) | {"ready_sandboxes": ready}
         out["levels"].append(r)
