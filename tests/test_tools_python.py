@@ -518,6 +518,11 @@ def test_refused_namespaces_are_refused_clearly(root):
         res['weakened'] = t.sandbox.weakened
         res['out'] = t.execute('6 * 7')
         t.close()
+        # Same uid for every sandbox and no pid namespace: no sandbox may wait for the next call.
+        shared = PythonTool(PythonSandboxConfig(tmp_root={root!r}, allow_weaker_isolation=True, preload_modules=(),
+                                                drop_privileges=False))
+        res['ready'] = (t.sandbox._ready.size, shared.sandbox._ready.size, shared.execute('6 * 8'))
+        shared.close()
         print(json.dumps(res))""")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])})
@@ -525,4 +530,5 @@ def test_refused_namespaces_are_refused_clearly(root):
     got = json.loads(proc.stdout.splitlines()[-1])
     assert "no mount or pid namespace" in got["error"] and "allow_weaker_isolation=True" in got["error"], got
     assert got["weakened"] == ["filesystem view", "namespaces"] and got["out"] == "42"
+    assert got["ready"] == [PythonSandboxConfig.ready_sandboxes if AS_ROOT else 0, 0, "48"]
     assert [n for n in os.listdir(root) if n.startswith("arpo_py_")] == []

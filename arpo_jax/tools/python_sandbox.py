@@ -243,6 +243,14 @@ class PythonSandbox:
         self._zygote_lock = threading.Lock()
         self._ready = ReadyPool(config.ready_sandboxes, self._start, config.start_timeout_s)
         self._probe()
+        shared = not (self._as_root and config.drop_privileges) and (not config.isolate_processes
+                                                                     or "namespaces" in self.weakened)
+        if shared and config.ready_sandboxes:
+            # No pid namespace and no private uid: a program could reach a sandbox waiting for the *next* call
+            # (signal it, or write its memory through /proc/<pid>/mem as the same uid), so none waits.
+            log.warning("python sandbox: ready_sandboxes=%d ignored: without a pid namespace or private uids a "
+                        "program could reach the sandboxes waiting for the next calls", config.ready_sandboxes)
+            self._ready = ReadyPool(0, self._start, config.start_timeout_s)
 
     def _refuse(self, layer: str, reason: str, remedy: str) -> None:
         """A protection asked for is unavailable: refuse, or (allow_weaker_isolation) drop it with a warning."""
