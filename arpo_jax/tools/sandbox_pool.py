@@ -143,14 +143,14 @@ def reap(proc: subprocess.Popen) -> None:
 class ReadyPool:
     """Keeps ``size`` started sandboxes waiting for a program; a background thread refills it.
 
-    ``start()`` (PythonSandbox._start) starts one. An empty pool makes the caller start one itself (``take`` gives
+    ``start_one()`` (PythonSandbox._start) starts one. An empty pool makes the caller start one itself (``take`` gives
     None): the pool only ever moves start-up earlier, it never makes a call wait for the refill. A taken sandbox is
     replaced once its call is over (``done``), not when it is taken: started at once, the replacement would take
     CPU from that very call (on 2 busy cores it cost the call most of what the pool saved).
     """
 
-    def __init__(self, size: int, start, start_timeout_s: float):
-        self.size, self._start, self._timeout = size, start, start_timeout_s
+    def __init__(self, size: int, start_one, start_timeout_s: float):
+        self.size, self._start, self._timeout = size, start_one, start_timeout_s
         self._ready: collections.deque[StartedSandbox] = collections.deque()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -201,11 +201,10 @@ class ReadyPool:
         backoff = 0.0
         while True:
             with self._cond:
-                while generation == self._generation and (len(self._ready) + self._out >= self.size or backoff):
-                    if backoff:  # the last start failed (e.g. a broken interpreter): do not spin
-                        self._cond.wait(backoff)
-                        break
-                    self._cond.wait()
+                until = time.monotonic() + backoff  # the last start failed (e.g. a broken interpreter): do not spin
+                while generation == self._generation and (len(self._ready) + self._out >= self.size
+                                                          or time.monotonic() < until):
+                    self._cond.wait(max(0.0, until - time.monotonic()) or None)
                 if generation != self._generation:
                     return
             try:
