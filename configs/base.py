@@ -178,6 +178,8 @@ def get_config() -> ConfigDict:
     c.tools.python.timeout_s = 60.0  # wall clock per program (killed with its whole process tree)
     c.tools.python.memory_mb = 4096
     c.tools.python.python_path = ""  # interpreter that runs the programs; "" = this one
+    # Sandboxes kept started, waiting for a program; each runs one call and is discarded. 0 = start on demand.
+    c.tools.python.ready_sandboxes = 4
     c.tools.search = ConfigDict()
     c.tools.search.enabled = True
     c.tools.search.backend = "brightdata"  # brightdata (online) | cache (offline, a reference cache) | local (BM25)

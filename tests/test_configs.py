@@ -129,6 +129,7 @@ BAD = [  # (overrides, problem's field, words the message must contain, validate
     (dict(actor__clip_low=1.5), "actor.clip_low", "0 <= clip < 1", {}),
     (dict(rollout__branch_probability=2.0), "rollout.branch_probability", "0 <= x <= 1", {}),
     (dict(tools__call_limit=-1), "tools.call_limit", ">= 0", {}),
+    (dict(tools__python__ready_sandboxes=-1), "tools.python.ready_sandboxes", "an int >= 0", {}),
     (dict(actor__kl_kind="k9"), "actor.kl_kind", "low_var_kl", {}),
     (dict(model__remat="some"), "model.remat", "dots_no_batch", {}),
     (dict(mesh__rules="tp"), "mesh.rules", "fsdp | fsdp_tp", {}),

@@ -46,11 +46,14 @@ def root():
 
 @pytest.fixture(scope="module", params=["pool", "cold"])
 def tool(request, root):
+    # "pool": forked from the zygote, with ready sandboxes waiting (the default); "cold": an interpreter started
+    # for each call when it comes (ready_sandboxes=0). Both run the hostile suite.
     # Planted before the sandbox starts: the code must not see it, nor proxies picked up from the caller.
     os.environ["ARPO_PLANTED_SECRET"] = SECRET
     os.environ["HTTPS_PROXY"] = "http://proxy.invalid:3128"
     cfg = PythonSandboxConfig(timeout_s=2.0, cpu_time_s=30, memory_mb=512, max_processes=32, max_output_chars=2000,
                               tmp_root=os.path.join(root, "work"), pool=request.param == "pool",
+                              ready_sandboxes=PythonSandboxConfig.ready_sandboxes if request.param == "pool" else 0,
                               preload_modules=("math", "json"))
     os.makedirs(cfg.tmp_root, mode=0o755, exist_ok=True)
     t = PythonTool(cfg)
@@ -98,6 +101,7 @@ def leaked_files() -> list[str]:
 
 def assert_clean(tool: PythonTool) -> None:
     """Nothing left behind: no process, no working directory, no file in the host's temp dirs, no mount."""
+    tool.close()  # the ready sandboxes run as sandbox uids too; the next call starts the pool and the zygote again
     root, uid_base = tool.config.tmp_root, tool.config.uid_base
     deadline = time.monotonic() + 5.0  # a pid namespace is torn down asynchronously after its init dies
     while leftovers(root, uid_base) and time.monotonic() < deadline:
@@ -371,11 +375,15 @@ def test_bad_isolation_settings_are_refused(root):
         PythonSandbox(PythonSandboxConfig(tmp_size_mb=0, tmp_root=root))
     with pytest.raises(ValueError, match="isolate_filesystem needs isolate_processes"):
         PythonSandbox(PythonSandboxConfig(isolate_processes=False, tmp_root=root))
-    # Without the view, the old layout holds: a host working directory under tmp_root, removed afterwards.
+    # Without the view, the old layout holds: a host working directory under tmp_root, removed afterwards. Those
+    # left while the tool is open are the ready sandboxes' (empty, waiting for the next calls); close removes them.
     t = PythonTool(PythonSandboxConfig(isolate_filesystem=False, tmp_root=root, preload_modules=()))
-    assert t.execute("import os; print(os.getcwd().startswith(os.path.join(" + repr(root) + ", 'arpo_py_')))") == "True"
-    assert [n for n in os.listdir(root) if n.startswith("arpo_py_")] == []
+    out = t.execute("import os; open('f', 'w'); print(os.getcwd())")
+    assert out.startswith(os.path.join(root, "arpo_py_")) and not os.path.exists(out)
+    left = [n for n in os.listdir(root) if n.startswith("arpo_py_")]
+    assert len(left) <= t.config.ready_sandboxes and all(os.listdir(os.path.join(root, n)) == [] for n in left)
     t.close()
+    assert [n for n in os.listdir(root) if n.startswith("arpo_py_")] == []
 
 
 @needs_syscall_table
@@ -510,6 +518,11 @@ def test_refused_namespaces_are_refused_clearly(root):
         res['weakened'] = t.sandbox.weakened
         res['out'] = t.execute('6 * 7')
         t.close()
+        # Same uid for every sandbox and no pid namespace: no sandbox may wait for the next call.
+        shared = PythonTool(PythonSandboxConfig(tmp_root={root!r}, allow_weaker_isolation=True, preload_modules=(),
+                                                drop_privileges=False))
+        res['ready'] = (t.sandbox._ready.size, shared.sandbox._ready.size, shared.execute('6 * 8'))
+        shared.close()
         print(json.dumps(res))""")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])})
@@ -517,4 +530,5 @@ def test_refused_namespaces_are_refused_clearly(root):
     got = json.loads(proc.stdout.splitlines()[-1])
     assert "no mount or pid namespace" in got["error"] and "allow_weaker_isolation=True" in got["error"], got
     assert got["weakened"] == ["filesystem view", "namespaces"] and got["out"] == "42"
+    assert got["ready"] == [PythonSandboxConfig.ready_sandboxes if AS_ROOT else 0, 0, "48"]
     assert [n for n in os.listdir(root) if n.startswith("arpo_py_")] == []

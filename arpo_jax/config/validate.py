@@ -240,8 +240,7 @@ def _check_lora(ck: _Checker) -> None:
         ck.add("model.lora.targets", f"{tuple(targets)!r} is not a non-empty set of projections",
                knobs.fmt(LORA_TARGETS))
     if ck.get("model.ref_on_host"):
-        ck.add("model.ref_on_host", "with LoRA the reference is the base itself (no copy to put on the host)",
-               "False")
+        ck.add("model.ref_on_host", "with LoRA the reference is the base itself (no copy to put on the host)", "False")
 
 
 def _check_mesh(ck: _Checker, device_count: int | None) -> None:
@@ -397,6 +396,7 @@ def _check_tools(ck: _Checker, command: str, check_files: bool) -> None:
         ck.require(path, at_least(1))
     for path in ("tools.timeout_s", "tools.python.timeout_s"):
         ck.require(path, POSITIVE)
+    ck.require("tools.python.ready_sandboxes", at_least(0, "an int >= 0 (0 = start each sandbox on demand)"))
     total, python = ck.get("tools.timeout_s"), ck.get("tools.python.timeout_s")
     if ck.get("tools.python.enabled") and total and python and total < python:
         ck.add("tools.timeout_s", f"{total} is shorter than tools.python.timeout_s={python}: the executor would "

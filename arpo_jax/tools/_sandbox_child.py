@@ -4,15 +4,18 @@ This file is passed verbatim to ``python -I -c`` so it must use the standard lib
 >= 3.9 (the configured interpreter may be a different environment without arpo_jax installed).
 
 Two modes (``sys.argv[1]``):
-  once    read one JSON request from stdin, run it, exit (cold start, one interpreter per call).
-  zygote  preload modules, then serve requests from a unix socket: one fork per call, so every call starts
+  once    read one JSON request from stdin, serve it, exit (cold start, one interpreter per sandbox).
+  zygote  preload modules, then serve requests from a unix socket: one fork per sandbox, so every sandbox starts
           from the same pristine, warm interpreter image and nothing leaks from one call to the next.
 
-Per call a *monitor* process (the forked zygote, or the ``once`` process itself) enters new namespaces, forks the
-*user* process, enforces the wall-clock timeout, and reports the pid and the final wait status as JSON lines
+Per sandbox a *monitor* process (the forked zygote, or the ``once`` process itself) enters new namespaces, forks
+the *user* process, enforces the wall-clock timeout, and reports the pids and the final wait status as JSON lines
 on a status socket. The user process builds the call's filesystem view (a fresh root: read-only system and
 interpreter directories, a private size-capped tmpfs for /tmp, /var/tmp and /dev/shm, nothing else), sets
-limits, drops privileges, installs the seccomp filter compiled by the trainer and runs the code.
+limits, drops privileges, installs the seccomp filter compiled by the trainer, then says ``R`` on its code socket
+and waits for its one program (so that all of this can happen before the call: ``sandbox_pool.py``). The caller
+sends ``G`` to the monitor (the timeout starts) and ``C<program>`` + EOF on the code socket; the user process
+answers ``A``, closes the socket and runs the program. EOF without a program (a ready sandbox discarded) exits.
 """
 
 import ctypes
@@ -36,6 +39,7 @@ MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 0x1000, 0x2000, 0x4000, 1 << 18
 # Flags a bind mount keeps when remounted read-only (the kernel refuses to clear the ones it locked).
 MS_KEEP = 8 | 1024 | 2048 | 4096  # NOEXEC, NOATIME, NODIRATIME, RELATIME (same values as os.ST_*)
 PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 1, 22, 2
+PR_SET_CHILD_SUBREAPER = 36
 SYSTEM_DIRS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # merged-usr: symlinks
 DEVICES = ("null", "zero", "full", "random", "urandom")
 VIEW_ROOT = "/tmp"  # where the new root is assembled; any directory works, the mount is private to the call
@@ -314,7 +318,7 @@ def _reseed_rngs():
                 pass
 
 
-def _setup_user_process(req, out_fd, err_fd, namespaces):
+def _setup_user_process(req, out_fd, err_fd, code_fd, namespaces):
     os.setsid()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -330,7 +334,8 @@ def _setup_user_process(req, out_fd, err_fd, namespaces):
         if req.get("uid") is not None:
             _expose_interpreter([sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(sys.executable)]
                                 + sys.path)
-    os.closerange(3, 65536)  # the zygote's control socket, the status socket, everything else
+    os.dup2(code_fd, 3)  # the code socket, closed before the program runs
+    os.closerange(4, 65536)  # the zygote's control socket, the status socket, everything else
     os.chdir(req["cwd"])
     _set_limits(req["limits"])
     _check(_libc().prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))
@@ -381,13 +386,37 @@ def _run_user_code(code):
     return status
 
 
-def user_process(req, out_fd, err_fd, namespaces):
+def _receive_program(fd):
+    """Says ready, reads the one program (``C`` + UTF-8 up to EOF), acknowledges it; None if discarded unused."""
+    sock = socket.socket(fileno=fd)
+    sock.sendall(b"R")
+    chunks = []
+    while True:
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    data = b"".join(chunks)
+    if not data.startswith(b"C"):
+        return None
+    sock.sendall(b"A")
+    sock.close()  # the program never holds a descriptor back to the trainer
+    return data[1:].decode("utf-8", "surrogatepass")
+
+
+def user_process(req, out_fd, err_fd, code_fd, namespaces):
     try:
-        _setup_user_process(req, out_fd, err_fd, namespaces)
+        _setup_user_process(req, out_fd, err_fd, code_fd, namespaces)
     except BaseException:
         os.write(2, ("sandbox setup failed: " + traceback.format_exc()).encode())
         os._exit(125)
-    os._exit(_run_user_code(req["code"]) & 0xFF)
+    try:
+        code = _receive_program(3)
+    except OSError:
+        code = None  # the caller went away
+    if code is None:
+        os._exit(0)
+    os._exit(_run_user_code(code) & 0xFF)
 
 
 def _sweep_uid(uid):
@@ -411,8 +440,8 @@ def _send(sock, obj):
         pass
 
 
-def monitor(req, out_fd, err_fd, status_fd):
-    """Runs one call: namespaces, fork, timeout, cleanup, status report. Never returns."""
+def monitor(req, out_fd, err_fd, status_fd, code_fd):
+    """Runs one sandbox: namespaces, fork, wait for the go, timeout, cleanup, status report. Never returns."""
     status_sock = socket.socket(fileno=status_fd)
     code = 0
     try:
@@ -420,11 +449,11 @@ def monitor(req, out_fd, err_fd, status_fd):
         namespaces = enter_namespaces(req)
         pid = os.fork()
         if pid == 0:
-            user_process(req, out_fd, err_fd, namespaces)
-        os.close(out_fd)
-        os.close(err_fd)
-        _send(status_sock, {"pid": pid, "namespaces": namespaces})
-        status, reason = _wait(pid, status_sock, time.monotonic() + req["timeout_s"], "pid" in namespaces)
+            user_process(req, out_fd, err_fd, code_fd, namespaces)
+        for fd in (out_fd, err_fd, code_fd):
+            os.close(fd)
+        _send(status_sock, {"pid": pid, "monitor": os.getpid(), "namespaces": namespaces})
+        status, reason = _wait(pid, status_sock, req["timeout_s"], "pid" in namespaces)
         if "pid" not in namespaces:  # (with one, the kernel killed every descendant when pid 1 exited)
             try:
                 os.killpg(pid, signal.SIGKILL)  # grandchildren left in its process group
@@ -456,22 +485,31 @@ def _kill_tree(pid, pid_namespace):
             pass
 
 
-def _wait(pid, status_sock, deadline, pid_namespace):
-    """Waits for the user process; kills it on timeout or when the caller asks (b"K") or goes away (EOF)."""
+def _wait(pid, status_sock, timeout_s, pid_namespace):
+    """Waits for the user process; kills it on timeout or when the caller asks (b"K") or goes away (EOF).
+
+    The timeout starts at the caller's b"G" (the program is on its way): a ready sandbox may wait for a call long.
+    """
     pidfd = _pidfd(pid)
-    reason = None
+    reason, deadline = None, None
     while reason is None:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             return status, None
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
             reason = "timeout"
             break
         fds = [status_sock] + ([pidfd] if pidfd is not None else [])
-        ready, _, _ = select.select(fds, [], [], remaining if pidfd is not None else min(remaining, 0.02))
+        poll = 0.02 if remaining is None else min(remaining, 0.02)
+        ready, _, _ = select.select(fds, [], [], remaining if pidfd is not None else poll)
         if status_sock in ready:
-            reason = "killed" if status_sock.recv(16) else "caller_gone"
+            data = status_sock.recv(16)
+            if deadline is None and data.startswith(b"G"):
+                deadline, data = time.monotonic() + timeout_s, data[1:]
+                if not data:
+                    continue
+            reason = "killed" if data else "caller_gone"
     _kill_tree(pid, pid_namespace)
     _, status = os.waitpid(pid, 0)
     return status, reason
@@ -495,10 +533,13 @@ def zygote(ctrl_fd, preload):
         except Exception:
             pass  # a missing optional module only costs the user code its import time
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # monitors are reaped by the kernel
+    # A user process whose monitor died (killed while its sandbox waited in the pool) is adopted here and reaped
+    # the same way, not left a zombie of the container's init.
+    _libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     ctrl.sendall(b"R")
     while True:
         try:
-            header, fds, _, _ = socket.recv_fds(ctrl, 4, 3)
+            header, fds, _, _ = socket.recv_fds(ctrl, 4, 4)
             if not header:
                 break
             (size,) = struct.unpack("!I", header + _recv_exact(ctrl, 4 - len(header)))

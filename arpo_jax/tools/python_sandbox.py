@@ -8,9 +8,11 @@ private size-capped tmpfs for /tmp, /var/tmp and /dev/shm, and a seccomp filter 
 output is truncated. What the kernel cannot provide is found at construction and refused with a clear message
 (or, with ``allow_weaker_isolation``, logged once).
 
-Start-up: by default calls are forked from a warm *zygote* interpreter (``pool=True``) that has already imported
-the common modules; every call is a fresh fork of the same pristine image, so no state leaks between calls.
-The child side lives in ``_sandbox_child.py``; see docs/tools.md for what holds where the OS refuses namespaces.
+Start-up: by default sandboxes are forked from a warm *zygote* interpreter (``pool=True``) that has already
+imported the common modules, and ``ready_sandboxes`` of them are kept started, waiting for a program
+(``sandbox_pool.py``); every call runs in a sandbox of its own, a fresh fork of the same pristine image, so no
+state leaks between calls. The child side lives in ``_sandbox_child.py``; see docs/tools.md for what holds where
+the OS refuses namespaces.
 """
 
 import ast
@@ -33,6 +35,7 @@ import threading
 import time
 
 from arpo_jax.tools.base import Tool
+from arpo_jax.tools.sandbox_pool import ReadyPool, StartedSandbox
 from arpo_jax.tools.seccomp_filter import SeccompUnavailable, sandbox_filter_bpf
 
 log = logging.getLogger(__name__)
@@ -64,6 +67,10 @@ class PythonSandboxConfig:
     drop_privileges: bool = True  # when running as root, run the code under a private per-slot uid
     uid_base: int = 100000  # private uids are uid_base + (pid % 1000) * 1000 + slot
     pool: bool = True  # fork calls from a warm zygote instead of starting an interpreter per call
+    # Sandboxes kept started (namespaces, view, limits, seccomp in place) waiting for a program, each used for one
+    # call and discarded: start-up (~11 of ~14 ms a call on 2 cores) leaves the call's latency. 0 = on demand.
+    ready_sandboxes: int = 4
+    start_timeout_s: float = 10.0  # a sandbox not ready (or not taking its program) by then is killed and replaced
     preload_modules: tuple[str, ...] = ("math", "json", "re", "random", "itertools", "collections", "fractions",
                                         "decimal", "datetime", "statistics", "numpy", "sympy")
     tmp_root: str | None = None  # parent of the working directories without isolate_filesystem (default: /tmp)
@@ -216,6 +223,10 @@ class PythonSandbox:
         if config.isolate_filesystem and not config.isolate_processes:
             raise ValueError("isolate_filesystem needs isolate_processes: without a pid namespace of its own the code "
                              "would reach the host's files through /proc/<pid>/root")
+        if isinstance(config.ready_sandboxes, bool) or not isinstance(config.ready_sandboxes, int) \
+                or config.ready_sandboxes < 0:
+            raise ValueError(f"ready_sandboxes must be an int >= 0 (sandboxes kept started for the next calls; 0 "
+                             f"starts each on demand), got {config.ready_sandboxes!r}")
         if config.isolate_filesystem and config.tmp_size_mb < 1:
             raise ValueError(f"tmp_size_mb must be >= 1 (MB of the private /tmp), got {config.tmp_size_mb}")
         self._hide = tuple(sorted({*default_hidden_paths(), *(os.path.realpath(p) for p in config.hide_paths)}))
@@ -228,9 +239,18 @@ class PythonSandbox:
                 self._bpf = sandbox_filter_bpf().hex()
             except SeccompUnavailable as e:
                 self._refuse("seccomp", str(e), "or set seccomp=False")
-        self._probe()
         self._zygote: _Zygote | None = None
         self._zygote_lock = threading.Lock()
+        self._ready = ReadyPool(config.ready_sandboxes, self._start, config.start_timeout_s)
+        self._probe()
+        shared = not (self._as_root and config.drop_privileges) and (not config.isolate_processes
+                                                                     or "namespaces" in self.weakened)
+        if shared and config.ready_sandboxes:
+            # No pid namespace and no private uid: a program could reach a sandbox waiting for the *next* call
+            # (signal it, or write its memory through /proc/<pid>/mem as the same uid), so none waits.
+            log.warning("python sandbox: ready_sandboxes=%d ignored: without a pid namespace or private uids a "
+                        "program could reach the sandboxes waiting for the next calls", config.ready_sandboxes)
+            self._ready = ReadyPool(0, self._start, config.start_timeout_s)
 
     def _refuse(self, layer: str, reason: str, remedy: str) -> None:
         """A protection asked for is unavailable: refuse, or (allow_weaker_isolation) drop it with a warning."""
@@ -273,11 +293,14 @@ class PythonSandbox:
         return f"PythonSandbox({self.config!r})"
 
     def start(self) -> None:
-        """Starts the warm zygote now (otherwise the first call does)."""
+        """Starts the warm zygote and fills the pool of ready sandboxes now (otherwise the first call does)."""
         if self.config.pool:
             self._get_zygote()
+        self._ready.start()
 
     def close(self) -> None:
+        """Kills the ready sandboxes and stops the zygote; calls running finish. A later call starts them again."""
+        self._ready.close()
         with self._zygote_lock:
             if self._zygote is not None:
                 self._zygote.close()
@@ -296,65 +319,93 @@ class PythonSandbox:
                 "RLIMIT_NOFILE": c.max_open_files, "RLIMIT_CORE": 0}
 
     def run(self, code: str, python_path: str | None = None) -> RunResult:
-        """Runs ``code`` (no preprocessing) and returns what happened; never raises for user-code failures.
+        """Runs ``code`` (no preprocessing) in a sandbox of its own; never raises for user-code failures.
 
-        ``python_path`` (cold start only) overrides the configured interpreter, for the start-up probe.
+        The sandbox is a ready one from the pool, else one started now; either way it runs this program only.
+        ``python_path`` (cold start only, never pooled) overrides the configured interpreter, for the start-up probe.
         """
-        uid = self._uids.acquire() if self._as_root and self.config.drop_privileges else None
-        if self._view:  # the working directory is created inside the call's private /tmp: nothing on the host
-            workdir = f"/tmp/arpo_py_{secrets.token_hex(6)}"
-        else:
+        start, timeout = time.monotonic(), self.config.start_timeout_s
+        for _ in range(3):  # a sandbox that dies or hangs before it has taken the program is replaced
+            sb = self._ready.take() if python_path is None else None
+            pooled = sb is not None
+            if sb is None:
+                try:
+                    sb = self._start(python_path)
+                except Exception as e:  # the machinery failed (no interpreter, full tmp_root...): tell the model
+                    return RunResult("", "", None, None, False, False, time.monotonic() - start, error=repr(e))
+                state = sb.wait_ready(timeout)
+                if state == "hung":
+                    sb.close()
+                    return RunResult("", "", None, None, False, False, time.monotonic() - start,
+                                     error=f"the sandbox did not start within {timeout:g} s")
+                if state == "dead":  # e.g. its filesystem view could not be built: its status says why
+                    return self._finish(sb, start, start)
             try:
-                workdir = tempfile.mkdtemp(prefix="arpo_py_", dir=self.config.tmp_root)
-            except OSError as e:  # e.g. a full or read-only tmp_root
-                if uid is not None:
-                    self._uids.release(uid)
-                return RunResult("", "", None, None, False, False, 0.0, error=repr(e))
+                go = time.monotonic()
+                if sb.go(code, timeout):
+                    return self._finish(sb, start, go)
+                log.warning("python sandbox: a sandbox did not take its program; replaced")
+                sb.close()
+            finally:
+                if pooled:
+                    self._ready.done()
+        return RunResult("", "", None, None, False, False, time.monotonic() - start,
+                         error="three sandboxes in a row did not take the program")
+
+    def _finish(self, sb: StartedSandbox, start: float, go: float) -> RunResult:
         try:
-            if not self._view:
+            return _collect(sb, start, go, self.config)
+        except Exception as e:  # the sandbox machinery failed; report it instead of raising into the rollout
+            return RunResult("", "", None, None, False, False, time.monotonic() - start, error=repr(e))
+        finally:
+            sb.close()
+
+    def _start(self, python_path: str | None = None) -> StartedSandbox:
+        """Starts a sandbox that waits for its program (``_sandbox_child.py``); raises if it cannot be started."""
+        uid = self._uids.acquire() if self._as_root and self.config.drop_privileges else None
+        host_dir = None
+
+        def cleanup() -> None:
+            if host_dir is not None:
+                shutil.rmtree(host_dir, ignore_errors=True)
+            if uid is not None:
+                self._uids.release(uid)
+
+        ends, child_ends = [], []  # the caller's (closed if the start fails) and the sandbox's (closed once sent)
+        close = lambda end: end.close() if isinstance(end, socket.socket) else os.close(end)  # noqa: E731
+        try:
+            if self._view:  # the working directory is created inside the call's private /tmp: nothing on the host
+                workdir = f"/tmp/arpo_py_{secrets.token_hex(6)}"
+            else:
+                workdir = host_dir = tempfile.mkdtemp(prefix="arpo_py_", dir=self.config.tmp_root)
                 if uid is not None:
                     os.chown(workdir, uid, uid)
                 os.chmod(workdir, 0o700)
             c = self.config
-            req = {"code": code, "cwd": workdir, "env": sandbox_env(workdir, c.extra_env), "limits": self._limits(),
+            req = {"cwd": workdir, "env": sandbox_env(workdir, c.extra_env), "limits": self._limits(),
                    "uid": uid, "gid": uid, "timeout_s": c.timeout_s, "isolate_network": c.isolate_network,
                    "isolate_processes": c.isolate_processes, "isolate_filesystem": self._view,
                    "tmp_size_mb": c.tmp_size_mb, "expose": self._expose, "hide": self._hide,
                    "seccomp_bpf": self._bpf}
-            return self._run_request(req, python_path)
+            for make in (os.pipe, os.pipe, socket.socketpair, socket.socketpair):  # stdout, stderr, status, code
+                parent, child = make()  # (socketpair: AF_UNIX, SOCK_STREAM)
+                ends.append(parent)
+                child_ends.append(child)
+            child_fds = [e if isinstance(e, int) else e.fileno() for e in child_ends]
+            if self.config.pool and python_path is None:
+                self._submit_to_zygote(req, child_fds)
+                bootstrap = None
+            else:
+                bootstrap = self._start_cold(req, child_fds, python_path or self.config.python_path)
+        except BaseException:
+            for end in ends:
+                close(end)
+            cleanup()
+            raise
         finally:
-            if not self._view:
-                shutil.rmtree(workdir, ignore_errors=True)
-            if uid is not None:
-                self._uids.release(uid)
-
-    def _run_request(self, req: dict, python_path: str | None = None) -> RunResult:
-        start = time.monotonic()
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        status_parent, status_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        child_fds = [out_w, err_w, status_child.fileno()]
-        bootstrap = None
-        try:
-            try:
-                if self.config.pool and python_path is None:
-                    self._submit_to_zygote(req, child_fds)
-                else:
-                    bootstrap = self._start_cold(req, child_fds, python_path or self.config.python_path)
-            finally:
-                os.close(out_w)
-                os.close(err_w)
-                status_child.close()
-            result = _collect(out_r, err_r, status_parent, start, self.config)
-        except Exception as e:  # the sandbox machinery failed; report it instead of raising into the rollout
-            result = RunResult("", "", None, None, False, False, time.monotonic() - start, error=repr(e))
-        finally:
-            for fd in (out_r, err_r):
-                os.close(fd)
-            status_parent.close()
-            if bootstrap is not None:
-                _reap(bootstrap)
-        return result
+            for end in child_ends:
+                close(end)
+        return StartedSandbox(*ends, bootstrap, cleanup)
 
     def _submit_to_zygote(self, req: dict, fds: list[int]) -> None:
         try:
@@ -373,25 +424,18 @@ class PythonSandbox:
         return proc
 
 
-def _reap(proc: subprocess.Popen) -> None:
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+def _collect(sb: StartedSandbox, start: float, go: float, cfg: PythonSandboxConfig) -> RunResult:
+    """Reads stdout/stderr and the monitor's status lines until the call is over (``start``: the call's start).
 
-
-def _collect(out_r: int, err_r: int, status: socket.socket, start: float, cfg: PythonSandboxConfig) -> RunResult:
-    """Reads stdout/stderr and the monitor's status lines until the call is over.
-
-    The monitor enforces the timeout; this loop only adds a backstop (timeout + 5 s) in case the monitor itself
-    hangs, and asks the monitor to kill the code once the output exceeds the cap (no need to read 100 MB).
+    The monitor enforces the timeout from ``go``; this loop only adds a backstop (timeout + 5 s) in case the monitor
+    itself hangs, and asks the monitor to kill the code once the output exceeds the cap (no need to read 100 MB).
     """
     cap = 4 * cfg.max_output_chars + 4096 if not cfg.reference_compat else None  # bytes; UTF-8 is <= 4 B/char
+    out_r, err_r, status = sb.out_r, sb.err_r, sb.status
     bufs = {out_r: bytearray(), err_r: bytearray()}
-    open_fds, status_buf, msgs = {out_r, err_r}, b"", []
+    open_fds, status_buf, msgs = {out_r, err_r}, sb.status_buf, sb.msgs  # what came while it started (pids)
     truncated, killed, drain_until = False, False, None
-    backstop = start + cfg.timeout_s + 5.0
+    backstop = go + cfg.timeout_s + 5.0
     while True:
         final = next((m for m in msgs if "status" in m or "error" in m), None)
         now = time.monotonic()

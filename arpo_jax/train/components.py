@@ -53,6 +53,7 @@ def make_tool_executor(cfg) -> ToolExecutor:
     tools = {}
     if t.python.enabled:
         tools["python"] = dict(timeout_s=t.python.timeout_s, memory_mb=t.python.memory_mb,
+                               ready_sandboxes=t.python.ready_sandboxes,
                                **({"python_path": t.python.python_path} if t.python.python_path else {}))
     if t.search.enabled:
         s = t.search
