@@ -5,8 +5,8 @@ functions <= 80; the commented config literals,
 `get_config` in configs/, aside) and the cycles of the import graph between arpo_jax modules, counting
 function-local imports too (a cycle hidden in a function is still a cycle in the design).
 
-  python benchmarks/code_size.py            # a table of what exceeds, the cycles, a final JSON line
-  python benchmarks/code_size.py --all      # also the size distribution of every function
+  python tests/code_size.py                 # a table of what exceeds, the cycles, a final JSON line
+  python tests/code_size.py --all           # also the size distribution of every function
 
 tests/test_code_size.py runs the same checks as a ratchet: nothing new may exceed the budget, and no cycle.
 """

@@ -5,7 +5,7 @@ the reference write (lock, read + merge the whole JSON, rewrite it, rename: spec
 (sync = fsync per entry; async = batched by the writer thread), lookups, a cold load, and a compaction.
 Prints a table and a final JSON line.
 
-    python benchmarks/search_cache.py [--entries 100000] [--dir /tmp]
+    python benchmarks/tools/search_cache.py [--entries 100000] [--dir /tmp]
 """
 
 import argparse
@@ -19,7 +19,7 @@ import time
 
 from arpo_jax.tools.search_cache import SearchCache, read_reference_json, write_reference_json
 
-REFERENCE_CACHE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "search" / "search_cache.json"
+REFERENCE_CACHE = pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "search" / "search_cache.json"
 
 
 def sample_values() -> list[str]:

@@ -13,9 +13,10 @@ MFU = model FLOPs per second / this machine's matmul peak measured in the same r
 ``jnp.dot`` in ``--dtype``). Model FLOPs per token = 3 x forward for the update, 1 x forward for the log-probs
 (forward = 2 x matmul params (LM head included) + 4 x layers x seq x heads x head_dim, full attention as PaLM
 counts it). Compile seconds = first call (compile + one run) minus a timed run; arpo_jax runs after PyTorch, so
-on CPU its first call also carries the switch (~2-3 s, see main()): `benchmarks/compile_time.py` times compiles alone.
+on CPU its first call also carries the switch (~2-3 s, see main()): `benchmarks/update/compile_time.py` times
+compiles alone.
 
-  python benchmarks/train_step.py [--model smollm2-135m-instruct|PATH|random] [--seq 256 --batch 4 --micro 2]
+  python benchmarks/update/train_step.py [--model smollm2-135m-instruct|PATH|random] [--seq 256 --batch 4 --micro 2]
                                   [--steps 3] [--dtype float32|bfloat16] [--remat none] [--no-scan] [--profile DIR]
 
 The script restarts itself with glibc's huge-page tunable as `arpo-jax train` does (arpo_jax/hugepages.py), which
@@ -33,6 +34,7 @@ import os
 import platform
 import re
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -265,6 +267,7 @@ def main() -> None:
         print(f"[train_step] arpo_jax first forward {fwd_first:.1f} s, first step {step_first:.1f} s", flush=True)
         time_calls({"step": ours_step, "fwd": ours_fwd})
         if args.profile:
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, trace_summary.py
             from trace_summary import summarise, traced
 
             with traced(args.profile):

@@ -3,7 +3,7 @@
 Same weights, same dtype, same target folder kind (default /dev/shm, where the vLLM weight sync writes). Each
 timing is the best of --repeats runs. Export is what every policy update pays before vLLM reloads the weights.
 
-  python benchmarks/convert.py [--hidden 768 --layers 12 --vocab 32000] [--dtype float32] [--dir /dev/shm]
+  python benchmarks/engine/convert.py [--hidden 768 --layers 12 --vocab 32000] [--dtype float32] [--dir /dev/shm]
 
 A second table imports the real SmolLM2-135M-Instruct GGUF file (4-bit Q4_1, the named model's source): arpo_jax's
 GGUF import (dequantized straight into params, and written as an HF folder) against transformers' own GGUF loader

@@ -6,7 +6,7 @@ random tokens, `--new` new tokens each (temperature 1, seeded), one call; the sa
 request). Reports generated tokens/s (best of `--repeats` after a warm-up call that compiles) and checks that every
 budget samples the same tokens as the one with a row per request (per-request seeds).
 
-  python benchmarks/sampler_chunks.py [--batch 32 --prompt 64 --new 64 --chunks 16,8,4 --repeats 3]
+  python benchmarks/engine/sampler_chunks.py [--batch 32 --prompt 64 --new 64 --chunks 16,8,4 --repeats 3]
 
 Prints a table, then a final JSON line.
 """

@@ -4,7 +4,7 @@
 this script compiles the update of any published model / mesh / micro-batch shape by hand (`--layers` for a
 reduced depth, `--forward` to compile the log-prob forward too):
 
-  python benchmarks/plan_memory.py [--model Qwen2.5-7B-Instruct --mesh 1,8,1 --micro 2 --rows 8 --seq 4096]
+  python benchmarks/memory/plan_memory.py [--model Qwen2.5-7B-Instruct --mesh 1,8,1 --micro 2 --rows 8 --seq 4096]
 
 Prints a table and a final JSON line; `state_vs_ideal` is (params + optimizer state per device) / (their total /
 devices).

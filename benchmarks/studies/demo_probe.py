@@ -10,7 +10,7 @@ question rendered as in training) at two points of the taught response format:
 A cold start leaves RL a fixable mistake when the greedy choice is wrong (share < 0.5) but the right one is sampled
 often enough for a group of n rollouts to contain both outcomes (benchmarks/RESULTS.md, "Demo").
 
-  python benchmarks/demo_probe.py DEMO_WORKDIR [DEMO_WORKDIR ...]   # probes <dir>/sft/hf and <dir>/<algo>/rl/hf
+  python benchmarks/studies/demo_probe.py DEMO_WORKDIR [DEMO_WORKDIR ...]   # probes <dir>/sft/hf and <dir>/<algo>/rl/hf
 
 Prints one JSON line per model: the mean shares and how many of the questions would be decided right greedily.
 """

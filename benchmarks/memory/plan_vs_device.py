@@ -17,7 +17,7 @@ is `attention_impl=cudnn` as the model runs it (the [T, T] boolean mask passed t
 kernel's best case (one segment, `is_causal`, no mask), "xla" the full-scores path. Results on an H100:
 benchmarks/RESULTS.md, "On an H100".
 
-  python benchmarks/plan_vs_device.py [--model Qwen2.5-7B-Instruct --layers 4 --rows 1 --seq 11264 --micro 2]
+  python benchmarks/memory/plan_vs_device.py [--model Qwen2.5-7B-Instruct --layers 4 --rows 1 --seq 11264 --micro 2]
                                       [--parts memory,attention] [--attn-seq 8192]
 
 Prints a table per part and a final JSON line. On CPU the measured peak is not available (no allocator stats).

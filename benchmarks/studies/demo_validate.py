@@ -4,7 +4,7 @@ For each seed's work dir: the cold-start SFT model and each algorithm's final ex
 seed's held-out questions greedily (n 1, as in the demo) and sampled (`rollout.val_kwargs`: n samples a question
 at temperature 1), so the sampled accuracy (less noisy: n x 48 answers) can be compared with the greedy one.
 
-  python benchmarks/demo_validate.py --workdir runs/demo_seeds [--seeds 0 1 2] [--algos arpo grpo] [--n 4]
+  python benchmarks/studies/demo_validate.py --workdir runs/demo_seeds [--seeds 0 1 2] [--algos arpo grpo] [--n 4]
                                      [--model NAME]
 
 Prints one JSON line per model: {"seed", "model", "greedy": {...val metrics}, "sampled": {...}}.

@@ -15,7 +15,7 @@ AdamW, one optimizer step over all micro-batches) are compiled, then called alte
 `--repeats` rounds: median wall and CPU seconds. The tree batch's loss equals the flat one (tests/test_tree.py);
 the loss of both is printed as a check.
 
-  python benchmarks/update_tree.py [--scale 20] [--repeats 3] [--layers 6] [--hidden 256] [--vocab 8192]
+  python benchmarks/update/update_tree.py [--scale 20] [--repeats 3] [--layers 6] [--hidden 256] [--vocab 8192]
 """
 
 from __future__ import annotations

@@ -25,10 +25,10 @@ Cases (each in a process of its own, under a timeout; one JSON line each, with `
 HBM bandwidth and peak FLOPs come from a table of device kinds (H100 SXM 3.35 TB/s and 989 TFLOP/s bf16 dense, H200
 4.8 and 989, A100 2.0 and 312), or --hbm-tbps / --peak-tflops; on CPU there is none (fractions are null).
 
-  python benchmarks/gpu_scale.py                                 # GPU: every case, within --budget-s (360 s)
-  python benchmarks/gpu_scale.py --gguf PATH/smollm2.gguf        # + the demo cases (their own 150 s each)
-  python benchmarks/gpu_scale.py --tiny                          # tiny shapes (the default on CPU)
-  python benchmarks/gpu_scale.py --cases engine:qwen2.5-7b,loop:256 [--out results.jsonl]
+  python benchmarks/device/gpu_scale.py                                 # GPU: every case, within --budget-s (360 s)
+  python benchmarks/device/gpu_scale.py --gguf PATH/smollm2.gguf        # + the demo cases (their own 150 s each)
+  python benchmarks/device/gpu_scale.py --tiny                          # tiny shapes (the default on CPU)
+  python benchmarks/device/gpu_scale.py --cases engine:qwen2.5-7b,loop:256 [--out results.jsonl]
 
 A case that would not fit the remaining budget is skipped (its line says so); one that runs out of time is killed.
 """
@@ -49,7 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 # Qwen2.5 shapes (their config.json fields that matter here).

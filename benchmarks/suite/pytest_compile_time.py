@@ -5,7 +5,7 @@ backend compile, and persistent-cache hits (the seconds they saved). This plugin
 and prints the totals and the tests with the most compile time at the end of the session. It sees the test
 process only (not `arpo-jax` subprocesses), so run it without pytest-xdist:
 
-  PYTHONPATH=benchmarks .venv/bin/python -m pytest -p no:xdist -p pytest_compile_time tests/test_train_step.py
+  PYTHONPATH=benchmarks/suite .venv/bin/python -m pytest -p no:xdist -p pytest_compile_time tests/test_train_step.py
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ it. From each RL run's metrics.jsonl: the median over RL steps 2..N of `time/rol
 included), `rollout/decode_steps` (the engine's sequential decode iterations: what an accelerator pays for),
 `rollout/rounds`, `time/step` and the engine's counts; then ARPO / GRPO of each.
 
-  python benchmarks/demo_rollout.py --workdir runs/demo_rollout [--steps 4] [--before /path/to/old/checkout]
+  python benchmarks/loop/demo_rollout.py --workdir runs/demo_rollout [--steps 4] [--before /path/to/old/checkout]
 
 Each run is a subprocess (its JAX and engine memory go with it). Prints a table, then a final JSON line.
 """
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KEYS = ("time/rollout", "rollout/decode_steps", "rollout/rounds", "time/step", "rollout/critical_path_steps",
         "rollout/rows_per_decode_step", "rollout/computed_row_steps", "rollout/sampled_tokens",
         "rollout/prefill_tokens", "rollout/speculative_tokens_discarded", "rollout/trajectories")

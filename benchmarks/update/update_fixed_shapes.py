@@ -8,7 +8,7 @@ ends), prompt ~105 tokens, response ~150 in tool rounds, rows of 768 tokens on o
 generator), on SmolLM2-135M's architecture (random weights: the time does not depend on them). `--duplicates`
 makes that share of the branches copies of their parent (after the demo's SFT most of a group is identical).
 
-  python benchmarks/update_fixed_shapes.py [--repeats 3] [--layers 30] [--duplicates 0.5]
+  python benchmarks/update/update_fixed_shapes.py [--repeats 3] [--layers 30] [--duplicates 0.5]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ thread's phases (rollout_wait, rollout_ahead, advantages, pack, old_logprob, upd
 the step; rollout and reward are the step's rollout's own times, wherever it ran (at staleness 1 in the background,
 during the previous step's update), so with overlap rollout_wait ~ max(0, rollout + reward - the main thread's work).
 
-  flock /tmp/heavy.lock python benchmarks/offpolicy.py --workdir /tmp/offpolicy_bench [--steps 5] [--engine vllm]
+  flock /tmp/heavy.lock python benchmarks/loop/offpolicy.py --workdir /tmp/offpolicy_bench [--steps 5] [--engine vllm]
       [--override actor.ppo_epochs=8 ...]
 
 Prints one line per run, then a final JSON line with every run's per-phase means, the speed-up of each staleness

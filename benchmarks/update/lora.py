@@ -11,7 +11,7 @@ alone (``lora_io.save_peft``), with their sizes on disk; and, with vLLM installe
 weights (a policy without adapters: the in-place ``reload_weights``) against the adapters alone (a PEFT folder
 loaded as a new vLLM ``LoRARequest``), ``--syncs`` times each, alternating, bytes written per sync included.
 
-  python benchmarks/lora.py [--model smollm2-135m-instruct|PATH] [--rank 16] [--seq 256 --batch 4 --micro 2]
+  python benchmarks/update/lora.py [--model smollm2-135m-instruct|PATH] [--rank 16] [--seq 256 --batch 4 --micro 2]
                             [--no-update] [--no-vllm] [--syncs 3]
 
 Prints a table, then a final JSON line with the ratios (LoRA / full).

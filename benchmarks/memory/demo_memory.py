@@ -6,7 +6,7 @@ shared by k processes as 1/k of it, so the sum is what the tree really holds) ov
 descendants. The phase is the demo's last `[demo] N/6` line. Run it under the shared lock: the demo takes minutes and
 ~10 GB.
 
-  flock /tmp/heavy.lock python benchmarks/demo_memory.py --workdir /tmp/demomem/run1 [--quick] [--cold-cache]
+  flock /tmp/heavy.lock python benchmarks/memory/demo_memory.py --workdir /tmp/demomem/run1 [--quick] [--cold-cache]
                                                          [-- extra demo args]
 
 Prints the demo's output, then per phase the peak summed RSS / PSS and each kind of process's peak RSS; the last line

@@ -1,8 +1,8 @@
-"""Tools benchmark: runs benchmarks/tools_python.py (sandbox cold vs warm pool, 64 concurrent calls, hostile
-programs) and benchmarks/search_cache.py (lookups and writes per second at 10^5 entries vs the reference's
+"""Tools benchmark: runs benchmarks/tools/tools_python.py (sandbox cold vs warm pool, 64 concurrent calls, hostile
+programs) and benchmarks/tools/search_cache.py (lookups and writes per second at 10^5 entries vs the reference's
 rewrite-the-JSON cache), shows their tables, and prints one combined final JSON line.
 
-    python benchmarks/tools.py
+    python benchmarks/tools/tools.py
 """
 
 import json

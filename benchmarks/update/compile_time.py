@@ -7,7 +7,8 @@ JAX engine's fixed programs (prefill shapes, row copy, decode: ``--sampler-batch
 layers unrolled in either mode). Wall and CPU seconds of each (CPU seconds are what a loaded machine
 inflates least: XLA compiles on one thread). No persistent compilation cache is used.
 
-  python benchmarks/compile_time.py [--model smollm2-135m-instruct|PATH] [--modes scan,unrolled] [--dtype float32]
+  python benchmarks/update/compile_time.py [--model smollm2-135m-instruct|PATH] [--modes scan,unrolled]
+      [--dtype float32]
 
 Prints one line per program, then a final JSON line.
 """

@@ -25,7 +25,7 @@ there: `first_call_s`); vLLM's prefix cache is reset before each timed run. vLLM
 (`VllmSampler`), with the interpreter from ARPO_VLLM_PYTHON or this one; an engine whose package is missing
 (vllm; torch/transformers, or torch without CUDA beside JAX on a GPU) is skipped, and the JSON says why.
 
-  python benchmarks/rollout.py [--model smollm2-135m-instruct|PATH|random] [--batch 32 --prompt 150 --new 100]
+  python benchmarks/engine/rollout.py [--model smollm2-135m-instruct|PATH|random] [--batch 32 --prompt 150 --new 100]
                                [--dtype float32|bfloat16] [--engines jax,vllm,transformers] [--repeats 1]
                                [--jax-layout auto|unrolled|scanned[,...]] [--decode-chunk 16] [--profile DIR]
 
@@ -41,6 +41,7 @@ import os
 import platform
 import random
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -354,6 +355,7 @@ def main() -> None:
                 extra[f"{name}_compiles"] = {k: v - before.get(k, 0) for k, v in TRACE_COUNTS.items()}
                 extra[f"{name}_layout"] = "unrolled" if sampler._unrolled else "scanned"
                 if args.profile:
+                    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, trace_summary.py
                     from trace_summary import summarise, traced
 
                     with traced(Path(args.profile) / name):

@@ -9,7 +9,7 @@ head_dim 64), float32:
   causal   one sequence filling the row (nothing to skip beyond causality: the overhead of the skip kernel);
   packed   sequences of 2 (P + R) / 5 to 2 (P + R) / 3 tokens packed first-fit, then padding (the flat layout's
            rows, `packing.plan_layout`), as a [T, T] mask from segment ids (`attention_mask_4d`);
-  tree     one ARPO group (n 16 from 8 initial, `benchmarks/update_tree.py`'s shapes: P = T / 12, R = 5 P) as
+  tree     one ARPO group (n 16 from 8 initial, `benchmarks/update/update_tree.py`'s shapes: P = T / 12, R = 5 P) as
            prefix trees (`tree_packing`), the first row, as key_end ints (`TreeMask`).
 
 For each case and T (default 2048 and 4096): the unskipped kernel at its defaults (query blocks of
@@ -17,7 +17,7 @@ max(128, T / 8)) and the skip kernel at `--blocks`, each jitted as value_and_gra
 compiled once, then called `--repeats` times alternately: median wall and CPU seconds, the fraction of block pairs the
 skip kernel computes, and the largest difference from the unskipped kernel (output and gradients).
 
-  python benchmarks/attention_skip.py [--seqs 2048 4096] [--blocks 128 256 512] [--repeats 5]
+  python benchmarks/update/attention_skip.py [--seqs 2048 4096] [--blocks 128 256 512] [--repeats 5]
 
 Final line: JSON with every (case, T) result.
 """

@@ -27,12 +27,12 @@ Placements and schedules (8 devices unless --devices):
 Idle fractions: trainer = 1 - its busy time / step, engine = 1 - its generating time / step (tool waits idle),
 device = 1 - the devices' busy time / (devices x step) (co-located: a device busy generating is not idle).
 
-How it was checked: the same formulas on the toy run's measured phases (`benchmarks/offpolicy.py`, JSON given with
+How it was checked: the same formulas on the toy run's measured phases (`benchmarks/loop/offpolicy.py`, JSON given with
 --toy) predict the one-step-off step the CPU measured; the co-located rule (a shared device gains only its idle
 waits) is the one the CPU showed (its update-bound run did not gain). The GPU figures themselves are unchecked
 until a GPU is lent: read them as where the time goes and which placement wins, not as seconds to expect.
 
-  python benchmarks/step_model.py [--config builtin:arpo_qwen25_7b_reasoning] [--fill 0.5] [--mfu 0.35]
+  python benchmarks/loop/step_model.py [--config builtin:arpo_qwen25_7b_reasoning] [--fill 0.5] [--mfu 0.35]
       [--toy offpolicy_output.log ...]
 """
 
@@ -171,8 +171,8 @@ def main() -> None:
     ap.add_argument("--decode-mfu", type=float, default=0.5, help="decode FLOP efficiency at large batch")
     ap.add_argument("--hbm-eff", type=float, default=0.6, help="decode's share of the HBM bandwidth")
     ap.add_argument("--tool-latency", type=float, default=2.0, help="s per tool round (the slowest call)")
-    ap.add_argument("--toy", nargs="*", default=[], help="files holding benchmarks/offpolicy.py's output (its last "
-                    "line, the JSON) to check the formulas on")
+    ap.add_argument("--toy", nargs="*", default=[], help="files holding benchmarks/loop/offpolicy.py's output "
+                    "(its last line, the JSON) to check the formulas on")
     args = ap.parse_args()
     cfg = args_lib.load_config([f"--config={args.config}"])
     w = workload(cfg, args.fill, args.fill_max, args.prompt_fill)

@@ -9,7 +9,7 @@ micro-batches in turn, `--repeats` rounds, on one train state: interleaved, so a
 hits every variant alike. Per variant: median CPU seconds (`time.process_time`, all threads) and wall seconds of a
 step; (M-step - 1-step) / (M - 1) is one micro-batch, the rest of the 1-step the optimizer's share.
 
-  python benchmarks/update_packed.py [--micro 3] [--repeats 3] [--variant actor.logprob_chunk=128 ...]
+  python benchmarks/update/update_packed.py [--micro 3] [--repeats 3] [--variant actor.logprob_chunk=128 ...]
                                      [--no-scan] [--hugepages]
 
 A variant's `+trim` hands the freed heap back after each of its steps, inside the timing
