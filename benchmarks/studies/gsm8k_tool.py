@@ -1,8 +1,9 @@
 """The GSM8K study with the Python tool (issues 56, 62): Qwen2.5-Coder-0.5B-Instruct, cold start, SFT, RL, evaluations.
 
-  python benchmarks/studies/gsm8k_tool.py --size cpu --workdir runs/gsm8k_tool [--phases ...]            # 2 CPU cores: hours
-  python benchmarks/studies/gsm8k_tool.py --size gpu --parallel --model Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf --workdir W
-  python benchmarks/studies/gsm8k_tool.py --size tiny --model builtin:tiny ...                             # the suite's run
+  python benchmarks/studies/gsm8k_tool.py --size cpu --workdir runs/gsm8k_tool [--phases ...]   # 2 CPU cores: hours
+  python benchmarks/studies/gsm8k_tool.py --size gpu --parallel --model Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf \\
+      --workdir W
+  python benchmarks/studies/gsm8k_tool.py --size tiny --model builtin:tiny ...                    # the suite's run
 
 Phases (in this order, all in this one process; each resumes where it stopped: run the command again after an
 interruption, finished phases are skipped):
