@@ -166,7 +166,8 @@ def demo_config(model: str, size: DemoSize, algo: str, seed: int, engine: str):
         cfg.data.train_batch_size = size.rl_prompts
         cfg.actor.ppo_mini_batch_size = size.rl_prompts  # one update a step
         # One chunk per 768-token row (toy_cpu: 128): XNNPACK repacks the 49152 x 576 LM head for every chunk's
-        # matmuls; [768, V] float32 logits are 150 MB. ~5% fewer CPU-s per update step (benchmarks/update/update_packed.py).
+        # matmuls; [768, V] float32 logits are 150 MB. ~5% fewer CPU-s per update step
+        # (benchmarks/update/update_packed.py).
         cfg.actor.logprob_chunk = 768
         # The backward recomputes the elementwise ops and keeps the projections' outputs: SmolLM2's FULL update needs
         # 0.68 GiB less (`arpo-jax plan`) for the same CPU-s per micro-batch within noise (benchmarks/RESULTS.md).
