@@ -22,7 +22,7 @@ Everything is built offline in the work directory, then the real commands' code 
 
 Layout: `data/` and `sft/` in the work dir are shared; steps 3-5 write to `<workdir>/<algo>/`. Every phase
 resumes, so a second run with another `--algo` in the same work dir starts from the same SFT model
-(`benchmarks/demo_seeds.py` compares ARPO with GRPO that way).
+(`benchmarks/studies/demo_seeds.py` compares ARPO with GRPO that way).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class DemoSize:
 # The pretrained model already copies numbers and names, so the cold-start SFT only has to teach the tool format:
 # 2 epochs of 96 conversations (24 steps of 8 at lr 1e-4), exactly 60% of each kind flawed: greedy decoding then
 # makes the mistake while sampling makes the right choice in ~15-25% of samples (P(`*`) 0.17-0.26 on the
-# arithmetic questions of seeds 0-2, benchmarks/demo_probe.py), which is the gap RL closes. (12 steps with one
+# arithmetic questions of seeds 0-2, benchmarks/studies/demo_probe.py), which is the gap RL closes. (12 steps with one
 # coin per conversation left that share anywhere in 0.05-0.91 across seeds, and RL gained on one seed of three.)
 # Validation: 102 held-out questions greedy (34 per kind), so the accuracy's standard error is <= 0.05. Measured on
 # a quiet 2-core CPU (benchmarks/RESULTS.md, "Demo"): 19.5 minutes for the whole command (SFT 3.6, RL 15.4: ~50 s a
@@ -166,7 +166,8 @@ def demo_config(model: str, size: DemoSize, algo: str, seed: int, engine: str):
         cfg.data.train_batch_size = size.rl_prompts
         cfg.actor.ppo_mini_batch_size = size.rl_prompts  # one update a step
         # One chunk per 768-token row (toy_cpu: 128): XNNPACK repacks the 49152 x 576 LM head for every chunk's
-        # matmuls; [768, V] float32 logits are 150 MB. ~5% fewer CPU-s per update step (benchmarks/update_packed.py).
+        # matmuls; [768, V] float32 logits are 150 MB. ~5% fewer CPU-s per update step
+        # (benchmarks/update/update_packed.py).
         cfg.actor.logprob_chunk = 768
         # The backward recomputes the elementwise ops and keeps the projections' outputs: SmolLM2's FULL update needs
         # 0.68 GiB less (`arpo-jax plan`) for the same CPU-s per micro-batch within noise (benchmarks/RESULTS.md).

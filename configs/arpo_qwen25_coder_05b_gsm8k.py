@@ -1,7 +1,7 @@
 """ARPO, Qwen2.5-Coder-0.5B-Instruct, GSM8K with the Python tool: a recipe that runs on a 2-core CPU (LoRA, hours)
 and on one GPU (minutes), validated on fixed GSM8K and MATH500 subsets (issues 56 and 62).
 
-The data (`arpo_jax/eval/math_tool.py`; `benchmarks/gsm8k_tool.py` runs every phase in order, each resumable):
+The data (`arpo_jax/eval/math_tool.py`; `benchmarks/studies/gsm8k_tool.py` runs every phase in order, each resumable):
 the cold start's SFT set `DATA/sft.json` (`arpo_jax.eval.cold_start`: the model's own few-shot tool-use solutions of
 GSM8K questions 300-949, rejection-sampled), the RL set `DATA/train_gsm8k.parquet` (the questions of 300-949 that
 the SFT model answers right in 1 to 7 of 8 samples: `math_tool.select_rl_questions`) and the validation set

@@ -2,7 +2,7 @@
 
 SLURM sends SIGTERM `--signal=TERM@<s>` seconds before the time limit; arpo-jax then finishes the step it is in,
 saves a checkpoint and exits, so the lead must cover one step plus one save. The step comes from the step-time
-model (`benchmarks/step_model.py`, co-located synchronous schedule) at the pessimistic efficiencies RESULTS.md
+model (`benchmarks/loop/step_model.py`, co-located synchronous schedule) at the pessimistic efficiencies RESULTS.md
 quotes as the likelier ones (training 45% MFU, decode 25% MFU at 30% of the HBM bandwidth: 494 s for the 7B
 reasoning config on 8 A100s); the save is the checkpoint (params in `model.param_dtype` plus AdamW's two float32
 moments) written by every node at `--write-gbps` GB/s each to the shared file system. Both are estimates: after
@@ -27,8 +27,8 @@ FIXED_S = 60  # stopping the engines, the step boundary agreement, orbax's commi
 
 
 def step_model():
-    """benchmarks/step_model.py, loaded from this checkout (it is not part of the installed package)."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "step_model.py"
+    """benchmarks/loop/step_model.py, loaded from this checkout (it is not part of the installed package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "loop" / "step_model.py"
     spec = importlib.util.spec_from_file_location("step_model", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules["step_model"] = module  # its dataclasses look their module up while the class is built

@@ -1,4 +1,4 @@
-"""The size budget and the import graph (benchmarks/code_size.py, ast only): no import cycle between arpo_jax
+"""The size budget and the import graph (tests/code_size.py, ast only): no import cycle between arpo_jax
 modules, the stages' layering (no stage imports one that runs after it; the scanner itself run on a copy of the
 package with planted upward imports), the allowed top-level modules, and nothing new over the budget (module 600
 lines, class 300, function 80).
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location("code_size", Path(__file__).parents[1] / "benchmarks" / "code_size.py")
+_spec = importlib.util.spec_from_file_location("code_size", Path(__file__).parent / "code_size.py")
 code_size = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(code_size)
 

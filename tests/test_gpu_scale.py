@@ -1,4 +1,4 @@
-"""benchmarks/gpu_scale.py, the one-call GPU benchmark (issue 60): its tiny run on CPU, and its arithmetic."""
+"""benchmarks/device/gpu_scale.py, the one-call GPU benchmark (issue 60): its tiny run on CPU, and its arithmetic."""
 
 import json
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from arpo_jax import testing
-from benchmarks import gpu_scale
+from benchmarks.device import gpu_scale
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,8 +44,9 @@ def test_the_tiny_run_measures_every_case_kind(tmp_path):
     LoRA loop (generated tokens, the device's busy share per phase from the profiler trace, no compile after the
     warm-up), one JSON line per case with its wall time, and the summary with the LoRA / full step ratio."""
     out = tmp_path / "lines.jsonl"
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_scale.py", "--tiny", "--cases", "engine:tiny,loop:8,lora:8",
-                           "--workdir", str(tmp_path / "work"), "--out", str(out), "--budget-s", "1500"],
+    proc = subprocess.run([sys.executable, "benchmarks/device/gpu_scale.py", "--tiny",
+                           "--cases", "engine:tiny,loop:8,lora:8", "--workdir", str(tmp_path / "work"),
+                           "--out", str(out), "--budget-s", "1500"],
                           cwd=REPO, env=testing.subprocess_env(), capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     lines = [json.loads(line) for line in out.read_text().splitlines()]

@@ -576,7 +576,7 @@ def test_decode_length_buckets_sample_as_the_whole_cache_and_read_less(tiny_hf_d
         reqs = [SampleRequest(r.token_ids + res.token_ids + tool, 24, slot_id=r.slot_id) for r, res in zip(reqs, want)]
         reqs[1] = SampleRequest(reqs[3].token_ids, 24, slot_id=9, parent_id=3)  # a branch of slot 3
     assert read["buckets"] < 0.75 * read["whole"], read
-    from benchmarks import gpu_scale
+    from benchmarks.device import gpu_scale
 
     dots = {n: gpu_scale.dot_operand_bytes(fn.lower(*a).compile().as_text())
             for n, (fn, a) in buckets.programs().items() if n.startswith("decode")}

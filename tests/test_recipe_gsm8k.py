@@ -1,6 +1,6 @@
-"""The GSM8K study (`benchmarks/gsm8k_tool.py`, the recipe `configs/arpo_qwen25_coder_05b_gsm8k.py`) end to end at
-tiny size, on benchmark files the test writes itself (so it runs in a clean clone, without ../shared/data): data, the
-cold start (the random model solves nothing: the phase says so and stops), then with a cold-start set written as
+"""The GSM8K study (`benchmarks/studies/gsm8k_tool.py`, the recipe `configs/arpo_qwen25_coder_05b_gsm8k.py`) end to
+end at tiny size, on benchmark files the test writes itself (so it runs in a clean clone, without ../shared/data): data,
+the cold start (the random model solves nothing: the phase says so and stops), then with a cold-start set written as
 `eval.cold_start` writes it: SFT, the pass@8 selection, ARPO from the SFT adapter and GRPO without tools from the
 untrained model, every evaluation and the report, the RL runs and evaluations side by side as the GPU study runs
 them (`--parallel`: a process per run, merged into one work dir).
@@ -25,8 +25,9 @@ from arpo_jax.eval import cold_start, math_tool
 from arpo_jax.train import metrics
 
 REPO = Path(__file__).resolve().parents[1]
-STUDY = [sys.executable, str(REPO / "benchmarks" / "gsm8k_tool.py"), "--size", "tiny", "--model", "builtin:tiny",
-         "--set", "data.max_response_length=32", "--set", "rollout.engine=jax", "--set", "trainer.loggers=('jsonl',)",
+STUDY = [sys.executable, str(REPO / "benchmarks" / "studies" / "gsm8k_tool.py"), "--size", "tiny",
+         "--model", "builtin:tiny", "--set", "data.max_response_length=32", "--set", "rollout.engine=jax",
+         "--set", "trainer.loggers=('jsonl',)",
          "--set", "trainer.progress=false", "--set", "sft.batch_size=2", "--set", "sft.max_steps=1",
          "--set", "sft.warmup_ratio=0.0", "--set", "data.val_max_samples=4",
          # One SFT step moves the adapter 100x an RL step (lr 2e-5): an RL adapter that continued it stays near it.
@@ -140,7 +141,7 @@ def test_parallel_refuses_gpus_another_process_holds(tmp_path, monkeypatch):
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    spec = importlib.util.spec_from_file_location("gsm8k_tool", REPO / "benchmarks" / "gsm8k_tool.py")
+    spec = importlib.util.spec_from_file_location("gsm8k_tool", REPO / "benchmarks" / "studies" / "gsm8k_tool.py")
     study = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gsm8k_tool", study)  # its dataclasses look their module up there
     spec.loader.exec_module(study)

@@ -431,7 +431,7 @@ def _blockwise(q, k, v, mask, scale):
 def _dense_attention(q, k, v, mask, scale, implementation):
     """`jax.nn.dot_product_attention` under a [B, 1, T, S] boolean mask (a `TreeMask` made dense). cuDNN's output
     and gradients at a query that sees no key (padding) are not the XLA path's, and do not matter: the loss gives
-    those positions a zero cotangent (benchmarks/plan_vs_device.py checks both cases)."""
+    those positions a zero cotangent (benchmarks/memory/plan_vs_device.py checks both cases)."""
     mask = mask.dense() if isinstance(mask, TreeMask) else mask
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
 
@@ -452,7 +452,7 @@ def _warn_cudnn_fallback(error: Exception) -> None:
 def blockwise_blocks(t: int, backend: str | None = None) -> dict:
     """Block arguments of `blockwise_causal_attention` for T = `t`, per backend. Every backend skips the blocks
     no query sees (`skip_blocks`: query x key blocks, loops compiled once whatever T). CPU: 128 x 128 blocks
-    (fastest on 2 cores at T = 2048/4096, benchmarks/attention_skip.py). GPU/TPU: 512 x 512 blocks, so one block
+    (fastest on 2 cores at T = 2048/4096, benchmarks/update/attention_skip.py). GPU/TPU: 512 x 512 blocks, so one block
     pair's float32 scores are N x 512 x 512 per row whatever T (the unskipped kernel's were N x 512 x T)."""
     if (backend or jax.default_backend()) == "cpu":
         return {"block_size": CPU_ATTENTION_BLOCK, "skip_blocks": True}

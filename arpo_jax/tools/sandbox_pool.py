@@ -4,7 +4,7 @@ A sandbox is started *before* its program is known: the monitor enters the names
 process, which builds the filesystem view, sets the limits, drops privileges, installs the seccomp filter, says
 ``R`` on its code socket and waits (``_sandbox_child.py``). A call then hands it the program: ``G`` to the
 monitor (the timeout starts), the program on the code socket, and the user process acknowledges with ``A``
-before it runs it. Measured on 2 cores, start-up is ~11 of a call's ~14 ms (benchmarks/sandbox_load.py): a pool
+before it runs it. Measured on 2 cores, start-up is ~11 of a call's ~14 ms (benchmarks/tools/sandbox_load.py): a pool
 that keeps sandboxes ready takes it off the call's latency.
 
 Isolation is the same as for a sandbox started on demand: every sandbox runs exactly one program and is then

@@ -1,7 +1,7 @@
 """A persistent ``{query: result}`` search cache shared by threads, processes and nodes.
 
 The reference (spec 6.2) keeps one JSON object and rewrites the whole file after every miss: O(size) per write
-(about 150 MB at 10^5 entries, see benchmarks/search_cache.py), and entries of concurrent writers on other nodes
+(about 150 MB at 10^5 entries, see benchmarks/tools/search_cache.py), and entries of concurrent writers on other nodes
 can be lost when the lock file does not work over the shared filesystem. Here the store is log-structured:
 
   <path>              the snapshot, in the reference format (one JSON object, ``ensure_ascii=False, indent=2``);

@@ -18,7 +18,7 @@ export ARPO_EVAL_DATA=/tmp/w/eval ARPO_CACHE=/tmp/cache TOKENIZERS_PARALLELISM=f
 W=/tmp/study; mkdir -p $W && cp -r /tmp/w/data /tmp/w/sft_adapter $W/
 nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader -l 5 > $W/nvidia_smi.csv 2>&1 &
 echo "setup: $(( $(date +%s) - T0 )) s"
-cd /tmp/repo_final && timeout -s TERM "$HARD_S" python3 benchmarks/gsm8k_tool.py --size gpu --parallel \
+cd /tmp/repo_final && timeout -s TERM "$HARD_S" python3 benchmarks/studies/gsm8k_tool.py --size gpu --parallel \
   --model "/tmp/w/$(basename /tmp/w/*.gguf)" --workdir $W --phases rl,eval,report \
   --set trainer.time_limit_minutes="${RL_MIN:-3.5}" ${EXTRA:-} > $W/study.log 2>&1
 echo "study rc $? at $(( $(date +%s) - T0 )) s"

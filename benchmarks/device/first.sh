@@ -10,7 +10,7 @@ bash benchmarks/device/part.sh
 export PYTHONPATH=/tmp/site:/tmp/repo PYTHONUNBUFFERED=1
 python3 -c "import jax, arpo_jax, gguf, math_verify, ml_collections; print(jax.devices())"
 if [ -n "${GS_CASES:-}" ]; then
-  cd /tmp && setsid nohup python3 /tmp/repo/benchmarks/gpu_scale.py --cases "$GS_CASES" --budget-s "$GS_BUDGET" \
+  cd /tmp && setsid nohup python3 /tmp/repo/benchmarks/device/gpu_scale.py --cases "$GS_CASES" --budget-s "$GS_BUDGET" \
     --out /tmp/gpu_scale.jsonl > /tmp/gpu_scale.log 2>&1 < /dev/null &
 fi
 echo "call 1: $(( $(date +%s) - T0 )) s"
