@@ -100,19 +100,20 @@ def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
             for mod, path in files.items()}
 
 
-# The pipeline's layering (README "Layout"): a stage folder never imports what runs after it or drives it.
-# stage -> the folders it must not import.
-_DRIVERS = {"train", "plan", "eval", "config"}
-FORBIDDEN = {
-    "models": {"update", "weights", "rollout", "experience", *_DRIVERS},
-    "tools": {"update", "weights", "rollout", "experience", *_DRIVERS},
-    "rewards": {"update", "weights", "rollout", "experience", *_DRIVERS},
-    "data": {"update", "weights", "rollout", "experience", *_DRIVERS},
-    "update": {"experience", "weights", "rollout", *_DRIVERS},
-    "weights": {"experience", "rollout", *_DRIVERS},
-    "rollout": {"experience", *_DRIVERS},
-    "experience": _DRIVERS,
-}
+# The pipeline's layering (README "Layout"): the stages in the order they run, from the ground; a stage imports only
+# the stages of its own group and of the groups before it.
+STAGE_ORDER = (
+    ("data", "models", "tools", "rewards"),  # the inputs: prompts, the model (its adapters too), the tools, rewards
+    ("weights",),  # the model's weights in and out: checkpoints, HF folders, PEFT adapter files
+    ("rollout",),  # the engines and the tool loop
+    ("experience",),  # rollout -> training batch: rewards shaped, advantages, packing (and its loss weights)
+    ("update",),  # the policy update
+    ("config", "train"),  # the whole config validated against every stage's settings; the runs
+    ("plan", "eval"),  # the commands above a run
+)
+_RANK = {name: i for i, group in enumerate(STAGE_ORDER) for name in group}
+# stage -> the folders it must not import: every later group's.
+FORBIDDEN = {name: {other for other, j in _RANK.items() if j > i} for name, i in _RANK.items()}
 # Only the commands and the run drivers validate a whole config.
 VALIDATE_IMPORTERS = {"arpo_jax.cli", "arpo_jax.demo", "arpo_jax.train", "arpo_jax.eval", "arpo_jax.plan"}
 # The modules allowed at the top of the package: entry points, fixtures and leaves every stage may use. A new one

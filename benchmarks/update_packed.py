@@ -31,7 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import jax
 import numpy as np
 
-from arpo_jax import distributed
+from arpo_jax import distributed, sharding
 from arpo_jax.config import args as args_lib
 from arpo_jax.experience import packing
 from arpo_jax.train import components
@@ -87,7 +87,7 @@ def main() -> None:
     graphdef, params = jit.split_model(model)
     p_sh = jit.param_shardings(model.config, mesh)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    batch_sh = jax.sharding.NamedSharding(mesh, jit.batch_spec(mesh, base.mesh.rules))
+    batch_sh = jax.sharding.NamedSharding(mesh, sharding.batch_spec(mesh, base.mesh.rules))
     batches = {m: jax.device_put(demo_batch(m, vocab), batch_sh) for m in (1, args.micro)}
     steps, state = [], None
     for overrides in variants:

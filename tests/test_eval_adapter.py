@@ -17,8 +17,8 @@ import pytest
 import arpo_jax
 from arpo_jax import cli, testing
 from arpo_jax.eval import agent, runner
+from arpo_jax.models import lora
 from arpo_jax.train import metrics
-from arpo_jax.update import lora
 from arpo_jax.weights import lora_io, policy
 
 REPO = Path(__file__).resolve().parents[1]

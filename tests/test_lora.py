@@ -15,9 +15,10 @@ from flax import nnx, traverse_util
 import arpo_jax
 from arpo_jax import sharding, testing
 from arpo_jax.experience import packing
-from arpo_jax.models import transformer
+from arpo_jax.models import lora, transformer
 from arpo_jax.models.transformer import LORA_TARGETS
-from arpo_jax.update import jit, lora
+from arpo_jax.update import jit
+from arpo_jax.update import lora as lora_update
 from arpo_jax.update import train_step as ts
 from arpo_jax.weights import convert, hf, lora_io
 
@@ -140,7 +141,7 @@ def test_update_trains_the_adapters_only(tiny):
     model = lora.with_adapters(base, RANK, ALPHA)
     graphdef, params = jit.split_model(model)
     cfg = ts.UpdateConfig(lr=1e-2)
-    opt = lora.freeze_base(ts.make_optimizer(cfg, 10), model.config)
+    opt = lora_update.freeze_base(ts.make_optimizer(cfg, 10), model.config)
     state = jit.init_train_state(params, opt)
     # Optimizer moments for the adapters only.
     mu_paths = {k for k, _ in jax.tree_util.tree_flatten_with_path(state.opt_state[1][0].mu)[0]}
@@ -166,7 +167,7 @@ def test_sharded_lora_step_equals_single_device(tiny):
     model = _randomize_b(lora.with_adapters(base, RANK, ALPHA))
     graphdef, params = jit.split_model(model)
     cfg = ts.UpdateConfig(lr=1e-4, kl_coef=0.0)
-    opt = lora.freeze_base(ts.make_optimizer(cfg, 10), model.config)
+    opt = lora_update.freeze_base(ts.make_optimizer(cfg, 10), model.config)
     mini = _rollout_batch(graphdef, params, model.config)
     ref_state, ref_metrics = ts.jit_train_step(graphdef, model.config, cfg, opt)(jit.init_train_state(params, opt),
                                                                                mini)
@@ -199,7 +200,7 @@ def test_reference_logprobs_are_the_base_model(tiny):
     graphdef, params = jit.split_model(model)
     mini = _rollout_batch(graphdef, params, model.config)
     batch = {k: v[None] for k, v in mini.items()}
-    ref = lora.jit_reference_logprobs(model.config)(params, batch)[0]
+    ref = lora_update.jit_reference_logprobs(model.config)(params, batch)[0]
     base_graphdef, base_params = jit.split_model(base)
     expect = ts.jit_forward_logprobs(base_graphdef, base.config)(base_params, batch)[0]
     np.testing.assert_array_equal(np.asarray(ref), np.asarray(expect))
@@ -466,7 +467,7 @@ def test_rl_checkpoint_holds_the_adapters_and_a_pointer_to_the_base(tiny, tmp_pa
     path, _, base = tiny
     model = _randomize_b(lora.with_adapters(base, RANK, ALPHA))
     graphdef, params = jit.split_model(model)
-    opt = lora.freeze_base(ts.make_optimizer(ts.UpdateConfig(lr=1e-2), 10), model.config)
+    opt = lora_update.freeze_base(ts.make_optimizer(ts.UpdateConfig(lr=1e-2), 10), model.config)
     state = jit.init_train_state(params, opt)
     state = state._replace(opt_state=jax.tree.map(lambda x: x + 1 if x.dtype == jnp.float32 else x, state.opt_state))
     run_cfg = ConfigDict({"model": {"path": str(path), "init_checkpoint": ""}})

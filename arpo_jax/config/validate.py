@@ -103,6 +103,7 @@ def _direct_enums() -> dict[str, tuple]:
     """Enum fields read directly (not through a knob), with the allowed values of the modules that consume them."""
     from arpo_jax import rewards, sharding, tools
     from arpo_jax.data import prompts, rl_dataset
+    from arpo_jax.experience import advantages
     from arpo_jax.models import transformer
     from arpo_jax.rollout import jax_decode, placement, sampler
     from arpo_jax.update import algos, train_step
@@ -128,7 +129,7 @@ def _direct_enums() -> dict[str, tuple]:
         "rollout.jax.kv_dtype": jax_decode.KV_DTYPES,
         "tools.search.backend": tuple(tools.SEARCH_BACKENDS),
         "reward.name": (*rewards.REWARDS, "auto"),
-        "algorithm.adv_estimator": (*algos.ADVANTAGE_ESTIMATORS, "gae"),  # gae: PPO with a critic
+        "algorithm.adv_estimator": (*advantages.ADVANTAGE_ESTIMATORS, "gae"),  # gae: PPO with a critic
         "actor.rollout_correction.mode": ("auto", *algos.ROLLOUT_CORRECTION_MODES),  # auto: components
         "sft.schedule": train_step.SCHEDULES,
     }

@@ -65,6 +65,7 @@ from flax import nnx
 
 from arpo_jax import models, sharding
 from arpo_jax.experience import global_batch
+from arpo_jax.models.lora import config_with
 from arpo_jax.models.published import REAL_CONFIGS
 from arpo_jax.models.transformer import resolve_attention
 from arpo_jax.plan import collectives, programs
@@ -236,7 +237,7 @@ def _model_config(cfg, layers: int | None = None):
         hf_cfg = dict(hf_cfg, num_hidden_layers=layers)
     model_cfg = models.config_from_hf(hf_cfg, **runtime_options(cfg))
     if cfg.model.lora.rank:
-        model_cfg = lora.config_with(model_cfg, cfg.model.lora.rank, cfg.model.lora.alpha, cfg.model.lora.targets)
+        model_cfg = config_with(model_cfg, cfg.model.lora.rank, cfg.model.lora.alpha, cfg.model.lora.targets)
     return model_cfg, source
 
 
@@ -350,7 +351,7 @@ def _abstract_state(model_cfg, mesh, update_cfg):
 
 
 def _abstract_batch(mesh, model_cfg, update_cfg, micro, rows, seq):
-    batch_sh = jax.sharding.NamedSharding(mesh, jit.batch_spec(mesh, model_cfg.sharding_rules))
+    batch_sh = jax.sharding.NamedSharding(mesh, sharding.batch_spec(mesh, model_cfg.sharding_rules))
     ints = ("input_ids", "targets", "positions", "segment_ids")
     floats = ("loss_weight", "advantages", "old_logp") + (("ref_logp",) if update_cfg.kl_coef else ())
     return {k: jax.ShapeDtypeStruct((micro, rows, seq), jnp.int32 if k in ints else jnp.float32, sharding=batch_sh)

@@ -25,12 +25,13 @@ from arpo_jax.data import toy
 from arpo_jax.data.prompts import REFERENCE_DATA_SYSTEM_PROMPT, SYSTEM_PROMPT, SYSTEM_PROMPTS
 from arpo_jax.experience.packing import PackConfig
 from arpo_jax.experience.reward import ShapingConfig
+from arpo_jax.models import lora
 from arpo_jax.rollout.agent_loop import RolloutConfig
 from arpo_jax.rollout.jax_decode import decode_weights
 from arpo_jax.rollout.sampler import CUDA_GRAPHS, ENGINES, Sampler, SamplingSettings
 from arpo_jax.tools import ToolExecutor, make_executor
 from arpo_jax.train import skeleton
-from arpo_jax.update import jit, lora
+from arpo_jax.update import jit
 from arpo_jax.update import train_step as ts
 
 

@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from arpo_jax import distributed, paths
+from arpo_jax import distributed, paths, sharding
 from arpo_jax.config import redaction
 from arpo_jax.config import validate as config_lib
 from arpo_jax.data import rl_dataset, sft_data
@@ -117,7 +117,7 @@ def micro_batches_needed(shards: list[np.ndarray], *, row_len: int, rows: int) -
 
 def batch_rows(mesh: Mesh, rules_name: str) -> int:
     """B: rows per micro-batch of the global batch = devices the ``batch`` axis is split over."""
-    axes = jit_lib.batch_spec(mesh, rules_name)[1] or ()
+    axes = sharding.batch_spec(mesh, rules_name)[1] or ()
     axes = (axes,) if isinstance(axes, str) else axes
     return math.prod(mesh.shape[a] for a in axes)
 
@@ -204,7 +204,7 @@ def _run_sft(cfg, workdir: Path, resuming: bool, stop: run_guard.StopSignals, t_
     jit = lambda g, mc, opt, mesh, sh: jit_sft_step(g, mc, opt, mesh, sh, chunk=cfg.actor.logprob_chunk)
     policy, params = skeleton.build_policy(model, update_cfg, plan.total_steps, mesh, jit)
     del model
-    batch_sh = NamedSharding(mesh, jit_lib.batch_spec(mesh, policy.model_cfg.sharding_rules))
+    batch_sh = NamedSharding(mesh, sharding.batch_spec(mesh, policy.model_cfg.sharding_rules))
 
     # Resume, or start.
     ckpts = skeleton.RunCheckpoints([skeleton.policy_checkpointer(cfg, workdir)])

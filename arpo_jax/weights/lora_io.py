@@ -20,9 +20,9 @@ from flax import nnx, traverse_util
 from jax.sharding import Mesh
 
 from arpo_jax import models, sharding
+from arpo_jax.models import lora
+from arpo_jax.models.lora import base_state, config_with, with_adapters
 from arpo_jax.models.transformer import LORA_TARGETS, CausalLM, Config, LoRAParam
-from arpo_jax.update import accumulate, lora
-from arpo_jax.update.lora import base_state, config_with, with_adapters
 from arpo_jax.weights import hf
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -98,7 +98,7 @@ def adapters_only(tree, cfg: Config):
 
     if hasattr(tree, "params"):
         return tree._replace(params=adapters_only(tree.params, cfg))
-    return accumulate.partition(tree, lora.trainable_paths(cfg))[0]
+    return lora.partition(tree, lora.trainable_paths(cfg))[0]
 
 
 def with_base(state, base: dict, pointer: dict, cfg: Config, shardings=None):
@@ -111,7 +111,7 @@ def with_base(state, base: dict, pointer: dict, cfg: Config, shardings=None):
         raise ValueError(f"the LoRA checkpoint's base (model.path={pointer['model_path']!r}, init_checkpoint="
                          f"{pointer['init_checkpoint']!r}) has hash {pointer['hash']}, the loaded base {got}: the "
                          "base weights changed since the checkpoint was written; restore them or start a new run")
-    params = accumulate.combine(state.params, lora.base_params(base, cfg))
+    params = lora.combine(state.params, lora.base_params(base, cfg))
     copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=None if shardings is None else shardings.params)
     return state._replace(params=copy(params))
 
