@@ -1,5 +1,5 @@
 """Config knobs declared once: a component's settings dataclass names the config field each of its fields comes
-from, and that field's rule; the default and the comment are the config file's (``configs/base.py``).
+from, and that field's rule; the default and the comment are the config file's (``config/schema.py``).
 
     @dataclasses.dataclass(frozen=True)
     class UpdateConfig:
@@ -10,7 +10,7 @@ from, and that field's rule; the default and the comment are the config file's (
             knobs.validate(self)
 
 ``from_config(UpdateConfig, cfg, temperature=...)`` builds it from an experiment config by those names;
-``problems(cls, flat)`` is what the config loader (``arpo_jax.config.validate``) reports for the same rules, named
+``problems(cls, flat)`` is what the config loader (``arpo_jax.assemble.validate``) reports for the same rules, named
 by config field, so a launch still lists every mistake at once. Adding a knob: a line in base.py and a ``knob``
 field where it is used.
 """
@@ -63,9 +63,9 @@ UNIT = Rule(lambda v: 0 <= v <= 1, "0 <= x <= 1")
 
 @functools.cache
 def _base() -> dict[str, Any]:
-    from arpo_jax.configs import base  # ml_collections only: no cycle
+    from arpo_jax.config import schema  # ml_collections only: no cycle
 
-    return base.get_config().to_dict()
+    return schema.get_config().to_dict()
 
 
 def _at(tree, path: str) -> Any:

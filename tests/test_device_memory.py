@@ -7,8 +7,8 @@ import pytest
 
 import arpo_jax
 from arpo_jax import device_memory, testing
+from arpo_jax.assemble.components import check_engine_cache
 from arpo_jax.rollout.jax_sampler import JaxSampler
-from arpo_jax.train.components import check_engine_cache
 
 GIB = 2**30
 

@@ -102,8 +102,8 @@ def test_the_jax_engine_samples_a_lora_policy_with_merged_weights(tiny):
     one's on an H200). Its weights are the merged export's (`lora.merged_state`), at setup and after a sync."""
     from types import SimpleNamespace
 
+    from arpo_jax.assemble import components
     from arpo_jax.rollout.jax_decode import decode_weights
-    from arpo_jax.train import components
 
     path, _, base = tiny
     model = _randomize_b(lora.with_adapters(base, RANK, ALPHA))
@@ -284,10 +284,10 @@ def test_export_command_writes_peft_and_merged_from_a_lora_checkpoint(tiny, tmp_
 
 
 def test_config_validation_names_the_lora_fields():
-    from arpo_jax.config import validate as config_lib
-    from arpo_jax.configs.toy_cpu import get_config
+    from arpo_jax.assemble import validate as config_lib
+    from arpo_jax.config.experiments import experiment
 
-    cfg = get_config()
+    cfg = experiment("toy_cpu").get_config()
     cfg.model.lora.rank, cfg.model.lora.dropout, cfg.model.lora.targets = 8, 0.1, ("q_proj", "lm_head")
     with pytest.raises(config_lib.ConfigError) as e:
         config_lib.validate(cfg, check_files=False)

@@ -6,10 +6,11 @@ import jax
 import pytest
 
 from arpo_jax import distributed
+from arpo_jax.assemble import components
 from arpo_jax.config import args
 from arpo_jax.rollout import placement
 from arpo_jax.rollout.vllm_sampler import engine_devices
-from arpo_jax.train import components, trainer
+from arpo_jax.train import trainer
 
 GPUS = [f"GPU-{i}" for i in range(8)]  # a host's GPUs as the driver names them (UUIDs)
 

@@ -1,6 +1,6 @@
 """runtime: the folder a run's policy starts from."""
 
-from arpo_jax.configs.base import get_config
+from arpo_jax.config.schema import get_config
 from arpo_jax.weights import policy as runtime
 
 

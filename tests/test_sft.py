@@ -244,7 +244,7 @@ def test_sharded_step_equals_single_device(tiny, optimizer):
 
 
 def _toy_config(max_steps):
-    from arpo_jax.configs.base import get_config
+    from arpo_jax.config.schema import get_config
 
     c = get_config()
     c.model.path, c.model.dtype, c.model.remat = "builtin:tiny", "float32", "none"

@@ -297,8 +297,8 @@ def test_worker_blocks_pad_to_common_sizes():
 
 
 def test_tree_training_config_is_validated():
+    from arpo_jax.assemble import validate as config
     from arpo_jax.config import args
-    from arpo_jax.config import validate as config
 
     cfg = args.load_config(["--config=builtin:toy_cpu"]).to_dict()
     assert cfg["actor"]["tree_training"] is True  # on by default

@@ -45,7 +45,7 @@ MICRO_NORMS = ("global_token_mean", "reference")
 
 @dataclasses.dataclass(frozen=True)
 class PackConfig:
-    """How a step's trajectories become the update's batches (the knobs: configs/base.py)."""
+    """How a step's trajectories become the update's batches (the knobs: config/schema.py)."""
 
     group_size: int = knobs.knob("rollout.n", knobs.POSITIVE)  # trajectories per prompt
     mini_batch_prompts: int = knobs.knob("actor.ppo_mini_batch_size", knobs.POSITIVE)  # prompts per optimizer step

@@ -135,9 +135,9 @@ def is_sft(cfg) -> bool:
 
 def shapes_of(cfg, mesh_shape: tuple[int, int, int], rules_name: str, command: str | None = None) -> Shapes:
     """The sizes a config's run gives its programs (as the trainer / SFT and the sampler compute them)."""
+    from arpo_jax.assemble.components import pack_config
     from arpo_jax.rollout.jax_decode import engine_shape
     from arpo_jax.rollout.jax_sampler import engine_kwargs
-    from arpo_jax.train.components import pack_config
 
     command = command or ("sft" if is_sft(cfg) else "train")
     mesh = dict(zip(sharding.MESH_AXES, mesh_shape))
@@ -456,7 +456,7 @@ def compile_check(cfg, *, devices: int = 8, layers: int = 2, command: str | None
     decoder layers, beside the itemised model of the same reduced model: XLA's argument bytes against the model's
     params + optimizer state + batch (exact up to small counters), XLA's CPU temporaries against the model's
     non-state items (the CPU figure overstates: see the module docstring)."""
-    from arpo_jax.train.components import update_config
+    from arpo_jax.assemble.components import update_config
 
     model_cfg, _ = _model_config(cfg, layers)
     mesh_shape = _mesh_shape(cfg, devices)

@@ -73,8 +73,8 @@ def batch_shapes(sh: Shapes, rows: int) -> str:
 
 def _flat_micro_batches(cfg, sh: Shapes, rows: int) -> int:
     """The flat layout's M (the critic's values forward is flat under tree training too)."""
+    from arpo_jax.assemble.components import pack_config
     from arpo_jax.experience import global_batch
-    from arpo_jax.train.components import pack_config
 
     workers = cfg.rollout.workers or sh.processes
     return global_batch.micro_batches(pack_config(cfg), workers, max(1, rows // workers), tree=False)

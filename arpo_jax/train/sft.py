@@ -30,14 +30,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from arpo_jax import distributed, paths, sharding
+from arpo_jax.assemble import validate as config_lib
 from arpo_jax.config import redaction
-from arpo_jax.config import validate as config_lib
 from arpo_jax.data import rl_dataset, sft_data
 from arpo_jax.experience import packing
 from arpo_jax.models.transformer import Config as ModelConfig
 from arpo_jax.train import metrics as metrics_lib
 from arpo_jax.train import run_guard, skeleton
-from arpo_jax.update import accumulate
+from arpo_jax.update import accumulate, machinery
 from arpo_jax.update import jit as jit_lib
 from arpo_jax.update import train_step as ts
 from arpo_jax.update.accumulate import TrainState
@@ -143,7 +143,7 @@ def export_hf(graphdef: nnx.GraphDef, params, path: Path, tokenizer) -> Path:
 
 
 def run_sft(cfg, workdir: str | os.PathLike) -> dict:
-    """Runs cold-start SFT with `cfg` (configs/base.py fields, `sft.*`) in `workdir`; returns a summary dict.
+    """Runs cold-start SFT with `cfg` (config/schema.py fields, `sft.*`) in `workdir`; returns a summary dict.
 
     Data order comes from `data.seed` / `data.shuffle` (a permutation per epoch; the incomplete tail batch of an
     epoch is left out). `sft.mask_tool_results` (default True; see `sft_data`) chooses whether
@@ -202,7 +202,7 @@ def _run_sft(cfg, workdir: Path, resuming: bool, stop: run_guard.StopSignals, t_
     update_cfg = ts.UpdateConfig(lr=cfg.sft.lr, schedule=cfg.sft.schedule, weight_decay=cfg.sft.weight_decay,
                                  warmup_steps=math.ceil(cfg.sft.warmup_ratio * plan.total_steps))
     jit = lambda g, mc, opt, mesh, sh: jit_sft_step(g, mc, opt, mesh, sh, chunk=cfg.actor.logprob_chunk)
-    policy, params = skeleton.build_policy(model, update_cfg, plan.total_steps, mesh, jit)
+    policy, params = machinery.build_policy(model, update_cfg, plan.total_steps, mesh, jit)
     del model
     batch_sh = NamedSharding(mesh, sharding.batch_spec(mesh, policy.model_cfg.sharding_rules))
 

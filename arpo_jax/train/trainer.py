@@ -52,18 +52,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from arpo_jax import compile_log, distributed, knobs, paths, rewards
-from arpo_jax.config import validate as config_lib
-from arpo_jax.data import rl_dataset, toy
-from arpo_jax.experience import advantages, collection, global_batch, reward
-from arpo_jax.experience import step_metrics as step_metrics_lib
-from arpo_jax.experience.trajectories import Trajectories
-from arpo_jax.rollout import placement
-from arpo_jax.rollout.agent_loop import RolloutState, greedy_settings, rollout
-from arpo_jax.rollout.output import RolloutOutput
-from arpo_jax.rollout.sampler import worker_seed
-from arpo_jax.train import critic, run_guard, schedule, skeleton, warmup
-from arpo_jax.train import metrics as metrics_lib
-from arpo_jax.train.components import (
+from arpo_jax.assemble import validate as config_lib
+from arpo_jax.assemble.components import (
     initial_sync,
     make_rollout_sampler,
     make_tool_executor,
@@ -74,9 +64,20 @@ from arpo_jax.train.components import (
     sync_weights,
     update_config,
 )
+from arpo_jax.data import rl_dataset, toy
+from arpo_jax.experience import advantages, collection, global_batch, reward
+from arpo_jax.experience import step_metrics as step_metrics_lib
+from arpo_jax.experience.collection import ScheduleConfig
+from arpo_jax.experience.trajectories import Trajectories
+from arpo_jax.rollout import placement
+from arpo_jax.rollout.agent_loop import RolloutState, greedy_settings, rollout
+from arpo_jax.rollout.output import RolloutOutput
+from arpo_jax.rollout.sampler import worker_seed
+from arpo_jax.train import critic, run_guard, schedule, skeleton, warmup
+from arpo_jax.train import metrics as metrics_lib
 from arpo_jax.train.critic import critic_advantages, critic_config
-from arpo_jax.train.schedule import EngineSchedule, ScheduleConfig
-from arpo_jax.update import lora
+from arpo_jax.train.schedule import EngineSchedule
+from arpo_jax.update import lora, machinery
 from arpo_jax.update import train_step as ts
 from arpo_jax.update.accumulate import TrainState
 from arpo_jax.weights import hf, lora_io
@@ -119,7 +120,7 @@ class Trainer:
         # The policy update (and, with algorithm.adv_estimator = gae, the critic's), the batch layout.
         upd = update_config(cfg)
         updates = self.total_steps * (cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size) * cfg.actor.ppo_epochs
-        self.policy, params = skeleton.build_policy(
+        self.policy, params = machinery.build_policy(
             model, upd, updates, self.mesh, lambda g, mc, opt, mesh, sh: ts.jit_train_step(g, mc, upd, opt, mesh, sh))
         self.logprob_fn = ts.jit_forward_logprobs(self.policy.graphdef, self.model_cfg, chunk=cfg.actor.logprob_chunk,
                                                   temperature=upd.temperature, mesh=self.mesh,

@@ -57,7 +57,7 @@ _TEMPERATURE = knobs.Rule(lambda v: v > 0, "> 0 (training samples; log-probs div
 class UpdateConfig:
     """Loss and optimizer hyperparameters of the policy update. Frozen and hashable: static under jit.
 
-    Each ``knob`` field is the config field it names (default and meaning: configs/base.py) under its rule;
+    Each ``knob`` field is the config field it names (default and meaning: config/schema.py) under its rule;
     ``components.update_config`` builds this from an experiment config."""
 
     loss: str = knobs.knob("actor.loss", knobs.one_of(algos.POLICY_LOSSES))

@@ -54,7 +54,7 @@ FORWARD_KEYS = ("input_ids", "positions", "segment_ids")
 class CriticConfig:
     """Critic loss and optimizer hyperparameters (verl critic defaults). Frozen and hashable: static under jit.
 
-    Each ``knob`` field is the config field it names (default and meaning: configs/base.py); gradient
+    Each ``knob`` field is the config field it names (default and meaning: config/schema.py); gradient
     clipping and weight decay are the actor's (their rules: ``train_step.UpdateConfig``)."""
 
     # values move at most this far from the rollout's old values per update

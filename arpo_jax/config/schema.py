@@ -4,7 +4,7 @@ what they mean. Experiment files import ``get_config`` from here and override wh
 Conventions: an empty string or 0 means "unset / automatic" where a comment says so (ml_collections overrides
 from the command line need typed fields, so there are no ``None`` defaults). Paths may be relative to the
 current directory; ``${ARPO_DATA}``-style environment references are expanded when the config is validated.
-Validation (types, ranges, cross-field rules, files) is ``arpo_jax.config.validate``.
+Validation (types, ranges, cross-field rules, files) is ``arpo_jax.assemble.validate``.
 """
 
 from ml_collections import ConfigDict

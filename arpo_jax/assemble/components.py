@@ -30,8 +30,7 @@ from arpo_jax.rollout.agent_loop import RolloutConfig
 from arpo_jax.rollout.jax_decode import decode_weights
 from arpo_jax.rollout.sampler import CUDA_GRAPHS, ENGINES, Sampler, SamplingSettings
 from arpo_jax.tools import ToolExecutor, make_executor
-from arpo_jax.train import skeleton
-from arpo_jax.update import jit
+from arpo_jax.update import jit, machinery
 from arpo_jax.update import train_step as ts
 
 
@@ -217,7 +216,7 @@ def initial_sync(cfg, step: int) -> bool:
     return step > 0 or bool(cfg.model.init_checkpoint) or bool(cfg.model.lora.rank and cfg.model.lora.adapter)
 
 
-def make_rollout_sampler(cfg, tokenizer, model_folder: Path, workdir: Path, policy: skeleton.Policy, params, *,
+def make_rollout_sampler(cfg, tokenizer, model_folder: Path, workdir: Path, policy: machinery.Policy, params, *,
                          sync: bool):
     """The rollout engine (`rollout.engine`) with the policy's current params (`sync`: tell vLLM, which loaded
     `model_folder`, about params that differ from it: a resumed run or `model.init_checkpoint`)."""
@@ -243,7 +242,7 @@ def make_rollout_sampler(cfg, tokenizer, model_folder: Path, workdir: Path, poli
     return sampler
 
 
-def sync_weights(sampler, cfg, policy: skeleton.Policy, params) -> float:
+def sync_weights(sampler, cfg, policy: machinery.Policy, params) -> float:
     """The weight-sync phase: the sampler gets `params` (the JAX sampler a copy of its own, vLLM the model to
     export). Returns the seconds it took."""
     if cfg.rollout.engine == "jax":
@@ -251,13 +250,13 @@ def sync_weights(sampler, cfg, policy: skeleton.Policy, params) -> float:
     return sampler.update_weights(nnx.merge(policy.graphdef, params))
 
 
-def sampler_graphdef(policy: skeleton.Policy):
+def sampler_graphdef(policy: machinery.Policy):
     """The graph of the JAX sampler's model: the policy's, or with LoRA its base's (the sampler gets the merged
     weights, `sampler_params`)."""
     return lora.base_graphdef(policy.model_cfg) if policy.model_cfg.lora_rank else policy.graphdef
 
 
-def sampler_params(params, policy: skeleton.Policy):
+def sampler_params(params, policy: machinery.Policy):
     """A copy of the policy's params for the JAX sampler (the train step donates its own) in the compute dtype
     (`jax_sampler.decode_weights`: cast before any gather), on local devices: with several processes every one gets
     the whole model (it samples alone). With LoRA the adapters merged into their weights (`lora.jit_engine_weights`:

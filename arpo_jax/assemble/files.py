@@ -1,4 +1,4 @@
-"""The file checks of ``arpo_jax.config.validate``: the model, data, corpus, cache and interpreters a command needs
+"""The file checks of ``arpo_jax.assemble.validate``: the model, data, corpus, cache and interpreters a command needs
 exist (and the model's context holds P + R), so a wrong path fails at launch, named by its field."""
 
 from __future__ import annotations
