@@ -33,12 +33,12 @@ import numpy as np
 
 from arpo_jax import distributed, sharding
 from arpo_jax.assemble import components
+from arpo_jax.assemble import policy as runtime
 from arpo_jax.config import args as args_lib
 from arpo_jax.experience import packing
 from arpo_jax.update import jit
 from arpo_jax.update import train_step as ts
 from arpo_jax.weights import named_models, pretrained
-from arpo_jax.weights import policy as runtime
 
 PROMPT, RESPONSE, ROW, PER_ROW = 105, 130, 768, 3
 

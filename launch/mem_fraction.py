@@ -22,7 +22,7 @@ if __name__ == "__main__":
     from arpo_jax.config import args
     from arpo_jax.plan import plan
     from arpo_jax.plan.memory_model import MARGIN, nvls_on
-    from arpo_jax.rollout import placement
+    from arpo_jax.assemble import placement
     from arpo_jax.sharding import DEVICES
 
     cfg, _ = args.parse_config_args(sys.argv[1:])

@@ -14,6 +14,7 @@ from flax import nnx, traverse_util
 
 import arpo_jax
 from arpo_jax import sharding, testing
+from arpo_jax.assemble import policy
 from arpo_jax.experience import packing
 from arpo_jax.models import lora, transformer
 from arpo_jax.models.transformer import LORA_TARGETS
@@ -254,10 +255,10 @@ def test_peft_export_loads_in_peft_and_back(tiny, tmp_path):
     from ml_collections import ConfigDict
 
     lc = ConfigDict({"rank": RANK, "alpha": ALPHA, "targets": model.config.lora_targets, "adapter": str(out)})
-    assert lora_io.from_config(base, lc).config == model.config
+    assert policy.with_lora(base, lc).config == model.config
     lc.rank = 8
     with pytest.raises(ValueError, match="set model.lora to match"):
-        lora_io.from_config(base, lc)
+        policy.with_lora(base, lc)
 
 
 def test_export_command_writes_peft_and_merged_from_a_lora_checkpoint(tiny, tmp_path):
@@ -471,7 +472,8 @@ def test_rl_checkpoint_holds_the_adapters_and_a_pointer_to_the_base(tiny, tmp_pa
     state = jit.init_train_state(params, opt)
     state = state._replace(opt_state=jax.tree.map(lambda x: x + 1 if x.dtype == jnp.float32 else x, state.opt_state))
     run_cfg = ConfigDict({"model": {"path": str(path), "init_checkpoint": ""}})
-    view = lora_io.CheckpointView.for_run(run_cfg, path, params, model.config)  # what the trainer saves/restores
+    # what the trainer saves/restores
+    view = lora_io.CheckpointView.for_run(run_cfg.model.path, run_cfg.model.init_checkpoint, path, params, model.config)
     pointer = view.pointer
     assert pointer["folder"] == str(path) and len(pointer["hash"]) == 32
     with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:

@@ -1,4 +1,4 @@
-"""rollout.vllm.placement=split (rollout/placement.py): the engines' GPUs are hidden from JAX before its backend
+"""rollout.vllm.placement=split (assemble/placement.py): the engines' GPUs are hidden from JAX before its backend
 starts, the engines are pinned to them, and the trainer's mesh spans the rest (8 fake CPU devices stand for a
 host's 8 GPUs where nothing can be hidden)."""
 
@@ -6,9 +6,8 @@ import jax
 import pytest
 
 from arpo_jax import distributed
-from arpo_jax.assemble import components
+from arpo_jax.assemble import components, placement
 from arpo_jax.config import args
-from arpo_jax.rollout import placement
 from arpo_jax.rollout.vllm_sampler import engine_devices
 from arpo_jax.train import trainer
 

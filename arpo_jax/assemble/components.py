@@ -20,7 +20,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from arpo_jax import device_memory, distributed, knobs, sharding
+from arpo_jax import distributed, knobs, sharding
 from arpo_jax.data import toy
 from arpo_jax.data.prompts import REFERENCE_DATA_SYSTEM_PROMPT, SYSTEM_PROMPT, SYSTEM_PROMPTS
 from arpo_jax.experience.packing import PackConfig
@@ -69,19 +69,16 @@ def make_tool_executor(cfg) -> ToolExecutor:
     return make_executor(tools, max_workers=t.max_workers, timeout_s=t.timeout_s, retry_count=t.retry_count)
 
 
-def check_engine_cache(sampler) -> None:
-    """Refuses, before a JAX engine allocates it (at its warm-up or first call), a KV cache larger than the free
-    memory (`device_memory`): one line with the sizes and the settings to change, not the OOM killer."""
-    import jax
-
-    init, args = sampler.programs()["init"]
-    devices = list(sampler.mesh.devices.flat) if sampler.mesh is not None else jax.local_devices()[:1]
-    total, cpu = device_memory.tree_bytes(jax.eval_shape(init, *args)), devices[0].platform == "cpu"
-    device_memory.require_fits(  # CPU devices share the host's memory
-        total if cpu else -(-total // len(devices)), device_memory.available_bytes(devices[0]),
-        f"the JAX engine's KV cache ({sampler.shape.slots} rows x {sampler.shape.cache_len} tokens)", "give it fewer "
-        "rows (rollout.jax.slots; `arpo-jax eval`: --batch-size x --k), shorter contexts (data.max_prompt_length + "
-        "data.max_response_length) or a cap (rollout.jax.max_tokens_per_call)")
+def engine_kwargs(cfg, processes: int) -> dict:
+    """`JaxSampler`'s settings from an experiment config (`rollout.jax`, `rollout.entropy_top_k`), `processes` the
+    run's process count: `slots` = 0 means one rollout worker's trajectories (its prompts x rollout.n)."""
+    j = cfg.rollout.jax
+    workers = cfg.rollout.workers or processes
+    slots = j.slots or max(1, cfg.data.train_batch_size // workers) * cfg.rollout.n
+    return dict(slots=slots, decode_chunk=j.decode_chunk, prefill_chunk=j.prefill_chunk,
+                max_tokens_per_call=j.max_tokens_per_call, layout=j.layout,
+                max_logprobs=max(20, cfg.rollout.entropy_top_k), decode_rows=j.decode_rows,
+                decode_lengths=j.decode_lengths, kv_dtype=j.kv_dtype)
 
 
 def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=None,
@@ -109,13 +106,13 @@ def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=
     if engine == "jax":
         import jax
 
-        from arpo_jax.rollout.jax_sampler import JaxSampler, engine_kwargs
+        from arpo_jax.rollout.jax_sampler import JaxSampler, check_cache_fits
 
         sampler = JaxSampler(model, tokenizer, max_len=max_len, mesh=mesh, **engine_kwargs(cfg, jax.process_count()))
-        check_engine_cache(sampler)
+        check_cache_fits(sampler)
         return sampler
     if engine == "vllm":
-        from arpo_jax.rollout import placement
+        from arpo_jax.assemble import placement
         from arpo_jax.rollout.vllm_sampler import VllmSampler, engine_devices
 
         v = cfg.rollout.vllm

@@ -48,7 +48,7 @@ def _check_file_list(ck, path: str) -> None:
 def _check_model_files(ck, command: str) -> None:
     model = ck.get("model.path")
     if command in ("train", "eval") and not ck.get("model.init_checkpoint"):
-        from arpo_jax.weights import policy as policy_lib  # the builtin tiny model's shape lives there
+        from arpo_jax.assemble import policy as policy_lib  # the builtin tiny model's shape lives there
 
         if model == policy_lib.BUILTIN_TINY:
             check_positions(ck, policy_lib.TINY_MAX_POSITIONS)

@@ -101,10 +101,11 @@ def _allowed() -> dict[str, tuple]:
 def _direct_enums() -> dict[str, tuple]:
     """Enum fields read directly (not through a knob), with the allowed values of the modules that consume them."""
     from arpo_jax import rewards, sharding, tools
+    from arpo_jax.assemble import placement
     from arpo_jax.data import prompts, rl_dataset
     from arpo_jax.experience import advantages
     from arpo_jax.models import transformer
-    from arpo_jax.rollout import jax_decode, placement, sampler
+    from arpo_jax.rollout import jax_decode, sampler
     from arpo_jax.update import algos, train_step
 
     return {

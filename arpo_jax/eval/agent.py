@@ -23,6 +23,7 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from arpo_jax.assemble import components
+from arpo_jax.assemble import policy as policy_lib
 from arpo_jax.assemble import validate as config_lib
 from arpo_jax.config import args as args_lib
 from arpo_jax.config import schema
@@ -31,7 +32,6 @@ from arpo_jax.eval.benchmarks import build_messages
 from arpo_jax.rollout.agent_loop import greedy_settings, rollout
 from arpo_jax.rollout.output import RolloutOutput
 from arpo_jax.weights import lora_io, named_models
-from arpo_jax.weights import policy as policy_lib
 
 log = logging.getLogger(__name__)
 

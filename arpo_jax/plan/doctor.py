@@ -226,7 +226,7 @@ def devices(n: Node) -> list[Row]:
 
 
 def engine_gpus(n: Node) -> list[Row]:
-    from arpo_jax.rollout import placement
+    from arpo_jax.assemble import placement
     from arpo_jax.rollout.vllm_sampler import engine_devices
 
     v = n.cfg.rollout.vllm

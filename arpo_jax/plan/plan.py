@@ -64,6 +64,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from arpo_jax import models, sharding
+from arpo_jax.assemble import placement
 from arpo_jax.experience import global_batch
 from arpo_jax.models.lora import config_with
 from arpo_jax.models.published import REAL_CONFIGS
@@ -92,7 +93,6 @@ from arpo_jax.plan.memory_model import (
     sampler_items,
     total_bytes,
 )
-from arpo_jax.rollout import placement
 from arpo_jax.sharding import DEVICES
 from arpo_jax.update import accumulate, jit, lora
 from arpo_jax.update import train_step as ts
@@ -105,7 +105,7 @@ def _with_shardings(abstract, shardings):
 
 def hf_config_for(model_path: str) -> tuple[dict, str]:
     """(config.json dict, where it came from) for `model.path`, falling back to a published model's config."""
-    from arpo_jax.weights.policy import BUILTIN_TINY
+    from arpo_jax.assemble.policy import BUILTIN_TINY
 
     if model_path == BUILTIN_TINY:  # runtime.build_tiny_model's architecture (its vocabulary is at most 1024)
         tiny = models.Config(model_type="qwen2", vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=2,
@@ -135,9 +135,8 @@ def is_sft(cfg) -> bool:
 
 def shapes_of(cfg, mesh_shape: tuple[int, int, int], rules_name: str, command: str | None = None) -> Shapes:
     """The sizes a config's run gives its programs (as the trainer / SFT and the sampler compute them)."""
-    from arpo_jax.assemble.components import pack_config
+    from arpo_jax.assemble.components import engine_kwargs, pack_config
     from arpo_jax.rollout.jax_decode import engine_shape
-    from arpo_jax.rollout.jax_sampler import engine_kwargs
 
     command = command or ("sft" if is_sft(cfg) else "train")
     mesh = dict(zip(sharding.MESH_AXES, mesh_shape))
@@ -230,7 +229,7 @@ def fixes(r: dict) -> list[str]:
 
 
 def _model_config(cfg, layers: int | None = None):
-    from arpo_jax.weights.policy import runtime_options
+    from arpo_jax.assemble.policy import runtime_options
 
     hf_cfg, source = hf_config_for(cfg.model.path)
     if layers:

@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from arpo_jax import distributed, paths, sharding
+from arpo_jax.assemble import policy as policy_lib
 from arpo_jax.assemble import validate as config_lib
 from arpo_jax.config import redaction
 from arpo_jax.data import rl_dataset, sft_data
@@ -42,7 +43,6 @@ from arpo_jax.update import jit as jit_lib
 from arpo_jax.update import train_step as ts
 from arpo_jax.update.accumulate import TrainState
 from arpo_jax.weights import hf
-from arpo_jax.weights import policy as policy_lib
 
 log = logging.getLogger(__name__)
 

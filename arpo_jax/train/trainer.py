@@ -52,6 +52,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from arpo_jax import compile_log, distributed, knobs, paths, rewards
+from arpo_jax.assemble import placement
+from arpo_jax.assemble import policy as policy_lib
 from arpo_jax.assemble import validate as config_lib
 from arpo_jax.assemble.components import (
     initial_sync,
@@ -69,7 +71,6 @@ from arpo_jax.experience import advantages, collection, global_batch, reward
 from arpo_jax.experience import step_metrics as step_metrics_lib
 from arpo_jax.experience.collection import ScheduleConfig
 from arpo_jax.experience.trajectories import Trajectories
-from arpo_jax.rollout import placement
 from arpo_jax.rollout.agent_loop import RolloutState, greedy_settings, rollout
 from arpo_jax.rollout.output import RolloutOutput
 from arpo_jax.rollout.sampler import worker_seed
@@ -81,7 +82,6 @@ from arpo_jax.update import lora, machinery
 from arpo_jax.update import train_step as ts
 from arpo_jax.update.accumulate import TrainState
 from arpo_jax.weights import hf, lora_io
-from arpo_jax.weights import policy as policy_lib
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +137,8 @@ class Trainer:
         self.checkpoints = skeleton.RunCheckpoints(
             [skeleton.policy_checkpointer(cfg, self.workdir)] + ([self.critic.ckpt] if self.critic else []))
         self.step, self.position = 0, rl_dataset.DataPosition(0, 0)
-        # LoRA: checkpoints hold the adapters and a pointer to the frozen base (`lora_io.base_pointer`), not the base.
-        self.stored = lora_io.CheckpointView.for_run(cfg, self.model_folder, params, self.model_cfg)
+        self.stored = lora_io.CheckpointView.for_run(  # LoRA: the adapters and the base's pointer, not the base
+            cfg.model.path, cfg.model.init_checkpoint, self.model_folder, params, self.model_cfg)
         latest, (self.state, critic_state) = self.checkpoints.resume_or_init(
             resuming, lambda s: (self._restore(s), self.critic.restore(s) if self.critic else None),
             lambda: (self.policy.init_state(params), self.critic.init_state(params) if self.critic else None))
