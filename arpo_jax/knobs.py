@@ -3,7 +3,7 @@ from, and that field's rule; the default and the comment are the config file's (
 
     @dataclasses.dataclass(frozen=True)
     class UpdateConfig:
-        clip_c: float = knobs.knob("actor.clip_c", algos.DUAL_CLIP)   # default 3.0 from base.py, rule "> 1"
+        clip_c: float = knobs.knob("actor.clip_c", algos.DUAL_CLIP)   # default 3.0 from the schema, rule "> 1"
         b1: float = 0.9                                                # not a config field: a plain default
 
         def __post_init__(self):
@@ -11,7 +11,7 @@ from, and that field's rule; the default and the comment are the config file's (
 
 ``from_config(UpdateConfig, cfg, temperature=...)`` builds it from an experiment config by those names;
 ``problems(cls, flat)`` is what the config loader (``arpo_jax.assemble.validate``) reports for the same rules, named
-by config field, so a launch still lists every mistake at once. Adding a knob: a line in base.py and a ``knob``
+by config field, so a launch still lists every mistake at once. Adding a knob: a line in schema.py and a ``knob``
 field where it is used.
 """
 
@@ -81,7 +81,7 @@ def default(path: str) -> Any:
 
 
 def knob(path: str, rule: Rule | None = None) -> Any:
-    """A dataclass field read from config field `path`, with its default from base.py and an optional `rule`."""
+    """A dataclass field read from config field `path`, with its default from the schema and an optional `rule`."""
     return dataclasses.field(default=default(path), metadata={"path": path, "rule": rule})
 
 

@@ -66,7 +66,9 @@ def test_the_stage_order_runs_as_the_readme_lists_the_stages():
 
 # Upward imports planted in a copy of the package, one per form Python imports by (file, code appended, the
 # violation it must produce): a name re-exported by a package, a submodule named through a package's `__init__`
-# (in an `__init__`), a relative import inside a function, a dotted `import`.
+# (in an `__init__`), a relative import inside a function, a dotted `import`; and one per rule of the stage order:
+# a stage that runs after (the update from the experience, the rollout, the weights; the assembly from a stage), one
+# beside it (tools and models), one above the ground floor (the config from the data).
 PLANTED = [
     ("models/llama.py", "from arpo_jax.rollout import rollout", "arpo_jax.models.llama -> arpo_jax.rollout"),
     ("experience/packing.py", "from arpo_jax.update.train_step import UpdateConfig",
@@ -75,6 +77,11 @@ PLANTED = [
      "arpo_jax.rollout.vllm_sampler -> arpo_jax.update.lora"),
     ("weights/checkpoint.py", "import arpo_jax.update.accumulate",
      "arpo_jax.weights.checkpoint -> arpo_jax.update.accumulate"),
+    ("config/args.py", "def _planted():\n    from ..data import toy", "arpo_jax.config.args -> arpo_jax.data.toy"),
+    ("tools/search.py", "from arpo_jax.models import transformer",
+     "arpo_jax.tools.search -> arpo_jax.models.transformer"),
+    ("rollout/sampler.py", "from arpo_jax.assemble.components import make_sampler",
+     "arpo_jax.rollout.sampler -> arpo_jax.assemble.components"),
     ("tools/__init__.py", "from arpo_jax.train import trainer", "arpo_jax.tools -> arpo_jax.train.trainer"),
     ("weights/hf.py", "def _planted():\n    from ..train import trainer",
      "arpo_jax.weights.hf -> arpo_jax.train.trainer"),

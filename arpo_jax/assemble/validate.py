@@ -542,7 +542,7 @@ def validate(cfg: ConfigDict, *, device_count: int | None = None, process_count:
     """Checks the whole config and returns a normalised, locked copy; raises one ConfigError listing every problem.
 
     Args:
-      cfg: the experiment config (from `load_config`, or any ConfigDict / dict with the base.py fields).
+      cfg: the experiment config (from `load_config`, or any ConfigDict / dict with the schema's fields).
       device_count: when given, mesh.shape must fit exactly that many devices (-1 filling the rest).
       process_count: when given, batches must split evenly over that many processes.
       check_files: expand `${VAR}` (an unset variable is then an error) and check that the files and folders
