@@ -1,5 +1,5 @@
 """Knobs (arpo_jax/knobs.py): a component's settings dataclass reads its config fields by the paths it declares,
-with the config file's defaults and one rule per field, checked by the dataclass and reported by config.validate."""
+with the config file's defaults and one rule per field, checked by the dataclass and reported by assemble.validate."""
 
 import dataclasses
 

@@ -160,7 +160,8 @@ def test_each_process_logs_its_engines_to_its_own_file():
 
 
 def test_cuda_graphs_setting_maps_onto_enforce_eager():
-    from arpo_jax.config import args, validate
+    from arpo_jax.assemble import validate
+    from arpo_jax.config import args
 
     assert CUDA_GRAPHS == {"auto": None, "on": False, "off": True}
     cfg = args.load_config(["--config=builtin:toy_cpu"])

@@ -13,7 +13,7 @@ from typing import Any
 from arpo_jax.config.args import BUILTIN
 from arpo_jax.weights import named_models
 
-# `ck` below is config.validate's checker: `get(path)` (None when missing or already reported), `add(path, problem,
+# `ck` below is assemble.validate's checker: `get(path)` (None when missing or already reported), `add(path, problem,
 # allowed)` and `bad` (the reported paths).
 
 

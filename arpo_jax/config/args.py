@@ -187,7 +187,7 @@ def load_config(argv: Sequence[str]) -> ConfigDict:
 
 def apply_overrides(cfg: ConfigDict, overrides: Sequence[str], base: str = "builtin:toy_cpu") -> None:
     """`KEY=VALUE` strings set on an already built config (e.g. the demo's), each parsed and typed exactly as
-    `--config.KEY=VALUE` on `base` would be (its parser, its errors); `config.validate` checks the values later."""
+    `--config.KEY=VALUE` on `base` would be (its parser, its errors); `assemble.validate` checks the values later."""
     for o in overrides:
         if "=" not in o:
             raise ValueError(f"{o!r}: expected KEY=VALUE, e.g. rollout.max_staleness=1")
