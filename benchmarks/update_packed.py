@@ -80,7 +80,7 @@ def main() -> None:
     variants = [[s for s in v if s != "+trim"] for v in names]
     trims = ["+trim" in v for v in names]
     base = load_config(args.model, [])
-    mesh = distributed.make_mesh(base)
+    mesh = components.make_mesh(base)
     model = pretrained.from_pretrained(named_models.model_folder(args.model), mesh=mesh, scan_layers=not args.no_scan,
                                **runtime.runtime_options(base))
     vocab = model.config.vocab_size

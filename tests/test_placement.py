@@ -52,7 +52,7 @@ def test_the_mesh_spans_each_processs_first_devices_and_leaves_the_engines_share
     cfg = _cfg()
     ours = placement.trainer_devices(cfg, devices, 0, environ={})
     assert ours == devices[:5]
-    mesh = distributed.make_mesh(cfg, ours)
+    mesh = components.make_mesh(cfg, ours)
     assert mesh.devices.shape == (1, 5, 1) and not set(mesh.devices.flat) & set(devices[5:])
     # Colocated: every device (None: the default mesh); hidden GPUs: JAX sees the trainer's alone.
     assert placement.trainer_devices(_cfg("--config.rollout.vllm.placement=colocated",

@@ -34,6 +34,11 @@ from arpo_jax.update import jit, machinery
 from arpo_jax.update import train_step as ts
 
 
+def make_mesh(cfg, devices=None) -> Mesh:
+    """The config's ('data', 'fsdp', 'tensor') mesh over `devices` (default: every device of every process)."""
+    return sharding.make_mesh(tuple(cfg.mesh.shape), devices)
+
+
 def rollout_config(cfg) -> RolloutConfig:
     """The agent loop's settings (spec 3): its knobs (`rollout`, `tools.call_limit`, `data.max_response_length`)
     and the prompt width P."""

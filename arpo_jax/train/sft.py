@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from arpo_jax import distributed, paths, sharding
+from arpo_jax.assemble import components
 from arpo_jax.assemble import policy as policy_lib
 from arpo_jax.assemble import validate as config_lib
 from arpo_jax.config import redaction
@@ -190,7 +191,7 @@ def finished_run(cfg, workdir: Path) -> dict | None:
 
 def _run_sft(cfg, workdir: Path, resuming: bool, stop: run_guard.StopSignals, t_start: float) -> dict:
     is_main = distributed.is_main_process()
-    mesh = distributed.make_mesh(cfg)
+    mesh = components.make_mesh(cfg)
     model, tokenizer, _ = policy_lib.load_policy(cfg, workdir, mesh)
     config_lib.check_tokenizer(tokenizer, cfg)
     # Data: every process tokenises everything (M and the loss-token totals must agree) and packs its own shard.

@@ -57,6 +57,7 @@ from arpo_jax.assemble import policy as policy_lib
 from arpo_jax.assemble import validate as config_lib
 from arpo_jax.assemble.components import (
     initial_sync,
+    make_mesh,
     make_rollout_sampler,
     make_tool_executor,
     pack_config,
@@ -108,7 +109,7 @@ class Trainer:
         self.lock, resuming = run_guard.open_workdir(self.workdir, cfg, "train")
         if cfg.trainer.export_hf:
             hf.check_export_destination(self.workdir / "hf")
-        self.mesh = distributed.make_mesh(cfg, devices)
+        self.mesh = make_mesh(cfg, devices)
         self.workers = num_workers(cfg)
         self.local_workers = local_workers(self.workers)
         model, self.tokenizer, self.model_folder = policy_lib.load_policy(cfg, self.workdir, self.mesh)
