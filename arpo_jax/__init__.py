@@ -28,31 +28,6 @@ def _tune_xla_cpu() -> None:
 _tune_xla_cpu()
 
 
-def _checkout_configs() -> None:
-    """A source checkout run without `pip install` (`PYTHONPATH=<checkout> python -m arpo_jax.cli ...`, as on a
-    cluster): the experiment configs are the top-level configs/ folder, which is `arpo_jax.configs` only through an
-    install's package-dir mapping (pyproject.toml). Registers the checkout's own folder under that name, so
-    `--config=builtin:NAME` and `from arpo_jax.configs.base import ...` work there, and a checkout imported beside
-    another checkout's editable install uses its own configs, not the install's. A wheel has no pyproject.toml
-    beside the package: the installed mapping applies."""
-    import importlib.util
-    import sys
-
-    root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-    init = _os.path.join(root, "configs", "__init__.py")
-    if "arpo_jax.configs" in sys.modules or not (
-            _os.path.isfile(init) and _os.path.isfile(_os.path.join(root, "pyproject.toml"))):
-        return
-    spec = importlib.util.spec_from_file_location("arpo_jax.configs", init,
-                                                  submodule_search_locations=[_os.path.dirname(init)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    globals()["configs"] = module
-
-
-_checkout_configs()
-
 from arpo_jax.models import CausalLM, Config, KVCache, init_model
 from arpo_jax.sharding import make_mesh
 from arpo_jax.weights.hf import save_pretrained

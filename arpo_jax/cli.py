@@ -46,9 +46,9 @@ def _sft(args) -> dict:
 
 
 def _plan(args) -> dict:
+    from arpo_jax.assemble import placement
+    from arpo_jax.assemble import validate as config_lib
     from arpo_jax.config import args as args_lib
-    from arpo_jax.config import validate as config_lib
-    from arpo_jax.rollout import placement
 
     cfg = args_lib.load_config(args.config_args)
     shape = tuple(cfg.mesh.shape)

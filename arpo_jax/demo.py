@@ -235,9 +235,9 @@ def transcript(hf_dir: Path, cfg, question: str, engine: str = "transformers") -
     transformers, vllm or jax."""
     from transformers import AutoTokenizer
 
+    from arpo_jax.assemble import components
     from arpo_jax.data import prompts, rl_dataset
     from arpo_jax.rollout.agent_loop import greedy_settings, rollout
-    from arpo_jax.train import components
     from arpo_jax.weights import pretrained
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)

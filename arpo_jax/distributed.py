@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -21,7 +20,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from arpo_jax import paths, sharding
+from arpo_jax import paths
 
 
 def global_array(local: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -151,8 +150,3 @@ def trim_host_memory() -> None:
     libc = ctypes.util.find_library("c")
     if libc and hasattr(lib := ctypes.CDLL(libc), "malloc_trim"):
         lib.malloc_trim(0)
-
-
-def make_mesh(cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The config's ('data', 'fsdp', 'tensor') mesh over `devices` (default: every device of every process)."""
-    return sharding.make_mesh(tuple(cfg.mesh.shape), devices)

@@ -1,17 +1,17 @@
 """Config knobs declared once: a component's settings dataclass names the config field each of its fields comes
-from, and that field's rule; the default and the comment are the config file's (``configs/base.py``).
+from, and that field's rule; the default and the comment are the config file's (``config/schema.py``).
 
     @dataclasses.dataclass(frozen=True)
     class UpdateConfig:
-        clip_c: float = knobs.knob("actor.clip_c", algos.DUAL_CLIP)   # default 3.0 from base.py, rule "> 1"
+        clip_c: float = knobs.knob("actor.clip_c", algos.DUAL_CLIP)   # default 3.0 from the schema, rule "> 1"
         b1: float = 0.9                                                # not a config field: a plain default
 
         def __post_init__(self):
             knobs.validate(self)
 
 ``from_config(UpdateConfig, cfg, temperature=...)`` builds it from an experiment config by those names;
-``problems(cls, flat)`` is what the config loader (``arpo_jax.config.validate``) reports for the same rules, named
-by config field, so a launch still lists every mistake at once. Adding a knob: a line in base.py and a ``knob``
+``problems(cls, flat)`` is what the config loader (``arpo_jax.assemble.validate``) reports for the same rules, named
+by config field, so a launch still lists every mistake at once. Adding a knob: a line in schema.py and a ``knob``
 field where it is used.
 """
 
@@ -63,9 +63,9 @@ UNIT = Rule(lambda v: 0 <= v <= 1, "0 <= x <= 1")
 
 @functools.cache
 def _base() -> dict[str, Any]:
-    from arpo_jax.configs import base  # ml_collections only: no cycle
+    from arpo_jax.config import schema  # ml_collections only: no cycle
 
-    return base.get_config().to_dict()
+    return schema.get_config().to_dict()
 
 
 def _at(tree, path: str) -> Any:
@@ -81,7 +81,7 @@ def default(path: str) -> Any:
 
 
 def knob(path: str, rule: Rule | None = None) -> Any:
-    """A dataclass field read from config field `path`, with its default from base.py and an optional `rule`."""
+    """A dataclass field read from config field `path`, with its default from the schema and an optional `rule`."""
     return dataclasses.field(default=default(path), metadata={"path": path, "rule": rule})
 
 

@@ -155,6 +155,12 @@ def constrain(x: jax.Array, axes: Sequence[str | None], rules_name: str) -> jax.
     return jax.lax.with_sharding_constraint(x, spec)
 
 
+def batch_spec(mesh: Mesh, rules_name: str) -> PartitionSpec:
+    """[M, B, T] batch arrays: rows split over the mesh axes of the logical ``batch`` axis."""
+    axes = tuple(a for a in get_rules(rules_name)["batch"] if mesh.shape[a] > 1)
+    return PartitionSpec(None, axes or None, None)
+
+
 def batch_shards(rows: int, rules_name: str | None) -> int:
     """Devices the logical "batch" axis spans in the current mesh context (`jax.set_mesh`); 1 outside one, without
     rules, or when it does not divide `rows`."""

@@ -5,7 +5,9 @@ in the rollout (spec 5.2), entropy-balanced clipping (10.1) and entropy-aware ad
 dynamic rollouts (5.1) off. AEPO yaml tools: call_limit 6, 32 workers, 4 attempts.
 """
 
-from arpo_jax.configs.arpo_qwen25_7b_reasoning import get_config as arpo_config
+from arpo_jax.config.experiments import experiment
+
+arpo_config = experiment("arpo_qwen25_7b_reasoning").get_config
 
 
 def set_aepo(c):

@@ -3,8 +3,10 @@
 The ARPO 14B deep-search setup (64 x 12, mini 8, P 2000, R 6192, 5 epochs) with the AEPO switches of aepo_qwen25_7b.
 """
 
-from arpo_jax.configs.aepo_qwen25_7b import set_aepo
-from arpo_jax.configs.arpo_qwen3_14b_deepsearch import get_config as arpo_config
+from arpo_jax.config.experiments import experiment
+
+set_aepo = experiment("aepo_qwen25_7b").set_aepo
+arpo_config = experiment("arpo_qwen3_14b_deepsearch").get_config
 
 
 def get_config():

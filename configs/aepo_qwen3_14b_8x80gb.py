@@ -1,8 +1,10 @@
 """AEPO, Qwen3-14B deep research on one node of 8 x 80 GB GPUs: `aepo_qwen3_14b` with the split placement of
 `arpo_qwen3_14b_deepsearch_8x80gb` (3 GPUs for the vLLM engines, 5 for the trainer; that file says why)."""
 
-from arpo_jax.configs.aepo_qwen3_14b import get_config as aepo_config
-from arpo_jax.configs.arpo_qwen3_14b_deepsearch_8x80gb import on_8x80gb
+from arpo_jax.config.experiments import experiment
+
+aepo_config = experiment("aepo_qwen3_14b").get_config
+on_8x80gb = experiment("arpo_qwen3_14b_deepsearch_8x80gb").on_8x80gb
 
 
 def get_config():

@@ -6,7 +6,7 @@ The reference starts RL from the cold-start SFT model: pass `--config.model.init
 (see sft_qwen25_7b.py) or point model.path at an exported SFT folder.
 """
 
-from arpo_jax.configs.base import get_config as base_config
+from arpo_jax.config.schema import get_config as base_config
 
 
 def get_config():

@@ -5,7 +5,9 @@ the 4 chips, and the JAX KV-cache sampler instead of vLLM (no co-located vLLM on
 reference script's. Launch with launch/tpu_pod.sh (a single host also works with launch/local.sh on the VM).
 """
 
-from arpo_jax.configs.arpo_qwen25_7b_reasoning import get_config as arpo_config
+from arpo_jax.config.experiments import experiment
+
+arpo_config = experiment("arpo_qwen25_7b_reasoning").get_config
 
 
 def get_config():

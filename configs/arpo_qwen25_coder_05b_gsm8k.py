@@ -33,7 +33,7 @@ Choices (benchmarks/RESULTS.md, "ARPO on GSM8K"):
   only: a few MB), so a stopped run loses at most one step.
 """
 
-from arpo_jax.configs.base import get_config as base_config
+from arpo_jax.config.schema import get_config as base_config
 
 DEFAULT_DATA = "runs/gsm8k_tool/data"
 FLAGS = ("gpu", "full", "grpo", "notool")

@@ -4,7 +4,9 @@ The 8B deep-search setup with a smaller batch and group: 64 prompts x 12 traject
 mini-batch, R = 6192. hard_search_1k gives 16 steps an epoch, 80 in all.
 """
 
-from arpo_jax.configs.arpo_qwen3_8b_deepsearch import get_config as deepsearch_config
+from arpo_jax.config.experiments import experiment
+
+deepsearch_config = experiment("arpo_qwen3_8b_deepsearch").get_config
 
 
 def get_config():

@@ -16,7 +16,9 @@ Same algorithm, data and batch as the 141 GB config (64 x 12, mini-batch 8, P 20
 (one step off-policy, corrected by actor.rollout_correction); the default stays the reference's synchronous loop.
 """
 
-from arpo_jax.configs.arpo_qwen3_14b_deepsearch import get_config as deepsearch_config
+from arpo_jax.config.experiments import experiment
+
+deepsearch_config = experiment("arpo_qwen3_14b_deepsearch").get_config
 
 
 def on_8x80gb(c):

@@ -7,7 +7,9 @@ query and 8 KV heads divide by 4), which splits the gathered layers and attentio
 rolls out 16 of the 64 prompts of a step.
 """
 
-from arpo_jax.configs.arpo_qwen3_14b_deepsearch import get_config as arpo_config
+from arpo_jax.config.experiments import experiment
+
+arpo_config = experiment("arpo_qwen3_14b_deepsearch").get_config
 
 
 def get_config():

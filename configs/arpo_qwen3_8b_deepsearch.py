@@ -4,7 +4,7 @@ One node of 8 GPUs. hard_search_1k (1071 prompts) at 128 a step: 8 steps an epoc
 on GAIA and HLE. Longer responses (R = 10000) and up to 6 tool calls per trajectory.
 """
 
-from arpo_jax.configs.base import get_config as base_config
+from arpo_jax.config.schema import get_config as base_config
 
 
 def get_config():

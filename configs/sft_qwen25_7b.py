@@ -8,7 +8,7 @@ Run: `arpo-jax sft --config=builtin:sft_qwen25_7b --workdir=runs/sft_7b`; then s
 `--config.model.init_checkpoint=runs/sft_7b/checkpoints`.
 """
 
-from arpo_jax.configs.base import get_config as base_config
+from arpo_jax.config.schema import get_config as base_config
 
 
 def get_config():

@@ -6,7 +6,7 @@ splits) and search corpus are generated.
   arpo-jax sft --config=builtin:toy_cpu --workdir=runs/toy_sft
 """
 
-from arpo_jax.configs.base import get_config as base_config
+from arpo_jax.config.schema import get_config as base_config
 
 
 def get_config():

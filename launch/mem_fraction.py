@@ -19,10 +19,10 @@ import sys
 if __name__ == "__main__":
     # The plan is arithmetic: keep this short-lived process off the GPUs (JAX would preallocate them).
     os.environ["JAX_PLATFORMS"] = "cpu"
+    from arpo_jax.assemble import placement
     from arpo_jax.config import args
     from arpo_jax.plan import plan
     from arpo_jax.plan.memory_model import MARGIN, nvls_on
-    from arpo_jax.rollout import placement
     from arpo_jax.sharding import DEVICES
 
     cfg, _ = args.parse_config_args(sys.argv[1:])

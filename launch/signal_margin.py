@@ -40,7 +40,7 @@ def step_seconds(cfg, devices: int, nodes: int = 1) -> float:
     """The synchronous step with the trainer on `devices` GPUs at the pessimistic efficiencies (module docstring):
     co-located, the engines generate on the same GPUs; with rollout.vllm.placement=split on their own
     `engine_gpus` of each of the `nodes`."""
-    from arpo_jax.rollout import placement
+    from arpo_jax.assemble import placement
 
     sm = step_model()
     w = sm.workload(cfg, fill=0.5, fill_max=1.0, prompt_fill=0.5)

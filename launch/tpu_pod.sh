@@ -37,7 +37,7 @@ fi
 
 # Quote every argument for the remote shell (overrides such as --config.mesh.shape="(1,8,2)" contain parentheses).
 ARGS=$(printf ' %q' "$COMMAND" --config="$CONFIG" --workdir="$WORKDIR" "$@")
-# On a GCE TPU VM the worker list lives in the metadata server, not in the environment; arpo_jax.weights.policy decides
+# On a GCE TPU VM the worker list lives in the metadata server, not in the environment; arpo_jax.assemble.policy decides
 # whether to call jax.distributed.initialize() from TPU_WORKER_HOSTNAMES, so export it (with TPU_WORKER_ID, which
 # JAX then reads as this worker's process id). worker-network-endpoints is "host,..." or "name:id:ip,...".
 MD='http://metadata.google.internal/computeMetadata/v1/instance/attributes'

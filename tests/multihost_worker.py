@@ -144,7 +144,7 @@ def _with_step_adapters(model, step: int):
 def _step_models(engine: str, graphdef, state, mesh) -> list:
     """Each step's policy: plain models with noisy weights ("files": 2 steps); "vllm": a plain one, then a LoRA
     policy over its weights with new adapters at each of 2 more steps."""
-    from arpo_jax.update import lora
+    from arpo_jax.models import lora
 
     plain = [nnx.merge(graphdef, _step_params(state, step)) for step in (1, 2)]
     if engine.startswith("files"):

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from arpo_jax.experience import advantages
 from arpo_jax.update import algos, logprobs
 
 EPS_L = EPS_H = 0.2
@@ -107,27 +108,27 @@ def test_grpo_hand_values():
     ids = jnp.array([7, 7, 3, 3, 9])
     # group 7: mean .5, unbiased std sqrt(.5) -> +-.5/.70711; group 3: std 0 -> 0; group 9 (size 1): .5/(1+1e-6)
     expected = [0.5 / (math.sqrt(0.5) + 1e-6), -0.5 / (math.sqrt(0.5) + 1e-6), 0.0, 0.0, 0.5 / (1 + 1e-6)]
-    np.testing.assert_allclose(algos.grpo_advantages(rewards, ids), expected, rtol=1e-6)
+    np.testing.assert_allclose(advantages.grpo_advantages(rewards, ids), expected, rtol=1e-6)
 
 
 def test_dr_grpo_hand_values():
     rewards = jnp.array([1.0, 0.0, 1.0, 1.0, 0.5])
     ids = jnp.array([7, 7, 3, 3, 9])
-    np.testing.assert_allclose(algos.grpo_advantages(rewards, ids, norm_by_std=False), [0.5, -0.5, 0, 0, 0.5])
-    np.testing.assert_allclose(algos.compute_advantages("dr_grpo", rewards, ids), [0.5, -0.5, 0, 0, 0.5])
+    np.testing.assert_allclose(advantages.grpo_advantages(rewards, ids, norm_by_std=False), [0.5, -0.5, 0, 0, 0.5])
+    np.testing.assert_allclose(advantages.compute_advantages("dr_grpo", rewards, ids), [0.5, -0.5, 0, 0, 0.5])
 
 
 def test_rloo_is_leave_one_out_baseline():
     rewards = jnp.array([1.0, 2.0, 6.0, 3.0])
     ids = jnp.array([5, 5, 5, 1])
     # s_i minus the mean of the others: 1-4, 2-3.5, 6-1.5; a singleton keeps its score.
-    np.testing.assert_allclose(algos.rloo_advantages(rewards, ids), [-3.0, -1.5, 4.5, 3.0], rtol=1e-6)
+    np.testing.assert_allclose(advantages.rloo_advantages(rewards, ids), [-3.0, -1.5, 4.5, 3.0], rtol=1e-6)
 
 
 def test_grpo_token_level_rewards_are_summed():
     tok = jnp.array([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0], [0.0, 0.5, 0.5], [0.0, 0.0, 0.0]])
     ids = jnp.array([0, 0, 1, 1])
-    np.testing.assert_allclose(algos.grpo_advantages(tok, ids), algos.grpo_advantages(tok.sum(-1), ids))
+    np.testing.assert_allclose(advantages.grpo_advantages(tok, ids), advantages.grpo_advantages(tok.sum(-1), ids))
 
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
@@ -137,7 +138,7 @@ def test_advantages_match_reference_loops(name):
     rng.shuffle(ids)
     scores = rng.normal(size=ids.shape[0]).astype(np.float32)
     scores[ids == 3] = 1.0  # an all-equal group: zero advantage
-    got = algos.compute_advantages(name, jnp.asarray(scores), jnp.asarray(ids))
+    got = advantages.compute_advantages(name, jnp.asarray(scores), jnp.asarray(ids))
     expected = {"grpo": lambda: ref_grpo(scores, ids), "dr_grpo": lambda: ref_grpo(scores, ids, False),
                 "rloo": lambda: ref_rloo(scores, ids)}[name]()
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
@@ -149,17 +150,17 @@ def test_advantages_permutation_and_relabel_invariant(name):
     rng = np.random.default_rng(1)
     ids = rng.integers(0, 5, size=16)
     scores = rng.normal(size=16).astype(np.float32)
-    base = np.asarray(algos.compute_advantages(name, jnp.asarray(scores), jnp.asarray(ids)))
+    base = np.asarray(advantages.compute_advantages(name, jnp.asarray(scores), jnp.asarray(ids)))
     perm = rng.permutation(16)
-    permuted = algos.compute_advantages(name, jnp.asarray(scores[perm]), jnp.asarray(ids[perm]))
+    permuted = advantages.compute_advantages(name, jnp.asarray(scores[perm]), jnp.asarray(ids[perm]))
     np.testing.assert_allclose(permuted, base[perm], rtol=1e-6, atol=1e-6)
     relabel = np.array([1000, -7, 3, 2**30, 0])[ids]  # arbitrary, non-contiguous, negative
-    np.testing.assert_allclose(algos.compute_advantages(name, jnp.asarray(scores), jnp.asarray(relabel)), base,
+    np.testing.assert_allclose(advantages.compute_advantages(name, jnp.asarray(scores), jnp.asarray(relabel)), base,
                                rtol=1e-6, atol=1e-6)
 
 
 def test_grpo_singletons_and_jit():
-    f = jax.jit(algos.grpo_advantages, static_argnames=("norm_by_std",))
+    f = jax.jit(advantages.grpo_advantages, static_argnames=("norm_by_std",))
     out = f(jnp.array([2.0, -1.0, 0.0]), jnp.array([1, 2, 3]))
     np.testing.assert_allclose(out, np.array([2.0, -1.0, 0.0]) / (1 + 1e-6), rtol=1e-6)
     assert np.all(np.isfinite(out))
@@ -167,7 +168,7 @@ def test_grpo_singletons_and_jit():
 
 def test_unknown_estimator_raises():
     with pytest.raises(ValueError, match="unknown advantage estimator"):
-        algos.compute_advantages("ppo", jnp.zeros(2), jnp.zeros(2, jnp.int32))
+        advantages.compute_advantages("ppo", jnp.zeros(2), jnp.zeros(2, jnp.int32))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -177,7 +178,7 @@ def test_unknown_estimator_raises():
 
 def test_gae_hand_values():
     # delta_1 = 1 + 0 - 2 = -1, delta_0 = 0 + .5*2 - 1 = 0; A_1 = -1, A_0 = 0 + .25*(-1) = -.25; returns = A + V.
-    adv, ret = algos.gae_advantages(jnp.array([[0.0, 1.0]]), jnp.array([[1.0, 2.0]]), jnp.ones((1, 2)),
+    adv, ret = advantages.gae_advantages(jnp.array([[0.0, 1.0]]), jnp.array([[1.0, 2.0]]), jnp.ones((1, 2)),
                                     gamma=0.5, lam=0.5)
     np.testing.assert_allclose(ret, [[0.75, 1.0]], rtol=1e-6)
     # whitening: mean -.625, unbiased std sqrt(2 * .375^2) -> +-1/sqrt(2)
@@ -187,7 +188,7 @@ def test_gae_hand_values():
 def test_gae_gamma_lam_one_returns_are_reward_to_go():
     rng = np.random.default_rng(2)
     r, v = rng.normal(size=(3, 6)), rng.normal(size=(3, 6))
-    _, ret = algos.gae_advantages(jnp.asarray(r), jnp.asarray(v), jnp.ones((3, 6)), gamma=1.0, lam=1.0)
+    _, ret = advantages.gae_advantages(jnp.asarray(r), jnp.asarray(v), jnp.ones((3, 6)), gamma=1.0, lam=1.0)
     np.testing.assert_allclose(ret, np.cumsum(r[:, ::-1], axis=1)[:, ::-1], rtol=1e-5, atol=1e-5)
 
 
@@ -195,7 +196,7 @@ def test_gae_matches_reference_loop_and_whitening_stats():
     rng = np.random.default_rng(3)
     r, v = rng.normal(size=(4, 7)), rng.normal(size=(4, 7))
     mask = (rng.random((4, 7)) < 0.7).astype(np.float32)
-    adv, ret = jax.jit(functools.partial(algos.gae_advantages, gamma=0.9, lam=0.8))(
+    adv, ret = jax.jit(functools.partial(advantages.gae_advantages, gamma=0.9, lam=0.8))(
         jnp.asarray(r), jnp.asarray(v), jnp.asarray(mask))
     ref_adv, ref_ret = ref_gae(r, v, mask, 0.9, 0.8)
     np.testing.assert_allclose(adv, ref_adv, rtol=1e-4, atol=1e-5)
@@ -205,7 +206,7 @@ def test_gae_matches_reference_loop_and_whitening_stats():
 
 
 def test_gae_single_valid_token_is_finite():
-    adv, ret = algos.gae_advantages(jnp.ones((2, 3)), jnp.zeros((2, 3)), jnp.array([[1, 0, 0], [0, 0, 0]]),
+    adv, ret = advantages.gae_advantages(jnp.ones((2, 3)), jnp.zeros((2, 3)), jnp.array([[1, 0, 0], [0, 0, 0]]),
                                     gamma=1.0, lam=1.0)
     assert np.all(np.isfinite(adv)) and np.all(np.isfinite(ret))
 
@@ -628,7 +629,7 @@ def test_full_loss_pipeline_jits_and_is_finite():
     @jax.jit
     def total_loss(w):
         logp, ent = logprobs.token_logprobs_and_entropy_from_hidden(hidden, w, targets, chunk_size=2)
-        adv = algos.compute_advantages("grpo", rewards, ids)[:, None] * mask
+        adv = advantages.compute_advantages("grpo", rewards, ids)[:, None] * mask
         adv = algos.entropy_aware_advantages(adv, ent, mask)
         # seq-mean-token-mean weights (as packing.loss_weights gives them): 1 / (sequences * tokens of the sequence)
         n_seq = jnp.sum(jnp.any(mask > 0, -1))

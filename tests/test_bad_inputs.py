@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from arpo_jax import cli
+from arpo_jax.assemble import validate as config
 from arpo_jax.config import args
-from arpo_jax.config import validate as config
 from arpo_jax.data import sft_data
 
 REPO = Path(__file__).resolve().parents[1]

@@ -140,15 +140,15 @@ def test_a_source_copy_runs_without_any_install(tmp_path):
     """A cluster user's `PYTHONPATH=<checkout> python -m arpo_jax.cli ...` with no `pip install`: a copy of the
     tree, run by an interpreter that never processes site-packages' .pth files (-S: no editable install's finder,
     which is what maps configs/ to `arpo_jax.configs`), the dependencies on PYTHONPATH. A builtin config loads
-    (`builtin:NAME`, and its own `from arpo_jax.configs.base import ...`) and is planned."""
+    (`builtin:NAME` from the copy's own configs/, and its `from arpo_jax.config.schema import ...`) and is planned."""
     import site
 
     copy = tmp_path / "checkout"
     for part in ("arpo_jax", "configs"):
         shutil.copytree(REPO / part, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", copy)
-    prelude = ("import runpy, sys; import arpo_jax, arpo_jax.configs as c; "
-               "assert arpo_jax.__file__.startswith(sys.argv[1]) and c.__file__.startswith(sys.argv[1]); "
+    prelude = ("import runpy, sys; import arpo_jax; from arpo_jax.config import experiments as c; "
+               "assert arpo_jax.__file__.startswith(sys.argv[1]) and str(c.folder()).startswith(sys.argv[1]); "
                "assert not any('editable' in repr(f) for f in sys.meta_path), sys.meta_path; "
                "sys.argv = ['arpo-jax', *sys.argv[2:]]; runpy.run_module('arpo_jax.cli', run_name='__main__')")
     env = testing.subprocess_env(1, PYTHONPATH=os.pathsep.join([str(copy), *site.getsitepackages()]))

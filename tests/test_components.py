@@ -3,10 +3,10 @@
 import pytest
 
 from arpo_jax import testing
+from arpo_jax.assemble import components
+from arpo_jax.assemble import validate as config_lib
 from arpo_jax.config import args
-from arpo_jax.config import validate as config_lib
 from arpo_jax.rollout.jax_sampler import JaxSampler
-from arpo_jax.train import components
 from arpo_jax.weights import pretrained
 
 

@@ -10,8 +10,8 @@ import pytest
 from ml_collections import ConfigDict
 
 from arpo_jax import testing
+from arpo_jax.assemble import validate as config
 from arpo_jax.config import args, redaction
-from arpo_jax.config import validate as config
 from arpo_jax.plan import plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -280,7 +280,7 @@ def test_enum_values_come_from_the_code():
 
 @pytest.mark.slow  # > 10 s (compile-bound)
 def test_configs_load_from_another_directory(tmp_path):
-    """config_flags imports a file by path: `from arpo_jax.configs.base import ...` must work wherever the run starts,
+    """config_flags imports a file by path: `from arpo_jax.config.schema import ...` must work wherever the run starts,
     and `builtin:NAME` names the shipped file from any directory."""
     code = ("import sys; from arpo_jax.config import args; "
             "c = args.load_config(sys.argv[1:]); print(c.rollout.n, c.data.train_batch_size)")
@@ -298,17 +298,20 @@ def test_configs_load_from_another_directory(tmp_path):
     assert proc.returncode == 0 and proc.stdout.split("\n")[-2] == "4 4", proc.stderr
 
 
-def test_the_top_level_configs_folder_is_the_package_arpo_jax_configs():
-    """configs/ at the top of the repository is `arpo_jax.configs` (pyproject.toml maps it; one copy): builtin:NAME
-    and `from arpo_jax.configs.base import ...` read these files in a checkout's editable install."""
+def test_the_experiment_files_are_the_checkouts_configs_folder_and_the_schema_is_in_the_package():
+    """builtin:NAME reads configs/ at the top of this checkout (one copy; a wheel installs it as arpo_jax.configs),
+    and the schema the files build on is arpo_jax/config/schema.py: no import hook, nothing in sys.modules."""
     import arpo_jax
-    import arpo_jax.configs.base
+    from arpo_jax.config import experiments, schema
 
     if not Path(arpo_jax.__file__).is_relative_to(REPO):
         pytest.skip("arpo_jax is not imported from this checkout")
-    assert args.BUILTIN_CONFIGS == REPO / "configs"
-    assert Path(arpo_jax.configs.base.__file__) == REPO / "configs" / "base.py"
-    assert not (REPO / "arpo_jax" / "configs").exists()
+    assert experiments.folder() == REPO / "configs"
+    assert args.config_file("builtin:toy_cpu") == str(REPO / "configs" / "toy_cpu.py")
+    assert Path(schema.__file__) == REPO / "arpo_jax" / "config" / "schema.py"
+    assert not (REPO / "configs" / "base.py").exists() and not (REPO / "arpo_jax" / "configs").exists()
+    assert "arpo_jax.configs" not in sys.modules
+    assert experiments.experiment("aepo_qwen3_14b").get_config().trainer.experiment
 
 
 def test_pyproject_lists_every_package_folder():

@@ -7,8 +7,8 @@ import optax
 import pytest
 
 from arpo_jax import models, sharding
-from arpo_jax.experience import packing
-from arpo_jax.update import algos, jit
+from arpo_jax.experience import advantages, packing
+from arpo_jax.update import jit
 from arpo_jax.update import value as critic
 
 TINY = models.Config(model_type="qwen2", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -238,7 +238,7 @@ def test_gae_with_critic_values():
     values = jnp.array([[0.2, 0.5, 0.9]])
     rewards = jnp.array([[0.0, 0.0, 1.0]])
     mask = jnp.ones((1, 3))
-    adv, ret = algos.gae_advantages(rewards, values, mask, gamma=0.9, lam=0.8)
+    adv, ret = advantages.gae_advantages(rewards, values, mask, gamma=0.9, lam=0.8)
     raw = np.array([0.52504, 0.382, 0.1])
     np.testing.assert_allclose(np.asarray(ret)[0], raw + [0.2, 0.5, 0.9], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(adv)[0], (raw - raw.mean()) / np.sqrt(raw.var(ddof=1) + 1e-8), rtol=1e-5)
@@ -261,7 +261,7 @@ def test_gae_flow_from_packed_critic_values(tiny):
         v_nr[i, :n], m_nr[i, :n] = values[i][st:], masks[i][st:]
         r_nr[i, n - 1] = float(i % 3 == 0)  # outcome reward on the last token
     gamma, lam = 0.95, 0.9
-    adv, ret = algos.gae_advantages(jnp.asarray(r_nr), jnp.asarray(v_nr), jnp.asarray(m_nr), gamma=gamma, lam=lam)
+    adv, ret = advantages.gae_advantages(jnp.asarray(r_nr), jnp.asarray(v_nr), jnp.asarray(m_nr), gamma=gamma, lam=lam)
     expected = np.zeros_like(v_nr)
     for i in range(len(seqs)):
         last = 0.0

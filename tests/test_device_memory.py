@@ -7,8 +7,7 @@ import pytest
 
 import arpo_jax
 from arpo_jax import device_memory, testing
-from arpo_jax.rollout.jax_sampler import JaxSampler
-from arpo_jax.train.components import check_engine_cache
+from arpo_jax.rollout.jax_sampler import JaxSampler, check_cache_fits
 
 GIB = 2**30
 
@@ -56,5 +55,5 @@ def test_the_engine_refuses_a_cache_larger_than_the_host_before_allocating_it(ti
     rows = 4 * free // (2 * 2 * 2 * 32 * 4 * 4096)
     with pytest.raises(device_memory.DoesNotFit, match=rf"KV cache \({rows} rows x 4096 tokens\) needs .* GiB "
                        r"free: give it fewer rows \(rollout.jax.slots"):
-        check_engine_cache(JaxSampler(model, tok, max_len=4096, slots=rows, restrict_to_tokenizer=False))
-    check_engine_cache(JaxSampler(model, tok, max_len=4096, slots=8, restrict_to_tokenizer=False))  # 16 MiB: fits
+        check_cache_fits(JaxSampler(model, tok, max_len=4096, slots=rows, restrict_to_tokenizer=False))
+    check_cache_fits(JaxSampler(model, tok, max_len=4096, slots=8, restrict_to_tokenizer=False))  # 16 MiB: fits

@@ -162,7 +162,7 @@ def test_doctor_without_arguments_checks_the_node_and_its_data(tmp_path):
 def test_a_configs_missing_data_files_fail_with_the_fetch_command(tmp_path, monkeypatch):
     """With a config, its data files that the manifest names: FAIL with the fetch command; `train` refuses the
     same config at validation, naming the same command."""
-    from arpo_jax.config import validate
+    from arpo_jax.assemble import validate
 
     monkeypatch.setenv("ARPO_DATA", str(tmp_path))
     cfg = args.load_config(["--config=builtin:arpo_qwen25_7b_reasoning"])

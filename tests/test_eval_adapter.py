@@ -16,10 +16,11 @@ import pytest
 
 import arpo_jax
 from arpo_jax import cli, testing
+from arpo_jax.assemble import policy
 from arpo_jax.eval import agent, runner
+from arpo_jax.models import lora
 from arpo_jax.train import metrics
-from arpo_jax.update import lora
-from arpo_jax.weights import lora_io, policy
+from arpo_jax.weights import lora_io
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = str(REPO / "configs" / "toy_cpu.py")

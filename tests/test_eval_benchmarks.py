@@ -214,10 +214,10 @@ def test_training_system_prompt_keeps_the_backspace_artifact():
 def test_no_tools_baseline_prompt_and_config():
     """`--no-tools`: a prompt without a word about tools (same answer format, so the same reward), call limit 0; an
     unknown prompt name is refused naming the field and the allowed values."""
-    from arpo_jax.config import validate as config_lib
+    from arpo_jax.assemble import components
+    from arpo_jax.assemble import validate as config_lib
     from arpo_jax.data import prompts
     from arpo_jax.eval import agent
-    from arpo_jax.train import components
 
     cfg = agent.load_eval_config(["--config.tools.call_limit=3"], no_tools=True)
     assert cfg.tools.call_limit == 0 and components.system_prompt_for(cfg) == prompts.NO_TOOLS_SYSTEM_PROMPT
@@ -235,8 +235,8 @@ def test_the_eval_prompt_is_the_prompt_of_the_training_data():
     backspace artifact: `components.system_prompt_for` gives each its own (the eval agent's prompt_ids use it)."""
     from ml_collections import ConfigDict
 
+    from arpo_jax.assemble import components
     from arpo_jax.data import prompts, toy
-    from arpo_jax.train import components
 
     toy_cfg = ConfigDict({"data": {"train_files": [toy.BUILTIN], "system_prompt": "auto"}})
     assert components.system_prompt_for(toy_cfg) == prompts.SYSTEM_PROMPT and "\\boxed{" in prompts.SYSTEM_PROMPT

@@ -1,5 +1,5 @@
 """Knobs (arpo_jax/knobs.py): a component's settings dataclass reads its config fields by the paths it declares,
-with the config file's defaults and one rule per field, checked by the dataclass and reported by config.validate."""
+with the config file's defaults and one rule per field, checked by the dataclass and reported by assemble.validate."""
 
 import dataclasses
 
@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from arpo_jax import knobs
-from arpo_jax.config import validate as config
-from arpo_jax.configs import base
+from arpo_jax.assemble import components
+from arpo_jax.assemble import validate as config
+from arpo_jax.config import schema as base
 from arpo_jax.rollout.agent_loop import RolloutConfig
 from arpo_jax.rollout.sampler import SamplingSettings
-from arpo_jax.train import components
 from arpo_jax.update import train_step as ts
 from arpo_jax.update import value as critic
 

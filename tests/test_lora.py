@@ -14,10 +14,12 @@ from flax import nnx, traverse_util
 
 import arpo_jax
 from arpo_jax import sharding, testing
+from arpo_jax.assemble import policy
 from arpo_jax.experience import packing
-from arpo_jax.models import transformer
+from arpo_jax.models import lora, transformer
 from arpo_jax.models.transformer import LORA_TARGETS
-from arpo_jax.update import jit, lora
+from arpo_jax.update import jit
+from arpo_jax.update import lora as lora_update
 from arpo_jax.update import train_step as ts
 from arpo_jax.weights import convert, hf, lora_io
 
@@ -101,8 +103,8 @@ def test_the_jax_engine_samples_a_lora_policy_with_merged_weights(tiny):
     one's on an H200). Its weights are the merged export's (`lora.merged_state`), at setup and after a sync."""
     from types import SimpleNamespace
 
+    from arpo_jax.assemble import components
     from arpo_jax.rollout.jax_decode import decode_weights
-    from arpo_jax.train import components
 
     path, _, base = tiny
     model = _randomize_b(lora.with_adapters(base, RANK, ALPHA))
@@ -140,7 +142,7 @@ def test_update_trains_the_adapters_only(tiny):
     model = lora.with_adapters(base, RANK, ALPHA)
     graphdef, params = jit.split_model(model)
     cfg = ts.UpdateConfig(lr=1e-2)
-    opt = lora.freeze_base(ts.make_optimizer(cfg, 10), model.config)
+    opt = lora_update.freeze_base(ts.make_optimizer(cfg, 10), model.config)
     state = jit.init_train_state(params, opt)
     # Optimizer moments for the adapters only.
     mu_paths = {k for k, _ in jax.tree_util.tree_flatten_with_path(state.opt_state[1][0].mu)[0]}
@@ -166,7 +168,7 @@ def test_sharded_lora_step_equals_single_device(tiny):
     model = _randomize_b(lora.with_adapters(base, RANK, ALPHA))
     graphdef, params = jit.split_model(model)
     cfg = ts.UpdateConfig(lr=1e-4, kl_coef=0.0)
-    opt = lora.freeze_base(ts.make_optimizer(cfg, 10), model.config)
+    opt = lora_update.freeze_base(ts.make_optimizer(cfg, 10), model.config)
     mini = _rollout_batch(graphdef, params, model.config)
     ref_state, ref_metrics = ts.jit_train_step(graphdef, model.config, cfg, opt)(jit.init_train_state(params, opt),
                                                                                mini)
@@ -199,7 +201,7 @@ def test_reference_logprobs_are_the_base_model(tiny):
     graphdef, params = jit.split_model(model)
     mini = _rollout_batch(graphdef, params, model.config)
     batch = {k: v[None] for k, v in mini.items()}
-    ref = lora.jit_reference_logprobs(model.config)(params, batch)[0]
+    ref = lora_update.jit_reference_logprobs(model.config)(params, batch)[0]
     base_graphdef, base_params = jit.split_model(base)
     expect = ts.jit_forward_logprobs(base_graphdef, base.config)(base_params, batch)[0]
     np.testing.assert_array_equal(np.asarray(ref), np.asarray(expect))
@@ -253,10 +255,10 @@ def test_peft_export_loads_in_peft_and_back(tiny, tmp_path):
     from ml_collections import ConfigDict
 
     lc = ConfigDict({"rank": RANK, "alpha": ALPHA, "targets": model.config.lora_targets, "adapter": str(out)})
-    assert lora_io.from_config(base, lc).config == model.config
+    assert policy.with_lora(base, lc).config == model.config
     lc.rank = 8
     with pytest.raises(ValueError, match="set model.lora to match"):
-        lora_io.from_config(base, lc)
+        policy.with_lora(base, lc)
 
 
 def test_export_command_writes_peft_and_merged_from_a_lora_checkpoint(tiny, tmp_path):
@@ -283,10 +285,10 @@ def test_export_command_writes_peft_and_merged_from_a_lora_checkpoint(tiny, tmp_
 
 
 def test_config_validation_names_the_lora_fields():
-    from arpo_jax.config import validate as config_lib
-    from arpo_jax.configs.toy_cpu import get_config
+    from arpo_jax.assemble import validate as config_lib
+    from arpo_jax.config.experiments import experiment
 
-    cfg = get_config()
+    cfg = experiment("toy_cpu").get_config()
     cfg.model.lora.rank, cfg.model.lora.dropout, cfg.model.lora.targets = 8, 0.1, ("q_proj", "lm_head")
     with pytest.raises(config_lib.ConfigError) as e:
         config_lib.validate(cfg, check_files=False)
@@ -466,11 +468,12 @@ def test_rl_checkpoint_holds_the_adapters_and_a_pointer_to_the_base(tiny, tmp_pa
     path, _, base = tiny
     model = _randomize_b(lora.with_adapters(base, RANK, ALPHA))
     graphdef, params = jit.split_model(model)
-    opt = lora.freeze_base(ts.make_optimizer(ts.UpdateConfig(lr=1e-2), 10), model.config)
+    opt = lora_update.freeze_base(ts.make_optimizer(ts.UpdateConfig(lr=1e-2), 10), model.config)
     state = jit.init_train_state(params, opt)
     state = state._replace(opt_state=jax.tree.map(lambda x: x + 1 if x.dtype == jnp.float32 else x, state.opt_state))
     run_cfg = ConfigDict({"model": {"path": str(path), "init_checkpoint": ""}})
-    view = lora_io.CheckpointView.for_run(run_cfg, path, params, model.config)  # what the trainer saves/restores
+    # what the trainer saves/restores
+    view = lora_io.CheckpointView.for_run(run_cfg.model.path, run_cfg.model.init_checkpoint, path, params, model.config)
     pointer = view.pointer
     assert pointer["folder"] == str(path) and len(pointer["hash"]) == 32
     with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:

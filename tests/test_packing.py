@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 from arpo_jax.experience import packing
-from arpo_jax.update import train_step
 
 
 def _seqs(lengths, seed=0):
@@ -145,7 +144,7 @@ def test_agg_modes_hand_values(mode, expected):
 
 
 def test_agg_all_masked_is_zero_not_nan():
-    for mode in train_step.AGG_MODES:
+    for mode in packing.AGG_MODES:
         assert _row_agg(_L, np.zeros_like(_M), mode) == 0.0
 
 
@@ -155,7 +154,7 @@ def test_agg_unknown_mode_raises():
 
 
 @pytest.mark.parametrize("split", [(3, 5), (2, 2, 4), (1, 7)])
-@pytest.mark.parametrize("mode", train_step.AGG_MODES)
+@pytest.mark.parametrize("mode", packing.AGG_MODES)
 def test_agg_invariant_to_micro_batch_split(split, mode):
     """One worker: micro-batches of any size give the mini-batch's aggregate (the normaliser is the mini-batch's)."""
     rng = np.random.default_rng(4)
@@ -168,7 +167,7 @@ def test_agg_invariant_to_micro_batch_split(split, mode):
 
 
 @pytest.mark.parametrize("split", [(3, 5), (2, 2, 4), (1, 7)])
-@pytest.mark.parametrize("mode", train_step.AGG_MODES)
+@pytest.mark.parametrize("mode", packing.AGG_MODES)
 def test_workers_with_global_totals_sum_to_the_global_aggregate(split, mode):
     """Rollout workers each pack their share of the mini-batch; with the totals of all (`loss_totals` summed) their
     weighted sums add up to the aggregate of the whole mini-batch. seq-mean-token-sum-norm's normaliser is a

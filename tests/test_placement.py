@@ -1,4 +1,4 @@
-"""rollout.vllm.placement=split (rollout/placement.py): the engines' GPUs are hidden from JAX before its backend
+"""rollout.vllm.placement=split (assemble/placement.py): the engines' GPUs are hidden from JAX before its backend
 starts, the engines are pinned to them, and the trainer's mesh spans the rest (8 fake CPU devices stand for a
 host's 8 GPUs where nothing can be hidden)."""
 
@@ -6,10 +6,10 @@ import jax
 import pytest
 
 from arpo_jax import distributed
+from arpo_jax.assemble import components, placement
 from arpo_jax.config import args
-from arpo_jax.rollout import placement
 from arpo_jax.rollout.vllm_sampler import engine_devices
-from arpo_jax.train import components, trainer
+from arpo_jax.train import trainer
 
 GPUS = [f"GPU-{i}" for i in range(8)]  # a host's GPUs as the driver names them (UUIDs)
 
@@ -52,7 +52,7 @@ def test_the_mesh_spans_each_processs_first_devices_and_leaves_the_engines_share
     cfg = _cfg()
     ours = placement.trainer_devices(cfg, devices, 0, environ={})
     assert ours == devices[:5]
-    mesh = distributed.make_mesh(cfg, ours)
+    mesh = components.make_mesh(cfg, ours)
     assert mesh.devices.shape == (1, 5, 1) and not set(mesh.devices.flat) & set(devices[5:])
     # Colocated: every device (None: the default mesh); hidden GPUs: JAX sees the trainer's alone.
     assert placement.trainer_devices(_cfg("--config.rollout.vllm.placement=colocated",

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from arpo_jax.assemble import validate as config
 from arpo_jax.config import args
-from arpo_jax.config import validate as config
 from arpo_jax.models.attention import blockwise_causal_attention
 from arpo_jax.models.transformer import blockwise_blocks, resolve_attention
 from arpo_jax.plan import memory_model, plan
@@ -295,8 +295,8 @@ def test_plan_names_the_attention_kernel_per_program_and_accounts_tree_packing()
 def test_plan_lists_every_program_the_run_compiles():
     """`programs`: the update side's (the batch shapes the run fixes, the reference's forward apart only where it is
     another program) and the JAX engine's, each with its peak."""
+    from arpo_jax.assemble.components import pack_config
     from arpo_jax.experience import global_batch
-    from arpo_jax.train.components import pack_config
 
     toy = _analyse("toy_cpu")  # JAX engine, tree training, 8 fake devices: 8 rows a micro-batch
     names = [p["name"] for p in toy["programs"]]

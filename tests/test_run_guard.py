@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from arpo_jax import cli, paths
+from arpo_jax.assemble import validate as config_lib
 from arpo_jax.config import args, redaction
-from arpo_jax.config import validate as config_lib
 from arpo_jax.train import run_guard
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """runtime: the folder a run's policy starts from."""
 
-from arpo_jax.configs.base import get_config
-from arpo_jax.weights import policy as runtime
+from arpo_jax.assemble import policy as runtime
+from arpo_jax.config.schema import get_config
 
 
 def test_builtin_tiny_is_built_once_per_process_and_copied_into_each_run(tmp_path, monkeypatch):

@@ -229,7 +229,7 @@ def test_sharded_step_equals_single_device(tiny, optimizer):
     batch = _batch(examples, rows=8)
     ref, ref_m = _run(tiny, batch, opt)
     mesh = sharding.make_mesh((1, 8, 1))
-    batch_sh = jax.sharding.NamedSharding(mesh, jit.batch_spec(mesh, MODEL_CFG.sharding_rules))
+    batch_sh = jax.sharding.NamedSharding(mesh, sharding.batch_spec(mesh, MODEL_CFG.sharding_rules))
     new, m = _run(tiny, sft_lib.to_global(batch, batch_sh), opt, mesh)
     assert not new.params["lm_head"]["weight"].sharding.is_fully_replicated
     for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(ref.params)):
@@ -244,7 +244,7 @@ def test_sharded_step_equals_single_device(tiny, optimizer):
 
 
 def _toy_config(max_steps):
-    from arpo_jax.configs.base import get_config
+    from arpo_jax.config.schema import get_config
 
     c = get_config()
     c.model.path, c.model.dtype, c.model.remat = "builtin:tiny", "float32", "none"

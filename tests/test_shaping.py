@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
+from arpo_jax.assemble import validate as config
 from arpo_jax.config import args
-from arpo_jax.config import validate as config
 from arpo_jax.experience import reward as shaping
 
 TOY = str(Path(__file__).resolve().parents[1] / "configs" / "toy_cpu.py")

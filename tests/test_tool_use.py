@@ -82,8 +82,8 @@ def test_the_cold_start_keeps_right_well_formed_answers_whose_calls_ran():
 def test_sft_rows_are_the_plain_prompt_and_the_first_accepted_answer_per_question(tmp_path):
     from transformers import AutoTokenizer
 
+    from arpo_jax.assemble import policy
     from arpo_jax.data import sft_data
-    from arpo_jax.weights import policy
 
     records = [_record(GOOD, correct=False), _record(GOOD), _record(GOOD.replace("a </think>", "c </think>")),
                {**_record(GOOD), "id": "q2"}]

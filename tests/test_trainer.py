@@ -80,7 +80,7 @@ def _max_diff(a: dict, b: dict) -> float:
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
     """(folder, custom reward file, the builtin tiny model built once for the module's runs)."""
-    from arpo_jax.weights import policy as runtime
+    from arpo_jax.assemble import policy as runtime
 
     root = tmp_path_factory.mktemp("trainer")
     reward = root / "reward.py"

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from arpo_jax import quickstart, testing
+from arpo_jax.assemble import policy as runtime
 from arpo_jax.config import args
 from arpo_jax.data import toy
 from arpo_jax.data.prompts import DEMO_SYSTEM_PROMPT, chat_messages
@@ -23,7 +24,6 @@ from arpo_jax.tools import LocalSearchTool
 from arpo_jax.train import metrics
 from arpo_jax.train import trainer as trainer_lib
 from arpo_jax.weights import hf, pretrained
-from arpo_jax.weights import policy as runtime
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trainer_compiles")]  # compile-bound, several steps
 

@@ -16,12 +16,13 @@ import pytest
 from flax import nnx
 
 from arpo_jax import testing
+from arpo_jax.assemble import components
+from arpo_jax.assemble.components import pack_config
 from arpo_jax.config import args as args_lib
 from arpo_jax.experience import advantages, global_batch, packing
 from arpo_jax.experience import trajectories as experience
-from arpo_jax.train import components, metrics
+from arpo_jax.train import metrics
 from arpo_jax.train import trainer as trainer_lib
-from arpo_jax.train.components import pack_config
 from arpo_jax.update import value as critic_lib
 from arpo_jax.weights.checkpoint import Checkpointer
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from arpo_jax import testing
+from arpo_jax.assemble.components import pack_config, shaping_config
 from arpo_jax.config import args
 from arpo_jax.data import rl_dataset
 from arpo_jax.experience import advantages as advantages_lib
@@ -22,7 +23,6 @@ from arpo_jax.rollout.sampler import Sampler, SampleResult
 from arpo_jax.tools import Tool
 from arpo_jax.train import metrics
 from arpo_jax.train import trainer as trainer_lib
-from arpo_jax.train.components import pack_config, shaping_config
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT_REWARD = '''

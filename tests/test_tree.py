@@ -223,7 +223,7 @@ def test_loss_and_gradients_equal_flat(case):
     flat_fwd = ts.jit_forward_logprobs(graphdef, model_cfg)
     # Every aggregation mode over two micro-batches (filled differently by the two layouts), plus (PPO) the reference
     # micro-normalisation with one micro-batch per mini-batch: its normaliser is the micro-batch's own content.
-    modes = [(agg, "global_token_mean", 2) for agg in ts.AGG_MODES]
+    modes = [(agg, "global_token_mean", 2) for agg in packing.AGG_MODES]
     modes += [("seq-mean-token-mean", "reference", 16)] if case == {"loss": "ppo"} else []
     # Entropy-aware advantages divide by the entropy's std over the batch, tiny for a random model (near-uniform
     # predictions): float rounding is amplified ~50x. The flat layout itself, packed vs padded, differs by 5.3e-5.
@@ -297,8 +297,8 @@ def test_worker_blocks_pad_to_common_sizes():
 
 
 def test_tree_training_config_is_validated():
+    from arpo_jax.assemble import validate as config
     from arpo_jax.config import args
-    from arpo_jax.config import validate as config
 
     cfg = args.load_config(["--config=builtin:toy_cpu"]).to_dict()
     assert cfg["actor"]["tree_training"] is True  # on by default
@@ -315,7 +315,7 @@ def test_tree_training_config_is_validated():
 
 
 @pytest.mark.parametrize("agg", [a if a == "token-mean" else pytest.param(a, marks=pytest.mark.slow)
-                                 for a in ts.AGG_MODES])
+                                 for a in packing.AGG_MODES])
 def test_value_loss_and_gradients_equal_flat(agg):
     """The critic's update on a tree batch (values per loss entry from the heads) equals the flat one: loss,
     metrics and gradients, for every aggregation mode, with clipped values."""

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from arpo_jax.assemble.components import process_log
 from arpo_jax.rollout import vllm_start, vllm_worker
 from arpo_jax.rollout.engine_signals import exposed_processes
 from arpo_jax.rollout.sampler import CUDA_GRAPHS
 from arpo_jax.rollout.vllm_sampler import PORT_SPAN, VllmEngineConfig, engine_env, engine_ports, host_gpus
-from arpo_jax.train.components import process_log
 
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu", "0.32.2rc1"])
@@ -160,7 +160,8 @@ def test_each_process_logs_its_engines_to_its_own_file():
 
 
 def test_cuda_graphs_setting_maps_onto_enforce_eager():
-    from arpo_jax.config import args, validate
+    from arpo_jax.assemble import validate
+    from arpo_jax.config import args
 
     assert CUDA_GRAPHS == {"auto": None, "on": False, "off": True}
     cfg = args.load_config(["--config=builtin:toy_cpu"])

@@ -1,2 +1,2 @@
-"""Experiment configs: the command line (`args`), validation (`validate`), the files a command needs
-(`files`) and redaction before logging (`redaction`)."""
+"""The config, on the ground floor: its schema (`schema`: every field, its default and meaning), the command line
+(`args`), where the experiment files are (`experiments`) and redaction before logging (`redaction`)."""

@@ -1,19 +1,19 @@
 """Command line -> experiment config: ``--config=FILE[:ARG]`` (or ``builtin:NAME``, a file shipped in
 ``configs/``) and its ``--config.a.b=v`` overrides, through the real ``config_flags`` parser (the same
-syntax as every flax example). Errors become one ``ValueError`` naming the argument; ``arpo_jax.config.validate``
+syntax as every flax example). Errors become one ``ValueError`` naming the argument; ``arpo_jax.assemble.validate``
 then checks the values.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from absl import flags
 from ml_collections import ConfigDict, config_flags
+
+from arpo_jax.config import experiments
 
 BUILTIN = "builtin:"  # prefix of generated inputs (builtin:tiny model, builtin:toy data / corpus): no file to check
 
@@ -38,18 +38,9 @@ def _is_config_arg(arg: str) -> bool:
     return re.match(r"^--?(config(=|$|\.)|noconfig\.)", arg) is not None
 
 
-# The repository's top-level configs/, installed as the package `arpo_jax.configs` (pyproject.toml's package-dir),
-# or a checkout's own (`arpo_jax._checkout_configs`): found where the import system finds it, without importing it.
-_CONFIGS_SPEC = importlib.util.find_spec("arpo_jax.configs")
-if _CONFIGS_SPEC is None:
-    raise ImportError("arpo_jax.configs (the experiment configs, configs/ at the top of the checkout) is not found: "
-                      "run from a whole checkout (configs/ beside arpo_jax/), or install it: pip install -e .")
-BUILTIN_CONFIGS = Path(_CONFIGS_SPEC.origin).parent
-
-
 def builtin_configs() -> list[str]:
     """Names accepted as `--config=builtin:NAME`: the experiment files shipped in configs/."""
-    return sorted(p.stem for p in BUILTIN_CONFIGS.glob("*.py") if p.stem != "__init__")
+    return experiments.names()
 
 
 def config_file(spec: str) -> str:
@@ -60,7 +51,7 @@ def config_file(spec: str) -> str:
     if name not in builtin_configs():
         raise ValueError(f"--config={spec}: no built-in config {name!r}; allowed: "
                          f"{', '.join(f'builtin:{n}' for n in builtin_configs())}, or a path to a .py file")
-    return str(BUILTIN_CONFIGS / f"{name}.py") + (f":{arg}" if arg else "")
+    return str(experiments.path(name)) + (f":{arg}" if arg else "")
 
 
 def _resolve_builtin(config_args: list[str]) -> list[str]:
@@ -196,7 +187,7 @@ def load_config(argv: Sequence[str]) -> ConfigDict:
 
 def apply_overrides(cfg: ConfigDict, overrides: Sequence[str], base: str = "builtin:toy_cpu") -> None:
     """`KEY=VALUE` strings set on an already built config (e.g. the demo's), each parsed and typed exactly as
-    `--config.KEY=VALUE` on `base` would be (its parser, its errors); `config.validate` checks the values later."""
+    `--config.KEY=VALUE` on `base` would be (its parser, its errors); `assemble.validate` checks the values later."""
     for o in overrides:
         if "=" not in o:
             raise ValueError(f"{o!r}: expected KEY=VALUE, e.g. rollout.max_staleness=1")

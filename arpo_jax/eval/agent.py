@@ -22,15 +22,16 @@ from typing import Any
 import numpy as np
 from ml_collections import ConfigDict
 
+from arpo_jax.assemble import components
+from arpo_jax.assemble import policy as policy_lib
+from arpo_jax.assemble import validate as config_lib
 from arpo_jax.config import args as args_lib
-from arpo_jax.config import validate as config_lib
+from arpo_jax.config import schema
 from arpo_jax.data import rl_dataset
 from arpo_jax.eval.benchmarks import build_messages
 from arpo_jax.rollout.agent_loop import greedy_settings, rollout
 from arpo_jax.rollout.output import RolloutOutput
-from arpo_jax.train import components
 from arpo_jax.weights import lora_io, named_models
-from arpo_jax.weights import policy as policy_lib
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,8 @@ HF_EXPORT_DIR = "hf_model"  # vLLM serves HF folders: an orbax checkpoint is exp
 
 
 def base_config_path() -> Path:
-    """The shipped ``configs/base.py`` (the default evaluation config)."""
-    return args_lib.BUILTIN_CONFIGS / "base.py"
+    """The schema's file, ``config/schema.py`` (its defaults are the default evaluation config)."""
+    return Path(schema.__file__)
 
 
 # `--no-tools`: a baseline without tools. The prompt says nothing about them, and a tool call the model makes anyway

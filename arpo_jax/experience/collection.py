@@ -10,6 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
+from arpo_jax import knobs
 from arpo_jax.data.rl_dataset import DataPosition
 from arpo_jax.experience import reward as reward_lib
 from arpo_jax.experience.trajectories import Trajectories, select_groups
@@ -74,6 +75,20 @@ class Collected:
     metrics: dict  # dynamic sampling's and the tools' metrics of this rollout
     seconds: dict[str, float]  # its phases' times (rollout, reward), wherever it ran
     weights_version: int  # the policy step whose weights the engine generated it with
+
+
+STALENESS = knobs.at_least(0, "0 (synchronous) | 1 (one step off-policy) | 2 | ...")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleConfig:
+    """The off-policy schedule's knobs (config/schema.py): how many steps stale the rollout generated ahead
+    (`RolloutAhead`) may be; the trainer's `schedule.EngineSchedule` keeps to it."""
+
+    max_staleness: int = knobs.knob("rollout.max_staleness", STALENESS)
+
+    def __post_init__(self):
+        knobs.validate(self)
 
 
 class RolloutAhead:

@@ -11,7 +11,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from arpo_jax import distributed, sharding
 from arpo_jax.experience import packing, tree_packing
 from arpo_jax.experience.trajectories import Trajectories
-from arpo_jax.update import jit
 
 
 class GlobalBatch:
@@ -26,7 +25,7 @@ class GlobalBatch:
 
     def __init__(self, pack: packing.PackConfig, mesh: Mesh, model_cfg, workers: int, local: range):
         self.pack_config, self.mesh, self.workers, self.local_workers = pack, mesh, workers, local
-        self.sharding = NamedSharding(mesh, jit.batch_spec(mesh, model_cfg.sharding_rules))  # [M, B, T]
+        self.sharding = NamedSharding(mesh, sharding.batch_spec(mesh, model_cfg.sharding_rules))  # [M, B, T]
         self.sharding4 = NamedSharding(mesh, PartitionSpec(None, *self.sharding.spec))  # [K, M, B, T]
         rules = sharding.get_rules(model_cfg.sharding_rules)
         self.rows_per_worker = max(1, math.prod(mesh.shape[a] for a in rules["batch"]) // workers)

@@ -36,12 +36,16 @@ from collections.abc import Sequence
 import numpy as np
 
 from arpo_jax import knobs
-from arpo_jax.update.train_step import AGG_MODES, MICRO_NORMS
+
+# How a loss aggregates over tokens and sequences (verl's `agg_loss` modes, spec 8.3) and is normalised over
+# micro-batches: the loss weights below implement them (`loss_weights`); the update's config names them too.
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+MICRO_NORMS = ("global_token_mean", "reference")
 
 
 @dataclasses.dataclass(frozen=True)
 class PackConfig:
-    """How a step's trajectories become the update's batches (the knobs: configs/base.py)."""
+    """How a step's trajectories become the update's batches (the knobs: config/schema.py)."""
 
     group_size: int = knobs.knob("rollout.n", knobs.POSITIVE)  # trajectories per prompt
     mini_batch_prompts: int = knobs.knob("actor.ppo_mini_batch_size", knobs.POSITIVE)  # prompts per optimizer step

@@ -1,6 +1,6 @@
 """Which trajectories train, and on what reward: DAPO's overlong shaping and dynamic sampling (pure numpy).
 
-None of this is in the reference ARPO/AEPO code; all of it is off by default (configs/base.py, `algorithm.*`).
+None of this is in the reference ARPO/AEPO code; all of it is off by default (config/schema.py, `algorithm.*`).
 
 * Soft overlong punishment (DAPO, arXiv 2503.14476 eq. 13; verl's `overlong_buffer`): a response of |y| tokens
   with L_max = `data.max_response_length` and L_cache = `algorithm.overlong_buffer_len` gets
@@ -96,7 +96,7 @@ def score_rollout(out: RolloutOutput, examples, tokenizer, reward_fn) -> Traject
 
 @dataclasses.dataclass(frozen=True)
 class ShapingConfig:
-    """The overlong handling of `shape_rollout` (the knobs: configs/base.py, `algorithm.overlong*`)."""
+    """The overlong handling of `shape_rollout` (the knobs: config/schema.py, `algorithm.overlong*`)."""
 
     overlong: str = knobs.knob("algorithm.overlong", knobs.one_of(OVERLONG_MODES))
     buffer_len: int = knobs.knob("algorithm.overlong_buffer_len")  # L_cache (checked against L_max by the loader)

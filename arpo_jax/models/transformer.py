@@ -40,7 +40,7 @@ REMAT_POLICIES = {
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 ATTENTION_IMPLS = (None, "xla", "cudnn", "blockwise")
-# Linears that may carry a LoRA adapter (`arpo_jax.update.lora`), by their HF module names.
+# Linears that may carry a LoRA adapter (`arpo_jax.models.lora`), by their HF module names.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -91,7 +91,7 @@ class Config:
     # Python loop (one copy of the layer per layer in the program, each reading its slice of the stacked params).
     # The params are stored stacked either way.
     scan_layers: bool = True
-    # LoRA adapters (`arpo_jax.update.lora`): rank 0 = none; else float32 A [r, in...] and B [out..., r] on the Linears
+    # LoRA adapters (`arpo_jax.models.lora`): rank 0 = none; else float32 A [r, in...] and B [out..., r] on the Linears
     # named in lora_targets, scaled by lora_alpha / lora_rank. Part of the model's structure (its params, shardings
     # and checkpoints), so it lives here and travels with the config.
     lora_rank: int = 0
@@ -621,7 +621,8 @@ def attention_mask_4d(attention_mask: jax.Array | None, segment_ids: jax.Array |
     return jnp.broadcast_to(mask, (b, t, t))[:, None]
 
 
-# LoRA adapters on the Linears (`arpo_jax.update.lora` has the rest: training, reference, merge, PEFT files).
+# LoRA adapters on the Linears (`models/lora.py` has the rest of the adapters and the merge, `update/lora.py` the
+# training and the reference, `weights/lora_io.py` the PEFT files).
 
 
 class LoRAParam(nnx.Param):

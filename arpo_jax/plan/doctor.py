@@ -93,7 +93,7 @@ def read_gpus(env: Mapping[str, str]) -> tuple[list[dict] | None, str]:
 
 
 def config_and_paths(n: Node) -> list[Row]:
-    from arpo_jax.config import validate
+    from arpo_jax.assemble import validate
 
     try:
         validate.validate(n.cfg, command=n.command, check_files=True)
@@ -226,7 +226,7 @@ def devices(n: Node) -> list[Row]:
 
 
 def engine_gpus(n: Node) -> list[Row]:
-    from arpo_jax.rollout import placement
+    from arpo_jax.assemble import placement
     from arpo_jax.rollout.vllm_sampler import engine_devices
 
     v = n.cfg.rollout.vllm

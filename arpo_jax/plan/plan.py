@@ -64,7 +64,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from arpo_jax import models, sharding
+from arpo_jax.assemble import placement
 from arpo_jax.experience import global_batch
+from arpo_jax.models.lora import config_with
 from arpo_jax.models.published import REAL_CONFIGS
 from arpo_jax.models.transformer import resolve_attention
 from arpo_jax.plan import collectives, programs
@@ -91,7 +93,6 @@ from arpo_jax.plan.memory_model import (
     sampler_items,
     total_bytes,
 )
-from arpo_jax.rollout import placement
 from arpo_jax.sharding import DEVICES
 from arpo_jax.update import accumulate, jit, lora
 from arpo_jax.update import train_step as ts
@@ -104,7 +105,7 @@ def _with_shardings(abstract, shardings):
 
 def hf_config_for(model_path: str) -> tuple[dict, str]:
     """(config.json dict, where it came from) for `model.path`, falling back to a published model's config."""
-    from arpo_jax.weights.policy import BUILTIN_TINY
+    from arpo_jax.assemble.policy import BUILTIN_TINY
 
     if model_path == BUILTIN_TINY:  # runtime.build_tiny_model's architecture (its vocabulary is at most 1024)
         tiny = models.Config(model_type="qwen2", vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=2,
@@ -134,9 +135,8 @@ def is_sft(cfg) -> bool:
 
 def shapes_of(cfg, mesh_shape: tuple[int, int, int], rules_name: str, command: str | None = None) -> Shapes:
     """The sizes a config's run gives its programs (as the trainer / SFT and the sampler compute them)."""
+    from arpo_jax.assemble.components import engine_kwargs, pack_config
     from arpo_jax.rollout.jax_decode import engine_shape
-    from arpo_jax.rollout.jax_sampler import engine_kwargs
-    from arpo_jax.train.components import pack_config
 
     command = command or ("sft" if is_sft(cfg) else "train")
     mesh = dict(zip(sharding.MESH_AXES, mesh_shape))
@@ -229,14 +229,14 @@ def fixes(r: dict) -> list[str]:
 
 
 def _model_config(cfg, layers: int | None = None):
-    from arpo_jax.weights.policy import runtime_options
+    from arpo_jax.assemble.policy import runtime_options
 
     hf_cfg, source = hf_config_for(cfg.model.path)
     if layers:
         hf_cfg = dict(hf_cfg, num_hidden_layers=layers)
     model_cfg = models.config_from_hf(hf_cfg, **runtime_options(cfg))
     if cfg.model.lora.rank:
-        model_cfg = lora.config_with(model_cfg, cfg.model.lora.rank, cfg.model.lora.alpha, cfg.model.lora.targets)
+        model_cfg = config_with(model_cfg, cfg.model.lora.rank, cfg.model.lora.alpha, cfg.model.lora.targets)
     return model_cfg, source
 
 
@@ -350,7 +350,7 @@ def _abstract_state(model_cfg, mesh, update_cfg):
 
 
 def _abstract_batch(mesh, model_cfg, update_cfg, micro, rows, seq):
-    batch_sh = jax.sharding.NamedSharding(mesh, jit.batch_spec(mesh, model_cfg.sharding_rules))
+    batch_sh = jax.sharding.NamedSharding(mesh, sharding.batch_spec(mesh, model_cfg.sharding_rules))
     ints = ("input_ids", "targets", "positions", "segment_ids")
     floats = ("loss_weight", "advantages", "old_logp") + (("ref_logp",) if update_cfg.kl_coef else ())
     return {k: jax.ShapeDtypeStruct((micro, rows, seq), jnp.int32 if k in ints else jnp.float32, sharding=batch_sh)
@@ -455,7 +455,7 @@ def compile_check(cfg, *, devices: int = 8, layers: int = 2, command: str | None
     decoder layers, beside the itemised model of the same reduced model: XLA's argument bytes against the model's
     params + optimizer state + batch (exact up to small counters), XLA's CPU temporaries against the model's
     non-state items (the CPU figure overstates: see the module docstring)."""
-    from arpo_jax.train.components import update_config
+    from arpo_jax.assemble.components import update_config
 
     model_cfg, _ = _model_config(cfg, layers)
     mesh_shape = _mesh_shape(cfg, devices)

@@ -1,7 +1,7 @@
 """The programs a run compiles before its first step (`train/warmup.py`), from the config alone: each one's name,
 shapes, runs per step and the itemised model's peak per device (`plan.analyse`'s `programs`, printed by
 `arpo-jax plan`). The update side's shapes are `global_batch.GlobalBatch`'s (the micro-batch count for the worst
-case, T heads and 8T loss entries a tree row); the JAX engine's are its own (`jax_sampler.config_programs`)."""
+case, T heads and 8T loss entries a tree row); the JAX engine's are its own (`jax_sampler.abstract_programs`)."""
 
 from __future__ import annotations
 
@@ -73,8 +73,8 @@ def batch_shapes(sh: Shapes, rows: int) -> str:
 
 def _flat_micro_batches(cfg, sh: Shapes, rows: int) -> int:
     """The flat layout's M (the critic's values forward is flat under tree training too)."""
+    from arpo_jax.assemble.components import pack_config
     from arpo_jax.experience import global_batch
-    from arpo_jax.train.components import pack_config
 
     workers = cfg.rollout.workers or sh.processes
     return global_batch.micro_batches(pack_config(cfg), workers, max(1, rows // workers), tree=False)
@@ -82,16 +82,18 @@ def _flat_micro_batches(cfg, sh: Shapes, rows: int) -> int:
 
 def sampler_programs(cfg, model_cfg: models.Config, mesh_shape, processes: int, peaks: dict[str, float]
                      ) -> list[dict]:
-    """The JAX engine's programs (`jax_sampler.config_programs`: its fixed slots, prefill lengths, copy and decode)
+    """The JAX engine's programs (`jax_sampler.abstract_programs`: its fixed slots, prefill lengths, copy and decode)
     with their argument shapes; the peak of the itemised program of their kind (prefill, decode; the others, the
     cache's init and the row copy, hold the same weights and cache as the decode: its peak bounds theirs)."""
-    from arpo_jax.rollout.jax_sampler import config_programs
+    from arpo_jax.assemble.components import engine_kwargs
+    from arpo_jax.rollout.jax_sampler import abstract_programs
 
     # With LoRA the engine samples with the merged weights, on the base model's graph (`components.sampler_params`).
     graphdef, abstract = nnx.split(models.abstract_model(model_cfg.replace(lora_rank=0)))
     local = max(1, math.prod(mesh_shape) // processes)
     out = []
-    for name, (_, args) in config_programs(cfg, graphdef, abstract, processes=processes, batch_multiple=local).items():
+    kw, max_len = engine_kwargs(cfg, processes), cfg.data.max_prompt_length + cfg.data.max_response_length
+    for name, (_, args) in abstract_programs(kw, max_len, graphdef, abstract, batch_multiple=local).items():
         kind = _SAMPLER_PEAKS.get(name.split("_")[0], "sampler_decode")
         out.append(_entry(f"sampler_{name}", _arg_shapes(args), "per call", round(peaks[kind] / GB, 2)))
     return out

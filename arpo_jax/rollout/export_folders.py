@@ -37,8 +37,7 @@ def version_nbytes(model, kind: str, dtype: str) -> int:
     ("full": a LoRA model's base, which the export merges the adapters into)."""
     from flax import nnx
 
-    from arpo_jax.models import transformer
-    from arpo_jax.update import lora
+    from arpo_jax.models import lora, transformer
     from arpo_jax.weights import hf
 
     if kind == "adapters":

@@ -52,6 +52,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from arpo_jax import device_memory
 from arpo_jax.rollout.jax_decode import (
     TRACE_COUNTS,
     decode_weights,
@@ -78,25 +79,13 @@ def pow2_buckets(lo: int, hi: int, *, half_steps: bool = False, quarter_steps: b
     return tuple(sorted(set(out) | {b * m // 4 for b in out[:-1] for m in steps}))
 
 
-def engine_kwargs(cfg, processes: int) -> dict:
-    """`JaxSampler`'s settings from an experiment config (`rollout.jax`, `rollout.entropy_top_k`), `processes` the
-    run's process count: `slots` = 0 means one rollout worker's trajectories (its prompts x rollout.n)."""
-    j = cfg.rollout.jax
-    workers = cfg.rollout.workers or processes
-    slots = j.slots or max(1, cfg.data.train_batch_size // workers) * cfg.rollout.n
-    return dict(slots=slots, decode_chunk=j.decode_chunk, prefill_chunk=j.prefill_chunk,
-                max_tokens_per_call=j.max_tokens_per_call, layout=j.layout,
-                max_logprobs=max(20, cfg.rollout.entropy_top_k), decode_rows=j.decode_rows,
-                decode_lengths=j.decode_lengths, kv_dtype=j.kv_dtype)
-
-
-def config_programs(cfg, graphdef, abstract_state, *, processes: int = 1, batch_multiple: int = 1, n_eos: int = 1,
-                    vocab_mask: bool = True) -> dict[str, tuple]:
-    """The programs a run's JAX engine compiles, from the config and the model's abstract state alone (nothing is
-    allocated): {name: (jitted function, abstract arguments)} as `JaxSampler.programs`, for `arpo-jax plan`.
-    `n_eos` / `vocab_mask`: what the tokenizer gives (its EOS ids; a mask when it covers less than the vocab)."""
-    kw = engine_kwargs(cfg, processes)
-    shape = engine_shape(max_len=cfg.data.max_prompt_length + cfg.data.max_response_length, slots=kw["slots"],
+def abstract_programs(kw: dict, max_len: int, graphdef, abstract_state, *, batch_multiple: int = 1, n_eos: int = 1,
+                      vocab_mask: bool = True) -> dict[str, tuple]:
+    """The programs a JAX engine of `JaxSampler(**kw, max_len=max_len)` compiles, from the model's abstract state
+    alone (nothing is allocated): {name: (jitted function, abstract arguments)} as `JaxSampler.programs`, for
+    `arpo-jax plan` (`components.engine_kwargs` gives a run's `kw`). `n_eos` / `vocab_mask`: what the tokenizer
+    gives (its EOS ids; a mask when it covers less than the vocab)."""
+    shape = engine_shape(max_len=max_len, slots=kw["slots"],
                          prefill_chunk=kw["prefill_chunk"], decode_chunk=kw["decode_chunk"],
                          max_logprobs=kw["max_logprobs"], batch_multiple=batch_multiple,
                          max_tokens_per_call=kw["max_tokens_per_call"], decode_rows=kw["decode_rows"],
@@ -345,3 +334,16 @@ class _NullCtx:
 
     def __exit__(self, *exc):
         return False
+
+
+def check_cache_fits(sampler: JaxSampler) -> None:
+    """Refuses, before a JAX engine allocates it (at its warm-up or first call), a KV cache larger than the free
+    memory (`device_memory`): one line with the sizes and the settings to change, not the OOM killer."""
+    init, args = sampler.programs()["init"]
+    devices = list(sampler.mesh.devices.flat) if sampler.mesh is not None else jax.local_devices()[:1]
+    total, cpu = device_memory.tree_bytes(jax.eval_shape(init, *args)), devices[0].platform == "cpu"
+    device_memory.require_fits(  # CPU devices share the host's memory
+        total if cpu else -(-total // len(devices)), device_memory.available_bytes(devices[0]),
+        f"the JAX engine's KV cache ({sampler.shape.slots} rows x {sampler.shape.cache_len} tokens)", "give it fewer "
+        "rows (rollout.jax.slots; `arpo-jax eval`: --batch-size x --k), shorter contexts (data.max_prompt_length + "
+        "data.max_response_length) or a cap (rollout.jax.max_tokens_per_call)")

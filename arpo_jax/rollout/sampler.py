@@ -34,7 +34,7 @@ TOP_K = knobs.Rule(lambda v: v == -1 or v >= 1, "-1 (off) or >= 1")
 
 @dataclasses.dataclass(frozen=True)
 class SamplingSettings:
-    """Settings shared by all requests of one `generate` call (the `knob` fields: configs/base.py)."""
+    """Settings shared by all requests of one `generate` call (the `knob` fields: config/schema.py)."""
 
     temperature: float = knobs.knob("rollout.temperature")  # 0 = greedy
     top_p: float = knobs.knob("rollout.top_p", TOP_P)

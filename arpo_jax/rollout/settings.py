@@ -17,7 +17,7 @@ SCHEDULES = ("stream", "rounds")  # rollout.schedule (module docstring)
 class RolloutConfig:
     """Static rollout settings (spec 4.2 and 11.3; script values: n 16, m 8, beam 2, p 0.5, w 0.2).
 
-    Each ``knob`` field is the config field it names (default and meaning: configs/base.py) under its rule;
+    Each ``knob`` field is the config field it names (default and meaning: arpo_jax/config/schema.py) under its rule;
     ``components.rollout_config`` builds this from an experiment config."""
 
     n: int = knobs.knob("rollout.n", knobs.at_least(1))

@@ -285,7 +285,7 @@ class VllmSampler:
         model = params_or_path
         kind = self.sync_kind(model.config.lora_rank)
         if kind == "adapters" and base:  # the base once, as full weights, then the adapters over it
-            from arpo_jax.update import lora
+            from arpo_jax.models import lora
 
             self._sync_model(lora.base_model(model), "full")
         stats = self._sync_model(model, kind)

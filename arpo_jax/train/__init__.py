@@ -1,1 +1,1 @@
-"""The runs: the RL trainer, cold-start SFT, their shared skeleton, the run guard, metrics, components."""
+"""The runs: the RL trainer, cold-start SFT, their shared skeleton, the run guard, metrics."""

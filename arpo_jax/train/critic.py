@@ -13,7 +13,7 @@ from arpo_jax import distributed, knobs
 from arpo_jax.experience import advantages, global_batch
 from arpo_jax.experience.trajectories import Trajectories
 from arpo_jax.models.transformer import Config as ModelConfig
-from arpo_jax.update import algos, jit
+from arpo_jax.update import jit
 from arpo_jax.update import value as critic_lib
 from arpo_jax.update.accumulate import TrainState
 from arpo_jax.update.value import (
@@ -92,7 +92,7 @@ def critic_advantages(trajs: dict[int, Trajectories], critic: Critic, batches: g
     rows = slice(jax.process_index() * n_local, (jax.process_index() + 1) * n_local)
     # Whitened over every trajectory of the step (as the reference's driver does), not per process.
     g = distributed.gather
-    whiten = lambda adv, mask: np.asarray(algos.masked_whiten(g(adv), g(mask)))[rows]
+    whiten = lambda adv, mask: np.asarray(advantages.masked_whiten(g(adv), g(mask)))[rows]
     out = advantages.gae([trajs[w] for w in local], [values[w] for w in local],
                          max_response_length=cfg.data.max_response_length, gamma=a.gamma, lam=a.lam, whiten=whiten)
     return {w: {"advantages": adv, "returns": ret, "old_values": values[w]} for w, (adv, ret) in zip(local, out)}

@@ -11,29 +11,14 @@ stale (`sync_due`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from collections.abc import Callable
 
-from arpo_jax import knobs
 from arpo_jax.data.rl_dataset import DataPosition
-from arpo_jax.experience.collection import Collected, RolloutAhead
+from arpo_jax.experience.collection import Collected, RolloutAhead, ScheduleConfig
 
 log = logging.getLogger(__name__)
-
-STALENESS = knobs.at_least(0, "0 (synchronous) | 1 (one step off-policy) | 2 | ...")
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduleConfig:
-    """The schedule's knobs (configs/base.py)."""
-
-    max_staleness: int = knobs.knob("rollout.max_staleness", STALENESS)
-
-    def __post_init__(self):
-        knobs.validate(self)
-
 
 def sync_due(weights_version: int, step: int, max_staleness: int) -> bool:
     """Whether the engine, holding the weights of step `weights_version`, needs those of step + 1 after step `step`'s

@@ -29,20 +29,21 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from arpo_jax import distributed, paths
+from arpo_jax import distributed, paths, sharding
+from arpo_jax.assemble import components
+from arpo_jax.assemble import policy as policy_lib
+from arpo_jax.assemble import validate as config_lib
 from arpo_jax.config import redaction
-from arpo_jax.config import validate as config_lib
 from arpo_jax.data import rl_dataset, sft_data
 from arpo_jax.experience import packing
 from arpo_jax.models.transformer import Config as ModelConfig
 from arpo_jax.train import metrics as metrics_lib
 from arpo_jax.train import run_guard, skeleton
-from arpo_jax.update import accumulate
+from arpo_jax.update import accumulate, machinery
 from arpo_jax.update import jit as jit_lib
 from arpo_jax.update import train_step as ts
 from arpo_jax.update.accumulate import TrainState
 from arpo_jax.weights import hf
-from arpo_jax.weights import policy as policy_lib
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def micro_batches_needed(shards: list[np.ndarray], *, row_len: int, rows: int) -
 
 def batch_rows(mesh: Mesh, rules_name: str) -> int:
     """B: rows per micro-batch of the global batch = devices the ``batch`` axis is split over."""
-    axes = jit_lib.batch_spec(mesh, rules_name)[1] or ()
+    axes = sharding.batch_spec(mesh, rules_name)[1] or ()
     axes = (axes,) if isinstance(axes, str) else axes
     return math.prod(mesh.shape[a] for a in axes)
 
@@ -143,7 +144,7 @@ def export_hf(graphdef: nnx.GraphDef, params, path: Path, tokenizer) -> Path:
 
 
 def run_sft(cfg, workdir: str | os.PathLike) -> dict:
-    """Runs cold-start SFT with `cfg` (configs/base.py fields, `sft.*`) in `workdir`; returns a summary dict.
+    """Runs cold-start SFT with `cfg` (config/schema.py fields, `sft.*`) in `workdir`; returns a summary dict.
 
     Data order comes from `data.seed` / `data.shuffle` (a permutation per epoch; the incomplete tail batch of an
     epoch is left out). `sft.mask_tool_results` (default True; see `sft_data`) chooses whether
@@ -190,7 +191,7 @@ def finished_run(cfg, workdir: Path) -> dict | None:
 
 def _run_sft(cfg, workdir: Path, resuming: bool, stop: run_guard.StopSignals, t_start: float) -> dict:
     is_main = distributed.is_main_process()
-    mesh = distributed.make_mesh(cfg)
+    mesh = components.make_mesh(cfg)
     model, tokenizer, _ = policy_lib.load_policy(cfg, workdir, mesh)
     config_lib.check_tokenizer(tokenizer, cfg)
     # Data: every process tokenises everything (M and the loss-token totals must agree) and packs its own shard.
@@ -202,9 +203,9 @@ def _run_sft(cfg, workdir: Path, resuming: bool, stop: run_guard.StopSignals, t_
     update_cfg = ts.UpdateConfig(lr=cfg.sft.lr, schedule=cfg.sft.schedule, weight_decay=cfg.sft.weight_decay,
                                  warmup_steps=math.ceil(cfg.sft.warmup_ratio * plan.total_steps))
     jit = lambda g, mc, opt, mesh, sh: jit_sft_step(g, mc, opt, mesh, sh, chunk=cfg.actor.logprob_chunk)
-    policy, params = skeleton.build_policy(model, update_cfg, plan.total_steps, mesh, jit)
+    policy, params = machinery.build_policy(model, update_cfg, plan.total_steps, mesh, jit)
     del model
-    batch_sh = NamedSharding(mesh, jit_lib.batch_spec(mesh, policy.model_cfg.sharding_rules))
+    batch_sh = NamedSharding(mesh, sharding.batch_spec(mesh, policy.model_cfg.sharding_rules))
 
     # Resume, or start.
     ckpts = skeleton.RunCheckpoints([skeleton.policy_checkpointer(cfg, workdir)])

@@ -1,8 +1,8 @@
 """The run skeleton shared by the RL loop (`trainer.Trainer`) and the SFT loop (`sft.run_sft`).
 
 Both build the same things in the same order:
-  1. the policy's update (`build_policy`): optimizer and schedule -> abstract params -> state shardings -> the
-     jitted step;
+  1. the policy's update (`update.machinery.build_policy`): optimizer and schedule -> abstract params -> state
+     shardings -> the jitted step;
   2. the run's checkpoint folders and resume-or-init (`RunCheckpoints.resume_or_init`): the newest step that every
      folder holds intact, else a fresh state;
   3. the metrics logger (`open_logger`), continuing the run's metrics from the resumed step;
@@ -13,64 +13,13 @@ Both build the same things in the same order:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
-import optax
-from flax import nnx
-from jax.sharding import Mesh
-
 from arpo_jax.config import redaction
-from arpo_jax.models.transformer import Config as ModelConfig
 from arpo_jax.train import metrics as metrics_lib
-from arpo_jax.update import accumulate, jit, lora
-from arpo_jax.update import train_step as ts
 from arpo_jax.weights.checkpoint import Checkpointer
-
-# (graphdef, model config, optimizer, mesh, state shardings) -> the jitted step(state, batch) -> (state, metrics)
-JitStep = Callable[[nnx.GraphDef, ModelConfig, optax.GradientTransformation, Mesh, accumulate.TrainState], jit.MeshJit]
-
-
-def abstract_of(tree):
-    """ShapeDtypeStruct leaves (shape and dtype only) of an array pytree."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-
-
-@dataclasses.dataclass(frozen=True)
-class Policy:
-    """The policy's update machinery, derived once from the model and the update config."""
-
-    graphdef: nnx.GraphDef
-    model_cfg: ModelConfig
-    optimizer: optax.GradientTransformation
-    schedule: optax.Schedule
-    abstract: Any  # the params as ShapeDtypeStruct leaves
-    shardings: accumulate.TrainState  # of the train state
-    step_fn: jit.MeshJit
-    mesh: Mesh  # the update's
-
-    def init_state(self, params) -> accumulate.TrainState:
-        return jit.init_train_state(params, self.optimizer, self.shardings)
-
-    def restore_target(self) -> accumulate.TrainState:
-        """The abstract train state a checkpoint restores into (shapes, dtypes, shardings)."""
-        return jit.abstract_train_state(self.optimizer, self.abstract, self.shardings)
-
-
-def build_policy(model, update_cfg: ts.UpdateConfig, total_updates: int, mesh: Mesh,
-                 jit_step: JitStep) -> tuple[Policy, dict]:
-    """The policy's optimizer (over `total_updates` optimizer steps), state shardings and jitted step; returns it
-    with the model's params (a pure dict, to initialise the state from)."""
-    optimizer = lora.freeze_base(ts.make_optimizer(update_cfg, total_updates), model.config)  # LoRA: adapters only
-    schedule = ts.make_schedule(update_cfg, total_updates)
-    graphdef, params = jit.split_model(model)
-    abstract = abstract_of(params)
-    shardings = jit.state_shardings(optimizer, jit.param_shardings(model.config, mesh), abstract, mesh)
-    step_fn = jit_step(graphdef, model.config, optimizer, mesh, shardings)
-    return Policy(graphdef, model.config, optimizer, schedule, abstract, shardings, step_fn, mesh), params
 
 
 def policy_checkpointer(cfg, workdir: Path) -> Checkpointer:

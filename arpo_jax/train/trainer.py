@@ -52,19 +52,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from arpo_jax import compile_log, distributed, knobs, paths, rewards
-from arpo_jax.config import validate as config_lib
-from arpo_jax.data import rl_dataset, toy
-from arpo_jax.experience import advantages, collection, global_batch, reward
-from arpo_jax.experience import step_metrics as step_metrics_lib
-from arpo_jax.experience.trajectories import Trajectories
-from arpo_jax.rollout import placement
-from arpo_jax.rollout.agent_loop import RolloutState, greedy_settings, rollout
-from arpo_jax.rollout.output import RolloutOutput
-from arpo_jax.rollout.sampler import worker_seed
-from arpo_jax.train import critic, run_guard, schedule, skeleton, warmup
-from arpo_jax.train import metrics as metrics_lib
-from arpo_jax.train.components import (
+from arpo_jax.assemble import placement
+from arpo_jax.assemble import policy as policy_lib
+from arpo_jax.assemble import validate as config_lib
+from arpo_jax.assemble.components import (
     initial_sync,
+    make_mesh,
     make_rollout_sampler,
     make_tool_executor,
     pack_config,
@@ -74,13 +67,22 @@ from arpo_jax.train.components import (
     sync_weights,
     update_config,
 )
+from arpo_jax.data import rl_dataset, toy
+from arpo_jax.experience import advantages, collection, global_batch, reward
+from arpo_jax.experience import step_metrics as step_metrics_lib
+from arpo_jax.experience.collection import ScheduleConfig
+from arpo_jax.experience.trajectories import Trajectories
+from arpo_jax.rollout.agent_loop import RolloutState, greedy_settings, rollout
+from arpo_jax.rollout.output import RolloutOutput
+from arpo_jax.rollout.sampler import worker_seed
+from arpo_jax.train import critic, run_guard, schedule, skeleton, warmup
+from arpo_jax.train import metrics as metrics_lib
 from arpo_jax.train.critic import critic_advantages, critic_config
-from arpo_jax.train.schedule import EngineSchedule, ScheduleConfig
-from arpo_jax.update import lora
+from arpo_jax.train.schedule import EngineSchedule
+from arpo_jax.update import lora, machinery
 from arpo_jax.update import train_step as ts
 from arpo_jax.update.accumulate import TrainState
 from arpo_jax.weights import hf, lora_io
-from arpo_jax.weights import policy as policy_lib
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +109,7 @@ class Trainer:
         self.lock, resuming = run_guard.open_workdir(self.workdir, cfg, "train")
         if cfg.trainer.export_hf:
             hf.check_export_destination(self.workdir / "hf")
-        self.mesh = distributed.make_mesh(cfg, devices)
+        self.mesh = make_mesh(cfg, devices)
         self.workers = num_workers(cfg)
         self.local_workers = local_workers(self.workers)
         model, self.tokenizer, self.model_folder = policy_lib.load_policy(cfg, self.workdir, self.mesh)
@@ -119,7 +121,7 @@ class Trainer:
         # The policy update (and, with algorithm.adv_estimator = gae, the critic's), the batch layout.
         upd = update_config(cfg)
         updates = self.total_steps * (cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size) * cfg.actor.ppo_epochs
-        self.policy, params = skeleton.build_policy(
+        self.policy, params = machinery.build_policy(
             model, upd, updates, self.mesh, lambda g, mc, opt, mesh, sh: ts.jit_train_step(g, mc, upd, opt, mesh, sh))
         self.logprob_fn = ts.jit_forward_logprobs(self.policy.graphdef, self.model_cfg, chunk=cfg.actor.logprob_chunk,
                                                   temperature=upd.temperature, mesh=self.mesh,
@@ -136,8 +138,8 @@ class Trainer:
         self.checkpoints = skeleton.RunCheckpoints(
             [skeleton.policy_checkpointer(cfg, self.workdir)] + ([self.critic.ckpt] if self.critic else []))
         self.step, self.position = 0, rl_dataset.DataPosition(0, 0)
-        # LoRA: checkpoints hold the adapters and a pointer to the frozen base (`lora_io.base_pointer`), not the base.
-        self.stored = lora_io.CheckpointView.for_run(cfg, self.model_folder, params, self.model_cfg)
+        self.stored = lora_io.CheckpointView.for_run(  # LoRA: the adapters and the base's pointer, not the base
+            cfg.model.path, cfg.model.init_checkpoint, self.model_folder, params, self.model_cfg)
         latest, (self.state, critic_state) = self.checkpoints.resume_or_init(
             resuming, lambda s: (self._restore(s), self.critic.restore(s) if self.critic else None),
             lambda: (self.policy.init_state(params), self.critic.init_state(params) if self.critic else None))

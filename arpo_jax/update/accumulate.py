@@ -3,7 +3,8 @@
 ``accumulate_and_apply`` sums a micro-batch loss's gradients over the [M, ...] micro-batches of a mini-batch with
 ``lax.scan`` (float32 accumulators; on an HSDP mesh one accumulator per data group, summed once), then applies the
 optimizer, skipping a non-finite update. ``TrainState`` is what it carries from step to step; ``PartialOptimizer``
-trains some params only (LoRA's adapters), ``partition`` / ``combine`` split and join a params tree by key paths.
+trains some params only (LoRA's adapters; ``models.lora.partition`` / ``combine`` split and join a params tree by
+key paths).
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from flax import traverse_util
 from jax.sharding import PartitionSpec
 
 from arpo_jax import sharding
+from arpo_jax.models.lora import combine, partition
 
 Array = jax.Array
 Batch = dict[str, Array]
@@ -50,24 +51,6 @@ class PartialOptimizer(NamedTuple):
 def trainable_of(optimizer) -> frozenset | None:
     """The key paths an optimizer trains (a ``PartialOptimizer``'s), None for all."""
     return optimizer.trainable if isinstance(optimizer, PartialOptimizer) else None
-
-
-def partition(tree, trainable: frozenset | None) -> tuple[Any, Any]:
-    """(the leaves at the key paths ``trainable``, the rest) of a params-shaped pure dict; ``trainable`` None:
-    (everything, {}). ``combine`` puts them back together."""
-    if trainable is None:
-        return tree, {}
-    flat = traverse_util.flatten_dict(tree)
-    train = {k: v for k, v in flat.items() if k in trainable}
-    frozen = {k: v for k, v in flat.items() if k not in trainable}
-    return traverse_util.unflatten_dict(train), traverse_util.unflatten_dict(frozen)
-
-
-def combine(train, frozen):
-    """The inverse of ``partition``."""
-    if not frozen:
-        return train
-    return traverse_util.unflatten_dict(traverse_util.flatten_dict(train) | traverse_util.flatten_dict(frozen))
 
 
 MICRO_BATCH_SCOPE = "micro_batch"  # the name scope of the work done once per micro-batch (`plan` counts by it)

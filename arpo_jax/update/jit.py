@@ -26,12 +26,6 @@ def split_model(model: CausalLM) -> tuple[nnx.GraphDef, dict]:
     return graphdef, nnx.to_pure_dict(params)
 
 
-def batch_spec(mesh: Mesh, rules_name: str) -> PartitionSpec:
-    """[M, B, T] batch arrays: rows split over the mesh axes of the logical ``batch`` axis."""
-    axes = tuple(a for a in sharding.get_rules(rules_name)["batch"] if mesh.shape[a] > 1)
-    return PartitionSpec(None, axes or None, None)
-
-
 def param_shardings(model_cfg: ModelConfig, mesh: Mesh) -> dict:
     """Pure dict of NamedSharding for the params, from their logical ``axes`` and the config's rules table."""
     abstract = nnx.state(models.abstract_model(model_cfg), nnx.Param)
@@ -113,7 +107,7 @@ def jit_step(fn, model_cfg: ModelConfig, mesh: Mesh | None = None, shardings: Tr
         return MeshJit(jax.jit(step, donate_argnums=0), None)
     if shardings is None:
         raise ValueError(f"{name} with a mesh needs shardings=state_shardings(...)")
-    batch_sh = NamedSharding(mesh, batch_spec(mesh, model_cfg.sharding_rules))
+    batch_sh = NamedSharding(mesh, sharding.batch_spec(mesh, model_cfg.sharding_rules))
     replicated = NamedSharding(mesh, PartitionSpec())
     jitted = jax.jit(step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated),
                      donate_argnums=0)
@@ -152,7 +146,7 @@ def jit_forward(forward, keys: tuple[str, ...], model_cfg: ModelConfig, mesh: Me
     jitted = jax.jit(forward)  # params arrive committed to their shardings, the batch is placed by _ShardBatch
     if mesh is None:
         return MeshJit(_ShardBatch(jitted, keys, None), None)
-    spec = batch_spec(mesh, model_cfg.sharding_rules)
+    spec = sharding.batch_spec(mesh, model_cfg.sharding_rules)
     batch_sh = lambda x: NamedSharding(mesh, PartitionSpec(*(None,) * (x.ndim - 2), *spec[1:]))
     return MeshJit(_ShardBatch(jitted, keys, batch_sh), mesh)
 

@@ -39,6 +39,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from arpo_jax import knobs, sharding
+from arpo_jax.experience.packing import AGG_MODES, MICRO_NORMS
 from arpo_jax.models.transformer import CausalLM
 from arpo_jax.models.transformer import Config as ModelConfig
 from arpo_jax.update import algos, logprobs
@@ -47,10 +48,6 @@ from arpo_jax.update.jit import MeshJit, jit_forward, jit_step, map_micro_batche
 
 Array = jax.Array
 Batch = dict[str, Array]
-# How a loss aggregates over tokens and sequences (verl's `agg_loss` modes, spec 8.3) and is normalised over
-# micro-batches: the packer's loss weights implement them (`experience/packing.py`, `loss_weights`).
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-MICRO_NORMS = ("global_token_mean", "reference")
 SCHEDULES = ("constant", "cosine")  # both after a linear warmup; cosine ends at min_lr_ratio * lr
 _CLIP = knobs.Rule(lambda v: 0 <= v < 1, "0 <= clip < 1")
 _TEMPERATURE = knobs.Rule(lambda v: v > 0, "> 0 (training samples; log-probs divide by it)")
@@ -60,7 +57,7 @@ _TEMPERATURE = knobs.Rule(lambda v: v > 0, "> 0 (training samples; log-probs div
 class UpdateConfig:
     """Loss and optimizer hyperparameters of the policy update. Frozen and hashable: static under jit.
 
-    Each ``knob`` field is the config field it names (default and meaning: configs/base.py) under its rule;
+    Each ``knob`` field is the config field it names (default and meaning: config/schema.py) under its rule;
     ``components.update_config`` builds this from an experiment config."""
 
     loss: str = knobs.knob("actor.loss", knobs.one_of(algos.POLICY_LOSSES))

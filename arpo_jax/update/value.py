@@ -12,7 +12,7 @@ has none). This is verl's ``values[:, -R - 1:-1]`` slice.
 
 GAE runs per trajectory, never on packed rows (a reverse scan over a packed row would run from one trajectory
 into the previous one): the trainer unpacks the old values and ``advantages.gae`` slices each trajectory's
-response, pads to [N, R] and calls ``algos.gae_advantages(rewards, values, response_mask)`` (reward on the last
+response, pads to [N, R] and calls ``advantages.gae_advantages(rewards, values, response_mask)`` (reward on the last
 token); the advantages, returns and old values are then packed as token-aligned arrays (``global_batch.worker_batch``).
 
 One call of ``value_step(state, batch)`` is one critic optimizer step over a mini-batch of [M, B, T] arrays:
@@ -38,9 +38,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from arpo_jax import knobs, sharding
+from arpo_jax.experience.advantages import masked_mean
 from arpo_jax.models.transformer import CausalLM
 from arpo_jax.models.transformer import Config as ModelConfig
-from arpo_jax.update import accumulate, algos, jit
+from arpo_jax.update import accumulate, jit
 from arpo_jax.update import train_step as ts
 from arpo_jax.update.accumulate import TrainState
 
@@ -53,7 +54,7 @@ FORWARD_KEYS = ("input_ids", "positions", "segment_ids")
 class CriticConfig:
     """Critic loss and optimizer hyperparameters (verl critic defaults). Frozen and hashable: static under jit.
 
-    Each ``knob`` field is the config field it names (default and meaning: configs/base.py); gradient
+    Each ``knob`` field is the config field it names (default and meaning: config/schema.py); gradient
     clipping and weight decay are the actor's (their rules: ``train_step.UpdateConfig``)."""
 
     # values move at most this far from the rollout's old values per update
@@ -197,8 +198,8 @@ def value_loss(values: Array, old_values: Array, returns: Array, weights: Array,
     loss2 = jnp.square(v_clipped - ret)
     factor = 1.0 if reference_compat else 0.5
     loss = factor * jnp.sum(jnp.where(valid, weights * jnp.maximum(loss1, loss2), 0.0))
-    metrics = {"vf_clipfrac": algos.masked_mean((loss2 > loss1).astype(jnp.float32), weights),
-               "vpred_mean": algos.masked_mean(jax.lax.stop_gradient(v), weights)}
+    metrics = {"vf_clipfrac": masked_mean((loss2 > loss1).astype(jnp.float32), weights),
+               "vpred_mean": masked_mean(jax.lax.stop_gradient(v), weights)}
     return loss, metrics
 
 

@@ -3,7 +3,8 @@
 Layout of `directory/<step>/`: `params/` (the model's params as a pure dict of arrays), `opt_state/` (optional,
 any pytree of arrays), `meta/` (JSON: the model config, so a checkpoint can be exported without its run's config,
 plus whatever the caller stores). Items are separate so that exporting or evaluating a checkpoint restores the params
-alone. A training state (`accumulate.TrainState`: the policy's, the critic's or SFT's) is saved and restored with
+alone. A training state (the update's `accumulate.TrainState`, a NamedTuple (params, opt_state, step, skipped): the
+policy's, the critic's or SFT's) is saved and restored with
 `save_state` / `restore_state`, which own its metadata: `counters` (optimizer updates and skipped updates) and, for
 a run that reads data, `data_position`.
 
@@ -51,7 +52,6 @@ from arpo_jax import distributed, models, sharding
 from arpo_jax.data.rl_dataset import DataPosition
 from arpo_jax.models.transformer import Config, RopeScaling
 from arpo_jax.paths import local_path
-from arpo_jax.update.accumulate import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ def _counter(value: int, target) -> jax.Array:
 class RestoredState(NamedTuple):
     """What `Checkpointer.restore_state` returns."""
 
-    state: TrainState
+    state: Any  # the restored training state, the target's type (the update's `accumulate.TrainState`)
     position: DataPosition | None  # where the run's data continues; None for a state saved without one (the critic)
     meta: dict  # the whole metadata, e.g. `step` and what the caller stored
 
@@ -291,7 +291,7 @@ class Checkpointer:
             self._sealing.start()
         return saved
 
-    def save_state(self, step: int, state: TrainState, *, config: Config, position: DataPosition | None = None,
+    def save_state(self, step: int, state: Any, *, config: Config, position: DataPosition | None = None,
                    meta: dict | None = None, force: bool = False) -> bool:
         """Starts saving a training state at `step` (`save`): its params and optimizer state, and in the metadata its
         `counters` (updates, skipped), the `data_position` when given, and the caller's `meta`."""
@@ -434,7 +434,7 @@ class Checkpointer:
             raise CorruptCheckpointError(self.directory, step, f"params/{bad}", "holds NaN or infinite values")
         return out["params"], out.get("opt_state"), meta
 
-    def restore_state(self, step: int, target: TrainState) -> RestoredState:
+    def restore_state(self, step: int, target: Any) -> RestoredState:
         """The training state that `save_state` saved at `step`, restored into `target`'s shapes, dtypes and shardings
         (`jit.abstract_train_state`), after the checks of `restore`.
 
@@ -443,8 +443,8 @@ class Checkpointer:
         """
         params, opt_state, meta = self.restore(step, params_target=target.params, opt_state_target=target.opt_state)
         counters = meta.get("counters") or {"updates": meta["step"], "skipped": meta.get("skipped_updates", 0)}
-        state = TrainState(params, opt_state, _counter(counters["updates"], target.step),
-                           _counter(counters["skipped"], target.skipped))
+        state = target._replace(params=params, opt_state=opt_state, step=_counter(counters["updates"], target.step),
+                                skipped=_counter(counters["skipped"], target.skipped))
         position = meta.get("data_position")
         return RestoredState(state, None if position is None else DataPosition.from_dict(position), meta)
 
@@ -544,7 +544,7 @@ def _pure(params):
 def _load_lora_base(pointer: dict, cfg, mesh: Mesh | None = None) -> models.CausalLM:
     """The base model a pointer names (`base_pointer`), loaded in `cfg`'s dtypes; checked against its hash by
     `_restore_lora_model` (a trainer resuming checks it in `lora_io.with_base`)."""
-    from arpo_jax.update import lora
+    from arpo_jax.models import lora
     from arpo_jax.weights import pretrained
 
     opts = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype, "sharding_rules": cfg.sharding_rules}
@@ -559,7 +559,7 @@ def _restore_lora_model(ckpt: Checkpointer, step: int, meta: dict, config, mesh:
                         ) -> models.CausalLM:
     """A LoRA RL checkpoint (`Checkpointer.restore_model` calls this for one with a base pointer) as a model: its
     adapters over the base its pointer names, loaded and checked against the hash."""
-    from arpo_jax.update import lora
+    from arpo_jax.models import lora
     from arpo_jax.weights import lora_io
 
     pointer = meta[lora_io.BASE_POINTER]

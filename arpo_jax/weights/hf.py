@@ -517,7 +517,7 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike, tokenizer=None, *,
     adapters is written merged (`lora.merged_state`): the folder is a plain model of the base's architecture."""
     state, cfg, transform = nnx.state(model, nnx.Param), model.config, None
     if cfg.lora_rank:
-        from arpo_jax.update import lora
+        from arpo_jax.models import lora
 
         state, cfg, transform = lora.merged_export(model)
     return save_state(state, cfg, path, tokenizer=tokenizer, dtype=dtype, max_shard_bytes=max_shard_bytes,

@@ -1,6 +1,7 @@
 """LoRA adapters in files and configs: PEFT adapter folders (`adapter_config.json` + `adapter_model.safetensors`,
 keys `base_model.model.<module path>.lora_A.weight`) that `peft` loads onto the base in transformers, and back;
-the policy for `config.model.lora` (`from_config`); `arpo-jax export` (merged HF folder or PEFT folder).
+the checkpoints of a LoRA run (its adapters and a pointer to the base); `arpo-jax export` (merged HF folder or PEFT
+folder). The policy for `config.model.lora` is `assemble.policy.with_lora`.
 
 Above `lora` (the adapters themselves) and the I/O layers (`hf`, `checkpoint`, `pretrained`), so those never import
 it back.
@@ -20,9 +21,9 @@ from flax import nnx, traverse_util
 from jax.sharding import Mesh
 
 from arpo_jax import models, sharding
+from arpo_jax.models import lora
+from arpo_jax.models.lora import base_state, config_with
 from arpo_jax.models.transformer import LORA_TARGETS, CausalLM, Config, LoRAParam
-from arpo_jax.update import accumulate, lora
-from arpo_jax.update.lora import base_state, config_with, with_adapters
 from arpo_jax.weights import hf
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -34,26 +35,6 @@ TRAINED_FIELDS = ("data.system_prompt", "data.max_prompt_length", "data.max_resp
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 _HF_NAMES = {"lora_a": "lora_A", "lora_b": "lora_B"}
-
-
-def from_config(model: CausalLM, lora_cfg, *, seed: int = 0, mesh: Mesh | None = None) -> CausalLM:
-    """The policy for `config.model.lora`: `model` itself when rank is 0 or when it already holds these adapters
-    (restored from a LoRA checkpoint), else `model` with the PEFT folder `lora_cfg.adapter` or fresh adapters."""
-    if not lora_cfg.rank:
-        return model
-    want = config_with(model.config, lora_cfg.rank, lora_cfg.alpha, lora_cfg.targets)
-    if lora_cfg.adapter:
-        model = load_peft(model, os.path.expandvars(lora_cfg.adapter), mesh=mesh)
-        if want != model.config:
-            raise ValueError(f"model.lora.adapter={lora_cfg.adapter!r} holds rank {model.config.lora_rank}, alpha "
-                             f"{model.config.lora_alpha}, targets {model.config.lora_targets}: set model.lora to match")
-        return model
-    if model.config.lora_rank:
-        if want != model.config:
-            raise ValueError(f"the starting checkpoint's adapters (rank {model.config.lora_rank}, alpha "
-                             f"{model.config.lora_alpha}, {model.config.lora_targets}) differ from model.lora")
-        return model
-    return with_adapters(model, lora_cfg.rank, lora_cfg.alpha, lora_cfg.targets, seed=seed, mesh=mesh)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -85,11 +66,11 @@ def base_fingerprint(params: dict, cfg: Config) -> str:
     return h.hexdigest()[:32]
 
 
-def base_pointer(cfg, folder, params: dict, model_cfg: Config) -> dict:
-    """Where a LoRA run's base comes from (`model.init_checkpoint`'s newest step, else the HF folder `folder` that
-    `model.path` resolved to) and its hash."""
-    return {"model_path": str(cfg.model.path), "folder": str(folder),
-            "init_checkpoint": os.path.expandvars(str(cfg.model.init_checkpoint or "")),
+def base_pointer(model_path: str, init_checkpoint: str, folder, params: dict, model_cfg: Config) -> dict:
+    """Where a LoRA run's base comes from (`init_checkpoint`'s newest step, else the HF folder `folder` that
+    `model_path` resolved to: the config's `model.path` and `model.init_checkpoint`) and its hash."""
+    return {"model_path": str(model_path), "folder": str(folder),
+            "init_checkpoint": os.path.expandvars(str(init_checkpoint or "")),
             "hash": base_fingerprint(params, model_cfg)}
 
 
@@ -98,7 +79,7 @@ def adapters_only(tree, cfg: Config):
 
     if hasattr(tree, "params"):
         return tree._replace(params=adapters_only(tree.params, cfg))
-    return accumulate.partition(tree, lora.trainable_paths(cfg))[0]
+    return lora.partition(tree, lora.trainable_paths(cfg))[0]
 
 
 def with_base(state, base: dict, pointer: dict, cfg: Config, shardings=None):
@@ -111,7 +92,7 @@ def with_base(state, base: dict, pointer: dict, cfg: Config, shardings=None):
         raise ValueError(f"the LoRA checkpoint's base (model.path={pointer['model_path']!r}, init_checkpoint="
                          f"{pointer['init_checkpoint']!r}) has hash {pointer['hash']}, the loaded base {got}: the "
                          "base weights changed since the checkpoint was written; restore them or start a new run")
-    params = accumulate.combine(state.params, lora.base_params(base, cfg))
+    params = lora.combine(state.params, lora.base_params(base, cfg))
     copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=None if shardings is None else shardings.params)
     return state._replace(params=copy(params))
 
@@ -125,11 +106,13 @@ class CheckpointView:
         self.model_cfg, self.pointer, self.base = model_cfg, pointer, base
 
     @classmethod
-    def for_run(cls, cfg, folder, params: dict, model_cfg: Config) -> CheckpointView:
-        """The view for the policy `params` loaded from `folder` (a LoRA run when `model_cfg` has adapters)."""
+    def for_run(cls, model_path: str, init_checkpoint: str, folder, params: dict, model_cfg: Config
+                ) -> CheckpointView:
+        """The view for the policy `params` loaded from `folder` (a LoRA run when `model_cfg` has adapters; the
+        other arguments: `base_pointer`'s)."""
         if not model_cfg.lora_rank:
             return cls(model_cfg)
-        return cls(model_cfg, base_pointer(cfg, folder, params, model_cfg), params)
+        return cls(model_cfg, base_pointer(model_path, init_checkpoint, folder, params, model_cfg), params)
 
     def saved(self, state, meta: dict) -> tuple:
         """(what a checkpoint stores of `state`, its metadata `meta` with the base's pointer)."""

@@ -250,9 +250,9 @@ def loop_config(folder: Path, workdir: Path, trajectories: int, *, tiny: bool, l
 def loop_case(trajectories: int, args, *, lora: bool) -> dict:
     import jax
 
+    from arpo_jax.assemble import policy
     from arpo_jax.train import trainer as trainer_lib
     from arpo_jax.train import warmup
-    from arpo_jax.weights import policy
     from benchmarks import trace_summary
 
     tiny = args.tiny

@@ -33,10 +33,10 @@ def main() -> None:
     args = ap.parse_args()
 
     from arpo_jax import sharding
+    from arpo_jax.assemble import policy as runtime
+    from arpo_jax.assemble.components import make_sampler
     from arpo_jax.config import args as args_lib
     from arpo_jax.rollout.sampler import SampleRequest, SamplingSettings
-    from arpo_jax.train.components import make_sampler
-    from arpo_jax.weights import policy as runtime
 
     cfg = args_lib.load_config(["--config=builtin:toy_cpu"])
     mesh = sharding.make_mesh((1, -1, 1))

@@ -86,12 +86,12 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     import arpo_jax
+    from arpo_jax.assemble import components
     from arpo_jax.config import args as config_args
     from arpo_jax.data import prompts, toy
     from arpo_jax.rollout.agent_loop import RolloutConfig, rollout
     from arpo_jax.rollout.jax_sampler import JaxSampler
     from arpo_jax.rollout.sampler import SamplingSettings
-    from arpo_jax.train import components
     from arpo_jax.weights import named_models
 
     folder = named_models.model_folder(args.model)

@@ -98,7 +98,7 @@ def memory(args) -> dict:
     shardings = jit.state_shardings(opt, jit.param_shardings(cfg, mesh), abstract, mesh)
     state = jit.init_train_state(params, opt, shardings)
     del params
-    batch_sh = jax.sharding.NamedSharding(mesh, jit.batch_spec(mesh, cfg.sharding_rules))
+    batch_sh = jax.sharding.NamedSharding(mesh, sharding.batch_spec(mesh, cfg.sharding_rules))
     batch = {k: jax.device_put(v, batch_sh) for k, v in _batch(cfg, args.micro, args.rows, args.seq).items()}
     step = ts.jit_train_step(graphdef, cfg, update_cfg, opt, mesh, shardings)
     t = time.perf_counter()

@@ -1,7 +1,7 @@
 """The Python tool under concurrent load, through the entry point the rollout uses (issue 69, part 5).
 
 The streaming rollout (`arpo_jax/rollout/tool_calls.py`, `ToolRunner`) runs every tool call on a pool thread of its
-own with `executor.run_batch([(tag, content)])`, over the executor `train/components.make_tool_executor` builds
+own with `executor.run_batch([(tag, content)])`, over the executor `assemble/components.make_tool_executor` builds
 (`make_executor({"python": {...}}, ...)`). This benchmark does exactly that: C client threads, each calling
 `run_batch([("python", program)])` in a loop, for C = 1, 16 and 128 (the executor's `max_workers` is raised to C
 so that C calls really run at once).

@@ -3,7 +3,7 @@
 One optimizer step = forward, backward and AdamW over ``--micro`` micro-batches of ``--batch`` sequences of ``--seq``
 tokens (PPO-clip, token-mean), on ``--model`` (default the real SmolLM2-135M-Instruct), first with every param
 trained (full), then with rank-``--rank`` adapters on all seven projections and the base frozen (LoRA,
-``lora.freeze_base``). Memory is read from the compiled programs (XLA's own accounting, not a noisy RSS):
+``lora_update.freeze_base``). Memory is read from the compiled programs (XLA's own accounting, not a noisy RSS):
 the training state (params + optimizer moments) and the step's temporaries (gradient accumulators, activations).
 Also timed: the weight-sync export (``hf.save_pretrained``: full weights; LoRA merged) against writing the adapters
 alone (``lora_io.save_peft``), with their sizes on disk; and, with vLLM installed, the trainer's real weight sync
@@ -35,8 +35,9 @@ import numpy as np
 
 import arpo_jax
 from arpo_jax.experience import packing
-from arpo_jax.models import transformer
-from arpo_jax.update import accumulate, jit, lora
+from arpo_jax.models import lora, transformer
+from arpo_jax.update import accumulate, jit
+from arpo_jax.update import lora as lora_update
 from arpo_jax.update import train_step as ts
 from arpo_jax.weights import hf, lora_io, named_models
 
@@ -61,14 +62,14 @@ def measure(model, args, batch) -> dict:
     """Step time (best of --steps after a warm-up) and memory of one model's update."""
     graphdef, params = jit.split_model(model)
     cfg = ts.UpdateConfig(lr=1e-5)
-    opt = lora.freeze_base(ts.make_optimizer(cfg, 100), model.config)
+    opt = lora_update.freeze_base(ts.make_optimizer(cfg, 100), model.config)
     state = jit.init_train_state(params, opt)
     step = ts.jit_train_step(graphdef, model.config, cfg, opt)
     mem = step.lower(state, batch).compile().memory_analysis()
     out = {"params_mb": _tree_bytes(state.params) / 2**20, "opt_state_mb": _tree_bytes(state.opt_state) / 2**20,
            "temp_mb": mem.temp_size_in_bytes / 2**20,
            "trainable_params": sum(x.size for x in jax.tree.leaves(
-               accumulate.partition(state.params, accumulate.trainable_of(opt))[0]))}
+               lora.partition(state.params, accumulate.trainable_of(opt))[0]))}
     t0 = time.perf_counter()
     state, metrics = step(state, batch)
     jax.block_until_ready(metrics)

@@ -31,14 +31,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import jax
 import numpy as np
 
-from arpo_jax import distributed
+from arpo_jax import distributed, sharding
+from arpo_jax.assemble import components
+from arpo_jax.assemble import policy as runtime
 from arpo_jax.config import args as args_lib
 from arpo_jax.experience import packing
-from arpo_jax.train import components
 from arpo_jax.update import jit
 from arpo_jax.update import train_step as ts
 from arpo_jax.weights import named_models, pretrained
-from arpo_jax.weights import policy as runtime
 
 PROMPT, RESPONSE, ROW, PER_ROW = 105, 130, 768, 3
 
@@ -80,14 +80,14 @@ def main() -> None:
     variants = [[s for s in v if s != "+trim"] for v in names]
     trims = ["+trim" in v for v in names]
     base = load_config(args.model, [])
-    mesh = distributed.make_mesh(base)
+    mesh = components.make_mesh(base)
     model = pretrained.from_pretrained(named_models.model_folder(args.model), mesh=mesh, scan_layers=not args.no_scan,
                                **runtime.runtime_options(base))
     vocab = model.config.vocab_size
     graphdef, params = jit.split_model(model)
     p_sh = jit.param_shardings(model.config, mesh)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    batch_sh = jax.sharding.NamedSharding(mesh, jit.batch_spec(mesh, base.mesh.rules))
+    batch_sh = jax.sharding.NamedSharding(mesh, sharding.batch_spec(mesh, base.mesh.rules))
     batches = {m: jax.device_put(demo_batch(m, vocab), batch_sh) for m in (1, args.micro)}
     steps, state = [], None
     for overrides in variants:

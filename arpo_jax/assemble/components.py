@@ -20,18 +20,23 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from arpo_jax import device_memory, distributed, knobs, sharding
+from arpo_jax import distributed, knobs, sharding
 from arpo_jax.data import toy
 from arpo_jax.data.prompts import REFERENCE_DATA_SYSTEM_PROMPT, SYSTEM_PROMPT, SYSTEM_PROMPTS
 from arpo_jax.experience.packing import PackConfig
 from arpo_jax.experience.reward import ShapingConfig
+from arpo_jax.models import lora
 from arpo_jax.rollout.agent_loop import RolloutConfig
 from arpo_jax.rollout.jax_decode import decode_weights
 from arpo_jax.rollout.sampler import CUDA_GRAPHS, ENGINES, Sampler, SamplingSettings
 from arpo_jax.tools import ToolExecutor, make_executor
-from arpo_jax.train import skeleton
-from arpo_jax.update import jit, lora
+from arpo_jax.update import jit, machinery
 from arpo_jax.update import train_step as ts
+
+
+def make_mesh(cfg, devices=None) -> Mesh:
+    """The config's ('data', 'fsdp', 'tensor') mesh over `devices` (default: every device of every process)."""
+    return sharding.make_mesh(tuple(cfg.mesh.shape), devices)
 
 
 def rollout_config(cfg) -> RolloutConfig:
@@ -70,19 +75,16 @@ def make_tool_executor(cfg) -> ToolExecutor:
     return make_executor(tools, max_workers=t.max_workers, timeout_s=t.timeout_s, retry_count=t.retry_count)
 
 
-def check_engine_cache(sampler) -> None:
-    """Refuses, before a JAX engine allocates it (at its warm-up or first call), a KV cache larger than the free
-    memory (`device_memory`): one line with the sizes and the settings to change, not the OOM killer."""
-    import jax
-
-    init, args = sampler.programs()["init"]
-    devices = list(sampler.mesh.devices.flat) if sampler.mesh is not None else jax.local_devices()[:1]
-    total, cpu = device_memory.tree_bytes(jax.eval_shape(init, *args)), devices[0].platform == "cpu"
-    device_memory.require_fits(  # CPU devices share the host's memory
-        total if cpu else -(-total // len(devices)), device_memory.available_bytes(devices[0]),
-        f"the JAX engine's KV cache ({sampler.shape.slots} rows x {sampler.shape.cache_len} tokens)", "give it fewer "
-        "rows (rollout.jax.slots; `arpo-jax eval`: --batch-size x --k), shorter contexts (data.max_prompt_length + "
-        "data.max_response_length) or a cap (rollout.jax.max_tokens_per_call)")
+def engine_kwargs(cfg, processes: int) -> dict:
+    """`JaxSampler`'s settings from an experiment config (`rollout.jax`, `rollout.entropy_top_k`), `processes` the
+    run's process count: `slots` = 0 means one rollout worker's trajectories (its prompts x rollout.n)."""
+    j = cfg.rollout.jax
+    workers = cfg.rollout.workers or processes
+    slots = j.slots or max(1, cfg.data.train_batch_size // workers) * cfg.rollout.n
+    return dict(slots=slots, decode_chunk=j.decode_chunk, prefill_chunk=j.prefill_chunk,
+                max_tokens_per_call=j.max_tokens_per_call, layout=j.layout,
+                max_logprobs=max(20, cfg.rollout.entropy_top_k), decode_rows=j.decode_rows,
+                decode_lengths=j.decode_lengths, kv_dtype=j.kv_dtype)
 
 
 def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=None,
@@ -110,13 +112,13 @@ def make_sampler(cfg, tokenizer, *, engine: str | None = None, model=None, mesh=
     if engine == "jax":
         import jax
 
-        from arpo_jax.rollout.jax_sampler import JaxSampler, engine_kwargs
+        from arpo_jax.rollout.jax_sampler import JaxSampler, check_cache_fits
 
         sampler = JaxSampler(model, tokenizer, max_len=max_len, mesh=mesh, **engine_kwargs(cfg, jax.process_count()))
-        check_engine_cache(sampler)
+        check_cache_fits(sampler)
         return sampler
     if engine == "vllm":
-        from arpo_jax.rollout import placement
+        from arpo_jax.assemble import placement
         from arpo_jax.rollout.vllm_sampler import VllmSampler, engine_devices
 
         v = cfg.rollout.vllm
@@ -217,7 +219,7 @@ def initial_sync(cfg, step: int) -> bool:
     return step > 0 or bool(cfg.model.init_checkpoint) or bool(cfg.model.lora.rank and cfg.model.lora.adapter)
 
 
-def make_rollout_sampler(cfg, tokenizer, model_folder: Path, workdir: Path, policy: skeleton.Policy, params, *,
+def make_rollout_sampler(cfg, tokenizer, model_folder: Path, workdir: Path, policy: machinery.Policy, params, *,
                          sync: bool):
     """The rollout engine (`rollout.engine`) with the policy's current params (`sync`: tell vLLM, which loaded
     `model_folder`, about params that differ from it: a resumed run or `model.init_checkpoint`)."""
@@ -243,7 +245,7 @@ def make_rollout_sampler(cfg, tokenizer, model_folder: Path, workdir: Path, poli
     return sampler
 
 
-def sync_weights(sampler, cfg, policy: skeleton.Policy, params) -> float:
+def sync_weights(sampler, cfg, policy: machinery.Policy, params) -> float:
     """The weight-sync phase: the sampler gets `params` (the JAX sampler a copy of its own, vLLM the model to
     export). Returns the seconds it took."""
     if cfg.rollout.engine == "jax":
@@ -251,13 +253,13 @@ def sync_weights(sampler, cfg, policy: skeleton.Policy, params) -> float:
     return sampler.update_weights(nnx.merge(policy.graphdef, params))
 
 
-def sampler_graphdef(policy: skeleton.Policy):
+def sampler_graphdef(policy: machinery.Policy):
     """The graph of the JAX sampler's model: the policy's, or with LoRA its base's (the sampler gets the merged
     weights, `sampler_params`)."""
     return lora.base_graphdef(policy.model_cfg) if policy.model_cfg.lora_rank else policy.graphdef
 
 
-def sampler_params(params, policy: skeleton.Policy):
+def sampler_params(params, policy: machinery.Policy):
     """A copy of the policy's params for the JAX sampler (the train step donates its own) in the compute dtype
     (`jax_sampler.decode_weights`: cast before any gather), on local devices: with several processes every one gets
     the whole model (it samples alone). With LoRA the adapters merged into their weights (`lora.jit_engine_weights`:

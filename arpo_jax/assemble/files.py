@@ -1,4 +1,4 @@
-"""The file checks of ``arpo_jax.config.validate``: the model, data, corpus, cache and interpreters a command needs
+"""The file checks of ``arpo_jax.assemble.validate``: the model, data, corpus, cache and interpreters a command needs
 exist (and the model's context holds P + R), so a wrong path fails at launch, named by its field."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 from arpo_jax.config.args import BUILTIN
 from arpo_jax.weights import named_models
 
-# `ck` below is config.validate's checker: `get(path)` (None when missing or already reported), `add(path, problem,
+# `ck` below is assemble.validate's checker: `get(path)` (None when missing or already reported), `add(path, problem,
 # allowed)` and `bad` (the reported paths).
 
 
@@ -48,7 +48,7 @@ def _check_file_list(ck, path: str) -> None:
 def _check_model_files(ck, command: str) -> None:
     model = ck.get("model.path")
     if command in ("train", "eval") and not ck.get("model.init_checkpoint"):
-        from arpo_jax.weights import policy as policy_lib  # the builtin tiny model's shape lives there
+        from arpo_jax.assemble import policy as policy_lib  # the builtin tiny model's shape lives there
 
         if model == policy_lib.BUILTIN_TINY:
             check_positions(ck, policy_lib.TINY_MAX_POSITIONS)

@@ -4,7 +4,7 @@ what they mean. Experiment files import ``get_config`` from here and override wh
 Conventions: an empty string or 0 means "unset / automatic" where a comment says so (ml_collections overrides
 from the command line need typed fields, so there are no ``None`` defaults). Paths may be relative to the
 current directory; ``${ARPO_DATA}``-style environment references are expanded when the config is validated.
-Validation (types, ranges, cross-field rules, files) is ``arpo_jax.config.validate``.
+Validation (types, ranges, cross-field rules, files) is ``arpo_jax.assemble.validate``.
 """
 
 from ml_collections import ConfigDict
@@ -156,7 +156,7 @@ def get_config() -> ConfigDict:
     # tensor-parallel group of the host's GPUs; 1 on CPU
     c.rollout.vllm.engines = 0
     c.rollout.vllm.tensor_parallel_size = 1  # GPUs per engine (vLLM tensor parallelism)
-    # Where the engines run (rollout/placement.py): "colocated" = on the trainer's GPUs, taking gpu_memory_utilization
+    # Where the engines run (assemble/placement.py): "colocated" = on the trainer's GPUs, taking gpu_memory_utilization
     # of each for the whole run; "split" = the last `engine_gpus` GPUs of each host are the engines' alone (JAX never
     # opens them) and the trainer's mesh spans the rest with their whole memory: a model whose update does not fit
     # beside a resident engine (14B on 80 GB GPUs); with rollout.max_staleness >= 1 generation and update overlap.

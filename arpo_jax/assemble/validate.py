@@ -1,7 +1,7 @@
 """Validating experiment configs (``configs/*.py``, ml_collections).
 
 ``load_config(["--config=builtin:toy_cpu", "--config.rollout.n=16"])`` (``arpo_jax.config.args``) parses the command
-line. ``validate(cfg)`` checks every field against the schema in ``configs/base.py`` (types), the rules of
+line. ``validate(cfg)`` checks every field against the schema in ``config/schema.py`` (types), the rules of
 the components that use them (each ``knobs.knob`` field of their settings dataclasses: allowed values, ranges), the
 rules of the fields read directly (below), cross-field rules and the files a command needs, and raises one
 ``ConfigError`` listing every problem as ``field.path: problem (allowed: ...)``, so a bad launch fails in a second
@@ -22,7 +22,7 @@ from typing import Any
 from ml_collections import ConfigDict
 
 from arpo_jax import knobs
-from arpo_jax.config import files as config_files
+from arpo_jax.assemble import files as config_files
 from arpo_jax.config.args import (
     BUILTIN,
 )
@@ -70,24 +70,23 @@ def _leaves(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 @functools.cache
 def _schema() -> dict[str, Any] | None:
-    """Flat defaults of configs/base.py: the schema (field set and types)."""
-    from arpo_jax.configs import base
+    """Flat defaults of config/schema.py: the schema (field set and types)."""
+    from arpo_jax.config import schema
 
-    return _leaves(base.get_config().to_dict())
+    return _leaves(schema.get_config().to_dict())
 
 
 @functools.cache
 def _components() -> tuple[type, ...]:
     """The settings dataclasses built from the config (``knobs.from_config``): their knob fields' rules are checked
     here by config field (imported lazily: they pull JAX)."""
-    from arpo_jax.experience import packing, reward
+    from arpo_jax.experience import collection, packing, reward
     from arpo_jax.rollout import agent_loop, sampler
-    from arpo_jax.train import schedule
     from arpo_jax.update import train_step
     from arpo_jax.update import value as critic
 
     return (train_step.UpdateConfig, agent_loop.RolloutConfig, sampler.SamplingSettings, critic.CriticConfig,
-            packing.PackConfig, reward.ShapingConfig, schedule.ScheduleConfig)
+            packing.PackConfig, reward.ShapingConfig, collection.ScheduleConfig)
 
 
 @functools.cache
@@ -102,9 +101,11 @@ def _allowed() -> dict[str, tuple]:
 def _direct_enums() -> dict[str, tuple]:
     """Enum fields read directly (not through a knob), with the allowed values of the modules that consume them."""
     from arpo_jax import rewards, sharding, tools
+    from arpo_jax.assemble import placement
     from arpo_jax.data import prompts, rl_dataset
+    from arpo_jax.experience import advantages
     from arpo_jax.models import transformer
-    from arpo_jax.rollout import jax_decode, placement, sampler
+    from arpo_jax.rollout import jax_decode, sampler
     from arpo_jax.update import algos, train_step
 
     return {
@@ -128,7 +129,7 @@ def _direct_enums() -> dict[str, tuple]:
         "rollout.jax.kv_dtype": jax_decode.KV_DTYPES,
         "tools.search.backend": tuple(tools.SEARCH_BACKENDS),
         "reward.name": (*rewards.REWARDS, "auto"),
-        "algorithm.adv_estimator": (*algos.ADVANTAGE_ESTIMATORS, "gae"),  # gae: PPO with a critic
+        "algorithm.adv_estimator": (*advantages.ADVANTAGE_ESTIMATORS, "gae"),  # gae: PPO with a critic
         "actor.rollout_correction.mode": ("auto", *algos.ROLLOUT_CORRECTION_MODES),  # auto: components
         "sft.schedule": train_step.SCHEDULES,
     }
@@ -204,9 +205,9 @@ def _check_types(ck: _Checker, schema: dict[str, Any]) -> None:
     for path in sorted(set(ck.flat) - set(schema)):
         section = path.rpartition(".")[0]
         siblings = sorted(p.removeprefix(section + ".") for p in schema if p.rpartition(".")[0] == section)
-        ck.add(path, "unknown field (not defined in configs/base.py; a typo?)", ", ".join(siblings) or None)
+        ck.add(path, "unknown field (not defined in config/schema.py; a typo?)", ", ".join(siblings) or None)
     for path in sorted(set(schema) - set(ck.flat)):
-        ck.add(path, "missing (configs/base.py defines it)", f"any {_type_name(schema[path])}")
+        ck.add(path, "missing (config/schema.py defines it)", f"any {_type_name(schema[path])}")
     for path, default in schema.items():
         if path in ck.flat and path not in ck.bad:
             ck.flat[path] = _check_leaf_type(ck, path, ck.flat[path], default)
@@ -541,7 +542,7 @@ def validate(cfg: ConfigDict, *, device_count: int | None = None, process_count:
     """Checks the whole config and returns a normalised, locked copy; raises one ConfigError listing every problem.
 
     Args:
-      cfg: the experiment config (from `load_config`, or any ConfigDict / dict with the base.py fields).
+      cfg: the experiment config (from `load_config`, or any ConfigDict / dict with the schema's fields).
       device_count: when given, mesh.shape must fit exactly that many devices (-1 filling the rest).
       process_count: when given, batches must split evenly over that many processes.
       check_files: expand `${VAR}` (an unset variable is then an error) and check that the files and folders

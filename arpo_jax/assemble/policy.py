@@ -20,7 +20,8 @@ from jax.sharding import Mesh
 
 from arpo_jax.distributed import barrier, is_main_process
 from arpo_jax.models import CausalLM
-from arpo_jax.weights import hf, named_models, pretrained
+from arpo_jax.models.lora import config_with, with_adapters
+from arpo_jax.weights import hf, lora_io, named_models, pretrained
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +55,9 @@ def runtime_options(cfg) -> dict:
 
 def load_policy(cfg, workdir: str | os.PathLike, mesh: Mesh) -> tuple[CausalLM, object, Path]:
     """(model sharded over `mesh`, tokenizer, its HF folder) for the config's starting point; with `model.lora`
-    its adapters attached (`lora_io.from_config`)."""
-    from arpo_jax.weights import lora_io
-
+    its adapters attached (`with_lora`)."""
     model, tokenizer, folder = _load_base_policy(cfg, workdir, mesh)
-    return lora_io.from_config(model, cfg.model.lora, seed=cfg.seed, mesh=mesh), tokenizer, folder
+    return with_lora(model, cfg.model.lora, seed=cfg.seed, mesh=mesh), tokenizer, folder
 
 
 def _load_base_policy(cfg, workdir: str | os.PathLike, mesh: Mesh) -> tuple[CausalLM, object, Path]:
@@ -110,3 +109,23 @@ def build_tiny_model(dest: str | os.PathLike, *, seed: int = 0, vocab_size: int 
                  max_position_embeddings=TINY_MAX_POSITIONS, eos_token_id=tokenizer.eos_token_id,
                  pad_token_id=tokenizer.pad_token_id)
     return hf.save_pretrained(CausalLM(cfg, rngs=nnx.Rngs(seed)), dest, tokenizer=tokenizer)
+
+
+def with_lora(model: CausalLM, lora_cfg, *, seed: int = 0, mesh: Mesh | None = None) -> CausalLM:
+    """The policy for `config.model.lora`: `model` itself when rank is 0 or when it already holds these adapters
+    (restored from a LoRA checkpoint), else `model` with the PEFT folder `lora_cfg.adapter` or fresh adapters."""
+    if not lora_cfg.rank:
+        return model
+    want = config_with(model.config, lora_cfg.rank, lora_cfg.alpha, lora_cfg.targets)
+    if lora_cfg.adapter:
+        model = lora_io.load_peft(model, os.path.expandvars(lora_cfg.adapter), mesh=mesh)
+        if want != model.config:
+            raise ValueError(f"model.lora.adapter={lora_cfg.adapter!r} holds rank {model.config.lora_rank}, alpha "
+                             f"{model.config.lora_alpha}, targets {model.config.lora_targets}: set model.lora to match")
+        return model
+    if model.config.lora_rank:
+        if want != model.config:
+            raise ValueError(f"the starting checkpoint's adapters (rank {model.config.lora_rank}, alpha "
+                             f"{model.config.lora_alpha}, {model.config.lora_targets}) differ from model.lora")
+        return model
+    return with_adapters(model, lora_cfg.rank, lora_cfg.alpha, lora_cfg.targets, seed=seed, mesh=mesh)
