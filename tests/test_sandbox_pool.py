@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from arpo_jax.tools import make_tool
+from arpo_jax.tools import make_tool, python_sandbox
 from arpo_jax.tools.python_sandbox import PythonSandbox, PythonSandboxConfig, PythonTool
 
 AS_ROOT = os.geteuid() == 0
@@ -69,17 +69,7 @@ def running(pid: int) -> bool:
 
 
 def sandbox_uid_processes(t: PythonTool) -> list[int]:
-    base = t.config.uid_base + (os.getpid() % 1000) * 1000
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
-        except (OSError, StopIteration):
-            continue
-        if base <= uid < base + 1000:
-            found.append(int(pid))
-    return found
+    return python_sandbox.sandbox_pids(t.config.uid_base)
 
 
 @pytest.mark.parametrize("pool", [True, False], ids=["zygote", "cold"])

@@ -143,11 +143,31 @@ _PROBED: dict[tuple, tuple[str, str] | None] = {}
 _PROBE_LOCK = threading.Lock()
 
 
+def process_uid_range(uid_base: int) -> range:
+    """The private uids this process's sandboxes run under (`_UidSlots` hands them out)."""
+    start = uid_base + (os.getpid() % 1000) * 1000
+    return range(start, start + 1000)
+
+
+def sandbox_pids(uid_base: int) -> list[int]:
+    """The processes running under this process's sandbox uids (none once every sandbox is gone)."""
+    uids, found = process_uid_range(uid_base), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
+        except (OSError, StopIteration):
+            continue
+        if uid in uids:
+            found.append(int(pid))
+    return found
+
+
 class _UidSlots:
     """Hands out private uids so concurrent calls never share RLIMIT_NPROC accounting or files."""
 
     def __init__(self, base: int):
-        self._base = base + (os.getpid() % 1000) * 1000
+        self._base = process_uid_range(base).start
         self._free: list[int] = []
         self._next = 0
         self._lock = threading.Lock()

@@ -43,7 +43,7 @@ import time
 
 import numpy as np
 
-from arpo_jax.tools import make_executor
+from arpo_jax.tools import make_executor, python_sandbox
 
 TOOL_TIMEOUT_S = 10.0  # the sandbox kills a program after this; a call out longer than this + 5 s is hung
 HUNG_AFTER_S = TOOL_TIMEOUT_S + 5.0
@@ -140,17 +140,8 @@ def drive(ex, concurrency: int, calls_per_thread: int, stamped: bool = False, co
 
 
 def sandbox_processes() -> int:
-    """Processes under this process's sandbox uids (PythonSandboxConfig.uid_base = 100000) or left children."""
-    base = 100000 + (os.getpid() % 1000) * 1000
-    n = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
-        except (OSError, StopIteration):
-            continue
-        n += base <= uid < base + 1000
-    return n
+    """Processes under this process's sandbox uids (PythonSandboxConfig.uid_base) or left children."""
+    return len(python_sandbox.sandbox_pids(python_sandbox.PythonSandboxConfig().uid_base))
 
 
 def level(concurrency: int, calls_per_thread: int, ready: int | None) -> dict:
