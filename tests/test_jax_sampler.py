@@ -160,6 +160,30 @@ def test_a_branch_forked_mid_decode_samples_as_a_fresh_prefill(tiny_hf_dir, toke
     assert results[2].token_ids != results[1].token_ids[:12]  # its own draws: another key
 
 
+def test_a_decode_call_returns_at_the_step_a_row_finishes(tiny_hf_dir, tokenizer):
+    """Calls of up to 16 steps: the one in which a 3-token request ends stops after its 3rd step, so the host sees
+    the finish at once (its row free for the next request) and the rollout's decode steps are the longest request's
+    tokens, not whole calls. The tokens are those of 4-step calls."""
+    path, _ = tiny_hf_dir("qwen2")
+    long, short = _sampler(path, tokenizer, decode_chunk=16), _sampler(path, tokenizer, decode_chunk=4)
+    a, b = _prompts([7, 9], seed=3)
+    reqs = [SampleRequest(a, 3), SampleRequest(b, 30)]
+    stream = long.stream(GREEDY)
+    for handle, req in enumerate(reqs):
+        stream.submit(req, handle)
+    results, steps_at = {}, {}
+    while stream.busy():
+        for e in stream.step():
+            if e.done:
+                results[e.handle] = e.result
+                steps_at[e.handle] = stream.stats["decode_steps"]
+    assert [results[h].finish_reason for h in (0, 1)] == ["length", "length"]
+    assert steps_at[0] == 3  # the first call stopped where the short request ended
+    assert stream.stats["decode_steps"] == 30 == steps_at[1]  # 3 + 16 + 11: no step past the last token
+    assert stream.stats["decode_calls"] == 4  # the 4th, dispatched before the 3rd was read, runs no step
+    _assert_same_results([results[0], results[1]], short.generate(reqs, GREEDY))
+
+
 def test_a_cached_prefix_that_does_not_match_falls_back_to_prefill(tiny_hf_dir, tokenizer):
     path, _ = tiny_hf_dir("qwen2")
     cached, fresh = _sampler(path, tokenizer), _sampler(path, tokenizer)

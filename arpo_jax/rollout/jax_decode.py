@@ -246,8 +246,9 @@ def _logprobs(logits, z, allowed, tok, *, n_logprobs: int, raw: bool) -> dict:
 
 def _decode(graphdef, params, ds: DecodeState, rows, admit, stop_host, limits, ctx_lens, seeds, eos_ids, stop_seqs,
             stop_on, allowed, knobs: Knobs, *, n_steps, n_logprobs, raw_logprobs, rules, kv_len=None):
-    """`n_steps` sampling steps of the rows `rows` [G] (None: every row; an index past the end: padding). Each:
-    logits from the row's hidden state -> sample -> feed the token. The per-row inputs are the G rows'.
+    """Up to `n_steps` sampling steps of the rows `rows` [G] (None: every row; an index past the end: padding),
+    returning after the step in which a row finishes (`steps`: how many ran). Each: logits from the row's hidden
+    state -> sample -> feed the token. The per-row inputs are the G rows'.
 
     `kv_len` (static; None: the whole cache): the steps run over a copy of the cache's first `kv_len` slots, taken
     at the call's start and written back at its end, so each step reads (and attends over) `kv_len` slots, not the
@@ -293,19 +294,31 @@ def _decode(graphdef, params, ds: DecodeState, rows, admit, stop_host, limits, c
         out = {"tok": tok, "sampled": active, "written": written, **lps}
         return (cache, h, active & ~done, ngen, recent), out
 
-    def run(carry):
-        return jax.lax.scan(step, carry, None, length=n_steps)
+    def go_on(state):
+        i, carry, _, finished = state
+        return (i < n_steps) & ~finished & carry[2].any()
+
+    def body(state):
+        i, carry, outs, _ = state
+        was_active = carry[2]
+        carry, out = step(carry, None)
+        outs = jax.tree.map(lambda buf, x: buf.at[i].set(x), outs, out)
+        return i + 1, carry, outs, (was_active & ~carry[2]).any()
 
     carry = (_window(ds.cache, kv_len), pick(ds.h), admit | (pick(ds.active) & ~stop_host),
              jnp.where(admit, 0, pick(ds.ngen)), jnp.where(admit[:, None], -1, pick(ds.recent, -1)))
-    idle = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run, carry)[1])
-    # A chunk with no active row (the host dispatches one chunk ahead of what it has read) costs nothing.
-    (cache, h, active, ngen, recent), outs = jax.lax.cond(carry[2].any(), run, lambda c: (c, idle), carry)
+    shapes = jax.eval_shape(step, carry, None)[1]
+    outs = jax.tree.map(lambda s: jnp.zeros((n_steps, *s.shape), s.dtype), shapes)  # a step not run samples nothing
+    # The call returns at the step a row finishes (or when no row is active: a call the host dispatched ahead of
+    # what it read may find none), so that the host sees the finish at once and the row's next request, or another
+    # waiting one, can enter at the next call instead of a whole chunk later.
+    start = (jnp.int32(0), carry, outs, jnp.bool_(False))
+    steps, (cache, h, active, ngen, recent), outs, _ = jax.lax.while_loop(go_on, body, start)
     outs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outs)  # [n, G, ...] -> [G, n, ...]
     put = (lambda full, x: x) if rows is None else (lambda full, x: full.at[rows].set(x, mode="drop"))  # noqa: E731
     ds = DecodeState(_unwindow(ds.cache, cache), put(ds.h, h), put(ds.active, active), put(ds.ngen, ngen),
                      put(ds.recent, recent))
-    return _constrain_state(ds, rules), outs | {"active": active}
+    return _constrain_state(ds, rules), outs | {"active": active, "steps": steps}
 
 
 def _window(cache: KVCache, n: int | None) -> KVCache:

@@ -296,10 +296,11 @@ class JaxStream:
         e, b = self.e, self.e.shape.slots
         g = next(n for n in e.shape.decode_rows if n >= len(self.live))
         # The fewest cache slots holding what every live row may hold by the call's end: its context plus the tokens
-        # it can have sampled by then (the host reads one call behind: it counts calls, not the tokens it has read).
+        # the host has read, and a full call's for each call not read yet that runs it (this one included).
         live = list(self.live)
-        need = np.max(self.row_ctx[live] + np.minimum(self.row_limit[live],
-                                                      (self.row_calls[live] + 1) * e.shape.decode_steps))
+        read = np.asarray([len(self.reqs[self.occ[row][0]].host.gen) for row in live])
+        unread = np.minimum(self.row_calls[live], len(self.inflight)) + 1
+        need = np.max(self.row_ctx[live] + np.minimum(self.row_limit[live], read + unread * e.shape.decode_steps))
         length = next(n for n in e.shape.lengths if n >= need)
         rows = None if g == b else np.asarray(sorted(self.live) + [b] * (g - len(self.live)), np.int32)
         sel = np.arange(b) if rows is None else np.minimum(rows, b - 1)  # (copies: the host edits its arrays)
@@ -312,16 +313,19 @@ class JaxStream:
         self.admit[delivered], self.stop[delivered] = False, False  # a stop for a row not in this call waits
         self.row_calls[live] += 1
         self.stats["decode_calls"] += 1
-        self.stats["decode_steps"] += e.shape.decode_steps
-        self.stats["row_steps"] += len(live) * e.shape.decode_steps  # rows live (sampling or about to) x steps
-        self.stats["computed_row_steps"] += g * e.shape.decode_steps  # the program's rows, live or idle
         self.stats["kv_slots_read"] += g * length  # per step of the call: rows x the slots each attends over
-        return outs, list(range(b)) if rows is None else [None if r == b else int(r) for r in rows], list(self.occ)
+        rows_out = list(range(b)) if rows is None else [None if r == b else int(r) for r in rows]
+        return outs, rows_out, list(self.occ), (len(live), g)
 
-    def _read(self, outs, rows: list[int | None], occ: list[int | None]) -> None:
+    def _read(self, outs, rows: list[int | None], occ: list[int | None], widths: tuple[int, int]) -> None:
         """A decode call's tokens (output k is row rows[k]): into each row's record and its request's result; a
-        request that ends frees its row (and stops it on the device, in case only the host saw its stop string)."""
+        request that ends frees its row (and stops it on the device, in case only the host saw its stop string).
+        `widths`: the rows live when the call was dispatched, and the rows its program computes."""
         outs = jax.device_get(outs)
+        steps = int(outs.pop("steps"))  # the call returns at the step a row finishes
+        self.stats["decode_steps"] += steps
+        self.stats["row_steps"] += widths[0] * steps  # rows live (sampling or about to) x steps
+        self.stats["computed_row_steps"] += widths[1] * steps  # the program's rows, live or idle
         for k, row in enumerate(rows):
             tag = None if row is None else occ[row]
             if tag is None or self.occ[row] != tag:  # padding, no request, or the row has a new one since

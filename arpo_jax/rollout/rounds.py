@@ -27,10 +27,10 @@ from arpo_jax.rollout.trajectory import SegmentRules, Trajectory
 
 PREMONITOR_SLOT_BASE = 1 << 30  # slot ids of AEPO's pre-monitoring requests (kept apart from the rollout's)
 # What an engine counts of its work, summed into the rollout's metrics (`EngineStream.stats`, `last_stats`): its
-# sequential decode steps, the rows live in them, the row-steps its programs computed (a JAX engine on CPU computes a
-# row bucket: `rollout.jax.decode_rows`), the tokens it sampled (those it discarded included) and the context tokens
-# it prefilled.
-ENGINE_COUNTS = ("decode_steps", "row_steps", "computed_row_steps", "sampled_tokens", "prefill_tokens")
+# sequential decode steps and the calls that ran them (the JAX engine's host reads; 0 for vLLM), the rows live in
+# them, the row-steps its programs computed (a JAX engine on CPU computes a row bucket: `rollout.jax.decode_rows`),
+# the tokens it sampled (those it discarded included) and the context tokens it prefilled.
+ENGINE_COUNTS = ("decode_steps", "decode_calls", "row_steps", "computed_row_steps", "sampled_tokens", "prefill_tokens")
 
 
 def branch_params(config: RolloutConfig) -> BranchParams:

@@ -262,7 +262,6 @@ def loop_case(trajectories: int, args, *, lora: bool) -> dict:
               random_model_folder(work / "model", "qwen2.5-0.5b"))
     tr = trainer_lib.Trainer(loop_config(folder, work, trajectories, tiny=tiny, lora=lora), work / "run")
     setup_s = time.perf_counter() - t0
-    steps_per_call = tr.sampler.shape.decode_steps
     try:
         t0 = time.perf_counter()
         watch = warmup.warm_up(tr)
@@ -273,9 +272,10 @@ def loop_case(trajectories: int, args, *, lora: bool) -> dict:
             with trace_summary.traced(trace_dir) if k == 1 else contextlib.nullcontext():
                 m = tr.train_step()
             # The engine's counts of the step's rollout (the tokens it sampled, branches' and discarded ones included;
-            # one host read, a device_get, per decode call of `steps_per_call` steps).
+            # one host read, a device_get, per decode call of at most `rollout.jax.decode_chunk` steps: a call
+            # returns when a row finishes).
             tokens, decode_steps = m["rollout/sampled_tokens"], m["rollout/decode_steps"]
-            calls = decode_steps / steps_per_call
+            calls = m["rollout/decode_calls"]
             steps.append({"tokens": tokens, "compiles": watch.take().get("perf/compiles", 0),
                           "decode_calls": calls, "decode_steps": decode_steps,
                           "critical_path_steps": m["rollout/critical_path_steps"],
