@@ -187,17 +187,19 @@ class ScriptedStream:
 
     def _admit(self) -> None:
         waiting = sorted((e[:2], h) for h, e in self.pending.items() if not e[4])
+        running = [(e[:2], h) for h, e in self.pending.items() if e[4]]
         for key, handle in waiting:
-            running = [(e[:2], h) for h, e in self.pending.items() if e[4]]
             if len(running) >= self.rows:
                 victim = max(running)
                 if victim[0][0] <= key[0]:
                     return
+                running.remove(victim)
                 entry = self.pending[victim[1]]
                 self.stats["discarded_tokens"] += entry[3]
                 self.stats["preempted"] += 1
                 entry[3], entry[4] = 0, False
             self.pending[handle][4] = True
+            running.append((key, handle))
 
     def close(self) -> None:
         self.pending = {}

@@ -242,11 +242,14 @@ class _Stream:
         """Each prompt's next fresh trajectories, up to the budget no committed or speculative one claims."""
         if not self.cfg.speculate:
             return
-        spec = [r for r in self.runs.values() if not r.committed and not r.cancelled]
+        spec: dict[int, list[_Run]] = {}  # prompt -> its speculative trajectories (one pass: many prompts at once)
+        for r in self.runs.values():
+            if not r.committed and not r.cancelled:
+                spec.setdefault(r.t.prompt, []).append(r)
         for rp in self.loop.replays:
             if rp.done:
                 continue
-            mine = [r for r in spec if r.t.prompt == rp.prompt]
+            mine = spec.get(rp.prompt, [])
             fresh = [r.fresh for r in mine if r.fresh >= 0]
             j = max(fresh, default=rp.fresh - 1) + 1
             for _ in range(self.params.n - rp.count - len(mine)):
