@@ -184,6 +184,24 @@ def test_a_decode_call_returns_at_the_step_a_row_finishes(tiny_hf_dir, tokenizer
     _assert_same_results([results[0], results[1]], short.generate(reqs, GREEDY))
 
 
+def test_a_request_without_a_row_does_not_hold_up_one_that_continues_in_its_own(tiny_hf_dir, tokenizer):
+    """Two rows, both held by trajectories between segments. A speculative branch (it takes only a row nobody
+    holds) waits; a speculative trajectory's next segment behind it in the queue still goes on in its own row."""
+    path, _ = tiny_hf_dir("qwen2")
+    stream = _sampler(path, tokenizer, slots=2, decode_chunk=4).stream(GREEDY)
+    a, b = _prompts([7, 9], seed=5)
+    stream.submit(SampleRequest(a, 3, slot_id=0), handle=0, priority=3)  # a speculative trajectory
+    stream.submit(SampleRequest(b, 3, slot_id=1), handle=1)  # a committed one
+    first = {}
+    while stream.busy():
+        first |= {e.handle: e.result for e in stream.step() if e.done}
+    stream.submit(SampleRequest(b + first[1].token_ids + [5, 6], 4, slot_id=2, parent_id=1), handle=2, priority=2)
+    stream.submit(SampleRequest(a + first[0].token_ids + [7, 8], 4, slot_id=0), handle=3, priority=3)
+    stream.step()
+    assert stream.reqs[2].row is None and stream.reqs[3].row == stream.e.table.lookup(0, set())
+    stream.close()
+
+
 def test_a_cached_prefix_that_does_not_match_falls_back_to_prefill(tiny_hf_dir, tokenizer):
     path, _ = tiny_hf_dir("qwen2")
     cached, fresh = _sampler(path, tokenizer), _sampler(path, tokenizer)

@@ -183,7 +183,7 @@ class JaxStream:
         """Waiting requests into rows, in priority order, while rows are free (or a more speculative request can
         give its row up): a request continues in its trajectory's row, or takes a free row, copying its parent's row
         there when that shares a prefix with it."""
-        t, plans, changed = self.e.table, [], set()
+        t, plans, changed, deferred = self.e.table, [], set(), []
         waiting = [r for _, h in self.waiting if (r := self.reqs.get(h)) is not None and r.row is None]
         protect = {x for r in waiting for x in (r.req.slot_id, r.req.parent_id) if x is not None}
         while self.waiting:
@@ -202,7 +202,10 @@ class JaxStream:
             if row is None:
                 victim = self._preemptable(r.priority) if r.priority == 0 else None  # (speculative work waits)
                 if victim is None:
-                    break
+                    # No row for it: it waits, and those behind it that continue in their own rows go on (a
+                    # speculative trajectory's next segment is not held up by a branch that waits for a row).
+                    deferred.append(heapq.heappop(self.waiting))
+                    continue
                 self._preempt(victim)
                 continue
             heapq.heappop(self.waiting)
@@ -212,6 +215,8 @@ class JaxStream:
                 changed.add(row)
             t.take(row, r.req.slot_id)
             plans.append((r, row, src, keep))
+        for entry in deferred:
+            heapq.heappush(self.waiting, entry)
         self._copy([(src, row) for _, row, src, keep in plans if src is not None and src != row and keep])
         for r, row, _, keep in plans:
             t.held[row] = r.ctx

@@ -76,6 +76,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=160)
     ap.add_argument("--response", type=int, default=256)
     ap.add_argument("--decode-chunk", type=int, default=16)
+    ap.add_argument("--slots", type=int, default=0, help="engine rows (0: prompts x n)")
+    ap.add_argument("--decode-rows", default="auto", help="rollout.jax.decode_rows: auto | all | quarters")
     ap.add_argument("--prefix", default="<think> I need to compute this. </think> <python> print(")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--algo", default="arpo", choices=("arpo", "grpo"))
@@ -106,7 +108,10 @@ def main() -> None:
     ]
     prompt_ids = [tok.encode(t, add_special_tokens=False) for t in texts]
     max_len = args.prompt_len + args.response
-    extra = {"slots": args.prompts * args.n} if "slots" in inspect.signature(JaxSampler).parameters else {}
+    params = inspect.signature(JaxSampler).parameters
+    extra = {"slots": args.slots or args.prompts * args.n} if "slots" in params else {}
+    if "decode_rows" in params:
+        extra["decode_rows"] = args.decode_rows
     engine = JaxSampler(
         arpo_jax.from_pretrained(folder, dtype=args.dtype),
         tok,
@@ -158,6 +163,9 @@ def main() -> None:
                     "rounds": int(m["rollout/rounds"]),
                     "decode_steps": int(m.get("rollout/decode_steps", 0)),
                     "critical_path_steps": int(m.get("rollout/critical_path_steps", 0)),
+                    "decode_calls": int(m.get("rollout/decode_calls", 0)),
+                    "computed_row_steps": int(m.get("rollout/computed_row_steps", 0)),
+                    "speculative_tokens_discarded": int(m.get("rollout/speculative_tokens_discarded", 0)),
                     "compiles": compiled() - before,
                 }
             )
