@@ -122,7 +122,7 @@ def get_config() -> ConfigDict:
     # requests runs them as rows free up (continuous batching; same samples: per-request seeds). 0 = one worker's
     # trajectories (data.train_batch_size / workers x rollout.n), rounded up to the mesh's batch devices.
     c.rollout.jax.slots = 0
-    c.rollout.jax.decode_chunk = 16  # sampling steps per decode call (the host reads one call behind the device)
+    c.rollout.jax.decode_chunk = 16  # most sampling steps per decode call (it returns when a row finishes)
     # Decode programs: "all" (one, over every row), "quarters" (also over 1/4 and 1/16 of the rows: a round's tail of a
     # few live rows costs a few rows' matmuls, which a CPU's compute-bound decode wants), "auto" = quarters on CPU,
     # all on accelerators (their decode reads the weights whatever the rows; each program is one more compile).

@@ -11,11 +11,12 @@ first call), so no call compiles anything whatever its batch, prompt lengths, to
 * continuous batching: a call may hold more requests than rows; a row whose request finishes takes the next
   waiting one (copy, prefill) while the other rows keep decoding;
 * prefill in chunks of a few fixed (rows, length) shapes, every chunk picking the rows it advances;
-* decode in calls of `decode_chunk` steps over every row (on CPU, over the live rows when 1/4 or 1/16 of the rows
-  hold them: `decode_rows`); EOS, each row's token limit and the stop strings' usual token sequences stop a row on
-  the device. The host dispatches decode call k + 1 before it reads call k, then reads k's tokens and checks the
-  stop strings on their incrementally decoded text (as vLLM does; authoritative: a stop string the device did not
-  see ends its row at most one call later, the extra tokens dropped).
+* decode in calls of up to `decode_chunk` steps over every row (on CPU, over the live rows when 1/4 or 1/16 of the
+  rows hold them: `decode_rows`), a call returning at the step a row finishes; EOS, each row's token limit and the
+  stop strings' usual token sequences stop a row on the device. The host dispatches decode call k + 1 before it
+  reads call k, then reads k's tokens and checks the stop strings on their incrementally decoded text (as vLLM does;
+  authoritative: a stop string the device did not see ends its row at most one call later, the extra tokens
+  dropped).
 
 Outputs depend on neither the number of rows nor the order of admission: each request's PRNG keys fold in its own
 seed (`sampler.request_seed`), context length and position; rows never mix.
@@ -111,7 +112,7 @@ class JaxSampler(Sampler):
       eos_ids: token ids that end generation; default: the tokenizer's EOS plus the model config's.
       slots: rows of the KV cache (the decode batch), rounded up to a multiple of the mesh's batch devices; a call
         with more requests runs them as rows free up.
-      decode_chunk: sampling steps per decode call.
+      decode_chunk: the most sampling steps per decode call (a call returns at the step a row finishes).
       prefill_chunk: tokens (rows x length) per prefill call, and the longest prefill length.
       logprobs_mode: "processed" (vLLM V0, the reference) or "raw" (see the module docstring).
       restrict_to_tokenizer: sample only ids the tokenizer knows (the reference's allowed_token_ids).
